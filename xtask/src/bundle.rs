@@ -1,0 +1,145 @@
+//! `cargo xtask gpu-bundle`: everything that must run on the GPU machine, built here in release.
+//!
+//! The GPU machine has no Rust toolchain, so tests, helper binaries, examples and benchmarks are
+//! gathered into `target/gpu-bundle` with `run.sh`, which runs them all and prints a pass/fail
+//! summary last. The folder is carried to the device (64 MiB limit), so its size is checked here.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cargo, cargo_command, workspace_root};
+
+/// The device tool carries at most 64 MiB, the working tree included.
+const SIZE_LIMIT: u64 = 48 << 20;
+
+/// Binaries that tests start as second processes, and benchmarks.
+const BINARIES: &[&str] = &["ipc-helper", "primitive-costs"];
+
+const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
+
+pub fn build() -> Result<()> {
+    let root = workspace_root();
+    let bundle = root.join("target/gpu-bundle");
+    if bundle.exists() {
+        std::fs::remove_dir_all(&bundle)?;
+    }
+    for dir in ["bin", "tests", "examples"] {
+        std::fs::create_dir_all(bundle.join(dir))?;
+    }
+
+    cargo(&["build", "--release", "--workspace", "--bins", "--examples"])?;
+    for name in BINARIES {
+        copy(
+            &root.join("target/release").join(name),
+            &bundle.join("bin").join(name),
+        )?;
+    }
+    for example in release_examples(&root)? {
+        let name = example.file_name().context("example without a name")?;
+        copy(&example, &bundle.join("examples").join(name))?;
+    }
+    for (name, executable) in release_test_executables()? {
+        copy(&executable, &bundle.join("tests").join(name))?;
+    }
+    let script = bundle.join("run.sh");
+    std::fs::write(&script, RUN_SCRIPT)?;
+    make_executable(&script)?;
+
+    let size = folder_size(&bundle)?;
+    println!(
+        "xtask gpu-bundle: {} ({:.1} MiB)",
+        bundle.display(),
+        size as f64 / (1 << 20) as f64
+    );
+    if size > SIZE_LIMIT {
+        bail!("the bundle is {size} bytes, over the {SIZE_LIMIT}-byte budget for the device carry");
+    }
+    Ok(())
+}
+
+/// Example executables: plain files without an extension or a `-hash` suffix.
+fn release_examples(root: &Path) -> Result<Vec<PathBuf>> {
+    let dir = root.join("target/release/examples");
+    let mut found = Vec::new();
+    if !dir.is_dir() {
+        return Ok(found);
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        if path.is_file() && !name.contains('.') && !name.contains('-') {
+            found.push(path);
+        }
+    }
+    Ok(found)
+}
+
+/// Builds the test targets in release and returns `(package-target, executable)` pairs.
+fn release_test_executables() -> Result<Vec<(String, PathBuf)>> {
+    let mut command = cargo_command(&[
+        "test",
+        "--release",
+        "--workspace",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ])?;
+    let output = command.stderr(Stdio::inherit()).output()?;
+    if !output.status.success() {
+        bail!("building release tests failed");
+    }
+    let mut found = Vec::new();
+    for line in output
+        .stdout
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+    {
+        let message: serde_json::Value = serde_json::from_slice(line)?;
+        let is_test = message["profile"]["test"].as_bool() == Some(true);
+        let (Some(executable), true) = (message["executable"].as_str(), is_test) else {
+            continue;
+        };
+        let package = message["package_id"].as_str().unwrap_or_default();
+        let package = package.rsplit('/').next().unwrap_or(package);
+        let package = package.split(['#', '@']).next().unwrap_or(package);
+        let target = message["target"]["name"].as_str().unwrap_or("test");
+        let kind = message["target"]["kind"][0].as_str().unwrap_or("test");
+        let name = if kind == "lib" {
+            format!("{package}-unit")
+        } else {
+            format!("{package}-{target}")
+        };
+        found.push((name, PathBuf::from(executable)));
+    }
+    Ok(found)
+}
+
+fn copy(from: &Path, to: &Path) -> Result<()> {
+    std::fs::copy(from, to).with_context(|| format!("copying {}", from.display()))?;
+    Ok(())
+}
+
+fn make_executable(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(())
+}
+
+fn folder_size(dir: &Path) -> Result<u64> {
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let meta = entry.metadata()?;
+        total += if meta.is_dir() {
+            folder_size(&entry.path())?
+        } else {
+            meta.len()
+        };
+    }
+    Ok(total)
+}

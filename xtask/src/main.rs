@@ -1,0 +1,92 @@
+//! `cargo xtask`: the project's automation, as ordinary Rust.
+//!
+//! Every command is safe to run on a fresh machine: `setup` installs what the others need.
+
+mod bundle;
+mod codegen;
+mod toolchain;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Project automation for the CUDA tensor IPC workspace")]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install the pinned CUDA compiler (from PyPI) and libclang (for codegen).
+    Setup,
+    /// Regenerate `cuda-sys/src/bindings.rs` from the pinned `cuda.h`.
+    Codegen {
+        /// Fail if the committed bindings differ from freshly generated ones.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Build every crate, test and example (debug).
+    Build,
+    /// Set up, then run everything that runs on this machine (the README's test command).
+    Test,
+    /// Build release GPU tests, examples and benchmarks into `target/gpu-bundle` with a run script.
+    GpuBundle,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Task::Setup => toolchain::setup(),
+        Task::Codegen { check } => codegen::run(check),
+        Task::Build => cargo(&["build", "--workspace", "--all-targets"]),
+        Task::Test => test(),
+        Task::GpuBundle => bundle::build(),
+    }
+}
+
+fn test() -> Result<()> {
+    toolchain::setup()?;
+    codegen::run(true)?;
+    cargo(&["test", "--workspace", "--all-targets"])?;
+    // Doc tests are not part of `--all-targets`.
+    cargo(&["test", "--workspace", "--doc"])
+}
+
+/// The workspace root (the parent of this crate's directory).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// Runs cargo in the workspace root with the project's nvcc on the environment.
+fn cargo(args: &[&str]) -> Result<()> {
+    let mut command = cargo_command(args)?;
+    run(&mut command)
+}
+
+fn cargo_command(args: &[&str]) -> Result<Command> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut command = Command::new(cargo);
+    command.args(args).current_dir(workspace_root());
+    if std::env::var_os("NVCC").is_none()
+        && let Some(nvcc) = toolchain::installed_nvcc()?
+    {
+        command.env("NVCC", nvcc);
+    }
+    Ok(command)
+}
+
+fn run(command: &mut Command) -> Result<()> {
+    let status = command
+        .status()
+        .with_context(|| format!("could not start {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed with {status}");
+    }
+    Ok(())
+}

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Runs every GPU test, example and benchmark of this bundle; prints a pass/fail summary last.
+# Full logs go to $OUT (the device tool's output folder) when set, else to ./logs.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+logs=${OUT:-$here/logs}
+mkdir -p "$logs"
+export IPC_TESTS_BIN_DIR="$here/bin"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+summary=()
+failed=0
+
+step() { # step NAME COMMAND...
+  local name=$1; shift
+  local log="$logs/$name.log"
+  local start=$SECONDS
+  "$@" >"$log" 2>&1
+  local rc=$?
+  local verdict=PASS
+  [ $rc -eq 0 ] || { verdict="FAIL (exit $rc)"; failed=$((failed + 1)); }
+  local extra
+  extra=$(grep -E '^test result:|ignored, ' "$log" | sed 's/^/    /' | head -20)
+  summary+=("$(printf '%-40s %-14s %3ss' "$name" "$verdict" $((SECONDS - start)))")
+  [ -n "$extra" ] && summary+=("$extra")
+  [ $rc -eq 0 ] || tail -30 "$log"
+}
+
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader > "$logs/gpus.txt" 2>&1
+for t in "$here"/tests/*; do step "test-$(basename "$t")" "$t" --test-threads=1; done
+for e in "$here"/examples/*; do [ -e "$e" ] && step "example-$(basename "$e")" "$e"; done
+step bench-primitive-costs "$here/bin/primitive-costs"
+[ -f "$logs/bench-primitive-costs.log" ] && cat "$logs/bench-primitive-costs.log"
+
+echo
+echo "=== GPU bundle summary ($(tr '\n' ';' < "$logs/gpus.txt")) ==="
+printf '%s\n' "${summary[@]}"
+echo "=== $failed failed ==="
+[ $failed -eq 0 ]
