@@ -1,0 +1,97 @@
+//! The error type of this crate.
+
+use crate::device::Uuid;
+use crate::handle::HostId;
+
+/// Result with this crate's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What can go wrong using the driver through this crate.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The driver could not be loaded, or a call failed.
+    #[error(transparent)]
+    Cuda(#[from] cuda_sys::Error),
+    /// A device ordinal beyond what this process sees.
+    #[error(
+        "there is no CUDA device {ordinal}: this process sees {count} (check CUDA_VISIBLE_DEVICES)"
+    )]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: i32,
+        /// How many devices this process sees.
+        count: i32,
+    },
+    /// No visible device has this UUID.
+    #[error("no CUDA device visible to this process has UUID {0} (check CUDA_VISIBLE_DEVICES)")]
+    UnknownDevice(Uuid),
+    /// A handle made on another machine (or before a reboot): CUDA IPC is local to one machine.
+    #[error(
+        "the handle was made on another machine (boot id {theirs}, this machine {ours}); CUDA IPC works only between processes of one machine"
+    )]
+    ForeignHost {
+        /// This machine's boot id.
+        ours: HostId,
+        /// The boot id in the handle.
+        theirs: HostId,
+    },
+    /// Bytes that do not decode as a handle of this crate.
+    #[error("malformed handle: {0}")]
+    MalformedHandle(String),
+    /// A file descriptor that is not open in this process.
+    #[error("file descriptor {fd} is not open in this process")]
+    BadDescriptor {
+        /// The descriptor number.
+        fd: i32,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A range outside a buffer.
+    #[error("range {offset}..{end} is outside a buffer of {len} bytes", end = offset.saturating_add(*count))]
+    OutOfBounds {
+        /// Start of the range.
+        offset: usize,
+        /// Its length.
+        count: usize,
+        /// The buffer's length.
+        len: usize,
+    },
+    /// An argument that makes no sense for the call.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// An operating-system call failed.
+    #[error("{what} failed: {source}")]
+    Os {
+        /// The operation.
+        what: &'static str,
+        /// The system's error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// The driver's result code, if this is a failed driver call.
+    pub fn driver_code(&self) -> Option<cuda_sys::CUresult> {
+        match self {
+            Error::Cuda(error) => error.code(),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn os(what: &'static str, source: impl Into<std::io::Error>) -> Self {
+        Error::Os {
+            what,
+            source: source.into(),
+        }
+    }
+}
+
+/// Checks that `offset..offset + count` lies within `len`.
+pub(crate) fn check_range(offset: usize, count: usize, len: usize) -> Result<()> {
+    match offset.checked_add(count) {
+        Some(end) if end <= len => Ok(()),
+        _ => Err(Error::OutOfBounds { offset, count, len }),
+    }
+}

@@ -1,0 +1,65 @@
+//! Safe RAII types over the CUDA driver API, for processes that share GPU memory.
+//!
+//! | type | CPU idea it mirrors |
+//! | --- | --- |
+//! | [`Device`] | a socket on the motherboard, found by ordinal or by [`Uuid`] |
+//! | [`Context`] | an address space on that device (the primary context, shared by the process) |
+//! | [`Stream`] | a thread: work on it runs in order |
+//! | [`Event`] | a flag one stream raises and another waits for; [`IpcEventHandle`] crosses processes |
+//! | [`DeviceBuffer`] | a `Vec<u8>` in GPU memory; [`IpcMemHandle`] shares it with another process |
+//! | [`VmmAllocation`] | GPU memory that travels as a file descriptor ([`fd_passing`]) |
+//! | [`SharedMemory`] / [`PinnedHostBuffer`] | host memory two processes (and the GPU) can see |
+//! | [`Module`] / [`Function`] | a loaded shared library of GPU kernels |
+//! | [`Topology`] | `lstopo` for GPUs: which pairs reach each other, and how |
+//!
+//! Every type holds an `Arc<Context>`, binds it before each driver call, and releases what it
+//! owns in `Drop`.
+//!
+//! # Errors in `Drop`
+//! A failure while releasing cannot be returned. The policy, used by every type here: it is logged
+//! with `tracing::warn!` naming the call, and otherwise ignored. `CUDA_ERROR_DEINITIALIZED` (the
+//! driver is shutting down at process exit, and frees everything itself) is not logged.
+
+mod context;
+mod device;
+mod error;
+mod event;
+pub mod fd_passing;
+mod handle;
+mod host;
+mod memory;
+mod module;
+mod stream;
+pub mod topology;
+mod vmm;
+
+pub use context::Context;
+pub use device::{Device, Uuid};
+pub use error::{Error, Result};
+pub use event::{Event, IpcEventHandle};
+pub use handle::HostId;
+pub use host::{PinnedHostBuffer, PinnedSharedMemory, SharedMemory};
+pub use memory::{DeviceBuffer, DeviceMemory, ImportedIpcMemory, IpcMemHandle, copy_peer_async};
+pub use module::{Function, LaunchConfig, Module};
+pub use stream::Stream;
+pub use topology::{Interconnect, PeerLink, Topology};
+pub use vmm::VmmAllocation;
+
+pub use cuda_sys as sys;
+
+/// Runs a release call from `Drop` with `context` current, logging a failure (crate policy).
+pub(crate) fn release_in(
+    context: &Context,
+    call: impl FnOnce() -> std::result::Result<(), cuda_sys::Error>,
+) {
+    release(context.bind_raw().and_then(|()| call()));
+}
+
+/// Logs a failed release call from `Drop`, per the crate's policy.
+pub(crate) fn release(result: std::result::Result<(), cuda_sys::Error>) {
+    if let Err(error) = result
+        && error.code() != Some(cuda_sys::CUresult::CUDA_ERROR_DEINITIALIZED)
+    {
+        tracing::warn!(%error, "releasing a CUDA resource failed");
+    }
+}

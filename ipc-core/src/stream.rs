@@ -1,0 +1,82 @@
+//! Streams: ordered queues of GPU work, like threads.
+
+use std::sync::Arc;
+
+use cuda_sys::{CUresult, CUstream, driver};
+
+use crate::{Context, Event, Result};
+
+/// A non-blocking stream (it does not synchronise with the legacy default stream).
+#[derive(Debug)]
+pub struct Stream {
+    raw: CUstream,
+    context: Arc<Context>,
+}
+
+// SAFETY: a CUstream handle may be used from any thread; the driver orders work on it.
+unsafe impl Send for Stream {}
+// SAFETY: as above; methods only pass the handle to the driver.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// Creates a stream in `context`.
+    pub fn new(context: &Arc<Context>) -> Result<Stream> {
+        context.bind()?;
+        let mut raw = std::ptr::null_mut();
+        let flags = cuda_sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
+        // SAFETY: `raw` is a valid out-pointer; the context is current.
+        unsafe { driver!(cuStreamCreate(&mut raw, flags)) }?;
+        Ok(Stream {
+            raw,
+            context: context.clone(),
+        })
+    }
+
+    /// The stream's context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+
+    /// The driver's handle.
+    pub fn raw(&self) -> CUstream {
+        self.raw
+    }
+
+    /// Blocks until all work queued so far has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.context.bind()?;
+        // SAFETY: `raw` is a live stream.
+        unsafe { driver!(cuStreamSynchronize(self.raw)) }?;
+        Ok(())
+    }
+
+    /// Makes later work on this stream wait for `event`, without blocking the CPU.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.context.bind()?;
+        // SAFETY: both handles are live for the duration of the call.
+        unsafe { driver!(cuStreamWaitEvent(self.raw, event.raw(), 0)) }?;
+        Ok(())
+    }
+
+    /// Whether all queued work has finished.
+    pub fn is_idle(&self) -> Result<bool> {
+        self.context.bind()?;
+        // SAFETY: `raw` is a live stream.
+        match unsafe { cuda_sys::cuStreamQuery(self.raw) }.map_err(cuda_sys::Error::from)? {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            code => {
+                Err(cuda_sys::Error::from(cuda_sys::DriverError::new("cuStreamQuery", code)).into())
+            }
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is live and owned; queued work still completes after destruction.
+        crate::release_in(&self.context, || unsafe {
+            driver!(cuStreamDestroy_v2(self.raw))
+        });
+    }
+}
