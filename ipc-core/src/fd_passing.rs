@@ -84,6 +84,12 @@ pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> 
             fds.extend(rights);
         }
     }
+    if message.flags.contains(ReturnFlags::TRUNC) {
+        return Err(Error::InvalidArgument(format!(
+            "a message longer than the {}-byte buffer",
+            buf.len()
+        )));
+    }
     if message.flags.contains(ReturnFlags::CTRUNC) {
         return Err(Error::InvalidArgument(format!(
             "the peer sent more than {MAX_FDS} descriptors in one message"

@@ -8,13 +8,14 @@ use cuda_sys::{CUdeviceptr, driver};
 use rustix::fs::{MemfdFlags, fstat, ftruncate, memfd_create};
 use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 
-use crate::{Context, Error, Result};
+use crate::{Context, DeviceMemory, Error, Result};
 
 /// Pinned (page-locked) host memory from `cuMemHostAlloc`, portable to every context and mapped
 /// into the device's address space; freed on drop.
 #[derive(Debug)]
 pub struct PinnedHostBuffer {
     ptr: *mut u8,
+    device_ptr: CUdeviceptr,
     len: usize,
     context: Arc<Context>,
 }
@@ -39,11 +40,14 @@ impl PinnedHostBuffer {
         unsafe { driver!(cuMemHostAlloc(&mut ptr, len, flags)) }?;
         // SAFETY: `ptr` is a fresh allocation of `len` bytes that nothing else references yet.
         unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
-        Ok(PinnedHostBuffer {
+        let mut buffer = PinnedHostBuffer {
             ptr: ptr.cast(),
+            device_ptr: 0,
             len,
             context: context.clone(),
-        })
+        };
+        buffer.device_ptr = device_pointer(context, buffer.ptr)?;
+        Ok(buffer)
     }
 
     /// The bytes.
@@ -57,10 +61,18 @@ impl PinnedHostBuffer {
         // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
+}
 
-    /// The address at which the device sees this memory.
-    pub fn device_ptr(&self) -> Result<CUdeviceptr> {
-        device_pointer(&self.context, self.ptr)
+impl DeviceMemory for PinnedHostBuffer {
+    /// The address at which devices see this memory.
+    fn device_ptr(&self) -> CUdeviceptr {
+        self.device_ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn context(&self) -> &Arc<Context> {
+        &self.context
     }
 }
 
@@ -185,10 +197,13 @@ impl SharedMemory {
         let flags = cuda_sys::CU_MEMHOSTREGISTER_PORTABLE | cuda_sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the range is a live mapping owned by `self`, which the result keeps alive.
         unsafe { driver!(cuMemHostRegister_v2(self.ptr.cast(), self.len, flags)) }?;
-        Ok(PinnedSharedMemory {
+        let mut pinned = PinnedSharedMemory {
             memory: self,
+            device_ptr: 0,
             context: context.clone(),
-        })
+        };
+        pinned.device_ptr = device_pointer(context, pinned.memory.ptr)?;
+        Ok(pinned)
     }
 }
 
@@ -205,6 +220,7 @@ impl Drop for SharedMemory {
 #[derive(Debug)]
 pub struct PinnedSharedMemory {
     memory: SharedMemory,
+    device_ptr: CUdeviceptr,
     context: Arc<Context>,
 }
 
@@ -218,10 +234,18 @@ impl PinnedSharedMemory {
     pub fn memory_mut(&mut self) -> &mut SharedMemory {
         &mut self.memory
     }
+}
 
-    /// The address at which the device sees this memory.
-    pub fn device_ptr(&self) -> Result<CUdeviceptr> {
-        device_pointer(&self.context, self.memory.ptr)
+impl DeviceMemory for PinnedSharedMemory {
+    /// The address at which devices see this memory.
+    fn device_ptr(&self) -> CUdeviceptr {
+        self.device_ptr
+    }
+    fn len(&self) -> usize {
+        self.memory.len
+    }
+    fn context(&self) -> &Arc<Context> {
+        &self.context
     }
 }
 

@@ -29,6 +29,7 @@ mod handle;
 mod host;
 mod memory;
 mod module;
+pub mod seqpacket;
 mod stream;
 pub mod topology;
 mod vmm;

@@ -100,7 +100,14 @@ fn release_test_executables() -> Result<Vec<(String, PathBuf)>> {
         .filter(|l| !l.is_empty())
     {
         let message: serde_json::Value = serde_json::from_slice(line)?;
-        let is_test = message["profile"]["test"].as_bool() == Some(true);
+        let kind = message["target"]["kind"][0].as_str().unwrap_or("test");
+        // Binaries' own (empty) test harnesses and xtask's are not worth carrying.
+        let is_test = message["profile"]["test"].as_bool() == Some(true)
+            && matches!(kind, "lib" | "test")
+            && !message["package_id"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("xtask");
         let (Some(executable), true) = (message["executable"].as_str(), is_test) else {
             continue;
         };
@@ -108,7 +115,6 @@ fn release_test_executables() -> Result<Vec<(String, PathBuf)>> {
         let package = package.rsplit('/').next().unwrap_or(package);
         let package = package.split(['#', '@']).next().unwrap_or(package);
         let target = message["target"]["name"].as_str().unwrap_or("test");
-        let kind = message["target"]["kind"][0].as_str().unwrap_or("test");
         let name = if kind == "lib" {
             format!("{package}-unit")
         } else {

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every GPU test, example and benchmark of this bundle; prints a pass/fail summary last.
-# Full logs go to $OUT (the device tool's output folder) when set, else to ./logs.
+# Full logs go to ./logs, and as one archive to $OUT (the device tool's output folder) when set.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
-logs=${OUT:-$here/logs}
+logs=$here/logs
+rm -rf "$logs"
 mkdir -p "$logs"
 export IPC_TESTS_BIN_DIR="$here/bin"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -31,6 +32,7 @@ for e in "$here"/examples/*; do [ -e "$e" ] && step "example-$(basename "$e")" "
 step bench-primitive-costs "$here/bin/primitive-costs"
 [ -f "$logs/bench-primitive-costs.log" ] && cat "$logs/bench-primitive-costs.log"
 
+[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C "$here" logs
 echo
 echo "=== GPU bundle summary ($(tr '\n' ';' < "$logs/gpus.txt")) ==="
 printf '%s\n' "${summary[@]}"

@@ -1,0 +1,160 @@
+//! Shared pieces of the integration tests: starting the helper binary as a second process with a
+//! connected socket, small message encodings, and the GPU skip rule.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use ipc_core::seqpacket::{Connection, Listener};
+
+/// Environment variable naming the folder that holds `ipc-helper` (the GPU bundle sets it).
+pub const BIN_DIR_ENV: &str = "IPC_TESTS_BIN_DIR";
+
+/// Why GPU tests cannot run here, or `None` when a GPU is usable.
+pub fn gpu_skip_reason() -> Option<String> {
+    if cuda_sys::is_available() {
+        return None;
+    }
+    Some(match cuda_sys::library() {
+        Err(error) => format!("no GPU here: {error}"),
+        Ok(driver) => format!(
+            "no GPU here: {} loaded but cuInit found no usable device",
+            driver.path()
+        ),
+    })
+}
+
+/// The `ipc-helper` binary: from [`BIN_DIR_ENV`], else next to (or one above) this executable.
+pub fn helper_path() -> Result<PathBuf> {
+    let name = "ipc-helper";
+    if let Some(dir) = std::env::var_os(BIN_DIR_ENV) {
+        return Ok(PathBuf::from(dir).join(name));
+    }
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("executable without a folder")?;
+    [dir.join(name), dir.join("..").join(name)]
+        .into_iter()
+        .find(|p| p.is_file())
+        .with_context(|| {
+            format!(
+                "{name} not found near {} (build it, or set {BIN_DIR_ENV})",
+                exe.display()
+            )
+        })
+}
+
+/// A unique socket path in the temporary folder.
+pub fn socket_path(tag: &str) -> PathBuf {
+    static COUNTER: AtomicUsize = AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    std::env::temp_dir().join(format!("ipc-tests-{}-{tag}-{n}.sock", std::process::id()))
+}
+
+/// A running helper process and the connection to it.
+pub struct Helper {
+    /// The helper process.
+    pub child: Child,
+    /// The connection it made back.
+    pub connection: Connection,
+    _listener: Listener,
+}
+
+impl Helper {
+    /// Starts `ipc-helper <args> --socket <path>` and waits for it to connect.
+    pub fn spawn(args: &[&str], env: &[(&str, &str)]) -> Result<Helper> {
+        let path = socket_path(args.first().copied().unwrap_or("helper"));
+        let listener = Listener::bind(&path)?;
+        let mut command = Command::new(helper_path()?);
+        command
+            .args(args)
+            .arg("--socket")
+            .arg(&path)
+            .stdin(Stdio::null());
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().context("starting ipc-helper")?;
+        let connection = match listener.accept(Some(Duration::from_secs(60))) {
+            Ok(connection) => connection,
+            Err(error) => {
+                let _ = child.kill();
+                bail!(
+                    "ipc-helper did not connect: {error} (exit: {:?})",
+                    child.wait()
+                );
+            }
+        };
+        connection.set_recv_timeout(Some(Duration::from_secs(120)))?;
+        Ok(Helper {
+            child,
+            connection,
+            _listener: listener,
+        })
+    }
+
+    /// Receives one message of little-endian `u64`s.
+    pub fn recv_u64s(&self) -> Result<Vec<u64>> {
+        let mut buf = vec![0u8; 1 << 16];
+        let (n, _) = self.connection.recv(&mut buf)?;
+        if n == 0 {
+            bail!("ipc-helper hung up");
+        }
+        Ok(decode_u64s(&buf[..n]))
+    }
+
+    /// Waits for the helper to exit successfully.
+    pub fn finish(mut self) -> Result<()> {
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("ipc-helper exited with {status}");
+        }
+        Ok(())
+    }
+}
+
+/// Encodes `u64`s little-endian.
+pub fn encode_u64s(values: &[u64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Decodes little-endian `u64`s (a trailing partial value is ignored).
+pub fn decode_u64s(bytes: &[u8]) -> Vec<u64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+        .collect()
+}
+
+/// Nanoseconds as microseconds, for printing.
+pub fn micros(ns: u64) -> f64 {
+    ns as f64 / 1000.0
+}
+
+/// The p-th percentile (0..=100) of `values` (sorted in place).
+pub fn percentile(values: &mut [u64], p: f64) -> u64 {
+    if values.is_empty() {
+        return 0;
+    }
+    values.sort_unstable();
+    let rank = ((p / 100.0) * (values.len() - 1) as f64).round() as usize;
+    values[rank.min(values.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodings_and_percentiles() {
+        assert_eq!(
+            decode_u64s(&encode_u64s(&[1, u64::MAX, 7])),
+            vec![1, u64::MAX, 7]
+        );
+        let mut values: Vec<u64> = (1..=100).collect();
+        assert_eq!(percentile(&mut values, 50.0), 51);
+        assert_eq!(percentile(&mut values, 99.0), 99);
+        assert_eq!(percentile(&mut [], 50.0), 0);
+    }
+}
