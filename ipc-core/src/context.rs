@@ -9,6 +9,11 @@ use crate::{Device, Result};
 
 /// A retained primary context: the address space the process shares with the CUDA runtime
 /// (PyTorch, cuBLAS) on one device.
+///
+/// The driver counts retains: when the last `Context` of a device drops and nothing else in the
+/// process retains it, the driver destroys the context and everything in it, and the next
+/// retain builds it anew (about 100 ms on an H200). Keep one alive for as long as the process
+/// works on the device.
 #[derive(Debug)]
 pub struct Context {
     raw: CUcontext,
@@ -64,6 +69,17 @@ impl Context {
         // SAFETY: no arguments; the context is current.
         unsafe { driver!(cuCtxSynchronize()) }?;
         Ok(())
+    }
+
+    /// Lets work in this context read and write `peer`'s memory directly (over NVLink or PCIe).
+    /// Enabling it twice is not an error.
+    pub fn enable_peer_access(&self, peer: &Context) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `peer.raw` is a retained context; flags must be 0.
+        match unsafe { driver!(cuCtxEnablePeerAccess(peer.raw, 0)) } {
+            Err(e) if e.code() == Some(cuda_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) => Ok(()),
+            other => Ok(other?),
+        }
     }
 
     /// `(free, total)` device memory in bytes, as the driver reports it.

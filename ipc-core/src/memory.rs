@@ -199,6 +199,9 @@ pub struct ImportedIpcMemory {
 
 impl ImportedIpcMemory {
     /// Opens `handle` on the device it names (found by UUID), enabling peer access lazily.
+    ///
+    /// The mapping retains the device's primary context; hold a [`Context`] of that device for
+    /// the process's working life, or opening after the last mapping closed rebuilds it.
     pub fn open(handle: &IpcMemHandle) -> Result<ImportedIpcMemory> {
         let context = Context::primary(Device::by_uuid(&handle.device())?)?;
         let raw = cuda_sys::CUipcMemHandle {

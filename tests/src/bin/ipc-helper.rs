@@ -144,6 +144,9 @@ fn elapsed_ns(start: Instant) -> u64 {
 
 /// For each legacy handle received: time `cuIpcOpenMemHandle` and `cuIpcCloseMemHandle`.
 fn bench_open(connection: &Connection) -> Result<()> {
+    // Like any receiver, hold the device's context: otherwise closing the last mapping would
+    // destroy it and every open would pay for a new one.
+    let _context = Context::on_ordinal(0)?;
     loop {
         let (bytes, _) = recv(connection)?;
         if bytes == b"done" {
