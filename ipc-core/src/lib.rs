@@ -27,6 +27,7 @@ mod event;
 pub mod fd_passing;
 mod handle;
 mod host;
+pub mod layout;
 mod memory;
 mod module;
 pub mod seqpacket;

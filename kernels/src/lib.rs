@@ -82,26 +82,13 @@ impl StridedLayout {
 
     /// The byte range, relative to element 0, that the view touches (empty views touch nothing).
     pub fn byte_span(&self) -> Result<(i64, i64)> {
-        if self.numel == 0 {
-            return Ok((0, 0));
-        }
-        let overflow = || Error::InvalidArgument("the strided extent overflows".into());
-        let (mut low, mut high) = (0i64, 0i64);
-        for d in 0..self.ndim as usize {
-            let reach = (self.shape[d] as i64 - 1)
-                .checked_mul(self.strides[d])
-                .ok_or_else(overflow)?;
-            if reach < 0 {
-                low = low.checked_add(reach).ok_or_else(overflow)?;
-            } else {
-                high = high.checked_add(reach).ok_or_else(overflow)?;
-            }
-        }
-        let size = self.elem_size as i64;
-        Ok((
-            low.checked_mul(size).ok_or_else(overflow)?,
-            (high + 1).checked_mul(size).ok_or_else(overflow)?,
-        ))
+        let ndim = self.ndim as usize;
+        ipc_core::layout::strided_byte_span(
+            &self.shape[..ndim],
+            &self.strides[..ndim],
+            self.elem_size as usize,
+        )
+        .ok_or_else(|| Error::InvalidArgument("the strided extent overflows".into()))
     }
 
     /// Checks that a view whose element 0 is `offset` bytes into `len` bytes stays inside them.

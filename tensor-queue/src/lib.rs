@@ -1,0 +1,42 @@
+//! Typed channels between processes that carry CUDA and host tensors: zero-copy on the same GPU,
+//! stream-ordered, lifetime-safe.
+//!
+//! ```no_run
+//! use serde::{Deserialize, Serialize};
+//! use tensor_queue::{DType, Receiver, Sender, Tensor};
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct Batch { x: Tensor, step: u64 }
+//!
+//! # fn main() -> tensor_queue::Result<()> {
+//! let mut receiver = Receiver::<Batch>::bind("/tmp/batches.sock")?;   // in one process
+//! let sender = Sender::<Batch>::connect("/tmp/batches.sock")?;        // in another
+//! sender.send(&Batch { x: Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[2])?, step: 1 })?;
+//! let batch = receiver.recv()?;
+//! assert_eq!(batch.x.as_slice::<f32>()?, [1.0, 2.0]);
+//! println!("arrived by {:?}", batch.x.path());                          // HostSharedMemory
+//! # Ok(()) }
+//! ```
+//!
+//! - [`Tensor`]: storage, dtype, shape, strides and offset; views share storage. Host tensors live
+//!   in shared memory; GPU tensors in exported VMM chunks ([`Tensor::empty_cuda`]) or in a
+//!   `cuMemAlloc` buffer of your own ([`Tensor::from_device_buffer`]).
+//! - [`Sender`] / [`Receiver`]: messages are any serde type with tensors anywhere inside; bounded,
+//!   several senders per receiver; [`Broadcast`] for one message to many without copies;
+//!   [`spawn`] / [`from_parent`] for a child with a channel.
+//! - See [`channel`] for the hand-off protocol, the ordering mechanism and why it was chosen.
+
+mod arena;
+pub mod channel;
+mod dtype;
+mod error;
+mod side_table;
+mod tensor;
+pub mod wire;
+
+pub use channel::{
+    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Sender, from_parent, monotonic_ns, spawn,
+};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};

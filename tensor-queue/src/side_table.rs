@@ -1,0 +1,165 @@
+//! Tensors anywhere inside a serde message: while a message is encoded, each `Tensor` it meets is
+//! set aside in a table and written as its index; while decoding, the index is replaced by the
+//! received tensor. This is how ipc-channel carries operating-system handles.
+
+use std::cell::RefCell;
+
+use serde::de::{DeserializeOwned, Error as _};
+use serde::ser::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::{Error, Result, Tensor};
+
+thread_local! {
+    static OUTGOING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
+    static INCOMING: RefCell<Option<Vec<Option<Tensor>>>> = const { RefCell::new(None) };
+    /// postcard drops custom error messages; the side table keeps its own here.
+    static PROBLEM: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+fn problem(message: impl Into<String>) -> String {
+    let message = message.into();
+    PROBLEM.with(|p| *p.borrow_mut() = Some(message.clone()));
+    message
+}
+
+/// The side table's own message if it caused the failure, else serde's.
+fn explain(error: postcard::Error) -> String {
+    PROBLEM
+        .with(|p| p.borrow_mut().take())
+        .unwrap_or_else(|| error.to_string())
+}
+
+/// Clears a table when encoding or decoding ends, even by panic.
+struct Reset(&'static std::thread::LocalKey<RefCell<Option<Vec<Tensor>>>>);
+
+impl Drop for Reset {
+    fn drop(&mut self) {
+        self.0.with(|table| table.borrow_mut().take());
+    }
+}
+
+/// The serde bytes of `message` and the tensors it holds, in the order the bytes refer to them.
+pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)> {
+    OUTGOING.with(|table| *table.borrow_mut() = Some(Vec::new()));
+    let _reset = Reset(&OUTGOING);
+    let bytes = postcard::to_stdvec(message).map_err(|e| Error::Encode(explain(e)))?;
+    let tensors = OUTGOING
+        .with(|table| table.borrow_mut().take())
+        .unwrap_or_default();
+    Ok((bytes, tensors))
+}
+
+/// The message in `bytes`, with `tensors` put back in place. Tensors the message does not claim
+/// are dropped (and so released).
+pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: Vec<Tensor>) -> Result<T> {
+    INCOMING.with(|table| *table.borrow_mut() = Some(tensors.into_iter().map(Some).collect()));
+    let result = postcard::from_bytes(bytes).map_err(|e| Error::Decode(explain(e)));
+    INCOMING.with(|table| table.borrow_mut().take());
+    result
+}
+
+impl Serialize for Tensor {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        let index = OUTGOING.with(|table| {
+            let mut table = table.borrow_mut();
+            let table = table.as_mut()?;
+            table.push(self.clone());
+            Some(table.len() - 1)
+        });
+        match index {
+            Some(index) => serializer.serialize_u32(index as u32),
+            None => Err(S::Error::custom(problem(
+                "a Tensor can only be serialized by a tensor-queue Sender",
+            ))),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Tensor {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let index = u32::deserialize(deserializer)? as usize;
+        let taken = INCOMING.with(|table| {
+            let mut table = table.borrow_mut();
+            let Some(table) = table.as_mut() else {
+                return Err(
+                    "a Tensor can only be deserialized by a tensor-queue Receiver".to_string(),
+                );
+            };
+            match table.get_mut(index) {
+                None => Err(format!(
+                    "the message names tensor {index}, which it does not carry"
+                )),
+                Some(slot) => slot
+                    .take()
+                    .ok_or_else(|| format!("the message names tensor {index} twice")),
+            }
+        });
+        taken.map_err(|message| D::Error::custom(problem(message)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Serialize};
+
+    use super::*;
+    use crate::DType;
+
+    #[derive(Serialize, Deserialize)]
+    struct Inner {
+        weights: Vec<Tensor>,
+        name: String,
+    }
+
+    #[derive(Serialize, Deserialize)]
+    struct Outer {
+        x: Tensor,
+        inner: Inner,
+        maybe: Option<Tensor>,
+        by_name: BTreeMap<String, Tensor>,
+        step: u64,
+    }
+
+    #[test]
+    fn tensors_anywhere_travel_beside_the_bytes() {
+        let t = |v: f32| Tensor::from_slice(&[v], DType::F32, &[1]).unwrap();
+        let message = Outer {
+            x: t(1.0),
+            inner: Inner {
+                weights: vec![t(2.0), t(3.0)],
+                name: "w".into(),
+            },
+            maybe: Some(t(4.0)),
+            by_name: BTreeMap::from([("b".to_string(), t(5.0))]),
+            step: 9,
+        };
+        let (bytes, tensors) = encode(&message).unwrap();
+        assert_eq!(tensors.len(), 5);
+        let back: Outer = decode(&bytes, tensors).unwrap();
+        assert_eq!(back.inner.weights[1].as_slice::<f32>().unwrap(), [3.0]);
+        assert_eq!(back.by_name["b"].as_slice::<f32>().unwrap(), [5.0]);
+        assert_eq!((back.step, back.inner.name.as_str()), (9, "w"));
+    }
+
+    #[test]
+    fn bad_references_are_errors_not_panics() {
+        let (bytes, mut tensors) = encode(&(Tensor::zeros(DType::U8, &[1]).unwrap(), 1u8)).unwrap();
+        tensors.clear();
+        assert!(matches!(
+            decode::<(Tensor, u8)>(&bytes, tensors),
+            Err(Error::Decode(_))
+        ));
+        let t = Tensor::zeros(DType::U8, &[1]).unwrap();
+        assert!(
+            postcard::to_stdvec(&t).is_err(),
+            "outside a channel a tensor does not serialize"
+        );
+        let twice = postcard::to_stdvec(&(0u32, 0u32)).unwrap();
+        assert!(
+            matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice"))
+        );
+    }
+}

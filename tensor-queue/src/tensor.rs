@@ -1,0 +1,484 @@
+//! The tensor: storage (GPU memory, or host memory that can be shared), a dtype, a shape, strides
+//! and a byte offset. Views share storage.
+
+use std::sync::Arc;
+
+use ipc_core::layout::strided_byte_span;
+use ipc_core::{Context, DeviceBuffer, DeviceMemory, Stream, Uuid};
+
+use crate::arena::{Allocation, Arena, Chunk, ChunkMemory};
+use crate::channel::ReceivedLease;
+use crate::{DType, Element, Error, Result};
+
+/// Where a tensor's bytes are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorDevice {
+    /// Host memory (shared memory, reachable by other processes).
+    Host,
+    /// GPU memory of the device with this UUID.
+    Cuda(Uuid),
+}
+
+/// How a tensor reached this process: every received tensor reports its path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransferPath {
+    /// Allocated here, not received.
+    Local,
+    /// Host memory mapped from the sender's shared-memory file (zero-copy).
+    HostSharedMemory,
+    /// The sender's VMM memory on the same GPU, mapped from a file descriptor (zero-copy).
+    CudaVmm,
+    /// The sender's `cuMemAlloc` buffer on the same GPU, opened from a legacy IPC handle (zero-copy).
+    CudaLegacyIpc,
+}
+
+/// A contiguous run of bytes in a chunk, kept alive while any view of it lives.
+pub(crate) struct Storage {
+    pub chunk: Arc<Chunk>,
+    pub offset: usize,
+    pub len: usize,
+    /// Held for its `Drop`: the allocation or the lease goes back when the storage dies.
+    _origin: Origin,
+}
+
+/// Who gets the storage back when the last view drops.
+enum Origin {
+    /// The arena this process allocated from.
+    Arena(#[expect(dead_code, reason = "held for its Drop")] Allocation),
+    /// Nobody: a whole user buffer, freed with the chunk.
+    User,
+    /// The sender, through a release message.
+    Received(#[expect(dead_code, reason = "held for its Drop")] ReceivedLease),
+}
+
+impl Storage {
+    pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: ReceivedLease) -> Storage {
+        Storage {
+            chunk,
+            offset,
+            len,
+            _origin: Origin::Received(lease),
+        }
+    }
+}
+
+/// An n-dimensional view of typed memory that can be sent to other processes.
+#[derive(Clone)]
+pub struct Tensor {
+    pub(crate) storage: Arc<Storage>,
+    dtype: DType,
+    shape: Vec<u64>,
+    strides: Vec<i64>,
+    /// Bytes from the storage's start to element 0.
+    offset: usize,
+    path: TransferPath,
+    stream: Option<Arc<Stream>>,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("strides", &self.strides)
+            .field("offset", &self.offset)
+            .field("device", &self.device())
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+/// Row-major strides of a contiguous tensor of `shape`.
+pub fn contiguous_strides(shape: &[u64]) -> Vec<i64> {
+    let mut strides = vec![1i64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1].max(1) as i64;
+    }
+    strides
+}
+
+fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.size() as u64, |n, &d| n.checked_mul(d))
+        .and_then(|n| usize::try_from(n).ok())
+        .ok_or_else(|| Error::Invalid(format!("shape {shape:?} is too large")))
+}
+
+impl Tensor {
+    fn contiguous(storage: Storage, dtype: DType, shape: &[u64]) -> Tensor {
+        Tensor {
+            storage: Arc::new(storage),
+            dtype,
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+            path: TransferPath::Local,
+            stream: None,
+        }
+    }
+
+    pub(crate) fn from_parts(
+        storage: Arc<Storage>,
+        dtype: DType,
+        shape: Vec<u64>,
+        strides: Vec<i64>,
+        offset: usize,
+        path: TransferPath,
+        stream: Option<Arc<Stream>>,
+    ) -> Tensor {
+        Tensor {
+            storage,
+            dtype,
+            shape,
+            strides,
+            offset,
+            path,
+            stream,
+        }
+    }
+
+    fn from_arena(arena: &Arc<Arena>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
+        let allocation = arena.allocate(byte_len(dtype, shape)?)?;
+        let storage = Storage {
+            chunk: allocation.chunk.clone(),
+            offset: allocation.offset,
+            len: allocation.len,
+            _origin: Origin::Arena(allocation),
+        };
+        Ok(Tensor::contiguous(storage, dtype, shape))
+    }
+
+    /// A zero-filled host tensor in shared memory.
+    pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Tensor> {
+        let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
+        tensor.host_bytes_mut_ptr()?.fill(0);
+        Ok(tensor)
+    }
+
+    /// A host tensor holding `data`, shaped `shape`.
+    pub fn from_slice<T: Element>(data: &[T], dtype: DType, shape: &[u64]) -> Result<Tensor> {
+        if !T::matches(dtype) {
+            return Err(Error::Invalid(format!(
+                "{} elements cannot hold {dtype:?}",
+                std::any::type_name::<T>()
+            )));
+        }
+        let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        if bytes.len() != tensor.nbytes() {
+            return Err(Error::Invalid(format!(
+                "{} bytes of data for {} bytes of tensor",
+                bytes.len(),
+                tensor.nbytes()
+            )));
+        }
+        tensor.host_bytes_mut_ptr()?[..bytes.len()].copy_from_slice(bytes);
+        Ok(tensor)
+    }
+
+    /// An uninitialised tensor in shareable memory on `context`'s device.
+    pub fn empty_cuda(context: &Arc<Context>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
+        Tensor::from_arena(&Arena::device(context), dtype, shape)
+    }
+
+    /// Wraps a `cuMemAlloc` buffer made elsewhere; it is sent through a legacy IPC handle.
+    pub fn from_device_buffer(
+        buffer: Arc<DeviceBuffer>,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<Tensor> {
+        let len = byte_len(dtype, shape)?;
+        if len > buffer.len() {
+            return Err(Error::Invalid(format!(
+                "shape {shape:?} needs {len} bytes; the buffer has {}",
+                buffer.len()
+            )));
+        }
+        let chunk = Chunk::new(ChunkMemory::Legacy(buffer));
+        let storage = Storage {
+            len: chunk.len(),
+            chunk,
+            offset: 0,
+            _origin: Origin::User,
+        };
+        Ok(Tensor::contiguous(storage, dtype, shape))
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Sizes of each dimension.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// Strides of each dimension, in elements.
+    pub fn strides(&self) -> &[i64] {
+        &self.strides
+    }
+
+    /// Bytes from the storage's start to element 0.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+
+    /// Bytes of the elements (as if contiguous).
+    pub fn nbytes(&self) -> usize {
+        self.numel() as usize * self.dtype.size()
+    }
+
+    /// Whether elements are laid out row-major without gaps.
+    pub fn is_contiguous(&self) -> bool {
+        self.shape
+            .iter()
+            .zip(self.strides.iter().zip(contiguous_strides(&self.shape)))
+            .all(|(&n, (&s, c))| n <= 1 || s == c)
+    }
+
+    /// Where the bytes are.
+    pub fn device(&self) -> TensorDevice {
+        match self.storage.chunk.device_uuid() {
+            Ok(Some(uuid)) => TensorDevice::Cuda(uuid),
+            _ => TensorDevice::Host,
+        }
+    }
+
+    /// How this tensor reached this process.
+    pub fn path(&self) -> TransferPath {
+        self.path
+    }
+
+    /// For a received GPU tensor: the stream its first use is ordered on (the receiver's stream for
+    /// its device). Work on another stream must be ordered after this one by the user.
+    pub fn stream(&self) -> Option<&Arc<Stream>> {
+        self.stream.as_ref()
+    }
+
+    fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
+        Tensor {
+            shape,
+            strides,
+            offset,
+            ..self.clone()
+        }
+    }
+
+    /// A view with dimensions `a` and `b` swapped (no copy).
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
+        if a >= self.shape.len() || b >= self.shape.len() {
+            return Err(Error::Invalid(format!(
+                "transpose({a}, {b}) of a {}-d tensor",
+                self.shape.len()
+            )));
+        }
+        let (mut shape, mut strides) = (self.shape.clone(), self.strides.clone());
+        shape.swap(a, b);
+        strides.swap(a, b);
+        Ok(self.with_layout(shape, strides, self.offset))
+    }
+
+    /// A view of `len` entries of dimension `dim` starting at `start` (no copy).
+    pub fn narrow(&self, dim: usize, start: u64, len: u64) -> Result<Tensor> {
+        let size = *self
+            .shape
+            .get(dim)
+            .ok_or_else(|| Error::Invalid(format!("no dimension {dim}")))?;
+        if start.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::Invalid(format!(
+                "narrow({dim}, {start}, {len}) of size {size}"
+            )));
+        }
+        let mut shape = self.shape.clone();
+        shape[dim] = len;
+        let moved = start as i64 * self.strides[dim] * self.dtype.size() as i64;
+        let offset = usize::try_from(self.offset as i64 + moved)
+            .map_err(|_| Error::Invalid("narrow before start".into()))?;
+        Ok(self.with_layout(shape, self.strides.clone(), offset))
+    }
+
+    /// The same elements with another shape; only for contiguous tensors (no copy).
+    pub fn reshape(&self, shape: &[u64]) -> Result<Tensor> {
+        if !self.is_contiguous() || shape.iter().product::<u64>() != self.numel() {
+            return Err(Error::Invalid(format!(
+                "cannot view {:?} as {shape:?}",
+                self.shape
+            )));
+        }
+        Ok(self.with_layout(shape.to_vec(), contiguous_strides(shape), self.offset))
+    }
+
+    /// The byte range of the storage this view touches, relative to the storage's start.
+    pub(crate) fn touched_bytes(&self) -> Result<(usize, usize)> {
+        let (low, high) = strided_byte_span(&self.shape, &self.strides, self.dtype.size())
+            .ok_or_else(|| Error::Invalid("the view's extent overflows".into()))?;
+        let start = self.offset as i64 + low;
+        let end = self.offset as i64 + high;
+        if start < 0 || end > self.storage.len as i64 {
+            return Err(Error::Invalid(
+                "the view reaches outside its storage".into(),
+            ));
+        }
+        Ok((start as usize, end as usize))
+    }
+
+    fn host_base(&self) -> Result<*mut u8> {
+        let memory = self
+            .storage
+            .chunk
+            .host()
+            .ok_or_else(|| Error::Invalid("not a host tensor".into()))?;
+        // SAFETY: `storage.offset + len` lies inside the chunk (arena or validated frame).
+        Ok(unsafe { memory.as_ptr().add(self.storage.offset) })
+    }
+
+    /// The storage's whole byte range, for initialising a fresh allocation.
+    fn host_bytes_mut_ptr(&self) -> Result<&mut [u8]> {
+        let base = self.host_base()?;
+        // SAFETY: called only on a tensor just allocated here, before any clone or send exists.
+        Ok(unsafe { std::slice::from_raw_parts_mut(base, self.storage.len) })
+    }
+
+    /// The elements of a contiguous host tensor, typed.
+    ///
+    /// Host tensors are shared memory: a peer that holds the same tensor may write it. Who writes
+    /// when is for the program to agree on, as with any shared buffer.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        if !T::matches(self.dtype) {
+            return Err(Error::Invalid(format!(
+                "{:?} elements are not {}",
+                self.dtype,
+                std::any::type_name::<T>()
+            )));
+        }
+        if !self.is_contiguous() {
+            return Err(Error::Invalid("as_slice needs a contiguous tensor".into()));
+        }
+        let base = self.host_base()?;
+        // SAFETY: the range lies in the live mapping (checked when the view was made or received);
+        // alignment holds since allocations are 512-aligned and offsets are element multiples.
+        let bytes = unsafe { std::slice::from_raw_parts(base.add(self.offset), self.nbytes()) };
+        bytemuck::try_cast_slice(bytes).map_err(|e| Error::Invalid(format!("unaligned view: {e}")))
+    }
+
+    fn element_ptr<T: Element>(&self, index: &[u64]) -> Result<*mut T> {
+        if !T::matches(self.dtype) || index.len() != self.shape.len() {
+            return Err(Error::Invalid(format!(
+                "index {index:?} of a {:?} {:?} tensor",
+                self.dtype, self.shape
+            )));
+        }
+        let mut at = self.offset as i64;
+        for ((&i, &n), &s) in index.iter().zip(&self.shape).zip(&self.strides) {
+            if i >= n {
+                return Err(Error::Invalid(format!(
+                    "index {index:?} outside {:?}",
+                    self.shape
+                )));
+            }
+            at += i as i64 * s * self.dtype.size() as i64;
+        }
+        // SAFETY: the index is inside the shape, and the view inside the storage.
+        Ok(unsafe { self.host_base()?.offset(at as isize) }.cast())
+    }
+
+    /// Reads one element of a host tensor.
+    pub fn get<T: Element>(&self, index: &[u64]) -> Result<T> {
+        let ptr = self.element_ptr::<T>(index)?;
+        // SAFETY: `ptr` points at one element inside the live mapping.
+        Ok(unsafe { ptr.read_volatile() })
+    }
+
+    /// Writes one element of a host tensor (shared with every holder of the storage).
+    pub fn set<T: Element>(&self, index: &[u64], value: T) -> Result<()> {
+        let ptr = self.element_ptr::<T>(index)?;
+        // SAFETY: `ptr` points at one element inside the live, writable mapping; concurrent writers
+        // to the same element are the program's to avoid, as with any shared buffer.
+        unsafe { ptr.write_volatile(value) };
+        Ok(())
+    }
+
+    /// The GPU memory from element 0 to the end of the storage, for kernels and copies.
+    pub fn cuda_view(&self) -> Result<DeviceView> {
+        let memory = self
+            .storage
+            .chunk
+            .device()
+            .ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
+        let start = self.storage.offset + self.offset;
+        Ok(DeviceView {
+            ptr: memory.device_ptr() + start as u64,
+            len: self.storage.len - self.offset,
+            context: memory.context().clone(),
+        })
+    }
+}
+
+/// A range of a GPU tensor's storage, usable wherever [`DeviceMemory`] is.
+#[derive(Debug, Clone)]
+pub struct DeviceView {
+    ptr: u64,
+    len: usize,
+    context: Arc<Context>,
+}
+
+impl DeviceMemory for DeviceView {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn context(&self) -> &Arc<Context> {
+        &self.context
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_share_storage() {
+        let data: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        let t = Tensor::from_slice(&data, DType::F32, &[3, 4]).unwrap();
+        assert_eq!(t.strides(), [4, 1]);
+        assert!(t.is_contiguous());
+        let tt = t.transpose(0, 1).unwrap();
+        assert_eq!((tt.shape(), tt.strides()), (&[4u64, 3][..], &[1i64, 4][..]));
+        assert!(!tt.is_contiguous());
+        assert_eq!(tt.get::<f32>(&[3, 2]).unwrap(), 11.0);
+        let row = t.narrow(0, 1, 1).unwrap();
+        assert_eq!(row.as_slice::<f32>().unwrap(), [4.0, 5.0, 6.0, 7.0]);
+        row.set(&[0, 0], 40.0f32).unwrap();
+        assert_eq!(
+            t.get::<f32>(&[1, 0]).unwrap(),
+            40.0,
+            "writes through a view reach the original"
+        );
+        assert!(t.reshape(&[2, 6]).is_ok());
+        assert!(
+            tt.reshape(&[12]).is_err(),
+            "a transposed view cannot be reshaped without a copy"
+        );
+        assert!(t.as_slice::<i32>().is_err(), "the element type must match");
+        assert!(t.get::<f32>(&[3, 0]).is_err());
+        assert_eq!(t.device(), TensorDevice::Host);
+        assert_eq!(t.path(), TransferPath::Local);
+    }
+
+    #[test]
+    fn zeros_are_zero_even_in_reused_memory() {
+        let first = Tensor::from_slice(&[7u8; 4096], DType::U8, &[4096]).unwrap();
+        drop(first);
+        let again = Tensor::zeros(DType::U8, &[4096]).unwrap();
+        assert!(again.as_slice::<u8>().unwrap().iter().all(|&b| b == 0));
+    }
+}

@@ -1,0 +1,647 @@
+//! Frames on the socket: versioned, little-endian, and validated before anything uses them.
+//!
+//! One frame is one `SOCK_SEQPACKET` message: a 12-byte header (magic, version, kind, body
+//! length) and a body. [`Frame::decode`] checks everything that can be checked without the
+//! connection's state: sizes, counts, dtypes, and that every view lies inside its storage. The
+//! receiver then checks each descriptor against the chunk it names.
+
+use ipc_core::layout::strided_byte_span;
+
+use crate::DType;
+
+/// Frame magic.
+pub const MAGIC: [u8; 4] = *b"TQF1";
+/// Protocol version; a peer with another version is refused at the handshake.
+pub const VERSION: u16 = 1;
+/// The largest frame: SEQPACKET messages must fit the socket buffer.
+pub const MAX_FRAME: usize = 128 << 10;
+/// The most tensors in one message.
+pub const MAX_TENSORS: usize = 1024;
+/// The most dimensions of a tensor.
+pub const MAX_DIMS: usize = 8;
+/// The most lease ids in one release frame.
+pub const MAX_RELEASES: usize = 4096;
+/// Size of an encoded legacy IPC handle.
+pub const LEGACY_HANDLE_LEN: usize = ipc_core::IpcMemHandle::ENCODED_LEN;
+const HEADER_LEN: usize = 12;
+
+/// A frame that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    /// Fewer bytes than a field needs.
+    #[error("the frame ends early (needed {needed} more bytes at offset {at})")]
+    Truncated {
+        /// Where the field starts.
+        at: usize,
+        /// Bytes missing.
+        needed: usize,
+    },
+    /// Bytes after the last field.
+    #[error("{0} bytes after the end of the frame")]
+    Trailing(usize),
+    /// Not a frame of this protocol.
+    #[error("bad magic {0:02x?}")]
+    BadMagic([u8; 4]),
+    /// Another protocol version.
+    #[error("protocol version {0}, this build speaks {VERSION}")]
+    Version(u16),
+    /// An unknown frame kind.
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u16),
+    /// The header's length disagrees with the frame.
+    #[error("the header says {said} body bytes, the frame has {has}")]
+    Length {
+        /// Length in the header.
+        said: usize,
+        /// Actual length.
+        has: usize,
+    },
+    /// A count over its limit.
+    #[error("{count} {what} in one frame; at most {max}")]
+    TooMany {
+        /// What was counted.
+        what: &'static str,
+        /// How many.
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A dtype code this build does not know.
+    #[error("unknown dtype code {0}")]
+    BadDType(u8),
+    /// A tensor view reaching outside its storage, or a storage outside its chunk.
+    #[error("tensor {index}: {reason}")]
+    OutOfBounds {
+        /// The tensor's position in the message.
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A field with a value that makes no sense.
+    #[error("invalid {0}")]
+    Invalid(&'static str),
+}
+
+/// The kind of memory a chunk announcement maps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ChunkKind {
+    /// A shared-memory file; its descriptor is attached.
+    Host = 1,
+    /// VMM device memory; its descriptor is attached.
+    Vmm = 2,
+    /// A `cuMemAlloc` buffer; the legacy handle is in the frame.
+    Legacy = 3,
+}
+
+/// One tensor of a message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDesc {
+    /// The sender's id for this hand-off, released when the receiver is done.
+    pub lease: u64,
+    /// The chunk holding the storage.
+    pub chunk: u64,
+    /// Where the storage starts in the chunk.
+    pub storage_offset: u64,
+    /// The storage's length.
+    pub storage_len: u64,
+    /// Bytes from the storage's start to element 0.
+    pub view_offset: u64,
+    /// Element type.
+    pub dtype: DType,
+    /// The interprocess event that marks the producer's work, for GPU tensors.
+    pub event: Option<u32>,
+    /// Sizes.
+    pub shape: Vec<u64>,
+    /// Strides in elements.
+    pub strides: Vec<i64>,
+}
+
+/// Everything that crosses a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// First frame each way: who is speaking, and (from a receiver) how many messages may be in flight.
+    Hello {
+        /// Process id.
+        pid: u32,
+        /// Boot id of the machine.
+        host: [u8; 16],
+        /// Messages the sender may have unreceived at once (0 from a sender).
+        capacity: u32,
+    },
+    /// A chunk the following messages use; host and VMM chunks carry one descriptor.
+    Chunk {
+        /// The sender's id for the chunk.
+        id: u64,
+        /// The chunk's length.
+        len: u64,
+        /// What it is.
+        kind: ChunkKind,
+        /// The device, for GPU chunks.
+        device: [u8; 16],
+        /// The legacy IPC handle, for `Legacy` chunks.
+        legacy: Option<Vec<u8>>,
+    },
+    /// An interprocess event the following messages may name.
+    Event {
+        /// The sender's id for the event.
+        id: u32,
+        /// The exported event handle.
+        handle: Vec<u8>,
+    },
+    /// A message: tensor descriptors and the serde payload.
+    Message {
+        /// Sequence number on this connection.
+        seq: u64,
+        /// `CLOCK_MONOTONIC` nanoseconds when `send` was called.
+        sent_ns: u64,
+        /// `CLOCK_MONOTONIC` nanoseconds when encoding finished.
+        encoded_ns: u64,
+        /// The tensors, in the order the payload refers to them.
+        tensors: Vec<TensorDesc>,
+        /// The serde bytes of the message.
+        payload: Vec<u8>,
+    },
+    /// The receiver is done with these leases.
+    Release {
+        /// Lease ids.
+        leases: Vec<u64>,
+    },
+    /// The receiver took this many messages out of its queue.
+    Credit {
+        /// How many.
+        count: u32,
+    },
+}
+
+const KIND_HELLO: u16 = 1;
+const KIND_CHUNK: u16 = 2;
+const KIND_EVENT: u16 = 3;
+const KIND_MESSAGE: u16 = 4;
+const KIND_RELEASE: u16 = 5;
+const KIND_CREDIT: u16 = 6;
+
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        self.0.extend_from_slice(v);
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], FrameError> {
+        let rest = self.bytes.len() - self.at;
+        if n > rest {
+            return Err(FrameError::Truncated {
+                at: self.at,
+                needed: n - rest,
+            });
+        }
+        let out = &self.bytes[self.at..self.at + n];
+        self.at += n;
+        Ok(out)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], FrameError> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.take(N)?);
+        Ok(out)
+    }
+    fn u8(&mut self) -> Result<u8, FrameError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, FrameError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, FrameError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, FrameError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    /// A count, checked against its limit before anything is allocated for it.
+    fn count(&mut self, what: &'static str, max: usize) -> Result<usize, FrameError> {
+        let count = self.u32()? as usize;
+        if count > max {
+            return Err(FrameError::TooMany { what, count, max });
+        }
+        Ok(count)
+    }
+    fn finish(&self) -> Result<(), FrameError> {
+        match self.bytes.len() - self.at {
+            0 => Ok(()),
+            extra => Err(FrameError::Trailing(extra)),
+        }
+    }
+}
+
+impl Frame {
+    /// The frame's bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer(Vec::with_capacity(64));
+        w.bytes(&MAGIC);
+        w.u16(VERSION);
+        w.u16(self.kind());
+        w.u32(0); // body length, patched below
+        match self {
+            Frame::Hello {
+                pid,
+                host,
+                capacity,
+            } => {
+                w.u32(*pid);
+                w.bytes(host);
+                w.u32(*capacity);
+            }
+            Frame::Chunk {
+                id,
+                len,
+                kind,
+                device,
+                legacy,
+            } => {
+                w.u64(*id);
+                w.u64(*len);
+                w.u8(*kind as u8);
+                w.bytes(device);
+                w.u32(legacy.as_ref().map_or(0, |h| h.len() as u32));
+                w.bytes(legacy.as_deref().unwrap_or_default());
+            }
+            Frame::Event { id, handle } => {
+                w.u32(*id);
+                w.u32(handle.len() as u32);
+                w.bytes(handle);
+            }
+            Frame::Message {
+                seq,
+                sent_ns,
+                encoded_ns,
+                tensors,
+                payload,
+            } => {
+                w.u64(*seq);
+                w.u64(*sent_ns);
+                w.u64(*encoded_ns);
+                w.u32(tensors.len() as u32);
+                for t in tensors {
+                    w.u64(t.lease);
+                    w.u64(t.chunk);
+                    w.u64(t.storage_offset);
+                    w.u64(t.storage_len);
+                    w.u64(t.view_offset);
+                    w.u8(t.dtype as u8);
+                    w.u8(t.shape.len() as u8);
+                    w.u32(t.event.unwrap_or(u32::MAX));
+                    t.shape.iter().for_each(|&s| w.u64(s));
+                    t.strides.iter().for_each(|&s| w.u64(s as u64));
+                }
+                w.u32(payload.len() as u32);
+                w.bytes(payload);
+            }
+            Frame::Release { leases } => {
+                w.u32(leases.len() as u32);
+                leases.iter().for_each(|&l| w.u64(l));
+            }
+            Frame::Credit { count } => w.u32(*count),
+        }
+        let body = (w.0.len() - HEADER_LEN) as u32;
+        w.0[8..12].copy_from_slice(&body.to_le_bytes());
+        w.0
+    }
+
+    fn kind(&self) -> u16 {
+        match self {
+            Frame::Hello { .. } => KIND_HELLO,
+            Frame::Chunk { .. } => KIND_CHUNK,
+            Frame::Event { .. } => KIND_EVENT,
+            Frame::Message { .. } => KIND_MESSAGE,
+            Frame::Release { .. } => KIND_RELEASE,
+            Frame::Credit { .. } => KIND_CREDIT,
+        }
+    }
+
+    /// Decodes and validates one frame. Never panics, whatever the bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Frame, FrameError> {
+        if bytes.len() > MAX_FRAME {
+            return Err(FrameError::TooMany {
+                what: "bytes",
+                count: bytes.len(),
+                max: MAX_FRAME,
+            });
+        }
+        let mut r = Reader { bytes, at: 0 };
+        let magic = r.array::<4>()?;
+        if magic != MAGIC {
+            return Err(FrameError::BadMagic(magic));
+        }
+        let version = r.u16()?;
+        if version != VERSION {
+            return Err(FrameError::Version(version));
+        }
+        let kind = r.u16()?;
+        let body = r.u32()? as usize;
+        if body != bytes.len() - HEADER_LEN {
+            return Err(FrameError::Length {
+                said: body,
+                has: bytes.len() - HEADER_LEN,
+            });
+        }
+        let frame = match kind {
+            KIND_HELLO => Frame::Hello {
+                pid: r.u32()?,
+                host: r.array()?,
+                capacity: r.u32()?,
+            },
+            KIND_CHUNK => {
+                let (id, len) = (r.u64()?, r.u64()?);
+                let kind = match r.u8()? {
+                    1 => ChunkKind::Host,
+                    2 => ChunkKind::Vmm,
+                    3 => ChunkKind::Legacy,
+                    _ => return Err(FrameError::Invalid("chunk kind")),
+                };
+                let device = r.array()?;
+                let handle_len = r.count("handle bytes", LEGACY_HANDLE_LEN)?;
+                let legacy = (handle_len > 0)
+                    .then(|| r.take(handle_len).map(<[u8]>::to_vec))
+                    .transpose()?;
+                if (kind == ChunkKind::Legacy) != (handle_len == LEGACY_HANDLE_LEN) || len == 0 {
+                    return Err(FrameError::Invalid("chunk announcement"));
+                }
+                Frame::Chunk {
+                    id,
+                    len,
+                    kind,
+                    device,
+                    legacy,
+                }
+            }
+            KIND_EVENT => {
+                let id = r.u32()?;
+                let len = r.count("handle bytes", LEGACY_HANDLE_LEN)?;
+                Frame::Event {
+                    id,
+                    handle: r.take(len)?.to_vec(),
+                }
+            }
+            KIND_MESSAGE => {
+                let (seq, sent_ns, encoded_ns) = (r.u64()?, r.u64()?, r.u64()?);
+                let count = r.count("tensors", MAX_TENSORS)?;
+                let mut tensors = Vec::with_capacity(count);
+                for index in 0..count {
+                    tensors.push(decode_tensor(&mut r, index)?);
+                }
+                let len = r.count("payload bytes", MAX_FRAME)?;
+                Frame::Message {
+                    seq,
+                    sent_ns,
+                    encoded_ns,
+                    tensors,
+                    payload: r.take(len)?.to_vec(),
+                }
+            }
+            KIND_RELEASE => {
+                let count = r.count("releases", MAX_RELEASES)?;
+                Frame::Release {
+                    leases: (0..count).map(|_| r.u64()).collect::<Result<_, _>>()?,
+                }
+            }
+            KIND_CREDIT => Frame::Credit { count: r.u32()? },
+            other => return Err(FrameError::UnknownKind(other)),
+        };
+        r.finish()?;
+        Ok(frame)
+    }
+}
+
+fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameError> {
+    let (lease, chunk, storage_offset, storage_len, view_offset) =
+        (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+    let code = r.u8()?;
+    let dtype = DType::from_code(code).ok_or(FrameError::BadDType(code))?;
+    let ndim = r.u8()? as usize;
+    if ndim > MAX_DIMS {
+        return Err(FrameError::TooMany {
+            what: "dimensions",
+            count: ndim,
+            max: MAX_DIMS,
+        });
+    }
+    let event = match r.u32()? {
+        u32::MAX => None,
+        id => Some(id),
+    };
+    let shape = (0..ndim).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
+    let strides = (0..ndim)
+        .map(|_| r.u64().map(|s| s as i64))
+        .collect::<Result<Vec<_>, _>>()?;
+    let bad = |reason: String| FrameError::OutOfBounds { index, reason };
+    if storage_offset.checked_add(storage_len).is_none() {
+        return Err(bad("the storage range overflows".into()));
+    }
+    let (low, high) = strided_byte_span(&shape, &strides, dtype.size()).ok_or_else(|| {
+        bad(format!(
+            "shape {shape:?} with strides {strides:?} overflows"
+        ))
+    })?;
+    let start = i128::from(view_offset) + i128::from(low);
+    let end = i128::from(view_offset) + i128::from(high);
+    if start < 0 || end > i128::from(storage_len) {
+        return Err(bad(format!(
+            "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside a {storage_len}-byte storage"
+        )));
+    }
+    Ok(TensorDesc {
+        lease,
+        chunk,
+        storage_offset,
+        storage_len,
+        view_offset,
+        dtype,
+        event,
+        shape,
+        strides,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn message() -> Frame {
+        Frame::Message {
+            seq: 3,
+            sent_ns: 10,
+            encoded_ns: 11,
+            tensors: vec![TensorDesc {
+                lease: 9,
+                chunk: 1,
+                storage_offset: 512,
+                storage_len: 48,
+                view_offset: 0,
+                dtype: DType::F32,
+                event: Some(2),
+                shape: vec![3, 4],
+                strides: vec![4, 1],
+            }],
+            payload: vec![1, 2, 3],
+        }
+    }
+
+    fn samples() -> Vec<Frame> {
+        vec![
+            Frame::Hello {
+                pid: 7,
+                host: [1; 16],
+                capacity: 8,
+            },
+            Frame::Chunk {
+                id: 1,
+                len: 4096,
+                kind: ChunkKind::Host,
+                device: [0; 16],
+                legacy: None,
+            },
+            Frame::Chunk {
+                id: 2,
+                len: 4096,
+                kind: ChunkKind::Legacy,
+                device: [3; 16],
+                legacy: Some(vec![5; LEGACY_HANDLE_LEN]),
+            },
+            Frame::Event {
+                id: 4,
+                handle: vec![6; LEGACY_HANDLE_LEN],
+            },
+            message(),
+            Frame::Release {
+                leases: vec![1, 2, 3],
+            },
+            Frame::Credit { count: 1 },
+        ]
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        for frame in samples() {
+            assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
+        }
+    }
+
+    #[test]
+    fn hostile_frames_are_refused_with_a_reason() {
+        let good = message().encode();
+        assert!(matches!(
+            Frame::decode(&good[..good.len() - 1]),
+            Err(FrameError::Length { .. })
+        ));
+        let mut bad = good.clone();
+        bad[0] = b'X';
+        assert!(matches!(Frame::decode(&bad), Err(FrameError::BadMagic(_))));
+        let mut bad = good.clone();
+        bad[4] = 2;
+        assert_eq!(Frame::decode(&bad), Err(FrameError::Version(2)));
+        let view_too_big = |shape: Vec<u64>, strides: Vec<i64>, view_offset: u64| {
+            let Frame::Message {
+                seq,
+                sent_ns,
+                encoded_ns,
+                mut tensors,
+                payload,
+            } = message()
+            else {
+                unreachable!()
+            };
+            tensors[0].shape = shape;
+            tensors[0].strides = strides;
+            tensors[0].view_offset = view_offset;
+            Frame::decode(
+                &Frame::Message {
+                    seq,
+                    sent_ns,
+                    encoded_ns,
+                    tensors,
+                    payload,
+                }
+                .encode(),
+            )
+        };
+        assert!(matches!(
+            view_too_big(vec![3, 5], vec![4, 1], 0),
+            Err(FrameError::OutOfBounds { index: 0, .. })
+        ));
+        assert!(matches!(
+            view_too_big(vec![3, 4], vec![4, 1], 4),
+            Err(FrameError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            view_too_big(vec![4], vec![-1], 0),
+            Err(FrameError::OutOfBounds { .. })
+        ));
+        assert!(
+            view_too_big(vec![4], vec![-1], 12).is_ok(),
+            "a reversed view ending at element 0"
+        );
+        assert!(matches!(
+            view_too_big(vec![u64::MAX, 2], vec![1, 1], 0),
+            Err(FrameError::OutOfBounds { .. })
+        ));
+        let mut huge_count = Frame::Release { leases: vec![] }.encode();
+        huge_count[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            Frame::decode(&huge_count),
+            Err(FrameError::TooMany {
+                what: "releases",
+                ..
+            })
+        ));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 4000, ..ProptestConfig::default() })]
+
+        /// The fuzz target: arbitrary bytes never panic the decoder.
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = Frame::decode(&bytes);
+        }
+
+        /// Valid frames with bytes flipped, cut or extended: refused or decoded, never a panic,
+        /// and what decodes re-encodes to the same bytes.
+        #[test]
+        fn mutated_frames_never_panic(
+            which in 0usize..7,
+            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6),
+            cut in any::<usize>(),
+        ) {
+            let mut bytes = samples()[which].encode();
+            for (at, value) in flips {
+                let at = at % bytes.len();
+                bytes[at] = value;
+            }
+            bytes.truncate(cut % (bytes.len() + 1) + 12.min(bytes.len()));
+            if let Ok(frame) = Frame::decode(&bytes) {
+                prop_assert_eq!(frame.encode(), bytes);
+            }
+        }
+    }
+}
