@@ -8,11 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SOURCE: &str = "cu/kernels.cu";
-const TARGETS: &[&str] = &[
-    "arch=compute_80,code=sm_80",
-    "arch=compute_90,code=sm_90",
-    "arch=compute_90,code=compute_90",
-];
+const TARGETS: &[&str] =
+    &["arch=compute_80,code=sm_80", "arch=compute_90,code=sm_90", "arch=compute_90,code=compute_90"];
 
 fn main() {
     for variable in ["NVCC", "CUDA_HOME", "CUDA_PATH", "PATH"] {
@@ -27,22 +24,16 @@ fn main() {
         );
         std::process::exit(1);
     };
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"))
-        .join("kernels.fatbin");
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR")).join("kernels.fatbin");
     let mut command = Command::new(&nvcc);
     command.args(["--fatbin", "-O3", "-std=c++17"]);
     for target in TARGETS {
         command.args(["-gencode", target]);
     }
     command.arg("-o").arg(&out).arg(SOURCE);
-    let status = command
-        .status()
-        .unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
+    let status = command.status().unwrap_or_else(|e| panic!("could not run {}: {e}", nvcc.display()));
     if !status.success() {
-        eprintln!(
-            "error: {} failed to compile {SOURCE} ({status})",
-            nvcc.display()
-        );
+        eprintln!("error: {} failed to compile {SOURCE} ({status})", nvcc.display());
         std::process::exit(1);
     }
 }
@@ -60,10 +51,7 @@ fn find_nvcc() -> Option<PathBuf> {
         }
     }
     if let Some(path) = std::env::var_os("PATH") {
-        if let Some(nvcc) = std::env::split_paths(&path)
-            .map(|dir| dir.join("nvcc"))
-            .find(|p| p.is_file())
-        {
+        if let Some(nvcc) = std::env::split_paths(&path).map(|dir| dir.join("nvcc")).find(|p| p.is_file()) {
             return Some(nvcc);
         }
     }

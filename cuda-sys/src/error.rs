@@ -21,16 +21,10 @@ pub struct DriverError {
 impl DriverError {
     /// Describes `code`, returned by `call`, in the driver's words.
     pub fn new(call: &'static str, code: CUresult) -> Self {
-        let name =
-            describe(code, crate::cuGetErrorName).unwrap_or_else(|| "unknown CUresult".into());
+        let name = describe(code, crate::cuGetErrorName).unwrap_or_else(|| "unknown CUresult".into());
         let description = describe(code, crate::cuGetErrorString)
             .unwrap_or_else(|| "the driver has no description for this code".into());
-        DriverError {
-            call,
-            code,
-            name,
-            description,
-        }
+        DriverError { call, code, name, description }
     }
 }
 
@@ -44,11 +38,7 @@ fn describe(code: CUresult, describer: Describer) -> Option<String> {
         return None;
     }
     // SAFETY: on success the driver set `text` to a NUL-terminated string with static lifetime.
-    Some(
-        unsafe { CStr::from_ptr(text) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    Some(unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned())
 }
 
 /// A driver call that could not be made or that failed.

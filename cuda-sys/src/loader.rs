@@ -29,9 +29,7 @@ pub enum LoadError {
         reason: String,
     },
     /// The library was opened but lacks a function (a driver older than the pinned `cuda.h`).
-    #[error(
-        "the CUDA driver library {library} has no function `{symbol}` (driver too old?): {reason}"
-    )]
+    #[error("the CUDA driver library {library} has no function `{symbol}` (driver too old?): {reason}")]
     SymbolNotFound {
         /// The versioned symbol name, as `cuda.h` maps it (`cuMemAlloc_v2`).
         symbol: &'static str,
@@ -57,18 +55,12 @@ impl Driver {
             // driver library (or one a user named deliberately), whose initialisers are sound.
             match unsafe { Library::new(path) } {
                 Ok(library) => {
-                    return Ok(Driver {
-                        library,
-                        path: path.to_string(),
-                    });
+                    return Ok(Driver { library, path: path.to_string() });
                 }
                 Err(error) => reason = error.to_string(),
             }
         }
-        Err(LoadError::LibraryNotFound {
-            tried: candidates.join(", "),
-            reason,
-        })
+        Err(LoadError::LibraryNotFound { tried: candidates.join(", "), reason })
     }
 
     /// The path or file name this library was opened from.
@@ -83,11 +75,9 @@ impl Driver {
         let found = unsafe { self.library.get::<*const c_void>(symbol.as_bytes()) };
         match found {
             Ok(address) => Ok(*address),
-            Err(error) => Err(LoadError::SymbolNotFound {
-                symbol,
-                library: self.path.clone(),
-                reason: error.to_string(),
-            }),
+            Err(error) => {
+                Err(LoadError::SymbolNotFound { symbol, library: self.path.clone(), reason: error.to_string() })
+            }
         }
     }
 }
@@ -123,17 +113,12 @@ pub struct LazySymbol {
 impl LazySymbol {
     /// A symbol not yet resolved.
     pub const fn new(name: &'static str) -> Self {
-        LazySymbol {
-            name,
-            address: OnceLock::new(),
-        }
+        LazySymbol { name, address: OnceLock::new() }
     }
 
     /// The symbol's address in the driver library.
     pub fn address(&self) -> Result<*const c_void, LoadError> {
-        let resolved = self
-            .address
-            .get_or_init(|| library()?.symbol(self.name).map(|address| address as usize));
+        let resolved = self.address.get_or_init(|| library()?.symbol(self.name).map(|address| address as usize));
         match resolved {
             Ok(address) => Ok(*address as *const c_void),
             Err(error) => Err(error.clone()),

@@ -14,10 +14,7 @@ fn a_missing_library_is_an_error_naming_what_was_tried() {
         }
         other => panic!("unexpected {other:?}"),
     }
-    assert!(
-        error.to_string().contains("CUDA_SYS_LIBCUDA"),
-        "the message says what to do: {error}"
-    );
+    assert!(error.to_string().contains("CUDA_SYS_LIBCUDA"), "the message says what to do: {error}");
 }
 
 #[test]
@@ -25,16 +22,8 @@ fn a_missing_symbol_is_an_error_naming_it() {
     // The C library loads everywhere and has no CUDA functions.
     let libc = Driver::open(&["libc.so.6"]).expect("libc loads");
     assert_eq!(libc.path(), "libc.so.6");
-    let error = libc
-        .symbol("cuMemAlloc_v2")
-        .expect_err("libc has no cuMemAlloc_v2");
-    assert!(matches!(
-        error,
-        LoadError::SymbolNotFound {
-            symbol: "cuMemAlloc_v2",
-            ..
-        }
-    ));
+    let error = libc.symbol("cuMemAlloc_v2").expect_err("libc has no cuMemAlloc_v2");
+    assert!(matches!(error, LoadError::SymbolNotFound { symbol: "cuMemAlloc_v2", .. }));
     assert!(error.to_string().contains("cuMemAlloc_v2"));
     assert!(libc.symbol("malloc").is_ok());
 }
@@ -53,16 +42,10 @@ fn calls_without_a_driver_return_the_load_error() {
     let mut pointer = 0;
     // SAFETY: `pointer` is a valid out-pointer; the call cannot reach a driver anyway.
     let result = unsafe { cuda_sys::driver!(cuMemAlloc(&mut pointer, 16)) };
-    assert!(matches!(
-        result,
-        Err(Error::Load(LoadError::LibraryNotFound { .. }))
-    ));
+    assert!(matches!(result, Err(Error::Load(LoadError::LibraryNotFound { .. }))));
 }
 
 #[test]
 fn success_checks_to_ok() {
-    assert_eq!(
-        cuda_sys::check("cuInit", Ok(cuda_sys::CUresult::CUDA_SUCCESS)),
-        Ok(())
-    );
+    assert_eq!(cuda_sys::check("cuInit", Ok(cuda_sys::CUresult::CUDA_SUCCESS)), Ok(()));
 }

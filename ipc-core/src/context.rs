@@ -77,11 +77,7 @@ impl Context {
         self.bind()?;
         // SAFETY: `peer.raw` is a retained context; flags must be 0.
         match unsafe { driver!(cuCtxEnablePeerAccess(peer.raw, 0)) } {
-            Err(e)
-                if e.code() == Some(cuda_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) =>
-            {
-                Ok(())
-            }
+            Err(e) if e.code() == Some(cuda_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) => Ok(()),
             other => Ok(other?),
         }
     }

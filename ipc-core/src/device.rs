@@ -12,9 +12,7 @@ use crate::{Error, Result};
 pub(crate) fn init() -> Result<()> {
     static INIT: OnceLock<Result<(), cuda_sys::Error>> = OnceLock::new();
     // SAFETY: cuInit has no pointer arguments.
-    INIT.get_or_init(|| unsafe { driver!(cuInit(0)) })
-        .clone()
-        .map_err(Error::from)
+    INIT.get_or_init(|| unsafe { driver!(cuInit(0)) }).clone().map_err(Error::from)
 }
 
 /// A GPU's UUID: how a device is named between processes, whose ordinals may differ
@@ -48,12 +46,7 @@ impl FromStr for Uuid {
     /// Parses the `GPU-...` form (the prefix and dashes are optional).
     fn from_str(text: &str) -> Result<Self> {
         let bad = || Error::InvalidArgument(format!("{text:?} is not a GPU UUID"));
-        let hex: Vec<u8> = text
-            .strip_prefix("GPU-")
-            .unwrap_or(text)
-            .bytes()
-            .filter(|&b| b != b'-')
-            .collect();
+        let hex: Vec<u8> = text.strip_prefix("GPU-").unwrap_or(text).bytes().filter(|&b| b != b'-').collect();
         if hex.len() != 32 {
             return Err(bad());
         }
@@ -138,18 +131,8 @@ impl Device {
     pub fn name(&self) -> Result<String> {
         let mut name = [0 as std::ffi::c_char; 256];
         // SAFETY: the buffer holds `name.len()` bytes, as the call is told.
-        unsafe {
-            driver!(cuDeviceGetName(
-                name.as_mut_ptr(),
-                name.len() as i32,
-                self.raw
-            ))
-        }?;
-        let bytes: Vec<u8> = name
-            .iter()
-            .take_while(|&&c| c != 0)
-            .map(|&c| c as u8)
-            .collect();
+        unsafe { driver!(cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, self.raw)) }?;
+        let bytes: Vec<u8> = name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
@@ -176,17 +159,11 @@ mod tests {
 
     #[test]
     fn uuid_round_trips_through_text() {
-        let uuid = Uuid([
-            0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 1, 2, 3, 4, 5, 6, 7, 8,
-        ]);
+        let uuid = Uuid([0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 1, 2, 3, 4, 5, 6, 7, 8]);
         let text = uuid.to_string();
         assert_eq!(text, "GPU-12345678-9abc-def0-0102-030405060708");
         assert_eq!(text.parse::<Uuid>().unwrap(), uuid);
         assert!("GPU-1234".parse::<Uuid>().is_err());
-        assert!(
-            "GPU-zz345678-9abc-def0-0102-030405060708"
-                .parse::<Uuid>()
-                .is_err()
-        );
+        assert!("GPU-zz345678-9abc-def0-0102-030405060708".parse::<Uuid>().is_err());
     }
 }

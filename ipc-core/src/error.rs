@@ -13,9 +13,7 @@ pub enum Error {
     #[error(transparent)]
     Cuda(#[from] cuda_sys::Error),
     /// A device ordinal beyond what this process sees.
-    #[error(
-        "there is no CUDA device {ordinal}: this process sees {count} (check CUDA_VISIBLE_DEVICES)"
-    )]
+    #[error("there is no CUDA device {ordinal}: this process sees {count} (check CUDA_VISIBLE_DEVICES)")]
     NoSuchDevice {
         /// The ordinal asked for.
         ordinal: i32,
@@ -81,10 +79,7 @@ impl Error {
     }
 
     pub(crate) fn os(what: &'static str, source: impl Into<std::io::Error>) -> Self {
-        Error::Os {
-            what,
-            source: source.into(),
-        }
+        Error::Os { what, source: source.into() }
     }
 }
 

@@ -28,8 +28,7 @@ impl Event {
 
     /// An event that can be exported to another process with [`Event::export`].
     pub fn interprocess(context: &Arc<Context>) -> Result<Event> {
-        let flags =
-            CUevent_flags::CU_EVENT_INTERPROCESS.0 | CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        let flags = CUevent_flags::CU_EVENT_INTERPROCESS.0 | CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
         Event::create(context, flags, true)
     }
 
@@ -38,11 +37,7 @@ impl Event {
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the context is current.
         unsafe { driver!(cuEventCreate(&mut raw, flags)) }?;
-        Ok(Event {
-            raw,
-            context: context.clone(),
-            interprocess,
-        })
+        Ok(Event { raw, context: context.clone(), interprocess })
     }
 
     /// The driver's handle.
@@ -78,18 +73,14 @@ impl Event {
         match unsafe { cuda_sys::cuEventQuery(self.raw) }.map_err(cuda_sys::Error::from)? {
             CUresult::CUDA_SUCCESS => Ok(true),
             CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            code => {
-                Err(cuda_sys::Error::from(cuda_sys::DriverError::new("cuEventQuery", code)).into())
-            }
+            code => Err(cuda_sys::Error::from(cuda_sys::DriverError::new("cuEventQuery", code)).into()),
         }
     }
 
     /// The handle another process opens with [`Event::import`].
     pub fn export(&self) -> Result<IpcEventHandle> {
         if !self.interprocess {
-            return Err(Error::InvalidArgument(
-                "only events made with Event::interprocess can be exported".into(),
-            ));
+            return Err(Error::InvalidArgument("only events made with Event::interprocess can be exported".into()));
         }
         self.context.bind()?;
         let mut handle = cuda_sys::CUipcEventHandle::default();
@@ -107,26 +98,18 @@ impl Event {
     /// Opens another process's event, on the device it was made on.
     pub fn import(handle: &IpcEventHandle) -> Result<Event> {
         let context = Context::primary(Device::by_uuid(&handle.0.device)?)?;
-        let raw_handle = cuda_sys::CUipcEventHandle {
-            reserved: handle.0.raw.map(|b| b as _),
-        };
+        let raw_handle = cuda_sys::CUipcEventHandle { reserved: handle.0.raw.map(|b| b as _) };
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the handle bytes are passed by value.
         unsafe { driver!(cuIpcOpenEventHandle(&mut raw, raw_handle)) }?;
-        Ok(Event {
-            raw,
-            context,
-            interprocess: true,
-        })
+        Ok(Event { raw, context, interprocess: true })
     }
 }
 
 impl Drop for Event {
     fn drop(&mut self) {
         // SAFETY: `raw` is live and owned (imported events are destroyed the same way).
-        crate::release_in(&self.context, || unsafe {
-            driver!(cuEventDestroy_v2(self.raw))
-        });
+        crate::release_in(&self.context, || unsafe { driver!(cuEventDestroy_v2(self.raw)) });
     }
 }
 

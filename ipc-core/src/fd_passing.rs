@@ -9,8 +9,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 
 use rustix::io::Errno;
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags, recvmsg, sendmsg,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage,
+    SendFlags, recvmsg, sendmsg,
 };
 
 use crate::{Error, Result};
@@ -21,31 +21,19 @@ pub const MAX_FDS: usize = 32;
 /// Sends all of `bytes` with `fds` attached to the first byte.
 pub fn send(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
     if fds.len() > MAX_FDS {
-        return Err(Error::InvalidArgument(format!(
-            "{} descriptors in one message; at most {MAX_FDS}",
-            fds.len()
-        )));
+        return Err(Error::InvalidArgument(format!("{} descriptors in one message; at most {MAX_FDS}", fds.len())));
     }
     if bytes.is_empty() && !fds.is_empty() {
-        return Err(Error::InvalidArgument(
-            "descriptors must travel with at least one byte".into(),
-        ));
+        return Err(Error::InvalidArgument("descriptors must travel with at least one byte".into()));
     }
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
-        return Err(Error::InvalidArgument(
-            "descriptors do not fit the control buffer".into(),
-        ));
+        return Err(Error::InvalidArgument("descriptors do not fit the control buffer".into()));
     }
     let mut sent = 0;
     while sent < bytes.len() {
-        match sendmsg(
-            &socket,
-            &[IoSlice::new(&bytes[sent..])],
-            &mut control,
-            SendFlags::NOSIGNAL,
-        ) {
+        match sendmsg(&socket, &[IoSlice::new(&bytes[sent..])], &mut control, SendFlags::NOSIGNAL) {
             Ok(n) => {
                 sent += n;
                 // The descriptors went with the first chunk.
@@ -67,12 +55,7 @@ pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> 
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let message = loop {
-        match recvmsg(
-            &socket,
-            &mut [IoSliceMut::new(buf)],
-            &mut control,
-            RecvFlags::CMSG_CLOEXEC,
-        ) {
+        match recvmsg(&socket, &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC) {
             Ok(message) => break message,
             Err(Errno::INTR) => continue,
             Err(errno) => return Err(Error::os("recvmsg", errno)),
@@ -85,15 +68,10 @@ pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> 
         }
     }
     if message.flags.contains(ReturnFlags::TRUNC) {
-        return Err(Error::InvalidArgument(format!(
-            "a message longer than the {}-byte buffer",
-            buf.len()
-        )));
+        return Err(Error::InvalidArgument(format!("a message longer than the {}-byte buffer", buf.len())));
     }
     if message.flags.contains(ReturnFlags::CTRUNC) {
-        return Err(Error::InvalidArgument(format!(
-            "the peer sent more than {MAX_FDS} descriptors in one message"
-        )));
+        return Err(Error::InvalidArgument(format!("the peer sent more than {MAX_FDS} descriptors in one message")));
     }
     Ok((message.bytes, fds))
 }
@@ -102,10 +80,9 @@ pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> 
 pub fn check_open(fd: RawFd) -> Result<()> {
     match std::fs::symlink_metadata(format!("/proc/self/fd/{fd}")) {
         Ok(_) if fd >= 0 => Ok(()),
-        Ok(_) => Err(Error::BadDescriptor {
-            fd,
-            source: std::io::Error::from_raw_os_error(Errno::BADF.raw_os_error()),
-        }),
+        Ok(_) => {
+            Err(Error::BadDescriptor { fd, source: std::io::Error::from_raw_os_error(Errno::BADF.raw_os_error()) })
+        }
         Err(source) => Err(Error::BadDescriptor { fd, source }),
     }
 }
@@ -120,9 +97,7 @@ mod tests {
     #[test]
     fn descriptors_travel_with_bytes() {
         let (a, b) = UnixStream::pair().unwrap();
-        let mut file = std::fs::File::from(
-            rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap(),
-        );
+        let mut file = std::fs::File::from(rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap());
         file.write_all(b"shared").unwrap();
         send(&a, b"hello", &[file.as_fd()]).unwrap();
         let mut buf = [0u8; 16];
@@ -148,18 +123,9 @@ mod tests {
     fn bad_arguments_are_errors() {
         let (a, _b) = UnixStream::pair().unwrap();
         let fds: Vec<BorrowedFd<'_>> = (0..=MAX_FDS).map(|_| a.as_fd()).collect();
-        assert!(matches!(
-            send(&a, b"x", &fds),
-            Err(Error::InvalidArgument(_))
-        ));
-        assert!(matches!(
-            send(&a, b"", &[a.as_fd()]),
-            Err(Error::InvalidArgument(_))
-        ));
-        assert!(matches!(
-            check_open(987_654),
-            Err(Error::BadDescriptor { fd: 987_654, .. })
-        ));
+        assert!(matches!(send(&a, b"x", &fds), Err(Error::InvalidArgument(_))));
+        assert!(matches!(send(&a, b"", &[a.as_fd()]), Err(Error::InvalidArgument(_))));
+        assert!(matches!(check_open(987_654), Err(Error::BadDescriptor { fd: 987_654, .. })));
         assert!(matches!(check_open(-1), Err(Error::BadDescriptor { .. })));
         assert!(check_open(0).is_ok() || check_open(1).is_ok());
     }

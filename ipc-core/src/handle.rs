@@ -27,9 +27,7 @@ impl HostId {
                 Ok(HostId(uuid.0))
             })
             .clone()
-            .map_err(|message| {
-                Error::os("identifying this machine", std::io::Error::other(message))
-            })
+            .map_err(|message| Error::os("identifying this machine", std::io::Error::other(message)))
     }
 }
 
@@ -85,44 +83,28 @@ impl Envelope {
     pub fn decode(bytes: &[u8], kind: HandleKind) -> Result<Envelope> {
         let malformed = |what: &str| Error::MalformedHandle(what.to_string());
         if bytes.len() != ENCODED_LEN {
-            return Err(malformed(&format!(
-                "{} bytes, expected {ENCODED_LEN}",
-                bytes.len()
-            )));
+            return Err(malformed(&format!("{} bytes, expected {ENCODED_LEN}", bytes.len())));
         }
         if bytes[..4] != MAGIC {
             return Err(malformed("bad magic"));
         }
         if bytes[4] != VERSION {
-            return Err(malformed(&format!(
-                "version {} (this build reads {VERSION})",
-                bytes[4]
-            )));
+            return Err(malformed(&format!("version {} (this build reads {VERSION})", bytes[4])));
         }
         if bytes[5] != kind as u8 {
-            return Err(malformed(&format!(
-                "kind {} where {kind:?} was expected",
-                bytes[5]
-            )));
+            return Err(malformed(&format!("kind {} where {kind:?} was expected", bytes[5])));
         }
-        let field = |range: std::ops::Range<usize>| -> [u8; 16] {
-            bytes[range].try_into().unwrap_or_default()
-        };
+        let field = |range: std::ops::Range<usize>| -> [u8; 16] { bytes[range].try_into().unwrap_or_default() };
         let envelope = Envelope {
             kind,
             host: HostId(field(8..24)),
             device: Uuid(field(24..40)),
             len: u64::from_le_bytes(bytes[40..48].try_into().unwrap_or_default()),
-            raw: bytes[48..]
-                .try_into()
-                .map_err(|_| malformed("short raw handle"))?,
+            raw: bytes[48..].try_into().map_err(|_| malformed("short raw handle"))?,
         };
         let ours = HostId::current()?;
         if envelope.host != ours {
-            return Err(Error::ForeignHost {
-                ours,
-                theirs: envelope.host,
-            });
+            return Err(Error::ForeignHost { ours, theirs: envelope.host });
         }
         Ok(envelope)
     }
@@ -145,10 +127,7 @@ mod tests {
     #[test]
     fn round_trip() {
         let envelope = sample();
-        assert_eq!(
-            Envelope::decode(&envelope.encode(), HandleKind::Memory).unwrap(),
-            envelope
-        );
+        assert_eq!(Envelope::decode(&envelope.encode(), HandleKind::Memory).unwrap(), envelope);
     }
 
     #[test]

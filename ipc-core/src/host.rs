@@ -29,9 +29,7 @@ impl PinnedHostBuffer {
     /// Allocates `len` zeroed bytes.
     pub fn alloc(context: &Arc<Context>, len: usize) -> Result<PinnedHostBuffer> {
         if len == 0 {
-            return Err(Error::InvalidArgument(
-                "a pinned allocation needs at least one byte".into(),
-            ));
+            return Err(Error::InvalidArgument("a pinned allocation needs at least one byte".into()));
         }
         context.bind()?;
         let mut ptr = std::ptr::null_mut();
@@ -40,12 +38,7 @@ impl PinnedHostBuffer {
         unsafe { driver!(cuMemHostAlloc(&mut ptr, len, flags)) }?;
         // SAFETY: `ptr` is a fresh allocation of `len` bytes that nothing else references yet.
         unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
-        let mut buffer = PinnedHostBuffer {
-            ptr: ptr.cast(),
-            device_ptr: 0,
-            len,
-            context: context.clone(),
-        };
+        let mut buffer = PinnedHostBuffer { ptr: ptr.cast(), device_ptr: 0, len, context: context.clone() };
         buffer.device_ptr = device_pointer(context, buffer.ptr)?;
         Ok(buffer)
     }
@@ -79,9 +72,7 @@ impl DeviceMemory for PinnedHostBuffer {
 impl Drop for PinnedHostBuffer {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from cuMemHostAlloc and is freed once.
-        crate::release_in(&self.context, || unsafe {
-            driver!(cuMemFreeHost(self.ptr.cast()))
-        });
+        crate::release_in(&self.context, || unsafe { driver!(cuMemFreeHost(self.ptr.cast())) });
     }
 }
 
@@ -114,8 +105,7 @@ unsafe impl Sync for SharedMemory {}
 impl SharedMemory {
     /// Creates `len` zeroed bytes of anonymous shared memory named `name` (for debugging only).
     pub fn create(name: &str, len: usize) -> Result<SharedMemory> {
-        let fd =
-            memfd_create(name, MemfdFlags::CLOEXEC).map_err(|e| Error::os("memfd_create", e))?;
+        let fd = memfd_create(name, MemfdFlags::CLOEXEC).map_err(|e| Error::os("memfd_create", e))?;
         ftruncate(&fd, len as u64).map_err(|e| Error::os("ftruncate", e))?;
         SharedMemory::map(fd, len)
     }
@@ -124,39 +114,20 @@ impl SharedMemory {
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<SharedMemory> {
         let size = fstat(&fd).map_err(|e| Error::os("fstat", e))?.st_size;
         if (size as u64) < len as u64 {
-            return Err(Error::OutOfBounds {
-                offset: 0,
-                count: len,
-                len: size as usize,
-            });
+            return Err(Error::OutOfBounds { offset: 0, count: len, len: size as usize });
         }
         SharedMemory::map(fd, len)
     }
 
     fn map(fd: OwnedFd, len: usize) -> Result<SharedMemory> {
         if len == 0 {
-            return Err(Error::InvalidArgument(
-                "shared memory needs at least one byte".into(),
-            ));
+            return Err(Error::InvalidArgument("shared memory needs at least one byte".into()));
         }
         let protection = ProtFlags::READ | ProtFlags::WRITE;
         // SAFETY: a fresh shared mapping at an address the kernel chooses aliases no Rust object.
-        let ptr = unsafe {
-            mmap(
-                std::ptr::null_mut(),
-                len,
-                protection,
-                MapFlags::SHARED,
-                &fd,
-                0,
-            )
-        }
-        .map_err(|e| Error::os("mmap", e))?;
-        Ok(SharedMemory {
-            fd,
-            ptr: ptr.cast(),
-            len,
-        })
+        let ptr = unsafe { mmap(std::ptr::null_mut(), len, protection, MapFlags::SHARED, &fd, 0) }
+            .map_err(|e| Error::os("mmap", e))?;
+        Ok(SharedMemory { fd, ptr: ptr.cast(), len })
     }
 
     /// The descriptor, to send to another process.
@@ -197,11 +168,7 @@ impl SharedMemory {
         let flags = cuda_sys::CU_MEMHOSTREGISTER_PORTABLE | cuda_sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: the range is a live mapping owned by `self`, which the result keeps alive.
         unsafe { driver!(cuMemHostRegister_v2(self.ptr.cast(), self.len, flags)) }?;
-        let mut pinned = PinnedSharedMemory {
-            memory: self,
-            device_ptr: 0,
-            context: context.clone(),
-        };
+        let mut pinned = PinnedSharedMemory { memory: self, device_ptr: 0, context: context.clone() };
         pinned.device_ptr = device_pointer(context, pinned.memory.ptr)?;
         Ok(pinned)
     }
@@ -252,9 +219,7 @@ impl DeviceMemory for PinnedSharedMemory {
 impl Drop for PinnedSharedMemory {
     fn drop(&mut self) {
         // SAFETY: the range was registered in `pin` and is unregistered once, before it is unmapped.
-        crate::release_in(&self.context, || unsafe {
-            driver!(cuMemHostUnregister(self.memory.ptr.cast()))
-        });
+        crate::release_in(&self.context, || unsafe { driver!(cuMemHostUnregister(self.memory.ptr.cast())) });
     }
 }
 
@@ -276,13 +241,7 @@ mod tests {
     fn a_file_shorter_than_asked_is_refused() {
         let memory = SharedMemory::create("short", 100).unwrap();
         let fd = memory.fd().try_clone_to_owned().unwrap();
-        assert!(matches!(
-            SharedMemory::from_fd(fd, 4096),
-            Err(Error::OutOfBounds { len: 100, .. })
-        ));
-        assert!(matches!(
-            SharedMemory::create("empty", 0),
-            Err(Error::InvalidArgument(_))
-        ));
+        assert!(matches!(SharedMemory::from_fd(fd, 4096), Err(Error::OutOfBounds { len: 100, .. })));
+        assert!(matches!(SharedMemory::create("empty", 0), Err(Error::InvalidArgument(_))));
     }
 }

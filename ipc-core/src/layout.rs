@@ -17,10 +17,7 @@ pub fn strided_byte_span(shape: &[u64], strides: &[i64], elem_size: usize) -> Op
         }
     }
     let size = i64::try_from(elem_size).ok()?;
-    Some((
-        low.checked_mul(size)?,
-        high.checked_add(1)?.checked_mul(size)?,
-    ))
+    Some((low.checked_mul(size)?, high.checked_add(1)?.checked_mul(size)?))
 }
 
 #[cfg(test)]
@@ -32,16 +29,8 @@ mod tests {
         assert_eq!(strided_byte_span(&[3, 2], &[1, 3], 4), Some((0, 24)));
         assert_eq!(strided_byte_span(&[4], &[-1], 2), Some((-6, 2)));
         assert_eq!(strided_byte_span(&[4, 0], &[1, 1], 2), Some((0, 0)));
-        assert_eq!(
-            strided_byte_span(&[], &[], 8),
-            Some((0, 8)),
-            "a scalar is one element"
-        );
+        assert_eq!(strided_byte_span(&[], &[], 8), Some((0, 8)), "a scalar is one element");
         assert_eq!(strided_byte_span(&[u64::MAX], &[2], 1), None);
-        assert_eq!(
-            strided_byte_span(&[5], &[0], 4),
-            Some((0, 4)),
-            "broadcast views touch one element"
-        );
+        assert_eq!(strided_byte_span(&[5], &[0], 4), Some((0, 4)), "broadcast views touch one element");
     }
 }

@@ -50,10 +50,7 @@ pub use vmm::VmmAllocation;
 pub use cuda_sys as sys;
 
 /// Runs a release call from `Drop` with `context` current, logging a failure (crate policy).
-pub(crate) fn release_in(
-    context: &Context,
-    call: impl FnOnce() -> std::result::Result<(), cuda_sys::Error>,
-) {
+pub(crate) fn release_in(context: &Context, call: impl FnOnce() -> std::result::Result<(), cuda_sys::Error>) {
     release(context.bind_raw().and_then(|()| call()));
 }
 

@@ -49,14 +49,7 @@ pub trait DeviceMemory {
     fn memset_async(&self, value: u8, stream: &Stream) -> Result<()> {
         self.context().bind()?;
         // SAFETY: the whole allocation is written; the stream is live.
-        unsafe {
-            driver!(cuMemsetD8Async(
-                self.device_ptr(),
-                value,
-                self.len(),
-                stream.raw()
-            ))
-        }?;
+        unsafe { driver!(cuMemsetD8Async(self.device_ptr(), value, self.len(), stream.raw())) }?;
         Ok(())
     }
 }
@@ -65,12 +58,7 @@ pub trait DeviceMemory {
 ///
 /// Between devices with peer access the copy engine moves the bytes over the link (NVLink or PCIe);
 /// otherwise the driver stages them through the host.
-pub fn copy_peer_async(
-    dst: &dyn DeviceMemory,
-    src: &dyn DeviceMemory,
-    len: usize,
-    stream: &Stream,
-) -> Result<()> {
+pub fn copy_peer_async(dst: &dyn DeviceMemory, src: &dyn DeviceMemory, len: usize, stream: &Stream) -> Result<()> {
     check_range(0, len, dst.len())?;
     check_range(0, len, src.len())?;
     stream.context().bind()?;
@@ -100,19 +88,13 @@ impl DeviceBuffer {
     /// Allocates `len` bytes (uninitialised) in `context`.
     pub fn alloc(context: &Arc<Context>, len: usize) -> Result<DeviceBuffer> {
         if len == 0 {
-            return Err(Error::InvalidArgument(
-                "a device allocation needs at least one byte".into(),
-            ));
+            return Err(Error::InvalidArgument("a device allocation needs at least one byte".into()));
         }
         context.bind()?;
         let mut ptr = 0;
         // SAFETY: `ptr` is a valid out-pointer; the context is current.
         unsafe { driver!(cuMemAlloc_v2(&mut ptr, len)) }?;
-        Ok(DeviceBuffer {
-            ptr,
-            len,
-            context: context.clone(),
-        })
+        Ok(DeviceBuffer { ptr, len, context: context.clone() })
     }
 
     /// A legacy IPC handle another process can open with [`ImportedIpcMemory::open`].
@@ -204,18 +186,12 @@ impl ImportedIpcMemory {
     /// the process's working life, or opening after the last mapping closed rebuilds it.
     pub fn open(handle: &IpcMemHandle) -> Result<ImportedIpcMemory> {
         let context = Context::primary(Device::by_uuid(&handle.device())?)?;
-        let raw = cuda_sys::CUipcMemHandle {
-            reserved: handle.0.raw.map(|b| b as _),
-        };
+        let raw = cuda_sys::CUipcMemHandle { reserved: handle.0.raw.map(|b| b as _) };
         let mut ptr = 0;
         let flags = CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.0;
         // SAFETY: `ptr` is a valid out-pointer; the handle is passed by value; context is current.
         unsafe { driver!(cuIpcOpenMemHandle_v2(&mut ptr, raw, flags)) }?;
-        Ok(ImportedIpcMemory {
-            ptr,
-            len: handle.len(),
-            context,
-        })
+        Ok(ImportedIpcMemory { ptr, len: handle.len(), context })
     }
 }
 
@@ -234,8 +210,6 @@ impl DeviceMemory for ImportedIpcMemory {
 impl Drop for ImportedIpcMemory {
     fn drop(&mut self) {
         // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once, here.
-        crate::release_in(&self.context, || unsafe {
-            driver!(cuIpcCloseMemHandle(self.ptr))
-        });
+        crate::release_in(&self.context, || unsafe { driver!(cuIpcCloseMemHandle(self.ptr)) });
     }
 }

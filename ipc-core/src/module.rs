@@ -30,33 +30,24 @@ impl Module {
         let mut raw = std::ptr::null_mut();
         // SAFETY: `image` is readable for the call; the driver copies what it keeps.
         unsafe { driver!(cuModuleLoadData(&mut raw, image.as_ptr().cast())) }?;
-        Ok(Arc::new(Module {
-            raw,
-            context: context.clone(),
-        }))
+        Ok(Arc::new(Module { raw, context: context.clone() }))
     }
 
     /// The kernel called `name` (an `extern "C"` name).
     pub fn function(self: &Arc<Self>, name: &str) -> Result<Function> {
-        let c_name = CString::new(name)
-            .map_err(|_| Error::InvalidArgument(format!("{name:?} has a NUL")))?;
+        let c_name = CString::new(name).map_err(|_| Error::InvalidArgument(format!("{name:?} has a NUL")))?;
         self.context.bind()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; `c_name` is NUL-terminated; the module is loaded.
         unsafe { driver!(cuModuleGetFunction(&mut raw, self.raw, c_name.as_ptr())) }?;
-        Ok(Function {
-            raw,
-            module: self.clone(),
-        })
+        Ok(Function { raw, module: self.clone() })
     }
 }
 
 impl Drop for Module {
     fn drop(&mut self) {
         // SAFETY: the module is owned; every `Function` holds an `Arc` to it, so none outlives it.
-        crate::release_in(&self.context, || unsafe {
-            driver!(cuModuleUnload(self.raw))
-        });
+        crate::release_in(&self.context, || unsafe { driver!(cuModuleUnload(self.raw)) });
     }
 }
 
@@ -77,11 +68,7 @@ impl LaunchConfig {
     pub fn for_items(items: u64) -> LaunchConfig {
         const THREADS: u64 = 256;
         let blocks = items.div_ceil(THREADS).clamp(1, 1024) as u32;
-        LaunchConfig {
-            grid: (blocks, 1, 1),
-            block: (THREADS as u32, 1, 1),
-            shared_bytes: 0,
-        }
+        LaunchConfig { grid: (blocks, 1, 1), block: (THREADS as u32, 1, 1), shared_bytes: 0 }
     }
 }
 
@@ -104,18 +91,9 @@ impl Function {
     /// `params` must point to one argument per kernel parameter, of its exact type, in order; and
     /// every device address among them must be valid for what the kernel does with it until the
     /// kernel has finished.
-    pub unsafe fn launch(
-        &self,
-        stream: &Stream,
-        config: LaunchConfig,
-        params: &mut [*mut c_void],
-    ) -> Result<()> {
+    pub unsafe fn launch(&self, stream: &Stream, config: LaunchConfig, params: &mut [*mut c_void]) -> Result<()> {
         self.module.context.bind()?;
-        let LaunchConfig {
-            grid,
-            block,
-            shared_bytes,
-        } = config;
+        let LaunchConfig { grid, block, shared_bytes } = config;
         // SAFETY: the caller vouches for the parameters; the function and stream are live.
         unsafe {
             driver!(cuLaunchKernel(

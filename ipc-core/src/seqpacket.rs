@@ -12,20 +12,13 @@ use std::time::Duration;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use rustix::net::sockopt::{Timeout, set_socket_timeout, socket_peercred};
-use rustix::net::{
-    AddressFamily, SocketAddrUnix, SocketFlags, SocketType, accept_with, bind, connect, listen,
-};
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType, accept_with, bind, connect, listen};
 
 use crate::{Error, Result, fd_passing};
 
 fn seqpacket_socket() -> Result<OwnedFd> {
-    rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )
-    .map_err(|e| Error::os("socket(AF_UNIX, SOCK_SEQPACKET)", e))
+    rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
+        .map_err(|e| Error::os("socket(AF_UNIX, SOCK_SEQPACKET)", e))
 }
 
 fn address(path: &Path) -> Result<SocketAddrUnix> {
@@ -58,14 +51,10 @@ impl Listener {
                 Ok(_) => {
                     return Err(Error::os(
                         "binding a socket",
-                        std::io::Error::new(
-                            ErrorKind::AddrInUse,
-                            format!("{} is in use", path.display()),
-                        ),
+                        std::io::Error::new(ErrorKind::AddrInUse, format!("{} is in use", path.display())),
                     ));
                 }
-                Err(_) => std::fs::remove_file(&path)
-                    .map_err(|e| Error::os("removing a stale socket", e))?,
+                Err(_) => std::fs::remove_file(&path).map_err(|e| Error::os("removing a stale socket", e))?,
             }
         }
         let fd = seqpacket_socket()?;
@@ -88,10 +77,7 @@ impl Listener {
         if let Some(timeout) = timeout
             && !wait_readable(self.fd.as_fd(), timeout)?
         {
-            return Err(Error::os(
-                "accept",
-                std::io::Error::new(ErrorKind::TimedOut, "no peer connected in time"),
-            ));
+            return Err(Error::os("accept", std::io::Error::new(ErrorKind::TimedOut, "no peer connected in time")));
         }
         loop {
             match accept_with(&self.fd, SocketFlags::CLOEXEC) {
@@ -117,8 +103,7 @@ impl Drop for Listener {
 
 /// Whether `fd` becomes readable within `timeout`.
 pub fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> Result<bool> {
-    let timespec = Timespec::try_from(timeout)
-        .map_err(|_| Error::InvalidArgument("timeout too long".into()))?;
+    let timespec = Timespec::try_from(timeout).map_err(|_| Error::InvalidArgument("timeout too long".into()))?;
     let mut fds = [PollFd::new(&fd, PollFlags::IN)];
     loop {
         match poll(&mut fds, Some(&timespec)) {
@@ -159,13 +144,8 @@ impl Connection {
 
     /// A connected pair, for tests and threads.
     pub fn pair() -> Result<(Connection, Connection)> {
-        let (a, b) = rustix::net::socketpair(
-            AddressFamily::UNIX,
-            SocketType::SEQPACKET,
-            SocketFlags::CLOEXEC,
-            None,
-        )
-        .map_err(|e| Error::os("socketpair", e))?;
+        let (a, b) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)
+            .map_err(|e| Error::os("socketpair", e))?;
         Ok((Connection { fd: a }, Connection { fd: b }))
     }
 
@@ -182,17 +162,13 @@ impl Connection {
 
     /// Makes `recv` fail with a timeout after `timeout` (`None`: wait forever).
     pub fn set_recv_timeout(&self, timeout: Option<Duration>) -> Result<()> {
-        set_socket_timeout(&self.fd, Timeout::Recv, timeout)
-            .map_err(|e| Error::os("SO_RCVTIMEO", e))
+        set_socket_timeout(&self.fd, Timeout::Recv, timeout).map_err(|e| Error::os("SO_RCVTIMEO", e))
     }
 
     /// Who is at the other end (`SO_PEERCRED`).
     pub fn peer_credentials(&self) -> Result<PeerCredentials> {
         let credentials = socket_peercred(&self.fd).map_err(|e| Error::os("SO_PEERCRED", e))?;
-        Ok(PeerCredentials {
-            pid: credentials.pid.as_raw_nonzero().get(),
-            uid: credentials.uid.as_raw(),
-        })
+        Ok(PeerCredentials { pid: credentials.pid.as_raw_nonzero().get(), uid: credentials.uid.as_raw() })
     }
 }
 
@@ -213,10 +189,7 @@ mod tests {
         let path = dir.join("s");
         let listener = Listener::bind(&path).unwrap();
         use std::os::unix::fs::PermissionsExt;
-        assert_eq!(
-            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
-            0o600
-        );
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         let client = Connection::connect(&path).unwrap();
         let server = listener.accept(Some(Duration::from_secs(5))).unwrap();
         client.send(b"one", &[]).unwrap();
@@ -228,25 +201,15 @@ mod tests {
         assert_eq!(peer.pid as u32, std::process::id());
         assert_eq!(peer.uid, rustix::process::getuid().as_raw());
         drop(client);
-        assert_eq!(
-            server.recv(&mut buf).unwrap().0,
-            0,
-            "hang-up reads as an empty message"
-        );
-        assert!(
-            Listener::bind(&path).is_err(),
-            "a live socket is not replaced"
-        );
+        assert_eq!(server.recv(&mut buf).unwrap().0, 0, "hang-up reads as an empty message");
+        assert!(Listener::bind(&path).is_err(), "a live socket is not replaced");
         drop(listener);
         assert!(!path.exists(), "the socket file is removed");
         drop(std::os::unix::net::UnixListener::bind(&path).unwrap()); // leaves a stale socket file
         let _stale_replaced = Listener::bind(&path).unwrap();
         let not_a_socket = dir.join("file");
         std::fs::write(&not_a_socket, b"").unwrap();
-        assert!(
-            Listener::bind(&not_a_socket).is_err(),
-            "only socket files are replaced"
-        );
+        assert!(Listener::bind(&not_a_socket).is_err(), "only socket files are replaced");
     }
 
     #[test]

@@ -26,10 +26,7 @@ impl Stream {
         let flags = cuda_sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
         // SAFETY: `raw` is a valid out-pointer; the context is current.
         unsafe { driver!(cuStreamCreate(&mut raw, flags)) }?;
-        Ok(Stream {
-            raw,
-            context: context.clone(),
-        })
+        Ok(Stream { raw, context: context.clone() })
     }
 
     /// The stream's context.
@@ -65,9 +62,7 @@ impl Stream {
         match unsafe { cuda_sys::cuStreamQuery(self.raw) }.map_err(cuda_sys::Error::from)? {
             CUresult::CUDA_SUCCESS => Ok(true),
             CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            code => {
-                Err(cuda_sys::Error::from(cuda_sys::DriverError::new("cuStreamQuery", code)).into())
-            }
+            code => Err(cuda_sys::Error::from(cuda_sys::DriverError::new("cuStreamQuery", code)).into()),
         }
     }
 }
@@ -75,8 +70,6 @@ impl Stream {
 impl Drop for Stream {
     fn drop(&mut self) {
         // SAFETY: `raw` is live and owned; queued work still completes after destruction.
-        crate::release_in(&self.context, || unsafe {
-            driver!(cuStreamDestroy_v2(self.raw))
-        });
+        crate::release_in(&self.context, || unsafe { driver!(cuStreamDestroy_v2(self.raw)) });
     }
 }

@@ -59,11 +59,7 @@ impl PeerLink {
             from,
             to,
             can_access_peer,
-            performance_rank: if can_access_peer {
-                raw.performance_rank
-            } else {
-                0
-            },
+            performance_rank: if can_access_peer { raw.performance_rank } else { 0 },
             native_atomics: can_access_peer && raw.native_atomic != 0,
             interconnect: match raw.nvml_nvlink_status {
                 None => Interconnect::Unknown,
@@ -100,11 +96,7 @@ impl Topology {
         let devices = Device::all()?;
         let mut summaries = Vec::new();
         for device in &devices {
-            summaries.push(DeviceSummary {
-                ordinal: device.ordinal(),
-                uuid: device.uuid()?,
-                name: device.name()?,
-            });
+            summaries.push(DeviceSummary { ordinal: device.ordinal(), uuid: device.uuid()?, name: device.name()? });
         }
         let nvml = nvml::Nvml::open();
         let mut links = Vec::new();
@@ -112,57 +104,30 @@ impl Topology {
             for to in devices.iter().filter(|to| *to != from) {
                 let mut raw = RawPeerAttributes::default();
                 // SAFETY: the out-pointer is valid; both devices came from the driver.
-                unsafe {
-                    driver!(cuDeviceCanAccessPeer(
-                        &mut raw.can_access_peer,
-                        from.raw(),
-                        to.raw()
-                    ))
-                }?;
-                raw.performance_rank = peer_attribute(
-                    from,
-                    to,
-                    CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK,
-                )?;
-                raw.native_atomic = peer_attribute(
-                    from,
-                    to,
-                    CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED,
-                )?;
+                unsafe { driver!(cuDeviceCanAccessPeer(&mut raw.can_access_peer, from.raw(), to.raw())) }?;
+                raw.performance_rank =
+                    peer_attribute(from, to, CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK)?;
+                raw.native_atomic =
+                    peer_attribute(from, to, CUdevice_P2PAttribute::CU_DEVICE_P2P_ATTRIBUTE_NATIVE_ATOMIC_SUPPORTED)?;
                 raw.nvml_nvlink_status = nvml.as_ref().and_then(|nvml| {
-                    nvml.nvlink_status(
-                        &summaries[from.ordinal() as usize].uuid,
-                        &summaries[to.ordinal() as usize].uuid,
-                    )
+                    nvml.nvlink_status(&summaries[from.ordinal() as usize].uuid, &summaries[to.ordinal() as usize].uuid)
                 });
                 links.push(PeerLink::decode(from.ordinal(), to.ordinal(), raw));
             }
         }
-        Ok(Topology {
-            devices: summaries,
-            links,
-        })
+        Ok(Topology { devices: summaries, links })
     }
 
     /// The link from one ordinal to another.
     pub fn link(&self, from: i32, to: i32) -> Option<&PeerLink> {
-        self.links
-            .iter()
-            .find(|link| link.from == from && link.to == to)
+        self.links.iter().find(|link| link.from == from && link.to == to)
     }
 }
 
 fn peer_attribute(from: &Device, to: &Device, attribute: CUdevice_P2PAttribute) -> Result<i32> {
     let mut value = 0;
     // SAFETY: the out-pointer is valid; both devices came from the driver.
-    unsafe {
-        driver!(cuDeviceGetP2PAttribute(
-            &mut value,
-            attribute,
-            from.raw(),
-            to.raw()
-        ))
-    }?;
+    unsafe { driver!(cuDeviceGetP2PAttribute(&mut value, attribute, from.raw(), to.raw())) }?;
     Ok(value)
 }
 
@@ -211,8 +176,7 @@ mod nvml {
             // SAFETY: loading the NVIDIA management library runs its initialisers, which are sound.
             let library = unsafe { Library::new("libnvidia-ml.so.1") }.ok()?;
             // SAFETY: `nvmlInit_v2` takes no arguments and returns a status code.
-            let init =
-                unsafe { library.get::<unsafe extern "C" fn() -> c_int>(b"nvmlInit_v2") }.ok()?;
+            let init = unsafe { library.get::<unsafe extern "C" fn() -> c_int>(b"nvmlInit_v2") }.ok()?;
             // SAFETY: as above.
             (unsafe { init() } == SUCCESS).then_some(Nvml { library })
         }
@@ -220,8 +184,7 @@ mod nvml {
         fn handle(&self, uuid: &Uuid) -> Option<Handle> {
             type ByUuid = unsafe extern "C" fn(*const c_char, *mut Handle) -> c_int;
             // SAFETY: the signature is NVML's `nvmlDeviceGetHandleByUUID`.
-            let by_uuid =
-                unsafe { self.library.get::<ByUuid>(b"nvmlDeviceGetHandleByUUID") }.ok()?;
+            let by_uuid = unsafe { self.library.get::<ByUuid>(b"nvmlDeviceGetHandleByUUID") }.ok()?;
             let text = CString::new(uuid.to_string()).ok()?;
             let mut handle = std::ptr::null_mut();
             // SAFETY: `text` is NUL-terminated and `handle` a valid out-pointer.
@@ -232,23 +195,18 @@ mod nvml {
         pub fn nvlink_status(&self, from: &Uuid, to: &Uuid) -> Option<i32> {
             type P2pStatus = unsafe extern "C" fn(Handle, Handle, c_int, *mut c_int) -> c_int;
             // SAFETY: the signature is NVML's `nvmlDeviceGetP2PStatus` (enums are C ints).
-            let p2p_status =
-                unsafe { self.library.get::<P2pStatus>(b"nvmlDeviceGetP2PStatus") }.ok()?;
+            let p2p_status = unsafe { self.library.get::<P2pStatus>(b"nvmlDeviceGetP2PStatus") }.ok()?;
             let (from, to) = (self.handle(from)?, self.handle(to)?);
             let mut status = 0;
             // SAFETY: both handles came from NVML; `status` is a valid out-pointer.
-            (unsafe { p2p_status(from, to, P2P_CAPS_INDEX_NVLINK, &mut status) } == SUCCESS)
-                .then_some(status)
+            (unsafe { p2p_status(from, to, P2P_CAPS_INDEX_NVLINK, &mut status) } == SUCCESS).then_some(status)
         }
     }
 
     impl Drop for Nvml {
         fn drop(&mut self) {
             // SAFETY: balances the successful `nvmlInit_v2` in `open`.
-            if let Ok(shutdown) = unsafe {
-                self.library
-                    .get::<unsafe extern "C" fn() -> c_int>(b"nvmlShutdown")
-            } {
+            if let Ok(shutdown) = unsafe { self.library.get::<unsafe extern "C" fn() -> c_int>(b"nvmlShutdown") } {
                 // SAFETY: as above.
                 unsafe { shutdown() };
             }
@@ -285,25 +243,14 @@ mod tests {
         assert!(!link.can_access_peer && !link.native_atomics);
         assert_eq!(link.performance_rank, 0);
         assert_eq!(link.interconnect, Interconnect::NotNvLink);
-        let unknown = PeerLink::decode(
-            1,
-            0,
-            RawPeerAttributes {
-                nvml_nvlink_status: None,
-                ..raw
-            },
-        );
+        let unknown = PeerLink::decode(1, 0, RawPeerAttributes { nvml_nvlink_status: None, ..raw });
         assert_eq!(unknown.interconnect, Interconnect::Unknown);
     }
 
     #[test]
     fn prints_one_line_per_device_and_link() {
         let topology = Topology {
-            devices: vec![DeviceSummary {
-                ordinal: 0,
-                uuid: Uuid([1; 16]),
-                name: "GPU A".into(),
-            }],
+            devices: vec![DeviceSummary { ordinal: 0, uuid: Uuid([1; 16]), name: "GPU A".into() }],
             links: vec![PeerLink::decode(
                 0,
                 1,
@@ -318,9 +265,7 @@ mod tests {
         let text = topology.to_string();
         assert!(text.contains("GPU0 GPU A GPU-01010101"), "{text}");
         assert!(
-            text.contains(
-                "GPU0 -> GPU1: peer access yes, rank 1, native atomics no, interconnect Unknown"
-            ),
+            text.contains("GPU0 -> GPU1: peer access yes, rank 1, native atomics no, interconnect Unknown"),
             "{text}"
         );
     }

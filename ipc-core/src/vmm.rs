@@ -8,9 +8,8 @@ use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
 use cuda_sys::{
-    CUdeviceptr, CUmemAccess_flags, CUmemAccessDesc, CUmemAllocationGranularity_flags,
-    CUmemAllocationHandleType, CUmemAllocationProp, CUmemAllocationType,
-    CUmemGenericAllocationHandle, CUmemLocation, CUmemLocationType, driver,
+    CUdeviceptr, CUmemAccess_flags, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationHandleType,
+    CUmemAllocationProp, CUmemAllocationType, CUmemGenericAllocationHandle, CUmemLocation, CUmemLocationType, driver,
 };
 
 use crate::{Context, DeviceMemory, Error, Result};
@@ -26,10 +25,7 @@ pub struct VmmAllocation {
 }
 
 fn location(context: &Context) -> CUmemLocation {
-    CUmemLocation {
-        type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-        id: context.device().ordinal(),
-    }
+    CUmemLocation { type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: context.device().ordinal() }
 }
 
 fn properties(context: &Context) -> CUmemAllocationProp {
@@ -48,22 +44,14 @@ impl VmmAllocation {
         let mut granularity = 0;
         let flag = CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
         // SAFETY: both pointers are valid for the call.
-        unsafe {
-            driver!(cuMemGetAllocationGranularity(
-                &mut granularity,
-                &properties(context),
-                flag
-            ))
-        }?;
+        unsafe { driver!(cuMemGetAllocationGranularity(&mut granularity, &properties(context), flag)) }?;
         Ok(granularity)
     }
 
     /// Allocates at least `len` bytes (rounded up to the granularity) on `context`'s device.
     pub fn new(context: &Arc<Context>, len: usize) -> Result<VmmAllocation> {
         if len == 0 {
-            return Err(Error::InvalidArgument(
-                "a VMM allocation needs at least one byte".into(),
-            ));
+            return Err(Error::InvalidArgument("a VMM allocation needs at least one byte".into()));
         }
         let granularity = VmmAllocation::granularity(context)?;
         let len = len.div_ceil(granularity) * granularity;
@@ -95,11 +83,7 @@ impl VmmAllocation {
 
     /// Reserves an address range, maps `handle` there and grants read-write access; on failure
     /// undoes what was done and releases `handle`.
-    fn map(
-        context: &Arc<Context>,
-        handle: CUmemGenericAllocationHandle,
-        len: usize,
-    ) -> Result<VmmAllocation> {
+    fn map(context: &Arc<Context>, handle: CUmemGenericAllocationHandle, len: usize) -> Result<VmmAllocation> {
         let release_handle = || {
             // SAFETY: `handle` is owned here and not mapped.
             crate::release(unsafe { driver!(cuMemRelease(handle)) });
@@ -124,12 +108,7 @@ impl VmmAllocation {
             // SAFETY: the range is mapped; `access` is one valid descriptor.
             .and_then(|()| unsafe { driver!(cuMemSetAccess(ptr, len, &access, 1)) });
         match mapped {
-            Ok(()) => Ok(VmmAllocation {
-                handle,
-                ptr,
-                len,
-                context: context.clone(),
-            }),
+            Ok(()) => Ok(VmmAllocation { handle, ptr, len, context: context.clone() }),
             Err(error) => {
                 // SAFETY: unmapping a range that may be unmapped fails harmlessly; the reservation is ours.
                 let _ = unsafe { driver!(cuMemUnmap(ptr, len)) };
@@ -147,14 +126,7 @@ impl VmmAllocation {
         let mut fd: std::ffi::c_int = -1;
         let kind = CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
         // SAFETY: for POSIX descriptors the driver writes an `int` through the pointer.
-        unsafe {
-            driver!(cuMemExportToShareableHandle(
-                (&raw mut fd).cast(),
-                self.handle,
-                kind,
-                0
-            ))
-        }?;
+        unsafe { driver!(cuMemExportToShareableHandle((&raw mut fd).cast(), self.handle, kind, 0)) }?;
         // SAFETY: on success `fd` is a new descriptor that nothing else owns.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }

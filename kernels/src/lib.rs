@@ -15,9 +15,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use ipc_core::{
-    Context, DeviceBuffer, DeviceMemory, Error, Function, LaunchConfig, Module, Result, Stream,
-};
+use ipc_core::{Context, DeviceBuffer, DeviceMemory, Error, Function, LaunchConfig, Module, Result, Stream};
 
 /// The fatbin nvcc built from `cu/kernels.cu`.
 pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
@@ -47,9 +45,7 @@ impl StridedLayout {
             )));
         }
         if ![1, 2, 4, 8].contains(&elem_size) {
-            return Err(Error::InvalidArgument(format!(
-                "element size {elem_size} is not 1, 2, 4 or 8"
-            )));
+            return Err(Error::InvalidArgument(format!("element size {elem_size} is not 1, 2, 4 or 8")));
         }
         let numel = shape
             .iter()
@@ -62,12 +58,7 @@ impl StridedLayout {
     }
 
     fn zeroed_with(elem_size: u32, numel: u64, ndim: u32) -> StridedLayout {
-        StridedLayout {
-            elem_size,
-            numel,
-            ndim,
-            ..bytemuck::Zeroable::zeroed()
-        }
+        StridedLayout { elem_size, numel, ndim, ..bytemuck::Zeroable::zeroed() }
     }
 
     /// The number of elements.
@@ -83,12 +74,8 @@ impl StridedLayout {
     /// The byte range, relative to element 0, that the view touches (empty views touch nothing).
     pub fn byte_span(&self) -> Result<(i64, i64)> {
         let ndim = self.ndim as usize;
-        ipc_core::layout::strided_byte_span(
-            &self.shape[..ndim],
-            &self.strides[..ndim],
-            self.elem_size as usize,
-        )
-        .ok_or_else(|| Error::InvalidArgument("the strided extent overflows".into()))
+        ipc_core::layout::strided_byte_span(&self.shape[..ndim], &self.strides[..ndim], self.elem_size as usize)
+            .ok_or_else(|| Error::InvalidArgument("the strided extent overflows".into()))
     }
 
     /// Checks that a view whose element 0 is `offset` bytes into `len` bytes stays inside them.
@@ -97,11 +84,7 @@ impl StridedLayout {
         let start = offset as i64 + low;
         let end = offset as i64 + high;
         if start < 0 || end > len as i64 {
-            return Err(Error::OutOfBounds {
-                offset: start.max(0) as usize,
-                count: (end - start) as usize,
-                len,
-            });
+            return Err(Error::OutOfBounds { offset: start.max(0) as usize, count: (end - start) as usize, len });
         }
         Ok(())
     }
@@ -124,10 +107,7 @@ impl Kernels {
     pub fn get(context: &Arc<Context>) -> Result<Arc<Kernels>> {
         static LOADED: OnceLock<Mutex<Vec<(i32, Arc<Kernels>)>>> = OnceLock::new();
         let ordinal = context.device().ordinal();
-        let mut loaded = LOADED
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, kernels)) = loaded.iter().find(|(o, _)| *o == ordinal) {
             return Ok(kernels.clone());
         }
@@ -146,25 +126,12 @@ impl Kernels {
     }
 
     /// Writes the pattern for `seed` over `len` bytes at `offset`.
-    pub fn fill(
-        &self,
-        memory: &dyn DeviceMemory,
-        offset: usize,
-        len: usize,
-        seed: u64,
-        stream: &Stream,
-    ) -> Result<()> {
+    pub fn fill(&self, memory: &dyn DeviceMemory, offset: usize, len: usize, seed: u64, stream: &Stream) -> Result<()> {
         let mut ptr = range(memory, offset, len)?;
         let (mut len, mut seed) = (len as u64, seed);
         let mut params = [arg(&mut ptr), arg(&mut len), arg(&mut seed)];
         // SAFETY: fill_pattern(u8*, u64, u64); the range was checked against the allocation.
-        unsafe {
-            self.fill.launch(
-                stream,
-                LaunchConfig::for_items(len.div_ceil(8)),
-                &mut params,
-            )
-        }
+        unsafe { self.fill.launch(stream, LaunchConfig::for_items(len.div_ceil(8)), &mut params) }
     }
 
     /// Like [`Kernels::fill`], but the kernel first spins for `delay` of GPU time.
@@ -180,33 +147,21 @@ impl Kernels {
         let (mut len, mut seed, mut ns) = (len as u64, seed, delay.as_nanos() as u64);
         let mut params = [arg(&mut ptr), arg(&mut len), arg(&mut seed), arg(&mut ns)];
         // Few enough blocks to be resident at once, so the delay is paid once, not per wave.
-        let config = LaunchConfig {
-            grid: (64, 1, 1),
-            ..LaunchConfig::for_items(1)
-        };
+        let config = LaunchConfig { grid: (64, 1, 1), ..LaunchConfig::for_items(1) };
         // SAFETY: spin_then_fill(u8*, u64, u64, u64); the range was checked.
         unsafe { self.spin_then_fill.launch(stream, config, &mut params) }
     }
 
     /// The checksum of `len` bytes at `offset`, after the work already queued on `stream`.
     /// Blocks until it is known.
-    pub fn checksum(
-        &self,
-        memory: &dyn DeviceMemory,
-        offset: usize,
-        len: usize,
-        stream: &Stream,
-    ) -> Result<u64> {
+    pub fn checksum(&self, memory: &dyn DeviceMemory, offset: usize, len: usize, stream: &Stream) -> Result<u64> {
         let scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let mut ptr = range(memory, offset, len)?;
         scratch.memset_async(0, stream)?;
         let (mut len, mut out) = (len as u64, scratch.device_ptr());
         let mut params = [arg(&mut ptr), arg(&mut len), arg(&mut out)];
         // SAFETY: checksum(const u8*, u64, u64*); the range was checked; `out` is 8 bytes.
-        unsafe {
-            self.checksum
-                .launch(stream, LaunchConfig::for_items(len), &mut params)
-        }?;
+        unsafe { self.checksum.launch(stream, LaunchConfig::for_items(len), &mut params) }?;
         stream.synchronize()?;
         let mut sum = [0u8; 8];
         scratch.copy_to_host(0, &mut sum)?;
@@ -225,13 +180,7 @@ impl Kernels {
     ) -> Result<()> {
         layout.check_within(src_offset, src.len())?;
         let dst = range(dst, dst_offset, layout.packed_bytes() as usize)?;
-        self.strided(
-            &self.pack,
-            src.device_ptr() + src_offset as u64,
-            dst,
-            layout,
-            stream,
-        )
+        self.strided(&self.pack, src.device_ptr() + src_offset as u64, dst, layout, stream)
     }
 
     /// Unpacks contiguous `src` at `src_offset` into the strided view whose element 0 is at
@@ -247,23 +196,10 @@ impl Kernels {
     ) -> Result<()> {
         let src = range(src, src_offset, layout.packed_bytes() as usize)?;
         layout.check_within(dst_offset, dst.len())?;
-        self.strided(
-            &self.unpack,
-            src,
-            dst.device_ptr() + dst_offset as u64,
-            layout,
-            stream,
-        )
+        self.strided(&self.unpack, src, dst.device_ptr() + dst_offset as u64, layout, stream)
     }
 
-    fn strided(
-        &self,
-        kernel: &Function,
-        src: u64,
-        dst: u64,
-        layout: &StridedLayout,
-        stream: &Stream,
-    ) -> Result<()> {
+    fn strided(&self, kernel: &Function, src: u64, dst: u64, layout: &StridedLayout, stream: &Stream) -> Result<()> {
         if layout.numel == 0 {
             return Ok(());
         }
@@ -283,25 +219,11 @@ impl Kernels {
         stream: &Stream,
     ) -> Result<()> {
         let floats = |rows: u32, cols: u32| rows as usize * cols as usize * 4;
-        let (mut pa, mut pb, mut pc) = (
-            range(a, 0, floats(m, k))?,
-            range(b, 0, floats(k, n))?,
-            range(c, 0, floats(m, n))?,
-        );
+        let (mut pa, mut pb, mut pc) =
+            (range(a, 0, floats(m, k))?, range(b, 0, floats(k, n))?, range(c, 0, floats(m, n))?);
         let (mut m, mut n, mut k) = (m, n, k);
-        let config = LaunchConfig {
-            grid: (n.div_ceil(16), m.div_ceil(16), 1),
-            block: (16, 16, 1),
-            shared_bytes: 0,
-        };
-        let mut params = [
-            arg(&mut pa),
-            arg(&mut pb),
-            arg(&mut pc),
-            arg(&mut m),
-            arg(&mut n),
-            arg(&mut k),
-        ];
+        let config = LaunchConfig { grid: (n.div_ceil(16), m.div_ceil(16), 1), block: (16, 16, 1), shared_bytes: 0 };
+        let mut params = [arg(&mut pa), arg(&mut pb), arg(&mut pc), arg(&mut m), arg(&mut n), arg(&mut k)];
         // SAFETY: matmul_f32(const float*, const float*, float*, u32, u32, u32); sizes checked.
         unsafe { self.matmul.launch(stream, config, &mut params) }
     }
@@ -311,11 +233,7 @@ impl Kernels {
 fn range(memory: &dyn DeviceMemory, offset: usize, len: usize) -> Result<u64> {
     match offset.checked_add(len) {
         Some(end) if end <= memory.len() => Ok(memory.device_ptr() + offset as u64),
-        _ => Err(Error::OutOfBounds {
-            offset,
-            count: len,
-            len: memory.len(),
-        }),
+        _ => Err(Error::OutOfBounds { offset, count: len, len: memory.len() }),
     }
 }
 

@@ -26,9 +26,7 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 
 /// The position-sensitive checksum of `bytes`.
 pub fn checksum(bytes: &[u8]) -> u64 {
-    bytes.iter().enumerate().fold(0u64, |sum, (i, &b)| {
-        sum.wrapping_add(splitmix64(((i as u64) << 8) | b as u64))
-    })
+    bytes.iter().enumerate().fold(0u64, |sum, (i, &b)| sum.wrapping_add(splitmix64(((i as u64) << 8) | b as u64)))
 }
 
 #[cfg(test)]
@@ -48,10 +46,6 @@ mod tests {
             assert_ne!(checksum(&swapped), sum);
         }
         assert_ne!(checksum(&pattern(1000, 8)), sum, "the seed matters");
-        assert_eq!(
-            pattern(13, 7)[..],
-            bytes[..13],
-            "a shorter pattern is a prefix"
-        );
+        assert_eq!(pattern(13, 7)[..], bytes[..13], "a shorter pattern is a prefix");
     }
 }

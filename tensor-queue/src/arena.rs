@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use ipc_core::{
-    Context, DeviceBuffer, DeviceMemory, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid,
-    VmmAllocation,
+    Context, DeviceBuffer, DeviceMemory, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation,
 };
 
 use crate::{Error, Result};
@@ -45,6 +44,22 @@ pub(crate) struct Chunk {
     pub memory: ChunkMemory,
     /// The VMM export, made on the first announcement and reused for every later peer.
     exported: OnceLock<OwnedFd>,
+    /// Peers this chunk was announced to, told to forget it when it is freed.
+    announced_to: Mutex<Vec<std::sync::Weak<dyn RetireListener>>>,
+}
+
+/// A connection that must hear when a chunk it announced is freed.
+pub(crate) trait RetireListener: Send + Sync {
+    fn retire(&self, chunk: u64);
+}
+
+impl Drop for Chunk {
+    fn drop(&mut self) {
+        let peers = std::mem::take(&mut *self.announced_to.lock().unwrap_or_else(|e| e.into_inner()));
+        for peer in peers.iter().filter_map(std::sync::Weak::upgrade) {
+            peer.retire(self.id);
+        }
+    }
 }
 
 impl Chunk {
@@ -54,11 +69,12 @@ impl Chunk {
     }
 
     pub fn with_id(id: u64, memory: ChunkMemory) -> Arc<Chunk> {
-        Arc::new(Chunk {
-            id,
-            memory,
-            exported: OnceLock::new(),
-        })
+        Arc::new(Chunk { id, memory, exported: OnceLock::new(), announced_to: Mutex::new(Vec::new()) })
+    }
+
+    /// Remembers that `peer` maps this chunk.
+    pub fn announced(&self, peer: std::sync::Weak<dyn RetireListener>) {
+        self.announced_to.lock().unwrap_or_else(|e| e.into_inner()).push(peer);
     }
 
     pub fn len(&self) -> usize {
@@ -105,16 +121,11 @@ impl Chunk {
                 if self.exported.get().is_none() {
                     let _ = self.exported.set(memory.export()?);
                 }
-                let fd = self
-                    .exported
-                    .get()
-                    .ok_or_else(|| Error::Protocol("VMM export vanished".into()))?;
+                let fd = self.exported.get().ok_or_else(|| Error::Protocol("VMM export vanished".into()))?;
                 Ok(Shared::Fd(std::os::fd::AsFd::as_fd(fd)))
             }
             ChunkMemory::Legacy(buffer) => Ok(Shared::Legacy(buffer.export()?)),
-            _ => Err(Error::Protocol(
-                "a received chunk cannot be forwarded; copy the tensor first".into(),
-            )),
+            _ => Err(Error::Protocol("a received chunk cannot be forwarded; copy the tensor first".into())),
         }
     }
 }
@@ -194,30 +205,18 @@ impl Arena {
     /// The process's host arena.
     pub fn host() -> Arc<Arena> {
         static HOST: OnceLock<Arc<Arena>> = OnceLock::new();
-        HOST.get_or_init(|| {
-            Arc::new(Arena {
-                kind: ArenaKind::Host,
-                chunks: Mutex::new(Vec::new()),
-            })
-        })
-        .clone()
+        HOST.get_or_init(|| Arc::new(Arena { kind: ArenaKind::Host, chunks: Mutex::new(Vec::new()) })).clone()
     }
 
     /// The process's arena for `context`'s device.
     pub fn device(context: &Arc<Context>) -> Arc<Arena> {
         static DEVICES: OnceLock<Mutex<Vec<(i32, Arc<Arena>)>>> = OnceLock::new();
-        let mut devices = DEVICES
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
         let ordinal = context.device().ordinal();
         if let Some((_, arena)) = devices.iter().find(|(o, _)| *o == ordinal) {
             return arena.clone();
         }
-        let arena = Arc::new(Arena {
-            kind: ArenaKind::Device(context.clone()),
-            chunks: Mutex::new(Vec::new()),
-        });
+        let arena = Arc::new(Arena { kind: ArenaKind::Device(context.clone()), chunks: Mutex::new(Vec::new()) });
         devices.push((ordinal, arena.clone()));
         arena
     }
@@ -228,26 +227,14 @@ impl Arena {
         let mut chunks = self.chunks.lock().unwrap_or_else(|e| e.into_inner());
         for (chunk, free) in chunks.iter_mut() {
             if let Some(offset) = free.take(len) {
-                return Ok(Allocation {
-                    chunk: chunk.clone(),
-                    offset,
-                    len,
-                    arena: self.clone(),
-                });
+                return Ok(Allocation { chunk: chunk.clone(), offset, len, arena: self.clone() });
             }
         }
         let chunk = self.new_chunk(len.max(CHUNK_BYTES))?;
         let mut free = FreeList::whole(chunk.len());
-        let offset = free
-            .take(len)
-            .ok_or_else(|| Error::Protocol("a new chunk is too small".into()))?;
+        let offset = free.take(len).ok_or_else(|| Error::Protocol("a new chunk is too small".into()))?;
         chunks.push((chunk.clone(), free));
-        Ok(Allocation {
-            chunk,
-            offset,
-            len,
-            arena: self.clone(),
-        })
+        Ok(Allocation { chunk, offset, len, arena: self.clone() })
     }
 
     fn new_chunk(&self, len: usize) -> Result<Arc<Chunk>> {
@@ -289,25 +276,15 @@ mod tests {
 
     #[test]
     fn host_allocations_reuse_one_chunk() {
-        let arena = Arc::new(Arena {
-            kind: ArenaKind::Host,
-            chunks: Mutex::new(Vec::new()),
-        });
+        let arena = Arc::new(Arena { kind: ArenaKind::Host, chunks: Mutex::new(Vec::new()) });
         let first = arena.allocate(1000).unwrap();
         let second = arena.allocate(1).unwrap();
         assert_eq!(first.chunk.id, second.chunk.id);
         assert_eq!(second.offset, 1024, "aligned after the first");
         drop(first);
         drop(second);
-        assert_eq!(
-            arena.usage(),
-            (CHUNK_BYTES, CHUNK_BYTES),
-            "all space returned"
-        );
+        assert_eq!(arena.usage(), (CHUNK_BYTES, CHUNK_BYTES), "all space returned");
         let big = arena.allocate(CHUNK_BYTES + 1).unwrap();
-        assert!(
-            big.chunk.len() > CHUNK_BYTES,
-            "a large tensor gets a chunk of its own"
-        );
+        assert!(big.chunk.len() > CHUNK_BYTES, "a large tensor gets a chunk of its own");
     }
 }

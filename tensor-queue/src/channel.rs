@@ -44,13 +44,13 @@ use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::{Connection, Listener};
 use ipc_core::{
-    Context, Device, Event, HostId, ImportedIpcMemory, IpcEventHandle, IpcMemHandle, SharedMemory,
-    Stream, Uuid, VmmAllocation,
+    Context, Device, Event, HostId, ImportedIpcMemory, IpcEventHandle, IpcMemHandle, SharedMemory, Stream, Uuid,
+    VmmAllocation,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::arena::{Chunk, ChunkMemory, Shared};
+use crate::arena::{Chunk, ChunkMemory, RetireListener, Shared};
 use crate::tensor::Storage;
 use crate::wire::{ChunkKind, Frame, MAX_FRAME, TensorDesc};
 use crate::{Error, Result, Tensor, TransferPath, side_table};
@@ -104,10 +104,7 @@ impl Link {
         if n == 0 {
             return Ok(None);
         }
-        let frame = Frame::decode(&buf[..n]).map_err(|source| Error::Frame {
-            pid: self.peer_pid,
-            source,
-        })?;
+        let frame = Frame::decode(&buf[..n]).map_err(|source| Error::Frame { pid: self.peer_pid, source })?;
         Ok(Some((frame, fds)))
     }
 
@@ -127,35 +124,15 @@ impl Link {
             )));
         }
         let host = HostId::current()?;
-        let link = Link {
-            connection,
-            peer_pid: credentials.pid as u32,
-        };
-        link.send(
-            &Frame::Hello {
-                pid: std::process::id(),
-                host: host.0,
-                capacity,
-            },
-            &[],
-        )?;
-        link.connection
-            .set_recv_timeout(Some(Duration::from_secs(30)))?;
+        let link = Link { connection, peer_pid: credentials.pid as u32 };
+        link.send(&Frame::Hello { pid: std::process::id(), host: host.0, capacity }, &[])?;
+        link.connection.set_recv_timeout(Some(Duration::from_secs(30)))?;
         let mut buf = vec![0u8; 256];
         let reply = link.recv(&mut buf)?;
         link.connection.set_recv_timeout(None)?;
         match reply {
-            Some((
-                Frame::Hello {
-                    host: theirs,
-                    capacity,
-                    ..
-                },
-                _,
-            )) if theirs == host.0 => Ok((link, capacity)),
-            Some((Frame::Hello { .. }, _)) => Err(Error::PeerRefused(
-                "the peer runs on another machine".into(),
-            )),
+            Some((Frame::Hello { host: theirs, capacity, .. }, _)) if theirs == host.0 => Ok((link, capacity)),
+            Some((Frame::Hello { .. }, _)) => Err(Error::PeerRefused("the peer runs on another machine".into())),
             Some(_) => Err(Error::Protocol("the first frame was not a Hello".into())),
             None => Err(Error::Disconnected),
         }
@@ -194,6 +171,14 @@ struct SenderInner {
     link: Link,
     state: Mutex<SenderState>,
     changed: Condvar,
+    me: std::sync::Weak<SenderInner>,
+}
+
+impl RetireListener for SenderInner {
+    fn retire(&self, chunk: u64) {
+        lock(&self.state).announced.remove(&chunk);
+        let _ = self.link.send(&Frame::Retire { chunk }, &[]);
+    }
 }
 
 /// The sending end of a typed channel to one receiver.
@@ -214,24 +199,18 @@ impl<T: Serialize> Sender<T> {
     /// A sender over an already connected socket (see [`spawn`]).
     pub fn from_connection(connection: Connection) -> Result<Sender<T>> {
         let (link, capacity) = Link::handshake(connection, 0)?;
-        let inner = Arc::new(SenderInner {
+        let inner = Arc::new_cyclic(|me| SenderInner {
             link,
-            state: Mutex::new(SenderState {
-                credits: capacity,
-                next_lease: 1,
-                ..Default::default()
-            }),
+            state: Mutex::new(SenderState { credits: capacity, next_lease: 1, ..Default::default() }),
             changed: Condvar::new(),
+            me: me.clone(),
         });
         let reader = inner.clone();
         std::thread::Builder::new()
             .name("tq-sender-reader".into())
             .spawn(move || reader.read_releases())
             .map_err(|e| Error::Protocol(format!("spawning the reader thread: {e}")))?;
-        Ok(Sender {
-            inner,
-            _message: PhantomData,
-        })
+        Ok(Sender { inner, _message: PhantomData })
     }
 
     /// Sends `message`. GPU tensors in it must be complete: their devices are synchronised first
@@ -288,26 +267,13 @@ impl<T: Serialize> Sender<T> {
                 strides: tensor.strides().to_vec(),
             });
             let event = event.clone().filter(|_| on_device);
-            state.leases.insert(
-                lease,
-                Lease {
-                    _storage: storage.clone(),
-                    event,
-                },
-            );
+            state.leases.insert(lease, Lease { _storage: storage.clone(), event });
         }
         state.seq += 1;
-        let frame = Frame::Message {
-            seq: state.seq,
-            sent_ns,
-            encoded_ns: monotonic_ns(),
-            tensors: descriptors,
-            payload,
-        };
+        let frame =
+            Frame::Message { seq: state.seq, sent_ns, encoded_ns: monotonic_ns(), tensors: descriptors, payload };
         if let Err(error) = inner.link.send(&frame, &[]) {
-            let Frame::Message { tensors, .. } = frame else {
-                unreachable!()
-            };
+            let Frame::Message { tensors, .. } = frame else { unreachable!() };
             for desc in tensors {
                 state.leases.remove(&desc.lease);
             }
@@ -359,15 +325,15 @@ impl SenderInner {
             Shared::Fd(fd) => (ChunkKind::Vmm, None, Some(fd)),
             Shared::Legacy(handle) => (ChunkKind::Legacy, Some(handle.to_bytes().to_vec()), None),
         };
-        let frame = Frame::Chunk {
-            id: chunk.id,
-            len: chunk.len() as u64,
-            kind,
-            device,
-            legacy,
-        };
+        let frame = Frame::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy };
         self.link.send(&frame, fd.as_slice())?;
         state.announced.insert(chunk.id);
+        if kind == ChunkKind::Legacy {
+            // Arena chunks live as long as the process; a user buffer may be freed and its
+            // address reused, so the receiver must hear when it goes.
+            let me: std::sync::Weak<dyn RetireListener> = self.me.clone();
+            chunk.announced(me);
+        }
         Ok(())
     }
 
@@ -492,30 +458,17 @@ pub(crate) struct ReceivedLease {
 impl Drop for ReceivedLease {
     fn drop(&mut self) {
         let Some(stream) = &self.stream else {
-            let _ = self.peer.link.send(
-                &Frame::Release {
-                    leases: vec![self.id],
-                },
-                &[],
-            );
+            let _ = self.peer.link.send(&Frame::Release { leases: vec![self.id] }, &[]);
             return;
         };
         // Release only once the receiver's GPU work on the tensor (queued on `stream`) is done.
-        let event =
-            Event::new(stream.context()).and_then(|event| event.record(stream).map(|()| event));
+        let event = Event::new(stream.context()).and_then(|event| event.record(stream).map(|()| event));
         match event {
-            Ok(event) => releaser()
-                .send((self.peer.clone(), self.id, event))
-                .unwrap_or(()),
+            Ok(event) => releaser().send((self.peer.clone(), self.id, event)).unwrap_or(()),
             Err(error) => {
                 tracing::warn!(%error, "could not record a release event; releasing after a stream sync");
                 let _ = stream.synchronize();
-                let _ = self.peer.link.send(
-                    &Frame::Release {
-                        leases: vec![self.id],
-                    },
-                    &[],
-                );
+                let _ = self.peer.link.send(&Frame::Release { leases: vec![self.id] }, &[]);
             }
         }
     }
@@ -563,12 +516,7 @@ pub struct MessageInfo {
 
 enum Delivery {
     Joined,
-    Message {
-        peer: Arc<Peer>,
-        tensors: Vec<Tensor>,
-        payload: Vec<u8>,
-        info: MessageInfo,
-    },
+    Message { peer: Arc<Peer>, tensors: Vec<Tensor>, payload: Vec<u8>, info: MessageInfo },
     Gone,
 }
 
@@ -614,8 +562,7 @@ impl<T: DeserializeOwned> Receiver<T> {
                 while !shared.closed.load(Ordering::Relaxed) {
                     match listener.accept(Some(Duration::from_millis(100))) {
                         Ok(connection) => spawn_peer(connection, shared.clone(), feed.clone()),
-                        Err(ipc_core::Error::Os { source, .. })
-                            if source.kind() == std::io::ErrorKind::TimedOut => {}
+                        Err(ipc_core::Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => {}
                         Err(error) => lock(&shared.errors).push(format!("accept failed: {error}")),
                     }
                 }
@@ -639,15 +586,7 @@ impl<T: DeserializeOwned> Receiver<T> {
             errors: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
         });
-        Receiver {
-            shared,
-            queue,
-            feed,
-            live: 0,
-            joined: false,
-            path,
-            _message: PhantomData,
-        }
+        Receiver { shared, queue, feed, live: 0, joined: false, path, _message: PhantomData }
     }
 
     /// Where senders connect, for a bound receiver.
@@ -662,14 +601,12 @@ impl<T: DeserializeOwned> Receiver<T> {
 
     /// Waits up to `timeout` for the next message.
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<T> {
-        self.recv_with_info(Some(timeout))
-            .map(|(message, _)| message)
+        self.recv_with_info(Some(timeout)).map(|(message, _)| message)
     }
 
     /// The next message if one is waiting.
     pub fn try_recv(&mut self) -> Result<T> {
-        self.recv_with_info(Some(Duration::ZERO))
-            .map(|(message, _)| message)
+        self.recv_with_info(Some(Duration::ZERO)).map(|(message, _)| message)
     }
 
     /// The next message and when each stage of its hand-off happened.
@@ -697,12 +634,7 @@ impl<T: DeserializeOwned> Receiver<T> {
                     self.live += 1;
                 }
                 Delivery::Gone => self.live -= 1,
-                Delivery::Message {
-                    peer,
-                    tensors,
-                    payload,
-                    mut info,
-                } => {
+                Delivery::Message { peer, tensors, payload, mut info } => {
                     let _ = peer.link.send(&Frame::Credit { count: 1 }, &[]);
                     let message = side_table::decode(&payload, tensors)?;
                     info.decoded_ns = monotonic_ns();
@@ -727,11 +659,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         let uuid = stream.context().device().uuid()?;
         let mut devices = lock(&self.shared.devices);
         devices.retain(|slot| slot.uuid != uuid);
-        devices.push(DeviceSlot {
-            uuid,
-            context: stream.context().clone(),
-            stream,
-        });
+        devices.push(DeviceSlot { uuid, context: stream.context().clone(), stream });
         Ok(())
     }
 }
@@ -750,87 +678,53 @@ impl ReceiverShared {
         }
         let context = Context::primary(Device::by_uuid(uuid)?)?;
         let stream = Arc::new(Stream::new(&context)?);
-        devices.push(DeviceSlot {
-            uuid: *uuid,
-            context: context.clone(),
-            stream: stream.clone(),
-        });
+        devices.push(DeviceSlot { uuid: *uuid, context: context.clone(), stream: stream.clone() });
         Ok((context, stream))
     }
 }
 
 fn spawn_peer(connection: Connection, shared: Arc<ReceiverShared>, feed: mpsc::Sender<Delivery>) {
-    let spawned = std::thread::Builder::new()
-        .name("tq-peer".into())
-        .spawn(move || {
-            let (link, _) = match Link::handshake(connection, shared.capacity) {
-                Ok(handshake) => handshake,
-                Err(error) => {
-                    lock(&shared.errors).push(format!("refused a connection: {error}"));
-                    return;
-                }
-            };
-            let peer = Arc::new(Peer {
-                link,
-                chunks: Default::default(),
-                events: Default::default(),
-            });
-            let _ = feed.send(Delivery::Joined);
-            if let Err(error) = read_messages(&peer, &shared, &feed) {
-                let message = format!(
-                    "closed the connection from pid {}: {error}",
-                    peer.link.peer_pid
-                );
-                tracing::warn!("{message}");
-                lock(&shared.errors).push(message);
-                peer.link.shutdown(rustix::net::Shutdown::Both);
+    let spawned = std::thread::Builder::new().name("tq-peer".into()).spawn(move || {
+        let (link, _) = match Link::handshake(connection, shared.capacity) {
+            Ok(handshake) => handshake,
+            Err(error) => {
+                lock(&shared.errors).push(format!("refused a connection: {error}"));
+                return;
             }
-            let _ = feed.send(Delivery::Gone);
-        });
+        };
+        let peer = Arc::new(Peer { link, chunks: Default::default(), events: Default::default() });
+        let _ = feed.send(Delivery::Joined);
+        if let Err(error) = read_messages(&peer, &shared, &feed) {
+            let message = format!("closed the connection from pid {}: {error}", peer.link.peer_pid);
+            tracing::warn!("{message}");
+            lock(&shared.errors).push(message);
+            peer.link.shutdown(rustix::net::Shutdown::Both);
+        }
+        let _ = feed.send(Delivery::Gone);
+    });
     if let Err(error) = spawned {
         tracing::warn!(%error, "could not spawn a connection thread");
     }
 }
 
 /// The connection thread: frames until the sender hangs up (`Ok`) or misbehaves (`Err`).
-fn read_messages(
-    peer: &Arc<Peer>,
-    shared: &ReceiverShared,
-    feed: &mpsc::Sender<Delivery>,
-) -> Result<()> {
+fn read_messages(peer: &Arc<Peer>, shared: &ReceiverShared, feed: &mpsc::Sender<Delivery>) -> Result<()> {
     let mut buf = vec![0u8; MAX_FRAME];
     while let Some((frame, mut fds)) = peer.link.recv(&mut buf)? {
         let arrived_ns = monotonic_ns();
         match frame {
-            Frame::Chunk {
-                id,
-                len,
-                kind,
-                device,
-                legacy,
-            } => {
-                let chunk = import_chunk(
-                    shared,
-                    id,
-                    len as usize,
-                    kind,
-                    Uuid(device),
-                    legacy,
-                    fds.pop(),
-                )?;
+            Frame::Chunk { id, len, kind, device, legacy } => {
+                let chunk = import_chunk(shared, id, len as usize, kind, Uuid(device), legacy, fds.pop())?;
                 lock(&peer.chunks).insert(id, chunk);
+            }
+            Frame::Retire { chunk } => {
+                lock(&peer.chunks).remove(&chunk);
             }
             Frame::Event { id, handle } => {
                 let event = Event::import(&IpcEventHandle::from_bytes(&handle)?)?;
                 lock(&peer.events).insert(id, Arc::new(event));
             }
-            Frame::Message {
-                seq,
-                sent_ns,
-                encoded_ns,
-                tensors,
-                payload,
-            } => {
+            Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
                 let tensors = tensors
                     .iter()
                     .enumerate()
@@ -845,12 +739,7 @@ fn read_messages(
                     imported_ns: monotonic_ns(),
                     decoded_ns: 0,
                 };
-                let _ = feed.send(Delivery::Message {
-                    peer: peer.clone(),
-                    tensors,
-                    payload,
-                    info,
-                });
+                let _ = feed.send(Delivery::Message { peer: peer.clone(), tensors, payload, info });
             }
             other => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
         }
@@ -869,24 +758,16 @@ fn import_chunk(
 ) -> Result<Arc<Chunk>> {
     let missing_fd = || Error::Protocol(format!("chunk {id} came without its descriptor"));
     let memory = match kind {
-        ChunkKind::Host => {
-            ChunkMemory::ImportedHost(SharedMemory::from_fd(fd.ok_or_else(missing_fd)?, len)?)
-        }
+        ChunkKind::Host => ChunkMemory::ImportedHost(SharedMemory::from_fd(fd.ok_or_else(missing_fd)?, len)?),
         ChunkKind::Vmm => {
             let (context, _) = shared.device_slot(&device)?;
             let fd = fd.ok_or_else(missing_fd)?;
-            ChunkMemory::ImportedVmm(VmmAllocation::import(
-                &context,
-                std::os::fd::AsRawFd::as_raw_fd(&fd),
-                len,
-            )?)
+            ChunkMemory::ImportedVmm(VmmAllocation::import(&context, std::os::fd::AsRawFd::as_raw_fd(&fd), len)?)
         }
         ChunkKind::Legacy => {
             let handle = IpcMemHandle::from_bytes(legacy.as_deref().unwrap_or_default())?;
             if handle.len() != len || handle.device() != device {
-                return Err(Error::Protocol(format!(
-                    "chunk {id}: the handle disagrees with the announcement"
-                )));
+                return Err(Error::Protocol(format!("chunk {id}: the handle disagrees with the announcement")));
             }
             shared.device_slot(&device)?; // keeps the device's context alive while mapped
             ChunkMemory::ImportedLegacy(ImportedIpcMemory::open(&handle)?)
@@ -895,20 +776,13 @@ fn import_chunk(
     Ok(Chunk::with_id(id, memory))
 }
 
-fn receive_tensor(
-    peer: &Arc<Peer>,
-    shared: &ReceiverShared,
-    index: usize,
-    desc: &TensorDesc,
-) -> Result<Tensor> {
+fn receive_tensor(peer: &Arc<Peer>, shared: &ReceiverShared, index: usize, desc: &TensorDesc) -> Result<Tensor> {
     let bad = |reason: String| Error::Frame {
         pid: peer.link.peer_pid,
         source: crate::wire::FrameError::OutOfBounds { index, reason },
     };
-    let chunk = lock(&peer.chunks)
-        .get(&desc.chunk)
-        .cloned()
-        .ok_or_else(|| bad(format!("unknown chunk {}", desc.chunk)))?;
+    let chunk =
+        lock(&peer.chunks).get(&desc.chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {}", desc.chunk)))?;
     let end = desc.storage_offset + desc.storage_len; // no overflow: checked by Frame::decode
     if end > chunk.len() as u64 {
         return Err(bad(format!(
@@ -920,36 +794,21 @@ fn receive_tensor(
     }
     let (path, stream) = match &chunk.memory {
         ChunkMemory::ImportedHost(_) => (TransferPath::HostSharedMemory, None),
-        ChunkMemory::ImportedVmm(_) => (
-            TransferPath::CudaVmm,
-            Some(shared.device_slot(&chunk_uuid(&chunk)?)?.1),
-        ),
-        ChunkMemory::ImportedLegacy(_) => (
-            TransferPath::CudaLegacyIpc,
-            Some(shared.device_slot(&chunk_uuid(&chunk)?)?.1),
-        ),
+        ChunkMemory::ImportedVmm(_) => (TransferPath::CudaVmm, Some(shared.device_slot(&chunk_uuid(&chunk)?)?.1)),
+        ChunkMemory::ImportedLegacy(_) => {
+            (TransferPath::CudaLegacyIpc, Some(shared.device_slot(&chunk_uuid(&chunk)?)?.1))
+        }
         _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
     };
     if let (Some(stream), Some(event_id)) = (&stream, desc.event) {
-        let event = lock(&peer.events)
-            .get(&event_id)
-            .cloned()
-            .ok_or_else(|| bad(format!("unknown event {event_id}")))?;
+        let event =
+            lock(&peer.events).get(&event_id).cloned().ok_or_else(|| bad(format!("unknown event {event_id}")))?;
         if !skip_ordering() {
             stream.wait_event(&event)?;
         }
     }
-    let lease = ReceivedLease {
-        peer: peer.clone(),
-        id: desc.lease,
-        stream: stream.clone(),
-    };
-    let storage = Storage::received(
-        chunk,
-        desc.storage_offset as usize,
-        desc.storage_len as usize,
-        lease,
-    );
+    let lease = ReceivedLease { peer: peer.clone(), id: desc.lease, stream: stream.clone() };
+    let storage = Storage::received(chunk, desc.storage_offset as usize, desc.storage_len as usize, lease);
     Ok(Tensor::from_parts(
         Arc::new(storage),
         desc.dtype,
@@ -962,9 +821,7 @@ fn receive_tensor(
 }
 
 fn chunk_uuid(chunk: &Chunk) -> Result<Uuid> {
-    chunk
-        .device_uuid()?
-        .ok_or_else(|| Error::Protocol("a device chunk without a device".into()))
+    chunk.device_uuid()?.ok_or_else(|| Error::Protocol("a device chunk without a device".into()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -979,20 +836,14 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let path = std::env::temp_dir().join(format!("tensor-queue-{}-{n}.sock", std::process::id()));
     let listener = Listener::bind(&path)?;
-    let mut child = command
-        .env(ENDPOINT_ENV, &path)
-        .spawn()
-        .map_err(|e| Error::Invalid(format!("starting the child: {e}")))?;
+    let mut child =
+        command.env(ENDPOINT_ENV, &path).spawn().map_err(|e| Error::Invalid(format!("starting the child: {e}")))?;
     loop {
         match listener.accept(Some(Duration::from_millis(100))) {
             Ok(connection) => return Ok((child, Sender::from_connection(connection)?)),
-            Err(ipc_core::Error::Os { source, .. })
-                if source.kind() == std::io::ErrorKind::TimedOut =>
-            {
+            Err(ipc_core::Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => {
                 if let Ok(Some(status)) = child.try_wait() {
-                    return Err(Error::Invalid(format!(
-                        "the child exited ({status}) before connecting"
-                    )));
+                    return Err(Error::Invalid(format!("the child exited ({status}) before connecting")));
                 }
             }
             Err(error) => return Err(error.into()),
@@ -1003,9 +854,7 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 /// In a child started by [`spawn`]: the receiving end of the channel from the parent.
 pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
     let path = std::env::var_os(ENDPOINT_ENV).ok_or_else(|| {
-        Error::Invalid(format!(
-            "{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"
-        ))
+        Error::Invalid(format!("{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"))
     })?;
     Receiver::from_connection(Connection::connect(path)?, DEFAULT_CAPACITY)
 }

@@ -25,9 +25,7 @@ fn problem(message: impl Into<String>) -> String {
 
 /// The side table's own message if it caused the failure, else serde's.
 fn explain(error: postcard::Error) -> String {
-    PROBLEM
-        .with(|p| p.borrow_mut().take())
-        .unwrap_or_else(|| error.to_string())
+    PROBLEM.with(|p| p.borrow_mut().take()).unwrap_or_else(|| error.to_string())
 }
 
 /// Clears a table when encoding or decoding ends, even by panic.
@@ -44,9 +42,7 @@ pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)
     OUTGOING.with(|table| *table.borrow_mut() = Some(Vec::new()));
     let _reset = Reset(&OUTGOING);
     let bytes = postcard::to_stdvec(message).map_err(|e| Error::Encode(explain(e)))?;
-    let tensors = OUTGOING
-        .with(|table| table.borrow_mut().take())
-        .unwrap_or_default();
+    let tensors = OUTGOING.with(|table| table.borrow_mut().take()).unwrap_or_default();
     Ok((bytes, tensors))
 }
 
@@ -69,9 +65,7 @@ impl Serialize for Tensor {
         });
         match index {
             Some(index) => serializer.serialize_u32(index as u32),
-            None => Err(S::Error::custom(problem(
-                "a Tensor can only be serialized by a tensor-queue Sender",
-            ))),
+            None => Err(S::Error::custom(problem("a Tensor can only be serialized by a tensor-queue Sender"))),
         }
     }
 }
@@ -82,17 +76,11 @@ impl<'de> Deserialize<'de> for Tensor {
         let taken = INCOMING.with(|table| {
             let mut table = table.borrow_mut();
             let Some(table) = table.as_mut() else {
-                return Err(
-                    "a Tensor can only be deserialized by a tensor-queue Receiver".to_string(),
-                );
+                return Err("a Tensor can only be deserialized by a tensor-queue Receiver".to_string());
             };
             match table.get_mut(index) {
-                None => Err(format!(
-                    "the message names tensor {index}, which it does not carry"
-                )),
-                Some(slot) => slot
-                    .take()
-                    .ok_or_else(|| format!("the message names tensor {index} twice")),
+                None => Err(format!("the message names tensor {index}, which it does not carry")),
+                Some(slot) => slot.take().ok_or_else(|| format!("the message names tensor {index} twice")),
             }
         });
         taken.map_err(|message| D::Error::custom(problem(message)))
@@ -128,10 +116,7 @@ mod tests {
         let t = |v: f32| Tensor::from_slice(&[v], DType::F32, &[1]).unwrap();
         let message = Outer {
             x: t(1.0),
-            inner: Inner {
-                weights: vec![t(2.0), t(3.0)],
-                name: "w".into(),
-            },
+            inner: Inner { weights: vec![t(2.0), t(3.0)], name: "w".into() },
             maybe: Some(t(4.0)),
             by_name: BTreeMap::from([("b".to_string(), t(5.0))]),
             step: 9,
@@ -148,18 +133,10 @@ mod tests {
     fn bad_references_are_errors_not_panics() {
         let (bytes, mut tensors) = encode(&(Tensor::zeros(DType::U8, &[1]).unwrap(), 1u8)).unwrap();
         tensors.clear();
-        assert!(matches!(
-            decode::<(Tensor, u8)>(&bytes, tensors),
-            Err(Error::Decode(_))
-        ));
+        assert!(matches!(decode::<(Tensor, u8)>(&bytes, tensors), Err(Error::Decode(_))));
         let t = Tensor::zeros(DType::U8, &[1]).unwrap();
-        assert!(
-            postcard::to_stdvec(&t).is_err(),
-            "outside a channel a tensor does not serialize"
-        );
+        assert!(postcard::to_stdvec(&t).is_err(), "outside a channel a tensor does not serialize");
         let twice = postcard::to_stdvec(&(0u32, 0u32)).unwrap();
-        assert!(
-            matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice"))
-        );
+        assert!(matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice")));
     }
 }

@@ -53,12 +53,7 @@ enum Origin {
 
 impl Storage {
     pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: ReceivedLease) -> Storage {
-        Storage {
-            chunk,
-            offset,
-            len,
-            _origin: Origin::Received(lease),
-        }
+        Storage { chunk, offset, len, _origin: Origin::Received(lease) }
     }
 }
 
@@ -127,15 +122,7 @@ impl Tensor {
         path: TransferPath,
         stream: Option<Arc<Stream>>,
     ) -> Tensor {
-        Tensor {
-            storage,
-            dtype,
-            shape,
-            strides,
-            offset,
-            path,
-            stream,
-        }
+        Tensor { storage, dtype, shape, strides, offset, path, stream }
     }
 
     fn from_arena(arena: &Arc<Arena>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
@@ -159,10 +146,7 @@ impl Tensor {
     /// A host tensor holding `data`, shaped `shape`.
     pub fn from_slice<T: Element>(data: &[T], dtype: DType, shape: &[u64]) -> Result<Tensor> {
         if !T::matches(dtype) {
-            return Err(Error::Invalid(format!(
-                "{} elements cannot hold {dtype:?}",
-                std::any::type_name::<T>()
-            )));
+            return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
         }
         let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
         let bytes: &[u8] = bytemuck::cast_slice(data);
@@ -183,25 +167,13 @@ impl Tensor {
     }
 
     /// Wraps a `cuMemAlloc` buffer made elsewhere; it is sent through a legacy IPC handle.
-    pub fn from_device_buffer(
-        buffer: Arc<DeviceBuffer>,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<Tensor> {
+    pub fn from_device_buffer(buffer: Arc<DeviceBuffer>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let len = byte_len(dtype, shape)?;
         if len > buffer.len() {
-            return Err(Error::Invalid(format!(
-                "shape {shape:?} needs {len} bytes; the buffer has {}",
-                buffer.len()
-            )));
+            return Err(Error::Invalid(format!("shape {shape:?} needs {len} bytes; the buffer has {}", buffer.len())));
         }
         let chunk = Chunk::new(ChunkMemory::Legacy(buffer));
-        let storage = Storage {
-            len: chunk.len(),
-            chunk,
-            offset: 0,
-            _origin: Origin::User,
-        };
+        let storage = Storage { len: chunk.len(), chunk, offset: 0, _origin: Origin::User };
         Ok(Tensor::contiguous(storage, dtype, shape))
     }
 
@@ -263,21 +235,13 @@ impl Tensor {
     }
 
     fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
-        Tensor {
-            shape,
-            strides,
-            offset,
-            ..self.clone()
-        }
+        Tensor { shape, strides, offset, ..self.clone() }
     }
 
     /// A view with dimensions `a` and `b` swapped (no copy).
     pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
         if a >= self.shape.len() || b >= self.shape.len() {
-            return Err(Error::Invalid(format!(
-                "transpose({a}, {b}) of a {}-d tensor",
-                self.shape.len()
-            )));
+            return Err(Error::Invalid(format!("transpose({a}, {b}) of a {}-d tensor", self.shape.len())));
         }
         let (mut shape, mut strides) = (self.shape.clone(), self.strides.clone());
         shape.swap(a, b);
@@ -287,30 +251,22 @@ impl Tensor {
 
     /// A view of `len` entries of dimension `dim` starting at `start` (no copy).
     pub fn narrow(&self, dim: usize, start: u64, len: u64) -> Result<Tensor> {
-        let size = *self
-            .shape
-            .get(dim)
-            .ok_or_else(|| Error::Invalid(format!("no dimension {dim}")))?;
+        let size = *self.shape.get(dim).ok_or_else(|| Error::Invalid(format!("no dimension {dim}")))?;
         if start.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::Invalid(format!(
-                "narrow({dim}, {start}, {len}) of size {size}"
-            )));
+            return Err(Error::Invalid(format!("narrow({dim}, {start}, {len}) of size {size}")));
         }
         let mut shape = self.shape.clone();
         shape[dim] = len;
         let moved = start as i64 * self.strides[dim] * self.dtype.size() as i64;
-        let offset = usize::try_from(self.offset as i64 + moved)
-            .map_err(|_| Error::Invalid("narrow before start".into()))?;
+        let offset =
+            usize::try_from(self.offset as i64 + moved).map_err(|_| Error::Invalid("narrow before start".into()))?;
         Ok(self.with_layout(shape, self.strides.clone(), offset))
     }
 
     /// The same elements with another shape; only for contiguous tensors (no copy).
     pub fn reshape(&self, shape: &[u64]) -> Result<Tensor> {
         if !self.is_contiguous() || shape.iter().product::<u64>() != self.numel() {
-            return Err(Error::Invalid(format!(
-                "cannot view {:?} as {shape:?}",
-                self.shape
-            )));
+            return Err(Error::Invalid(format!("cannot view {:?} as {shape:?}", self.shape)));
         }
         Ok(self.with_layout(shape.to_vec(), contiguous_strides(shape), self.offset))
     }
@@ -322,19 +278,13 @@ impl Tensor {
         let start = self.offset as i64 + low;
         let end = self.offset as i64 + high;
         if start < 0 || end > self.storage.len as i64 {
-            return Err(Error::Invalid(
-                "the view reaches outside its storage".into(),
-            ));
+            return Err(Error::Invalid("the view reaches outside its storage".into()));
         }
         Ok((start as usize, end as usize))
     }
 
     fn host_base(&self) -> Result<*mut u8> {
-        let memory = self
-            .storage
-            .chunk
-            .host()
-            .ok_or_else(|| Error::Invalid("not a host tensor".into()))?;
+        let memory = self.storage.chunk.host().ok_or_else(|| Error::Invalid("not a host tensor".into()))?;
         // SAFETY: `storage.offset + len` lies inside the chunk (arena or validated frame).
         Ok(unsafe { memory.as_ptr().add(self.storage.offset) })
     }
@@ -352,11 +302,7 @@ impl Tensor {
     /// when is for the program to agree on, as with any shared buffer.
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         if !T::matches(self.dtype) {
-            return Err(Error::Invalid(format!(
-                "{:?} elements are not {}",
-                self.dtype,
-                std::any::type_name::<T>()
-            )));
+            return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
         }
         if !self.is_contiguous() {
             return Err(Error::Invalid("as_slice needs a contiguous tensor".into()));
@@ -370,18 +316,12 @@ impl Tensor {
 
     fn element_ptr<T: Element>(&self, index: &[u64]) -> Result<*mut T> {
         if !T::matches(self.dtype) || index.len() != self.shape.len() {
-            return Err(Error::Invalid(format!(
-                "index {index:?} of a {:?} {:?} tensor",
-                self.dtype, self.shape
-            )));
+            return Err(Error::Invalid(format!("index {index:?} of a {:?} {:?} tensor", self.dtype, self.shape)));
         }
         let mut at = self.offset as i64;
         for ((&i, &n), &s) in index.iter().zip(&self.shape).zip(&self.strides) {
             if i >= n {
-                return Err(Error::Invalid(format!(
-                    "index {index:?} outside {:?}",
-                    self.shape
-                )));
+                return Err(Error::Invalid(format!("index {index:?} outside {:?}", self.shape)));
             }
             at += i as i64 * s * self.dtype.size() as i64;
         }
@@ -407,11 +347,7 @@ impl Tensor {
 
     /// The GPU memory from element 0 to the end of the storage, for kernels and copies.
     pub fn cuda_view(&self) -> Result<DeviceView> {
-        let memory = self
-            .storage
-            .chunk
-            .device()
-            .ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
+        let memory = self.storage.chunk.device().ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
         let start = self.storage.offset + self.offset;
         Ok(DeviceView {
             ptr: memory.device_ptr() + start as u64,
@@ -458,16 +394,9 @@ mod tests {
         let row = t.narrow(0, 1, 1).unwrap();
         assert_eq!(row.as_slice::<f32>().unwrap(), [4.0, 5.0, 6.0, 7.0]);
         row.set(&[0, 0], 40.0f32).unwrap();
-        assert_eq!(
-            t.get::<f32>(&[1, 0]).unwrap(),
-            40.0,
-            "writes through a view reach the original"
-        );
+        assert_eq!(t.get::<f32>(&[1, 0]).unwrap(), 40.0, "writes through a view reach the original");
         assert!(t.reshape(&[2, 6]).is_ok());
-        assert!(
-            tt.reshape(&[12]).is_err(),
-            "a transposed view cannot be reshaped without a copy"
-        );
+        assert!(tt.reshape(&[12]).is_err(), "a transposed view cannot be reshaped without a copy");
         assert!(t.as_slice::<i32>().is_err(), "the element type must match");
         assert!(t.get::<f32>(&[3, 0]).is_err());
         assert_eq!(t.device(), TensorDevice::Host);

@@ -172,6 +172,12 @@ pub enum Frame {
         /// How many.
         count: u32,
     },
+    /// The sender freed this chunk (a user buffer): forget its mapping, as its address may be
+    /// reused for other memory.
+    Retire {
+        /// The chunk's id.
+        chunk: u64,
+    },
 }
 
 const KIND_HELLO: u16 = 1;
@@ -180,6 +186,7 @@ const KIND_EVENT: u16 = 3;
 const KIND_MESSAGE: u16 = 4;
 const KIND_RELEASE: u16 = 5;
 const KIND_CREDIT: u16 = 6;
+const KIND_RETIRE: u16 = 7;
 
 struct Writer(Vec<u8>);
 
@@ -210,10 +217,7 @@ impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], FrameError> {
         let rest = self.bytes.len() - self.at;
         if n > rest {
-            return Err(FrameError::Truncated {
-                at: self.at,
-                needed: n - rest,
-            });
+            return Err(FrameError::Truncated { at: self.at, needed: n - rest });
         }
         let out = &self.bytes[self.at..self.at + n];
         self.at += n;
@@ -261,22 +265,12 @@ impl Frame {
         w.u16(self.kind());
         w.u32(0); // body length, patched below
         match self {
-            Frame::Hello {
-                pid,
-                host,
-                capacity,
-            } => {
+            Frame::Hello { pid, host, capacity } => {
                 w.u32(*pid);
                 w.bytes(host);
                 w.u32(*capacity);
             }
-            Frame::Chunk {
-                id,
-                len,
-                kind,
-                device,
-                legacy,
-            } => {
+            Frame::Chunk { id, len, kind, device, legacy } => {
                 w.u64(*id);
                 w.u64(*len);
                 w.u8(*kind as u8);
@@ -289,13 +283,7 @@ impl Frame {
                 w.u32(handle.len() as u32);
                 w.bytes(handle);
             }
-            Frame::Message {
-                seq,
-                sent_ns,
-                encoded_ns,
-                tensors,
-                payload,
-            } => {
+            Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
                 w.u64(*seq);
                 w.u64(*sent_ns);
                 w.u64(*encoded_ns);
@@ -320,6 +308,7 @@ impl Frame {
                 leases.iter().for_each(|&l| w.u64(l));
             }
             Frame::Credit { count } => w.u32(*count),
+            Frame::Retire { chunk } => w.u64(*chunk),
         }
         let body = (w.0.len() - HEADER_LEN) as u32;
         w.0[8..12].copy_from_slice(&body.to_le_bytes());
@@ -334,17 +323,14 @@ impl Frame {
             Frame::Message { .. } => KIND_MESSAGE,
             Frame::Release { .. } => KIND_RELEASE,
             Frame::Credit { .. } => KIND_CREDIT,
+            Frame::Retire { .. } => KIND_RETIRE,
         }
     }
 
     /// Decodes and validates one frame. Never panics, whatever the bytes.
     pub fn decode(bytes: &[u8]) -> Result<Frame, FrameError> {
         if bytes.len() > MAX_FRAME {
-            return Err(FrameError::TooMany {
-                what: "bytes",
-                count: bytes.len(),
-                max: MAX_FRAME,
-            });
+            return Err(FrameError::TooMany { what: "bytes", count: bytes.len(), max: MAX_FRAME });
         }
         let mut r = Reader { bytes, at: 0 };
         let magic = r.array::<4>()?;
@@ -358,17 +344,10 @@ impl Frame {
         let kind = r.u16()?;
         let body = r.u32()? as usize;
         if body != bytes.len() - HEADER_LEN {
-            return Err(FrameError::Length {
-                said: body,
-                has: bytes.len() - HEADER_LEN,
-            });
+            return Err(FrameError::Length { said: body, has: bytes.len() - HEADER_LEN });
         }
         let frame = match kind {
-            KIND_HELLO => Frame::Hello {
-                pid: r.u32()?,
-                host: r.array()?,
-                capacity: r.u32()?,
-            },
+            KIND_HELLO => Frame::Hello { pid: r.u32()?, host: r.array()?, capacity: r.u32()? },
             KIND_CHUNK => {
                 let (id, len) = (r.u64()?, r.u64()?);
                 let kind = match r.u8()? {
@@ -379,27 +358,16 @@ impl Frame {
                 };
                 let device = r.array()?;
                 let handle_len = r.count("handle bytes", LEGACY_HANDLE_LEN)?;
-                let legacy = (handle_len > 0)
-                    .then(|| r.take(handle_len).map(<[u8]>::to_vec))
-                    .transpose()?;
+                let legacy = (handle_len > 0).then(|| r.take(handle_len).map(<[u8]>::to_vec)).transpose()?;
                 if (kind == ChunkKind::Legacy) != (handle_len == LEGACY_HANDLE_LEN) || len == 0 {
                     return Err(FrameError::Invalid("chunk announcement"));
                 }
-                Frame::Chunk {
-                    id,
-                    len,
-                    kind,
-                    device,
-                    legacy,
-                }
+                Frame::Chunk { id, len, kind, device, legacy }
             }
             KIND_EVENT => {
                 let id = r.u32()?;
                 let len = r.count("handle bytes", LEGACY_HANDLE_LEN)?;
-                Frame::Event {
-                    id,
-                    handle: r.take(len)?.to_vec(),
-                }
+                Frame::Event { id, handle: r.take(len)?.to_vec() }
             }
             KIND_MESSAGE => {
                 let (seq, sent_ns, encoded_ns) = (r.u64()?, r.u64()?, r.u64()?);
@@ -409,21 +377,14 @@ impl Frame {
                     tensors.push(decode_tensor(&mut r, index)?);
                 }
                 let len = r.count("payload bytes", MAX_FRAME)?;
-                Frame::Message {
-                    seq,
-                    sent_ns,
-                    encoded_ns,
-                    tensors,
-                    payload: r.take(len)?.to_vec(),
-                }
+                Frame::Message { seq, sent_ns, encoded_ns, tensors, payload: r.take(len)?.to_vec() }
             }
             KIND_RELEASE => {
                 let count = r.count("releases", MAX_RELEASES)?;
-                Frame::Release {
-                    leases: (0..count).map(|_| r.u64()).collect::<Result<_, _>>()?,
-                }
+                Frame::Release { leases: (0..count).map(|_| r.u64()).collect::<Result<_, _>>()? }
             }
             KIND_CREDIT => Frame::Credit { count: r.u32()? },
+            KIND_RETIRE => Frame::Retire { chunk: r.u64()? },
             other => return Err(FrameError::UnknownKind(other)),
         };
         r.finish()?;
@@ -432,35 +393,25 @@ impl Frame {
 }
 
 fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameError> {
-    let (lease, chunk, storage_offset, storage_len, view_offset) =
-        (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+    let (lease, chunk, storage_offset, storage_len, view_offset) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
     let code = r.u8()?;
     let dtype = DType::from_code(code).ok_or(FrameError::BadDType(code))?;
     let ndim = r.u8()? as usize;
     if ndim > MAX_DIMS {
-        return Err(FrameError::TooMany {
-            what: "dimensions",
-            count: ndim,
-            max: MAX_DIMS,
-        });
+        return Err(FrameError::TooMany { what: "dimensions", count: ndim, max: MAX_DIMS });
     }
     let event = match r.u32()? {
         u32::MAX => None,
         id => Some(id),
     };
     let shape = (0..ndim).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
-    let strides = (0..ndim)
-        .map(|_| r.u64().map(|s| s as i64))
-        .collect::<Result<Vec<_>, _>>()?;
+    let strides = (0..ndim).map(|_| r.u64().map(|s| s as i64)).collect::<Result<Vec<_>, _>>()?;
     let bad = |reason: String| FrameError::OutOfBounds { index, reason };
     if storage_offset.checked_add(storage_len).is_none() {
         return Err(bad("the storage range overflows".into()));
     }
-    let (low, high) = strided_byte_span(&shape, &strides, dtype.size()).ok_or_else(|| {
-        bad(format!(
-            "shape {shape:?} with strides {strides:?} overflows"
-        ))
-    })?;
+    let (low, high) = strided_byte_span(&shape, &strides, dtype.size())
+        .ok_or_else(|| bad(format!("shape {shape:?} with strides {strides:?} overflows")))?;
     let start = i128::from(view_offset) + i128::from(low);
     let end = i128::from(view_offset) + i128::from(high);
     if start < 0 || end > i128::from(storage_len) {
@@ -468,17 +419,7 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
             "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside a {storage_len}-byte storage"
         )));
     }
-    Ok(TensorDesc {
-        lease,
-        chunk,
-        storage_offset,
-        storage_len,
-        view_offset,
-        dtype,
-        event,
-        shape,
-        strides,
-    })
+    Ok(TensorDesc { lease, chunk, storage_offset, storage_len, view_offset, dtype, event, shape, strides })
 }
 
 #[cfg(test)]
@@ -509,18 +450,8 @@ mod tests {
 
     fn samples() -> Vec<Frame> {
         vec![
-            Frame::Hello {
-                pid: 7,
-                host: [1; 16],
-                capacity: 8,
-            },
-            Frame::Chunk {
-                id: 1,
-                len: 4096,
-                kind: ChunkKind::Host,
-                device: [0; 16],
-                legacy: None,
-            },
+            Frame::Hello { pid: 7, host: [1; 16], capacity: 8 },
+            Frame::Chunk { id: 1, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None },
             Frame::Chunk {
                 id: 2,
                 len: 4096,
@@ -528,15 +459,11 @@ mod tests {
                 device: [3; 16],
                 legacy: Some(vec![5; LEGACY_HANDLE_LEN]),
             },
-            Frame::Event {
-                id: 4,
-                handle: vec![6; LEGACY_HANDLE_LEN],
-            },
+            Frame::Event { id: 4, handle: vec![6; LEGACY_HANDLE_LEN] },
             message(),
-            Frame::Release {
-                leases: vec![1, 2, 3],
-            },
+            Frame::Release { leases: vec![1, 2, 3] },
             Frame::Credit { count: 1 },
+            Frame::Retire { chunk: 5 },
         ]
     }
 
@@ -550,10 +477,7 @@ mod tests {
     #[test]
     fn hostile_frames_are_refused_with_a_reason() {
         let good = message().encode();
-        assert!(matches!(
-            Frame::decode(&good[..good.len() - 1]),
-            Err(FrameError::Length { .. })
-        ));
+        assert!(matches!(Frame::decode(&good[..good.len() - 1]), Err(FrameError::Length { .. })));
         let mut bad = good.clone();
         bad[0] = b'X';
         assert!(matches!(Frame::decode(&bad), Err(FrameError::BadMagic(_))));
@@ -561,59 +485,20 @@ mod tests {
         bad[4] = 2;
         assert_eq!(Frame::decode(&bad), Err(FrameError::Version(2)));
         let view_too_big = |shape: Vec<u64>, strides: Vec<i64>, view_offset: u64| {
-            let Frame::Message {
-                seq,
-                sent_ns,
-                encoded_ns,
-                mut tensors,
-                payload,
-            } = message()
-            else {
-                unreachable!()
-            };
+            let Frame::Message { seq, sent_ns, encoded_ns, mut tensors, payload } = message() else { unreachable!() };
             tensors[0].shape = shape;
             tensors[0].strides = strides;
             tensors[0].view_offset = view_offset;
-            Frame::decode(
-                &Frame::Message {
-                    seq,
-                    sent_ns,
-                    encoded_ns,
-                    tensors,
-                    payload,
-                }
-                .encode(),
-            )
+            Frame::decode(&Frame::Message { seq, sent_ns, encoded_ns, tensors, payload }.encode())
         };
-        assert!(matches!(
-            view_too_big(vec![3, 5], vec![4, 1], 0),
-            Err(FrameError::OutOfBounds { index: 0, .. })
-        ));
-        assert!(matches!(
-            view_too_big(vec![3, 4], vec![4, 1], 4),
-            Err(FrameError::OutOfBounds { .. })
-        ));
-        assert!(matches!(
-            view_too_big(vec![4], vec![-1], 0),
-            Err(FrameError::OutOfBounds { .. })
-        ));
-        assert!(
-            view_too_big(vec![4], vec![-1], 12).is_ok(),
-            "a reversed view ending at element 0"
-        );
-        assert!(matches!(
-            view_too_big(vec![u64::MAX, 2], vec![1, 1], 0),
-            Err(FrameError::OutOfBounds { .. })
-        ));
+        assert!(matches!(view_too_big(vec![3, 5], vec![4, 1], 0), Err(FrameError::OutOfBounds { index: 0, .. })));
+        assert!(matches!(view_too_big(vec![3, 4], vec![4, 1], 4), Err(FrameError::OutOfBounds { .. })));
+        assert!(matches!(view_too_big(vec![4], vec![-1], 0), Err(FrameError::OutOfBounds { .. })));
+        assert!(view_too_big(vec![4], vec![-1], 12).is_ok(), "a reversed view ending at element 0");
+        assert!(matches!(view_too_big(vec![u64::MAX, 2], vec![1, 1], 0), Err(FrameError::OutOfBounds { .. })));
         let mut huge_count = Frame::Release { leases: vec![] }.encode();
         huge_count[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(
-            Frame::decode(&huge_count),
-            Err(FrameError::TooMany {
-                what: "releases",
-                ..
-            })
-        ));
+        assert!(matches!(Frame::decode(&huge_count), Err(FrameError::TooMany { what: "releases", .. })));
     }
 
     proptest! {
@@ -629,7 +514,7 @@ mod tests {
         /// and what decodes re-encodes to the same bytes.
         #[test]
         fn mutated_frames_never_panic(
-            which in 0usize..7,
+            which in 0usize..8,
             flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6),
             cut in any::<usize>(),
         ) {

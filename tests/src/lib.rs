@@ -19,10 +19,7 @@ pub fn gpu_skip_reason() -> Option<String> {
     }
     Some(match cuda_sys::library() {
         Err(error) => format!("no GPU here: {error}"),
-        Ok(driver) => format!(
-            "no GPU here: {} loaded but cuInit found no usable device",
-            driver.path()
-        ),
+        Ok(driver) => format!("no GPU here: {} loaded but cuInit found no usable device", driver.path()),
     })
 }
 
@@ -37,12 +34,7 @@ pub fn helper_path() -> Result<PathBuf> {
     [dir.join(name), dir.join("..").join(name)]
         .into_iter()
         .find(|p| p.is_file())
-        .with_context(|| {
-            format!(
-                "{name} not found near {} (build it, or set {BIN_DIR_ENV})",
-                exe.display()
-            )
-        })
+        .with_context(|| format!("{name} not found near {} (build it, or set {BIN_DIR_ENV})", exe.display()))
 }
 
 /// A unique socket path in the temporary folder.
@@ -67,11 +59,7 @@ impl Helper {
         let path = socket_path(args.first().copied().unwrap_or("helper"));
         let listener = Listener::bind(&path)?;
         let mut command = Command::new(helper_path()?);
-        command
-            .args(args)
-            .arg("--socket")
-            .arg(&path)
-            .stdin(Stdio::null());
+        command.args(args).arg("--socket").arg(&path).stdin(Stdio::null());
         for (key, value) in env {
             command.env(key, value);
         }
@@ -80,18 +68,11 @@ impl Helper {
             Ok(connection) => connection,
             Err(error) => {
                 let _ = child.kill();
-                bail!(
-                    "ipc-helper did not connect: {error} (exit: {:?})",
-                    child.wait()
-                );
+                bail!("ipc-helper did not connect: {error} (exit: {:?})", child.wait());
             }
         };
         connection.set_recv_timeout(Some(Duration::from_secs(120)))?;
-        Ok(Helper {
-            child,
-            connection,
-            _listener: listener,
-        })
+        Ok(Helper { child, connection, _listener: listener })
     }
 
     /// Receives one message of little-endian `u64`s.
@@ -121,10 +102,7 @@ pub fn encode_u64s(values: &[u64]) -> Vec<u8> {
 
 /// Decodes little-endian `u64`s (a trailing partial value is ignored).
 pub fn decode_u64s(bytes: &[u8]) -> Vec<u64> {
-    bytes
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-        .collect()
+    bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())).collect()
 }
 
 /// Nanoseconds as microseconds, for printing.
@@ -148,10 +126,7 @@ mod tests {
 
     #[test]
     fn encodings_and_percentiles() {
-        assert_eq!(
-            decode_u64s(&encode_u64s(&[1, u64::MAX, 7])),
-            vec![1, u64::MAX, 7]
-        );
+        assert_eq!(decode_u64s(&encode_u64s(&[1, u64::MAX, 7])), vec![1, u64::MAX, 7]);
         let mut values: Vec<u64> = (1..=100).collect();
         assert_eq!(percentile(&mut values, 50.0), 51);
         assert_eq!(percentile(&mut values, 99.0), 99);

@@ -8,56 +8,24 @@ use std::time::Duration;
 use anyhow::{Result, bail, ensure};
 use integration_tests::{Helper, encode_u64s, gpu_skip_reason};
 use ipc_core::{
-    Context, Device, DeviceBuffer, DeviceMemory, Error, Event, SharedMemory, Stream, Topology,
-    Uuid, VmmAllocation, copy_peer_async,
+    Context, Device, DeviceBuffer, DeviceMemory, Error, Event, SharedMemory, Stream, Topology, Uuid, VmmAllocation,
+    copy_peer_async,
 };
 use kernels::{Kernels, StridedLayout, reference};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
 fn main() {
     let tests: Vec<(&str, usize, fn() -> Result<()>)> = vec![
-        (
-            "kernels_match_the_cpu_reference",
-            1,
-            kernels_match_the_cpu_reference,
-        ),
-        (
-            "strided_pack_and_unpack_round_trip",
-            1,
-            strided_pack_and_unpack_round_trip,
-        ),
+        ("kernels_match_the_cpu_reference", 1, kernels_match_the_cpu_reference),
+        ("strided_pack_and_unpack_round_trip", 1, strided_pack_and_unpack_round_trip),
         ("matmul_matches_the_cpu", 1, matmul_matches_the_cpu),
-        (
-            "legacy_ipc_handle_crosses_processes",
-            1,
-            legacy_ipc_handle_crosses_processes,
-        ),
-        (
-            "vmm_descriptor_crosses_processes",
-            1,
-            vmm_descriptor_crosses_processes,
-        ),
-        (
-            "interprocess_event_orders_the_consumer",
-            1,
-            interprocess_event_orders_the_consumer,
-        ),
-        (
-            "without_the_wait_the_consumer_sees_unfinished_data",
-            1,
-            without_the_wait_the_consumer_sees_unfinished_data,
-        ),
-        (
-            "pinned_shared_memory_is_readable_by_the_gpu",
-            1,
-            pinned_shared_memory_is_readable_by_the_gpu,
-        ),
+        ("legacy_ipc_handle_crosses_processes", 1, legacy_ipc_handle_crosses_processes),
+        ("vmm_descriptor_crosses_processes", 1, vmm_descriptor_crosses_processes),
+        ("interprocess_event_orders_the_consumer", 1, interprocess_event_orders_the_consumer),
+        ("without_the_wait_the_consumer_sees_unfinished_data", 1, without_the_wait_the_consumer_sees_unfinished_data),
+        ("pinned_shared_memory_is_readable_by_the_gpu", 1, pinned_shared_memory_is_readable_by_the_gpu),
         ("bad_use_gives_typed_errors", 1, bad_use_gives_typed_errors),
-        (
-            "topology_reports_every_pair",
-            2,
-            topology_reports_every_pair,
-        ),
+        ("topology_reports_every_pair", 2, topology_reports_every_pair),
         ("peer_copy_between_two_gpus", 2, peer_copy_between_two_gpus),
     ];
     let trials = tests
@@ -65,9 +33,7 @@ fn main() {
         .map(|(name, gpus, test)| {
             Trial::ignorable_test(name, move || match skip_reason(gpus) {
                 Some(reason) => Ok(Completion::ignored_with(reason)),
-                None => test()
-                    .map(|()| Completion::Completed)
-                    .map_err(|e| Failed::from(format!("{e:#}"))),
+                None => test().map(|()| Completion::Completed).map_err(|e| Failed::from(format!("{e:#}"))),
             })
         })
         .collect();
@@ -95,26 +61,14 @@ fn setup() -> Result<(Arc<Context>, Stream, Arc<Kernels>)> {
 fn kernels_match_the_cpu_reference() -> Result<()> {
     let (context, stream, kernels) = setup()?;
     let buffer = DeviceBuffer::alloc(&context, 5 << 20)?;
-    for (offset, len, seed) in [
-        (0, 1, 1),
-        (0, 7, 2),
-        (5, 4099, 3),
-        (0, 5 << 20, 4),
-        (3, (5 << 20) - 3, 5),
-    ] {
+    for (offset, len, seed) in [(0, 1, 1), (0, 7, 2), (5, 4099, 3), (0, 5 << 20, 4), (3, (5 << 20) - 3, 5)] {
         kernels.fill(&buffer, offset, len, seed, &stream)?;
         let gpu = kernels.checksum(&buffer, offset, len, &stream)?;
         let cpu = reference::checksum(&reference::pattern(len, seed));
-        ensure!(
-            gpu == cpu,
-            "offset {offset} len {len}: GPU checksum {gpu:#x}, CPU {cpu:#x}"
-        );
+        ensure!(gpu == cpu, "offset {offset} len {len}: GPU checksum {gpu:#x}, CPU {cpu:#x}");
         let mut host = vec![0u8; len];
         buffer.copy_to_host(offset, &mut host)?;
-        ensure!(
-            host == reference::pattern(len, seed),
-            "offset {offset} len {len}: the bytes differ"
-        );
+        ensure!(host == reference::pattern(len, seed), "offset {offset} len {len}: the bytes differ");
     }
     Ok(())
 }
@@ -142,11 +96,7 @@ fn strided_pack_and_unpack_round_trip() -> Result<()> {
         let cases: [(Vec<u64>, Vec<i64>, usize); 3] = [
             (vec![6, 4, 5], vec![1, 30, 6], 0),
             (vec![120], vec![-1], 119 * elem),
-            (
-                vec![2, 1, 3, 1, 2, 1, 2, 5],
-                vec![60, 7, 20, 3, 10, 1, 5, 1],
-                0,
-            ),
+            (vec![2, 1, 3, 1, 2, 1, 2, 5], vec![60, 7, 20, 3, 10, 1, 5, 1], 0),
         ];
         let bytes = 120 * elem;
         let source = DeviceBuffer::alloc(&context, bytes)?;
@@ -158,28 +108,19 @@ fn strided_pack_and_unpack_round_trip() -> Result<()> {
             kernels.pack(&source, base, &layout, &packed, 0, &stream)?;
             let expected = cpu_pack(&host_source, &shape, &strides, elem, base);
             let gpu = kernels.checksum(&packed, 0, packed.len(), &stream)?;
-            ensure!(
-                gpu == reference::checksum(&expected),
-                "pack {shape:?}/{strides:?} x{elem}"
-            );
+            ensure!(gpu == reference::checksum(&expected), "pack {shape:?}/{strides:?} x{elem}");
             let restored = DeviceBuffer::alloc(&context, bytes)?;
             restored.memset_async(0, &stream)?;
             kernels.unpack(&packed, 0, &layout, &restored, base, &stream)?;
             let mut host = vec![0u8; bytes];
             stream.synchronize()?;
             restored.copy_to_host(0, &mut host)?;
-            ensure!(
-                cpu_pack(&host, &shape, &strides, elem, base) == expected,
-                "unpack {shape:?} x{elem}"
-            );
+            ensure!(cpu_pack(&host, &shape, &strides, elem, base) == expected, "unpack {shape:?} x{elem}");
         }
         let too_far = StridedLayout::new(&[121], &[1], elem)?;
         let out = DeviceBuffer::alloc(&context, 121 * elem)?;
         let refused = kernels.pack(&source, 0, &too_far, &out, 0, &stream);
-        ensure!(
-            matches!(refused, Err(Error::OutOfBounds { .. })),
-            "an out-of-bounds view is refused"
-        );
+        ensure!(matches!(refused, Err(Error::OutOfBounds { .. })), "an out-of-bounds view is refused");
     }
     Ok(())
 }
@@ -202,15 +143,10 @@ fn matmul_matches_the_cpu() -> Result<()> {
     dc.copy_to_host(0, &mut c)?;
     for row in 0..m as usize {
         for col in 0..n as usize {
-            let expected: f32 = (0..k as usize)
-                .map(|i| a[row * k as usize + i] * b[i * n as usize + col])
-                .sum();
+            let expected: f32 = (0..k as usize).map(|i| a[row * k as usize + i] * b[i * n as usize + col]).sum();
             let at = (row * n as usize + col) * 4;
             let got = f32::from_le_bytes(c[at..at + 4].try_into()?);
-            ensure!(
-                (got - expected).abs() < 1e-3,
-                "c[{row}][{col}] = {got}, expected {expected}"
-            );
+            ensure!((got - expected).abs() < 1e-3, "c[{row}][{col}] = {got}, expected {expected}");
         }
     }
     Ok(())
@@ -234,10 +170,7 @@ fn legacy_ipc_handle_crosses_processes() -> Result<()> {
     helper.connection.send(&buffer.export()?.to_bytes(), &[])?;
     let seen = helper.recv_u64s()?[0];
     helper.finish()?;
-    ensure!(
-        seen == expected,
-        "the importer's GPU checksum {seen:#x} differs from {expected:#x}"
-    );
+    ensure!(seen == expected, "the importer's GPU checksum {seen:#x} differs from {expected:#x}");
     Ok(())
 }
 
@@ -250,15 +183,10 @@ fn vmm_descriptor_crosses_processes() -> Result<()> {
     let helper = Helper::spawn(&["vmm-import"], &[])?;
     let mut message = encode_u64s(&[memory.len() as u64]);
     message.extend_from_slice(&context.device().uuid()?.0);
-    helper
-        .connection
-        .send(&message, &[std::os::fd::AsFd::as_fd(&fd)])?;
+    helper.connection.send(&message, &[std::os::fd::AsFd::as_fd(&fd)])?;
     let seen = helper.recv_u64s()?[0];
     helper.finish()?;
-    ensure!(
-        seen == expected,
-        "the importer's GPU checksum {seen:#x} differs from {expected:#x}"
-    );
+    ensure!(seen == expected, "the importer's GPU checksum {seen:#x} differs from {expected:#x}");
     Ok(())
 }
 
@@ -271,11 +199,7 @@ fn slow_producer_fast_consumer(skip_wait: bool) -> Result<(u64, u64)> {
     let buffer = DeviceBuffer::alloc(&context, len)?;
     buffer.memset_async(0, &stream)?;
     stream.synchronize()?;
-    let args: &[&str] = if skip_wait {
-        &["event-wait", "--skip-wait"]
-    } else {
-        &["event-wait"]
-    };
+    let args: &[&str] = if skip_wait { &["event-wait", "--skip-wait"] } else { &["event-wait"] };
     let helper = Helper::spawn(args, &[])?;
     ensure!(helper.recv_u64s()? == [1], "the consumer did not get ready");
     let event = Event::interprocess(&context)?;
@@ -292,20 +216,14 @@ fn slow_producer_fast_consumer(skip_wait: bool) -> Result<(u64, u64)> {
 
 fn interprocess_event_orders_the_consumer() -> Result<()> {
     let (seen, expected) = slow_producer_fast_consumer(false)?;
-    ensure!(
-        seen == expected,
-        "the consumer ran before the producer's kernel finished"
-    );
+    ensure!(seen == expected, "the consumer ran before the producer's kernel finished");
     Ok(())
 }
 
 /// Proves the ordering test can fail: with the wait left out, the consumer reads early.
 fn without_the_wait_the_consumer_sees_unfinished_data() -> Result<()> {
     let (seen, expected) = slow_producer_fast_consumer(true)?;
-    ensure!(
-        seen != expected,
-        "without the wait the consumer still saw final data: the ordering test proves nothing"
-    );
+    ensure!(seen != expected, "without the wait the consumer still saw final data: the ordering test proves nothing");
     Ok(())
 }
 
@@ -316,51 +234,30 @@ fn pinned_shared_memory_is_readable_by_the_gpu() -> Result<()> {
     reference::fill(shared.as_mut_slice(), 31);
     let pinned = shared.pin(&context)?;
     let sum = kernels.checksum(&pinned, 0, len, &stream)?;
-    ensure!(
-        sum == reference::checksum(&reference::pattern(len, 31)),
-        "the GPU read other bytes"
-    );
+    ensure!(sum == reference::checksum(&reference::pattern(len, 31)), "the GPU read other bytes");
     Ok(())
 }
 
 fn bad_use_gives_typed_errors() -> Result<()> {
     let (context, _stream, _kernels) = setup()?;
     let count = Device::count()?;
-    ensure!(matches!(
-        Device::get(count + 3),
-        Err(Error::NoSuchDevice { .. })
-    ));
-    ensure!(matches!(
-        Device::by_uuid(&Uuid([0xEE; 16])),
-        Err(Error::UnknownDevice(_))
-    ));
+    ensure!(matches!(Device::get(count + 3), Err(Error::NoSuchDevice { .. })));
+    ensure!(matches!(Device::by_uuid(&Uuid([0xEE; 16])), Err(Error::UnknownDevice(_))));
     let granularity = VmmAllocation::granularity(&context)?;
     let closed = {
         let file = std::fs::File::open("/dev/null")?;
         file.as_raw_fd()
     };
-    ensure!(matches!(
-        VmmAllocation::import(&context, closed, granularity),
-        Err(Error::BadDescriptor { .. })
-    ));
+    ensure!(matches!(VmmAllocation::import(&context, closed, granularity), Err(Error::BadDescriptor { .. })));
     let not_vmm = SharedMemory::create("not-vmm", 4096)?;
     match VmmAllocation::import(&context, not_vmm.fd().as_raw_fd(), granularity) {
         Err(Error::Cuda(_)) => {}
         other => bail!("importing a memfd as VMM gave {other:?}"),
     }
     let buffer = DeviceBuffer::alloc(&context, 16)?;
-    ensure!(matches!(
-        buffer.copy_from_host(10, &[0; 8]),
-        Err(Error::OutOfBounds { .. })
-    ));
-    ensure!(matches!(
-        DeviceBuffer::alloc(&context, 0),
-        Err(Error::InvalidArgument(_))
-    ));
-    ensure!(matches!(
-        Event::new(&context)?.export(),
-        Err(Error::InvalidArgument(_))
-    ));
+    ensure!(matches!(buffer.copy_from_host(10, &[0; 8]), Err(Error::OutOfBounds { .. })));
+    ensure!(matches!(DeviceBuffer::alloc(&context, 0), Err(Error::InvalidArgument(_))));
+    ensure!(matches!(Event::new(&context)?.export(), Err(Error::InvalidArgument(_))));
     Ok(())
 }
 
@@ -368,18 +265,10 @@ fn topology_reports_every_pair() -> Result<()> {
     let topology = Topology::query()?;
     println!("{topology}");
     let n = topology.devices.len() as i32;
-    ensure!(
-        topology.links.len() as i32 == n * (n - 1),
-        "one link per ordered pair"
-    );
+    ensure!(topology.links.len() as i32 == n * (n - 1), "one link per ordered pair");
     for link in &topology.links {
-        let back = topology
-            .link(link.to, link.from)
-            .expect("the reverse link is listed");
-        ensure!(
-            link.can_access_peer == back.can_access_peer,
-            "peer access is symmetric here"
-        );
+        let back = topology.link(link.to, link.from).expect("the reverse link is listed");
+        ensure!(link.can_access_peer == back.can_access_peer, "peer access is symmetric here");
     }
     // Check the claim against the driver: peer access really works where it is reported.
     let (a, b) = (Context::on_ordinal(0)?, Context::on_ordinal(1)?);
@@ -389,14 +278,9 @@ fn topology_reports_every_pair() -> Result<()> {
     let enabled = unsafe { cuda_sys::driver!(cuCtxEnablePeerAccess(a.raw(), 0)) };
     let works = match &enabled {
         Ok(()) => true,
-        Err(error) => {
-            error.code() == Some(cuda_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
-        }
+        Err(error) => error.code() == Some(cuda_sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED),
     };
-    ensure!(
-        works == reported,
-        "the topology said peer access {reported}, enabling it gave {enabled:?}"
-    );
+    ensure!(works == reported, "the topology said peer access {reported}, enabling it gave {enabled:?}");
     Ok(())
 }
 
@@ -420,10 +304,7 @@ fn peer_copy_between_two_gpus() -> Result<()> {
     stream1.synchronize()?;
     let seconds = start.elapsed().as_secs_f64();
     let sum = kernels1.checksum(&target, 0, len, &stream1)?;
-    ensure!(
-        sum == reference::checksum(&reference::pattern(len, 41)),
-        "GPU1 holds other bytes"
-    );
+    ensure!(sum == reference::checksum(&reference::pattern(len, 41)), "GPU1 holds other bytes");
     println!(
         "peer copy GPU0 -> GPU1: {len} bytes at {:.0} GB/s (one copy after a warm-up)",
         len as f64 / seconds / 1e9

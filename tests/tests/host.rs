@@ -13,22 +13,11 @@ fn shared_memory_crosses_processes_as_a_descriptor() {
     let mut memory = SharedMemory::create("host-test", len).unwrap();
     reference::fill(memory.as_mut_slice(), seed);
     let helper = Helper::spawn(&["shm-check"], &[]).unwrap();
-    helper
-        .connection
-        .send(&encode_u64s(&[len as u64, seed]), &[memory.fd()])
-        .unwrap();
+    helper.connection.send(&encode_u64s(&[len as u64, seed]), &[memory.fd()]).unwrap();
     let sum = helper.recv_u64s().unwrap()[0];
-    assert_eq!(
-        sum,
-        reference::checksum(&reference::pattern(len, seed)),
-        "the helper read our bytes"
-    );
+    assert_eq!(sum, reference::checksum(&reference::pattern(len, seed)), "the helper read our bytes");
     helper.finish().unwrap();
-    assert_eq!(
-        memory.as_slice(),
-        &reference::pattern(len, seed + 1)[..],
-        "we see the helper's writes"
-    );
+    assert_eq!(memory.as_slice(), &reference::pattern(len, seed + 1)[..], "we see the helper's writes");
 }
 
 #[test]
@@ -41,10 +30,7 @@ fn a_missing_driver_is_a_clear_error_in_a_real_process() {
     assert!(output.status.success(), "no crash: {output:?}");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(stdout.contains("driver error"), "{stdout}");
-    assert!(
-        stdout.contains("/nonexistent/libcuda.so.1"),
-        "the error names the library: {stdout}"
-    );
+    assert!(stdout.contains("/nonexistent/libcuda.so.1"), "the error names the library: {stdout}");
 }
 
 #[test]
@@ -52,10 +38,7 @@ fn a_malformed_handle_is_refused_by_the_importer() {
     let helper = Helper::spawn(&["legacy-import"], &[]).unwrap();
     helper.connection.send(&[0xAB; 40], &[]).unwrap();
     let output = helper.child.wait_with_output().unwrap();
-    assert!(
-        !output.status.success(),
-        "the importer reports the bad handle"
-    );
+    assert!(!output.status.success(), "the importer reports the bad handle");
 }
 
 #[test]

@@ -31,10 +31,7 @@ pub fn build() -> Result<()> {
 
     cargo(&["build", "--release", "--workspace", "--bins", "--examples"])?;
     for name in BINARIES {
-        copy(
-            &root.join("target/release").join(name),
-            &bundle.join("bin").join(name),
-        )?;
+        copy(&root.join("target/release").join(name), &bundle.join("bin").join(name))?;
     }
     for example in release_examples(&root)? {
         let name = example.file_name().context("example without a name")?;
@@ -48,11 +45,7 @@ pub fn build() -> Result<()> {
     make_executable(&script)?;
 
     let size = folder_size(&bundle)?;
-    println!(
-        "xtask gpu-bundle: {} ({:.1} MiB)",
-        bundle.display(),
-        size as f64 / (1 << 20) as f64
-    );
+    println!("xtask gpu-bundle: {} ({:.1} MiB)", bundle.display(), size as f64 / (1 << 20) as f64);
     if size > SIZE_LIMIT {
         bail!("the bundle is {size} bytes, over the {SIZE_LIMIT}-byte budget for the device carry");
     }
@@ -68,11 +61,7 @@ fn release_examples(root: &Path) -> Result<Vec<PathBuf>> {
     }
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
-        let name = path
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .into_owned();
+        let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
         if path.is_file() && !name.contains('.') && !name.contains('-') {
             found.push(path);
         }
@@ -82,32 +71,20 @@ fn release_examples(root: &Path) -> Result<Vec<PathBuf>> {
 
 /// Builds the test targets in release and returns `(package-target, executable)` pairs.
 fn release_test_executables() -> Result<Vec<(String, PathBuf)>> {
-    let mut command = cargo_command(&[
-        "test",
-        "--release",
-        "--workspace",
-        "--no-run",
-        "--message-format=json-render-diagnostics",
-    ])?;
+    let mut command =
+        cargo_command(&["test", "--release", "--workspace", "--no-run", "--message-format=json-render-diagnostics"])?;
     let output = command.stderr(Stdio::inherit()).output()?;
     if !output.status.success() {
         bail!("building release tests failed");
     }
     let mut found = Vec::new();
-    for line in output
-        .stdout
-        .split(|&b| b == b'\n')
-        .filter(|l| !l.is_empty())
-    {
+    for line in output.stdout.split(|&b| b == b'\n').filter(|l| !l.is_empty()) {
         let message: serde_json::Value = serde_json::from_slice(line)?;
         let kind = message["target"]["kind"][0].as_str().unwrap_or("test");
         // Binaries' own (empty) test harnesses and xtask's are not worth carrying.
         let is_test = message["profile"]["test"].as_bool() == Some(true)
             && matches!(kind, "lib" | "test")
-            && !message["package_id"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("xtask");
+            && !message["package_id"].as_str().unwrap_or_default().contains("xtask");
         let (Some(executable), true) = (message["executable"].as_str(), is_test) else {
             continue;
         };
@@ -115,11 +92,7 @@ fn release_test_executables() -> Result<Vec<(String, PathBuf)>> {
         let package = package.rsplit('/').next().unwrap_or(package);
         let package = package.split(['#', '@']).next().unwrap_or(package);
         let target = message["target"]["name"].as_str().unwrap_or("test");
-        let name = if kind == "lib" {
-            format!("{package}-unit")
-        } else {
-            format!("{package}-{target}")
-        };
+        let name = if kind == "lib" { format!("{package}-unit") } else { format!("{package}-{target}") };
         found.push((name, PathBuf::from(executable)));
     }
     Ok(found)
@@ -141,11 +114,7 @@ fn folder_size(dir: &Path) -> Result<u64> {
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
         let meta = entry.metadata()?;
-        total += if meta.is_dir() {
-            folder_size(&entry.path())?
-        } else {
-            meta.len()
-        };
+        total += if meta.is_dir() { folder_size(&entry.path())? } else { meta.len() };
     }
     Ok(total)
 }

@@ -82,9 +82,7 @@ fn cargo_command(args: &[&str]) -> Result<Command> {
 }
 
 fn run(command: &mut Command) -> Result<()> {
-    let status = command
-        .status()
-        .with_context(|| format!("could not start {command:?}"))?;
+    let status = command.status().with_context(|| format!("could not start {command:?}"))?;
     if !status.success() {
         bail!("{command:?} failed with {status}");
     }

@@ -11,12 +11,8 @@ use anyhow::{Context, Result, bail};
 use crate::{run, workspace_root};
 
 /// The PyPI packages that make up the compiler, pinned.
-const PINNED_PACKAGES: &[&str] = &[
-    "nvidia-cuda-nvcc==13.0.88",
-    "nvidia-nvvm==13.0.88",
-    "nvidia-cuda-crt==13.0.88",
-    "nvidia-cuda-runtime==13.0.96",
-];
+const PINNED_PACKAGES: &[&str] =
+    &["nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88", "nvidia-cuda-crt==13.0.88", "nvidia-cuda-runtime==13.0.96"];
 
 fn toolchain_dir() -> PathBuf {
     workspace_root().join(".toolchain")
@@ -71,15 +67,9 @@ pub fn setup() -> Result<()> {
 fn install_cuda_packages() -> Result<()> {
     let venv = venv_dir();
     std::fs::create_dir_all(toolchain_dir())?;
-    println!(
-        "xtask setup: installing {} into {}",
-        PINNED_PACKAGES.join(" "),
-        venv.display()
-    );
-    run(Command::new("python3")
-        .args(["-m", "venv", "--clear"])
-        .arg(&venv))
-    .context("python3 with the venv module is needed to install the CUDA compiler")?;
+    println!("xtask setup: installing {} into {}", PINNED_PACKAGES.join(" "), venv.display());
+    run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv))
+        .context("python3 with the venv module is needed to install the CUDA compiler")?;
     run(Command::new(venv.join("bin/pip"))
         .args(["install", "--quiet", "--disable-pip-version-check"])
         .args(PINNED_PACKAGES))
@@ -118,11 +108,7 @@ fn apt_command(as_root: bool) -> Command {
 }
 
 fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|out| out.stdout.trim_ascii() == b"0")
-        .unwrap_or(false)
+    Command::new("id").arg("-u").output().map(|out| out.stdout.trim_ascii() == b"0").unwrap_or(false)
 }
 
 fn libclang_present() -> bool {

@@ -12,8 +12,7 @@ use anyhow::{Context as _, Result, bail};
 use integration_tests::{decode_u64s, encode_u64s};
 use ipc_core::seqpacket::Connection;
 use ipc_core::{
-    Context, Device, Event, ImportedIpcMemory, IpcEventHandle, IpcMemHandle, SharedMemory, Stream,
-    Uuid, VmmAllocation,
+    Context, Device, Event, ImportedIpcMemory, IpcEventHandle, IpcMemHandle, SharedMemory, Stream, Uuid, VmmAllocation,
 };
 use kernels::Kernels;
 
@@ -26,10 +25,7 @@ fn main() {
 
 fn run() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let command = args
-        .first()
-        .context("usage: ipc-helper <command> --socket <path>")?
-        .clone();
+    let command = args.first().context("usage: ipc-helper <command> --socket <path>")?.clone();
     if command == "driver-status" {
         return driver_status();
     }
@@ -85,9 +81,7 @@ fn context_for(uuid: &[u8]) -> Result<Arc<Context>> {
 /// Maps a shared-memory file, checks its pattern, then writes the next seed's pattern into it.
 fn shm_check(connection: &Connection) -> Result<()> {
     let (bytes, mut fds) = recv(connection)?;
-    let [len, seed] = decode_u64s(&bytes)[..] else {
-        bail!("expected [len, seed]")
-    };
+    let [len, seed] = decode_u64s(&bytes)[..] else { bail!("expected [len, seed]") };
     let fd = fds.pop().context("expected a descriptor")?;
     let mut memory = SharedMemory::from_fd(fd, len as usize)?;
     let sum = kernels::reference::checksum(memory.as_slice());

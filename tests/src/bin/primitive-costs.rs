@@ -31,11 +31,7 @@ fn main() -> Result<()> {
     // SAFETY: a valid out-pointer.
     unsafe { cuda_sys::driver!(cuDriverGetVersion(&mut driver_version)) }?;
     let device = context.device();
-    println!(
-        "device: {} ({}), CUDA driver API {driver_version}",
-        device.name()?,
-        device.uuid()?
-    );
+    println!("device: {} ({}), CUDA driver API {driver_version}", device.name()?, device.uuid()?);
 
     let rows = vec![
         export_legacy(&context)?,
@@ -57,10 +53,7 @@ fn main() -> Result<()> {
         let n = row.samples.len();
         let p50 = micros(percentile(&mut row.samples, 50.0));
         let p99 = micros(percentile(&mut row.samples, 99.0));
-        println!(
-            "| {} | {n} | {p50:.1} | {p99:.1} | {} |",
-            row.what, row.reference
-        );
+        println!("| {} | {n} | {p50:.1} | {p99:.1} | {} |", row.what, row.reference);
     }
     Ok(())
 }
@@ -77,19 +70,13 @@ fn export_legacy(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
         let buffer = DeviceBuffer::alloc(context, MB64)?;
         samples.push(time(|| Ok(buffer.export()?))?.1);
     }
-    Ok(vec![Row {
-        what: "cuIpcGetMemHandle, fresh 64 MB cuMemAlloc",
-        samples,
-        reference: "2 us",
-    }])
+    Ok(vec![Row { what: "cuIpcGetMemHandle, fresh 64 MB cuMemAlloc", samples, reference: "2 us" }])
 }
 
 fn open_close_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
     let helper = Helper::spawn(&["bench-open"], &[])?;
     let (mut opens, mut closes) = (Vec::new(), Vec::new());
-    let buffers = (0..50)
-        .map(|_| DeviceBuffer::alloc(context, MB64))
-        .collect::<Result<Vec<_>, _>>()?;
+    let buffers = (0..50).map(|_| DeviceBuffer::alloc(context, MB64)).collect::<Result<Vec<_>, _>>()?;
     for buffer in &buffers {
         helper.connection.send(&buffer.export()?.to_bytes(), &[])?;
         let reply = helper.recv_u64s()?;
@@ -99,16 +86,8 @@ fn open_close_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
     helper.connection.send(b"done", &[])?;
     helper.finish()?;
     Ok(vec![
-        Row {
-            what: "cuIpcOpenMemHandle in another process",
-            samples: opens,
-            reference: "53 us (p99 107)",
-        },
-        Row {
-            what: "cuIpcCloseMemHandle in another process",
-            samples: closes,
-            reference: "34 us (p99 68)",
-        },
+        Row { what: "cuIpcOpenMemHandle in another process", samples: opens, reference: "53 us (p99 107)" },
+        Row { what: "cuIpcCloseMemHandle in another process", samples: closes, reference: "34 us (p99 68)" },
     ])
 }
 
@@ -118,11 +97,7 @@ fn export_vmm(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
         let memory = VmmAllocation::new(context, MB64)?;
         samples.push(time(|| Ok(memory.export()?))?.1);
     }
-    Ok(vec![Row {
-        what: "cuMemExportToShareableHandle (fd), 64 MB",
-        samples,
-        reference: "730 us",
-    }])
+    Ok(vec![Row { what: "cuMemExportToShareableHandle (fd), 64 MB", samples, reference: "730 us" }])
 }
 
 fn import_vmm_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
@@ -138,11 +113,7 @@ fn import_vmm_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
     }
     helper.connection.send(b"done", &[])?;
     helper.finish()?;
-    Ok(vec![Row {
-        what: "import fd + reserve + map + access, 64 MB, other process",
-        samples,
-        reference: "129 us",
-    }])
+    Ok(vec![Row { what: "import fd + reserve + map + access, 64 MB, other process", samples, reference: "129 us" }])
 }
 
 fn record_event(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Vec<Row>> {
@@ -152,11 +123,7 @@ fn record_event(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Ve
         samples.push(time(|| Ok(event.record(stream)?))?.1);
     }
     stream.synchronize()?;
-    Ok(vec![Row {
-        what: "cuEventRecord, interprocess event",
-        samples,
-        reference: "1.2 us",
-    }])
+    Ok(vec![Row { what: "cuEventRecord, interprocess event", samples, reference: "1.2 us" }])
 }
 
 fn wait_event_same_process(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Vec<Row>> {
@@ -173,11 +140,7 @@ fn wait_event_same_process(context: &std::sync::Arc<Context>, stream: &Stream) -
             .1,
         );
     }
-    Ok(vec![Row {
-        what: "ordinary event, same process: wait + sync",
-        samples,
-        reference: "0.8 us (H100)",
-    }])
+    Ok(vec![Row { what: "ordinary event, same process: wait + sync", samples, reference: "0.8 us (H100)" }])
 }
 
 fn wait_event_elsewhere(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Vec<Row>> {
@@ -190,9 +153,5 @@ fn wait_event_elsewhere(context: &std::sync::Arc<Context>, stream: &Stream) -> R
     helper.connection.send(&encode_u64s(&[500]), &[])?;
     let samples = helper.recv_u64s().context("event wait timings")?;
     helper.finish()?;
-    Ok(vec![Row {
-        what: "imported interprocess event, other process: wait + sync",
-        samples,
-        reference: "141 us",
-    }])
+    Ok(vec![Row { what: "imported interprocess event, other process: wait + sync", samples, reference: "141 us" }])
 }
