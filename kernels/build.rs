@@ -50,10 +50,10 @@ fn find_nvcc() -> Option<PathBuf> {
             }
         }
     }
-    if let Some(path) = std::env::var_os("PATH") {
-        if let Some(nvcc) = std::env::split_paths(&path).map(|dir| dir.join("nvcc")).find(|p| p.is_file()) {
-            return Some(nvcc);
-        }
+    if let Some(path) = std::env::var_os("PATH")
+        && let Some(nvcc) = std::env::split_paths(&path).map(|dir| dir.join("nvcc")).find(|p| p.is_file())
+    {
+        return Some(nvcc);
     }
     let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.toolchain/venv/lib");
     std::fs::read_dir(lib)

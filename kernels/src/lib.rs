@@ -105,7 +105,9 @@ pub struct Kernels {
 impl Kernels {
     /// The kernels for `context`'s device, loaded on the first call for that device.
     pub fn get(context: &Arc<Context>) -> Result<Arc<Kernels>> {
-        static LOADED: OnceLock<Mutex<Vec<(i32, Arc<Kernels>)>>> = OnceLock::new();
+        /// Loaded kernels by device ordinal.
+        type Loaded = Mutex<Vec<(i32, Arc<Kernels>)>>;
+        static LOADED: OnceLock<Loaded> = OnceLock::new();
         let ordinal = context.device().ordinal();
         let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
         if let Some((_, kernels)) = loaded.iter().find(|(o, _)| *o == ordinal) {

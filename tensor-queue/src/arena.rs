@@ -210,7 +210,9 @@ impl Arena {
 
     /// The process's arena for `context`'s device.
     pub fn device(context: &Arc<Context>) -> Arc<Arena> {
-        static DEVICES: OnceLock<Mutex<Vec<(i32, Arc<Arena>)>>> = OnceLock::new();
+        /// Arenas by device ordinal.
+        type Devices = Mutex<Vec<(i32, Arc<Arena>)>>;
+        static DEVICES: OnceLock<Devices> = OnceLock::new();
         let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
         let ordinal = context.device().ordinal();
         if let Some((_, arena)) = devices.iter().find(|(o, _)| *o == ordinal) {

@@ -151,7 +151,7 @@ struct EventSlot {
 
 /// What the sender keeps for one hand-off until the receiver releases it.
 struct Lease {
-    _storage: Arc<Storage>,
+    storage: Arc<Storage>,
     event: Option<Arc<EventSlot>>,
 }
 
@@ -267,7 +267,7 @@ impl<T: Serialize> Sender<T> {
                 strides: tensor.strides().to_vec(),
             });
             let event = event.clone().filter(|_| on_device);
-            state.leases.insert(lease, Lease { _storage: storage.clone(), event });
+            state.leases.insert(lease, Lease { storage: storage.clone(), event });
         }
         state.seq += 1;
         let frame =
@@ -369,14 +369,18 @@ impl SenderInner {
                     break;
                 }
             };
+            // Storage is dropped after the lock is let go: dropping a user buffer's chunk sends
+            // a retire frame, which takes the lock.
+            let mut released = Vec::new();
             let mut state = lock(&self.state);
             match frame {
                 Frame::Release { leases } => {
                     for id in leases {
-                        let event = state.leases.remove(&id).and_then(|lease| lease.event);
-                        if let Some(slot) = event.and_then(|slot| Arc::try_unwrap(slot).ok()) {
+                        let Some(lease) = state.leases.remove(&id) else { continue };
+                        if let Some(slot) = lease.event.and_then(|slot| Arc::try_unwrap(slot).ok()) {
                             state.free_events.push(slot);
                         }
+                        released.push(lease.storage);
                     }
                 }
                 Frame::Credit { count } => state.credits = state.credits.saturating_add(count),
@@ -386,13 +390,17 @@ impl SenderInner {
                 }
             }
             self.changed.notify_all();
+            drop(state);
+            drop(released);
         }
         self.link.shutdown(rustix::net::Shutdown::Both);
         let mut state = lock(&self.state);
         state.disconnected = true;
-        // The receiver is gone: everything it held comes back now.
-        state.leases.clear();
+        // The receiver is gone: everything it held comes back now (dropped outside the lock).
+        let released = std::mem::take(&mut state.leases);
         self.changed.notify_all();
+        drop(state);
+        drop(released);
     }
 }
 
@@ -434,7 +442,13 @@ impl<T: Serialize> Broadcast<T> {
 }
 
 fn first_error(results: impl Iterator<Item = Result<()>>) -> Result<()> {
-    results.fold(Ok(()), |first, result| first.and(result))
+    let mut first = Ok(());
+    for result in results {
+        if first.is_ok() {
+            first = result;
+        }
+    }
+    first
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -475,10 +489,13 @@ impl Drop for ReceivedLease {
 }
 
 /// The process's release thread: waits for each event, then returns the lease.
-fn releaser() -> mpsc::Sender<(Arc<Peer>, u64, Event)> {
-    static RELEASER: OnceLock<Mutex<mpsc::Sender<(Arc<Peer>, u64, Event)>>> = OnceLock::new();
+/// A lease to return once its event completes.
+type PendingRelease = (Arc<Peer>, u64, Event);
+
+fn releaser() -> mpsc::Sender<PendingRelease> {
+    static RELEASER: OnceLock<Mutex<mpsc::Sender<PendingRelease>>> = OnceLock::new();
     lock(RELEASER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<(Arc<Peer>, u64, Event)>();
+        let (tx, rx) = mpsc::channel::<PendingRelease>();
         std::thread::Builder::new()
             .name("tq-releaser".into())
             .spawn(move || {

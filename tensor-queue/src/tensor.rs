@@ -139,7 +139,9 @@ impl Tensor {
     /// A zero-filled host tensor in shared memory.
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
-        tensor.host_bytes_mut_ptr()?.fill(0);
+        let base = tensor.host_base()?;
+        // SAFETY: the storage was just allocated here; nothing else refers to these bytes yet.
+        unsafe { std::ptr::write_bytes(base, 0, tensor.storage.len) };
         Ok(tensor)
     }
 
@@ -148,8 +150,12 @@ impl Tensor {
         if !T::matches(dtype) {
             return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
         }
+        Tensor::from_bytes(bytemuck::cast_slice(data), dtype, shape)
+    }
+
+    /// A host tensor of any dtype from its row-major bytes (little-endian, as the GPU has them).
+    pub fn from_bytes(bytes: &[u8], dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
-        let bytes: &[u8] = bytemuck::cast_slice(data);
         if bytes.len() != tensor.nbytes() {
             return Err(Error::Invalid(format!(
                 "{} bytes of data for {} bytes of tensor",
@@ -157,7 +163,10 @@ impl Tensor {
                 tensor.nbytes()
             )));
         }
-        tensor.host_bytes_mut_ptr()?[..bytes.len()].copy_from_slice(bytes);
+        let base = tensor.host_base()?;
+        // SAFETY: the storage was just allocated here with at least `nbytes` bytes; nothing else
+        // refers to them yet, and `bytes` is another allocation.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base, bytes.len()) };
         Ok(tensor)
     }
 
@@ -289,13 +298,6 @@ impl Tensor {
         Ok(unsafe { memory.as_ptr().add(self.storage.offset) })
     }
 
-    /// The storage's whole byte range, for initialising a fresh allocation.
-    fn host_bytes_mut_ptr(&self) -> Result<&mut [u8]> {
-        let base = self.host_base()?;
-        // SAFETY: called only on a tensor just allocated here, before any clone or send exists.
-        Ok(unsafe { std::slice::from_raw_parts_mut(base, self.storage.len) })
-    }
-
     /// The elements of a contiguous host tensor, typed.
     ///
     /// Host tensors are shared memory: a peer that holds the same tensor may write it. Who writes
@@ -345,6 +347,32 @@ impl Tensor {
         Ok(())
     }
 
+    /// The elements of a host tensor in row-major order, as bytes (a copy; any strides).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let base = self.host_base()?;
+        if self.is_contiguous() {
+            // SAFETY: a contiguous view's bytes lie in the live storage (checked when it was made).
+            return Ok(unsafe { std::slice::from_raw_parts(base.add(self.offset), self.nbytes()) }.to_vec());
+        }
+        let size = self.dtype.size();
+        let mut out = Vec::with_capacity(self.nbytes());
+        let mut index = vec![0u64; self.shape.len()];
+        for _ in 0..self.numel() {
+            let at: i64 = index.iter().zip(&self.strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
+            // SAFETY: every index is inside the shape and the view inside the live storage.
+            let element = unsafe { std::slice::from_raw_parts(base.offset(self.offset as isize + at as isize), size) };
+            out.extend_from_slice(element);
+            for d in (0..index.len()).rev() {
+                index[d] += 1;
+                if index[d] < self.shape[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+        Ok(out)
+    }
+
     /// The GPU memory from element 0 to the end of the storage, for kernels and copies.
     pub fn cuda_view(&self) -> Result<DeviceView> {
         let memory = self.storage.chunk.device().ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
@@ -391,6 +419,8 @@ mod tests {
         assert_eq!((tt.shape(), tt.strides()), (&[4u64, 3][..], &[1i64, 4][..]));
         assert!(!tt.is_contiguous());
         assert_eq!(tt.get::<f32>(&[3, 2]).unwrap(), 11.0);
+        let transposed: Vec<f32> = bytemuck::pod_collect_to_vec(&tt.to_bytes().unwrap());
+        assert_eq!(transposed[..4], [0.0, 4.0, 8.0, 1.0]);
         let row = t.narrow(0, 1, 1).unwrap();
         assert_eq!(row.as_slice::<f32>().unwrap(), [4.0, 5.0, 6.0, 7.0]);
         row.set(&[0, 0], 40.0f32).unwrap();

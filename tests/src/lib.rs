@@ -1,5 +1,8 @@
 //! Shared pieces of the integration tests: starting the helper binary as a second process with a
-//! connected socket, small message encodings, and the GPU skip rule.
+//! connected socket, small message encodings, and the GPU skip rule; [`queue`] holds the messages
+//! of the tensor-queue tests.
+
+pub mod queue;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -7,6 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
+
 use ipc_core::seqpacket::{Connection, Listener};
 
 /// Environment variable naming the folder that holds `ipc-helper` (the GPU bundle sets it).
@@ -23,9 +27,51 @@ pub fn gpu_skip_reason() -> Option<String> {
     })
 }
 
-/// The `ipc-helper` binary: from [`BIN_DIR_ENV`], else next to (or one above) this executable.
+/// A test that needs `gpus` GPUs.
+pub struct GpuTest {
+    /// The test's name.
+    pub name: &'static str,
+    /// GPUs it needs.
+    pub gpus: usize,
+    /// The test.
+    pub run: fn() -> Result<()>,
+}
+
+/// Runs GPU tests as a libtest-style harness: where the machine lacks the GPUs a test needs, it
+/// is reported as `ignored, <reason>`, never as passed.
+pub fn run_gpu_tests(tests: Vec<GpuTest>) -> ! {
+    use libtest_mimic::{Arguments, Completion, Failed, Trial};
+    let trials = tests
+        .into_iter()
+        .map(|GpuTest { name, gpus, run }| {
+            Trial::ignorable_test(name, move || match gpu_shortfall(gpus) {
+                Some(reason) => Ok(Completion::ignored_with(reason)),
+                None => run().map(|()| Completion::Completed).map_err(|e| Failed::from(format!("{e:#}"))),
+            })
+        })
+        .collect();
+    libtest_mimic::run(&Arguments::from_args(), trials).exit()
+}
+
+/// Why `gpus` GPUs are not available here, or `None`.
+fn gpu_shortfall(gpus: usize) -> Option<String> {
+    if let Some(reason) = gpu_skip_reason() {
+        return Some(reason);
+    }
+    match ipc_core::Device::count() {
+        Ok(count) if count as usize >= gpus => None,
+        Ok(count) => Some(format!("needs {gpus} GPUs, this machine has {count}")),
+        Err(error) => Some(format!("no GPU here: {error}")),
+    }
+}
+
+/// The `ipc-helper` binary.
 pub fn helper_path() -> Result<PathBuf> {
-    let name = "ipc-helper";
+    bin_path("ipc-helper")
+}
+
+/// A binary of this crate: from [`BIN_DIR_ENV`], else next to (or one above) this executable.
+pub fn bin_path(name: &str) -> Result<PathBuf> {
     if let Some(dir) = std::env::var_os(BIN_DIR_ENV) {
         return Ok(PathBuf::from(dir).join(name));
     }

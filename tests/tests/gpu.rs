@@ -6,49 +6,39 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Result, bail, ensure};
-use integration_tests::{Helper, encode_u64s, gpu_skip_reason};
+use integration_tests::{GpuTest, Helper, encode_u64s, run_gpu_tests};
 use ipc_core::{
     Context, Device, DeviceBuffer, DeviceMemory, Error, Event, SharedMemory, Stream, Topology, Uuid, VmmAllocation,
     copy_peer_async,
 };
 use kernels::{Kernels, StridedLayout, reference};
-use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
 fn main() {
-    let tests: Vec<(&str, usize, fn() -> Result<()>)> = vec![
-        ("kernels_match_the_cpu_reference", 1, kernels_match_the_cpu_reference),
-        ("strided_pack_and_unpack_round_trip", 1, strided_pack_and_unpack_round_trip),
-        ("matmul_matches_the_cpu", 1, matmul_matches_the_cpu),
-        ("legacy_ipc_handle_crosses_processes", 1, legacy_ipc_handle_crosses_processes),
-        ("vmm_descriptor_crosses_processes", 1, vmm_descriptor_crosses_processes),
-        ("interprocess_event_orders_the_consumer", 1, interprocess_event_orders_the_consumer),
-        ("without_the_wait_the_consumer_sees_unfinished_data", 1, without_the_wait_the_consumer_sees_unfinished_data),
-        ("pinned_shared_memory_is_readable_by_the_gpu", 1, pinned_shared_memory_is_readable_by_the_gpu),
-        ("bad_use_gives_typed_errors", 1, bad_use_gives_typed_errors),
-        ("topology_reports_every_pair", 2, topology_reports_every_pair),
-        ("peer_copy_between_two_gpus", 2, peer_copy_between_two_gpus),
-    ];
-    let trials = tests
-        .into_iter()
-        .map(|(name, gpus, test)| {
-            Trial::ignorable_test(name, move || match skip_reason(gpus) {
-                Some(reason) => Ok(Completion::ignored_with(reason)),
-                None => test().map(|()| Completion::Completed).map_err(|e| Failed::from(format!("{e:#}"))),
-            })
-        })
-        .collect();
-    libtest_mimic::run(&Arguments::from_args(), trials).exit();
-}
-
-fn skip_reason(gpus: usize) -> Option<String> {
-    if let Some(reason) = gpu_skip_reason() {
-        return Some(reason);
-    }
-    match Device::count() {
-        Ok(count) if count as usize >= gpus => None,
-        Ok(count) => Some(format!("needs {gpus} GPUs, this machine has {count}")),
-        Err(error) => Some(format!("no GPU here: {error}")),
-    }
+    run_gpu_tests(vec![
+        GpuTest { name: "kernels_match_the_cpu_reference", gpus: 1, run: kernels_match_the_cpu_reference },
+        GpuTest { name: "strided_pack_and_unpack_round_trip", gpus: 1, run: strided_pack_and_unpack_round_trip },
+        GpuTest { name: "matmul_matches_the_cpu", gpus: 1, run: matmul_matches_the_cpu },
+        GpuTest { name: "legacy_ipc_handle_crosses_processes", gpus: 1, run: legacy_ipc_handle_crosses_processes },
+        GpuTest { name: "vmm_descriptor_crosses_processes", gpus: 1, run: vmm_descriptor_crosses_processes },
+        GpuTest {
+            name: "interprocess_event_orders_the_consumer",
+            gpus: 1,
+            run: interprocess_event_orders_the_consumer,
+        },
+        GpuTest {
+            name: "without_the_wait_the_consumer_sees_unfinished_data",
+            gpus: 1,
+            run: without_the_wait_the_consumer_sees_unfinished_data,
+        },
+        GpuTest {
+            name: "pinned_shared_memory_is_readable_by_the_gpu",
+            gpus: 1,
+            run: pinned_shared_memory_is_readable_by_the_gpu,
+        },
+        GpuTest { name: "bad_use_gives_typed_errors", gpus: 1, run: bad_use_gives_typed_errors },
+        GpuTest { name: "topology_reports_every_pair", gpus: 2, run: topology_reports_every_pair },
+        GpuTest { name: "peer_copy_between_two_gpus", gpus: 2, run: peer_copy_between_two_gpus },
+    ]);
 }
 
 fn setup() -> Result<(Arc<Context>, Stream, Arc<Kernels>)> {
@@ -132,7 +122,7 @@ fn matmul_matches_the_cpu() -> Result<()> {
     let b: Vec<f32> = (0..k * n).map(|i| ((i % 5) as f32) * 0.5).collect();
     let upload = |values: &[f32]| -> Result<DeviceBuffer> {
         let buffer = DeviceBuffer::alloc(&context, values.len() * 4)?;
-        buffer.copy_from_host(0, bytemuck_bytes(values))?;
+        buffer.copy_from_host(0, bytemuck::cast_slice(values))?;
         Ok(buffer)
     };
     let (da, db) = (upload(&a)?, upload(&b)?);
@@ -150,13 +140,6 @@ fn matmul_matches_the_cpu() -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn bytemuck_bytes(values: &[f32]) -> &[u8] {
-    // Plain little-endian floats; the tests crate keeps bytemuck out of its dependencies.
-    let len = std::mem::size_of_val(values);
-    // SAFETY: any f32 slice is a valid byte slice of four times the length.
-    unsafe { std::slice::from_raw_parts(values.as_ptr().cast(), len) }
 }
 
 fn legacy_ipc_handle_crosses_processes() -> Result<()> {

@@ -1,0 +1,73 @@
+//! Messages and checks shared by the tensor-queue tests and their `tq-peer` helper.
+
+use std::sync::Arc;
+
+use anyhow::{Context as _, Result, ensure};
+use ipc_core::{Context, DeviceMemory, Stream};
+use kernels::{Kernels, reference};
+use serde::{Deserialize, Serialize};
+use tensor_queue::{DType, Tensor, TensorDevice};
+
+/// What tensor-queue tests send: tensors and the checksums of their elements.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Probe {
+    /// Message number.
+    pub id: u64,
+    /// The tensors.
+    pub tensors: Vec<Tensor>,
+    /// Per tensor: the checksum of its elements in row-major order.
+    pub expected: Vec<u64>,
+    /// Plain data beside the tensors.
+    pub note: String,
+}
+
+/// What a helper answers: per tensor, the checksum it saw and the path it reported.
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Report {
+    /// The probe's number.
+    pub id: u64,
+    /// Checksums of each tensor's elements, row-major.
+    pub checksums: Vec<u64>,
+    /// `TransferPath` of each tensor, as text.
+    pub paths: Vec<String>,
+    /// The helper's process id.
+    pub pid: u32,
+}
+
+/// One soak message: a fresh GPU tensor filled with the pattern of `seed`.
+#[derive(Serialize, Deserialize)]
+pub struct SoakItem {
+    /// The tensor.
+    pub tensor: Tensor,
+    /// Its pattern's seed.
+    pub seed: u64,
+}
+
+/// Checksum of a tensor's elements in row-major order; GPU tensors are checked on the GPU, on
+/// the stream the receiver ordered them on.
+pub fn checksum(tensor: &Tensor) -> Result<u64> {
+    match tensor.device() {
+        TensorDevice::Host => Ok(reference::checksum(&tensor.to_bytes()?)),
+        TensorDevice::Cuda(_) => {
+            ensure!(tensor.is_contiguous(), "GPU probes are contiguous");
+            let view = tensor.cuda_view()?;
+            let stream = tensor.stream().context("a received GPU tensor has a stream")?;
+            Ok(Kernels::get(view.context())?.checksum(&view, 0, tensor.nbytes(), stream)?)
+        }
+    }
+}
+
+/// A probe of one contiguous byte tensor filled with the pattern of `seed`, on the host or (given
+/// a context and stream) on the GPU, filled by a kernel queued on that stream.
+pub fn probe(id: u64, seed: u64, len: usize, gpu: Option<(&Arc<Context>, &Stream)>) -> Result<Probe> {
+    let tensor = match gpu {
+        None => Tensor::from_slice(&reference::pattern(len, seed), DType::U8, &[len as u64])?,
+        Some((context, stream)) => {
+            let tensor = Tensor::empty_cuda(context, DType::U8, &[len as u64])?;
+            Kernels::get(context)?.fill(&tensor.cuda_view()?, 0, len, seed, stream)?;
+            tensor
+        }
+    };
+    let expected = vec![reference::checksum(&reference::pattern(len, seed))];
+    Ok(Probe { id, tensors: vec![tensor], expected, note: format!("seed {seed}") })
+}

@@ -1,0 +1,276 @@
+//! tensor-queue over real processes with host tensors: runs for real in CI.
+
+use std::os::fd::AsFd;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use integration_tests::queue::{Probe, Report, checksum, probe};
+use integration_tests::{bin_path, socket_path};
+use ipc_core::SharedMemory;
+use ipc_core::seqpacket::Connection;
+use kernels::reference;
+use tensor_queue::wire::{ChunkKind, Frame, TensorDesc};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor, spawn};
+
+/// Starts `tq-peer <role> --reply <path>` with a channel to it, and the receiver of its reports.
+fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
+    let reply_path = socket_path("reports");
+    let reports = Receiver::<Report>::bind(&reply_path).unwrap();
+    let mut command = Command::new(bin_path("tq-peer").unwrap());
+    command.args([role, "--reply"]).arg(&reply_path);
+    let (child, sender) = spawn::<Probe>(&mut command).unwrap();
+    (child, sender, reports)
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    start.elapsed()
+}
+
+#[test]
+fn host_tensors_of_every_dtype_and_views_arrive_intact() {
+    let (mut child, sender, mut reports) = peer("checksum");
+    let matrix = Tensor::from_slice(&(0..48).map(|i| i as f32 * 0.5).collect::<Vec<_>>(), DType::F32, &[6, 8]).unwrap();
+    let mut tensors = vec![
+        matrix.transpose(0, 1).unwrap(),
+        matrix.narrow(1, 2, 3).unwrap(),
+        Tensor::from_slice(&reference::pattern(1000, 3), DType::U8, &[10, 100]).unwrap(),
+    ];
+    for dtype in DType::ALL {
+        let bytes = reference::pattern(dtype.size() * 30, dtype as u64);
+        let tensor = Tensor::from_slice(&bytes, DType::U8, &[bytes.len() as u64]).unwrap();
+        tensors.push(retype(tensor, dtype));
+    }
+    let expected: Vec<u64> = tensors.iter().map(|t| checksum(t).unwrap()).collect();
+    sender.send(&Probe { id: 7, tensors, expected: expected.clone(), note: "views".into() }).unwrap();
+    let report = reports.recv().unwrap();
+    assert_eq!(report.id, 7);
+    assert_eq!(report.checksums, expected, "the child saw other bytes");
+    assert!(report.paths.iter().all(|p| p == "HostSharedMemory"), "{:?}", report.paths);
+    drop(sender);
+    assert!(child.wait().unwrap().success());
+}
+
+/// The same bytes seen as another dtype.
+fn retype(tensor: Tensor, dtype: DType) -> Tensor {
+    let numel = (tensor.nbytes() / dtype.size()) as u64;
+    Tensor::from_bytes(&tensor.to_bytes().unwrap(), dtype, &[numel]).unwrap()
+}
+
+#[test]
+fn several_senders_feed_one_receiver_until_all_are_gone() {
+    let path = socket_path("many");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let children: Vec<Child> = (0..3)
+        .map(|k| {
+            Command::new(bin_path("tq-peer").unwrap())
+                .args(["send", "--count", "20", "--seed", &(k * 1000).to_string(), "--to"])
+                .arg(&path)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut per_sender = std::collections::HashMap::new();
+    loop {
+        match receiver.recv_with_info(Some(Duration::from_secs(30))) {
+            Ok((probe, info)) => {
+                assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0], "{}", probe.note);
+                *per_sender.entry(info.sender_pid).or_insert(0) += 1;
+            }
+            Err(Error::Disconnected) => break,
+            Err(other) => panic!("{other}"),
+        }
+    }
+    assert_eq!(per_sender.len(), 3);
+    assert!(per_sender.values().all(|&n| n == 20), "{per_sender:?}");
+    for mut child in children {
+        assert!(child.wait().unwrap().success());
+    }
+}
+
+#[test]
+fn a_full_queue_blocks_the_sender_until_the_receiver_takes_a_message() {
+    let path = socket_path("capacity");
+    let mut receiver = Receiver::<u64>::bind_with_capacity(&path, 2).unwrap();
+    let sent = Arc::new(AtomicUsize::new(0));
+    let counter = sent.clone();
+    let sending = std::thread::spawn(move || {
+        let sender = Sender::<u64>::connect(&path).unwrap();
+        for i in 0..5 {
+            sender.send(&i).unwrap();
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    wait_until("two sends", || sent.load(Ordering::SeqCst) == 2);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(sent.load(Ordering::SeqCst), 2, "a third send went through a full queue");
+    assert_eq!(receiver.recv().unwrap(), 0);
+    wait_until("the third send", || sent.load(Ordering::SeqCst) == 3);
+    for expected in 1..5 {
+        assert_eq!(receiver.recv().unwrap(), expected, "messages keep their order");
+    }
+    sending.join().unwrap();
+    assert!(matches!(receiver.try_recv(), Err(Error::Disconnected)));
+}
+
+#[test]
+fn leases_return_by_themselves_and_memory_is_reused() {
+    let (mut child, sender, mut reports) = peer("checksum");
+    for id in 0..10 {
+        let probe = probe(id, id, 1 << 16, None).unwrap();
+        sender.send(&probe).unwrap();
+    }
+    for _ in 0..10 {
+        let report = reports.recv().unwrap();
+        assert_eq!(report.checksums[0], reference::checksum(&reference::pattern(1 << 16, report.id)));
+    }
+    wait_until("every lease back", || sender.outstanding_leases() == 0);
+    drop(sender);
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn a_killed_receiver_returns_every_lease_and_the_sender_serves_others() {
+    let (mut doomed, to_doomed, mut doomed_reports) = peer("hold");
+    let (mut survivor, to_survivor, mut survivor_reports) = peer("checksum");
+    let held: Vec<Tensor> = (0..4)
+        .map(|i| {
+            let p = probe(i, 100 + i, 8192, None).unwrap();
+            to_doomed.send(&p).unwrap();
+            p.tensors[0].clone()
+        })
+        .collect();
+    for _ in 0..4 {
+        doomed_reports.recv().unwrap();
+    }
+    assert_eq!(to_doomed.outstanding_leases(), 4, "the holder keeps its tensors");
+    doomed.kill().unwrap();
+    let took = wait_until("leases of the killed receiver", || to_doomed.outstanding_leases() == 0);
+    eprintln!("leases returned {took:?} after the kill");
+    doomed.wait().unwrap();
+    assert!(matches!(to_doomed.send(&probe(9, 9, 10, None).unwrap()), Err(Error::Disconnected)));
+    // The memory is ours again, and our own views of it were never disturbed.
+    assert_eq!(checksum(&held[0]).unwrap(), reference::checksum(&reference::pattern(8192, 100)));
+    to_survivor.send(&probe(5, 5, 4096, None).unwrap()).unwrap();
+    assert_eq!(survivor_reports.recv().unwrap().checksums[0], reference::checksum(&reference::pattern(4096, 5)));
+    drop(to_survivor);
+    assert!(survivor.wait().unwrap().success());
+}
+
+#[test]
+fn a_killed_sender_disconnects_and_what_arrived_stays_readable() {
+    let path = socket_path("dying");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let mut child = Command::new(bin_path("tq-peer").unwrap())
+        .args(["send", "--count", "3", "--seed", "40", "--die", "--to"])
+        .arg(&path)
+        .spawn()
+        .unwrap();
+    let probes: Vec<Probe> = (0..3).map(|_| receiver.recv_timeout(Duration::from_secs(30)).unwrap()).collect();
+    assert!(matches!(receiver.recv_timeout(Duration::from_secs(30)), Err(Error::Disconnected)));
+    assert!(!child.wait().unwrap().success(), "the sender died");
+    for probe in &probes {
+        assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0], "data survived its sender");
+    }
+}
+
+/// Connects a raw client that does the handshake correctly, so its later frames reach validation.
+fn raw_client(path: &std::path::Path) -> Connection {
+    let connection = Connection::connect(path).unwrap();
+    let host = ipc_core::HostId::current().unwrap().0;
+    connection.send(&Frame::Hello { pid: std::process::id(), host, capacity: 0 }.encode(), &[]).unwrap();
+    let mut buf = [0u8; 256];
+    connection.recv(&mut buf).unwrap();
+    connection
+}
+
+#[test]
+fn malformed_and_hostile_frames_close_only_their_connection() {
+    let path = socket_path("hostile");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let honest = Sender::<Probe>::connect(&path).unwrap();
+
+    let garbage = raw_client(&path);
+    garbage.send(b"TQF1 this is not a frame", &[]).unwrap();
+
+    let unknown_chunk = raw_client(&path);
+    let desc = TensorDesc {
+        lease: 1,
+        chunk: 999,
+        storage_offset: 0,
+        storage_len: 64,
+        view_offset: 0,
+        dtype: DType::U8,
+        event: None,
+        shape: vec![64],
+        strides: vec![1],
+    };
+    let message = |desc: TensorDesc| Frame::Message {
+        seq: 1,
+        sent_ns: 0,
+        encoded_ns: 0,
+        tensors: vec![desc],
+        payload: vec![0, 0, 0],
+    };
+    unknown_chunk.send(&message(desc.clone()).encode(), &[]).unwrap();
+
+    let out_of_bounds = raw_client(&path);
+    let small = SharedMemory::create("small", 4096).unwrap();
+    let announce = Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None };
+    out_of_bounds.send(&announce.encode(), &[small.fd().as_fd()]).unwrap();
+    out_of_bounds.send(&message(TensorDesc { chunk: 5, storage_offset: 4090, ..desc }).encode(), &[]).unwrap();
+
+    honest.send(&probe(1, 77, 1000, None).unwrap()).unwrap();
+    let probe = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0], "the honest sender is unaffected");
+
+    let mut errors = Vec::new();
+    wait_until("three closed connections", || {
+        errors.extend(receiver.take_errors());
+        errors.len() >= 3
+    });
+    let all = errors.join("\n");
+    assert!(all.contains("bad frame"), "{all}");
+    assert!(all.contains("unknown chunk 999"), "{all}");
+    assert!(all.contains("outside chunk 5"), "{all}");
+    let mut buf = [0u8; 64];
+    assert_eq!(garbage.recv(&mut buf).unwrap().0, 0, "the receiver hung up on the bad client");
+    honest.send(&probe_again()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2);
+}
+
+fn probe_again() -> Probe {
+    probe(2, 78, 10, None).unwrap()
+}
+
+#[test]
+fn a_soak_of_random_sizes_arrives_byte_exact() {
+    let (mut child, sender, mut reports) = peer("checksum");
+    let mut state = 0x1234_5678u64;
+    let count = 1000;
+    let mut expected = Vec::new();
+    for id in 0..count {
+        state = reference::splitmix64(state);
+        let len = 1 + (state % 100_000) as usize;
+        let probe = probe(id, state, len, None).unwrap();
+        expected.push(probe.expected[0]);
+        sender.send(&probe).unwrap();
+        while let Ok(report) = reports.try_recv() {
+            assert_eq!(report.checksums[0], expected[report.id as usize], "message {}", report.id);
+        }
+    }
+    drop(sender);
+    while let Ok(report) = reports.recv_timeout(Duration::from_secs(30)) {
+        assert_eq!(report.checksums[0], expected[report.id as usize], "message {}", report.id);
+        if report.id == count - 1 {
+            break;
+        }
+    }
+    assert!(child.wait().unwrap().success());
+}
