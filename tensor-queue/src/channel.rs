@@ -612,6 +612,10 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     /// Waits for the next message.
+    ///
+    /// Returns [`Error::Disconnected`] when no sender is connected any more (after at least one
+    /// was) and every message they sent has been received. For a bound receiver this describes
+    /// the moment: a new sender may still connect, and `recv` then waits for it again.
     pub fn recv(&mut self) -> Result<T> {
         self.recv_with_info(None).map(|(message, _)| message)
     }

@@ -15,7 +15,7 @@ use crate::{cargo, cargo_command, workspace_root};
 const SIZE_LIMIT: u64 = 48 << 20;
 
 /// Binaries that tests start as second processes, and benchmarks.
-const BINARIES: &[&str] = &["ipc-helper", "primitive-costs"];
+const BINARIES: &[&str] = &["ipc-helper", "tq-peer", "primitive-costs"];
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
 

@@ -35,6 +35,8 @@ enum Task {
     Test,
     /// Build release GPU tests, examples and benchmarks into `target/gpu-bundle` with a run script.
     GpuBundle,
+    /// Set up, then run the two-process demo (on the GPU where there is one, else host tensors).
+    Demo,
 }
 
 fn main() -> Result<()> {
@@ -44,6 +46,10 @@ fn main() -> Result<()> {
         Task::Build => cargo(&["build", "--workspace", "--all-targets"]),
         Task::Test => test(),
         Task::GpuBundle => bundle::build(),
+        Task::Demo => {
+            toolchain::setup()?;
+            cargo(&["run", "--release", "--quiet", "-p", "tensor-queue", "--example", "demo"])
+        }
     }
 }
 
