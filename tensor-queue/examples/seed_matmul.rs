@@ -26,7 +26,8 @@ fn main() -> Fallible {
         return consumer();
     }
     let gpu = cuda_sys::is_available();
-    let n: u64 = if gpu { 2048 } else { 96 };
+    // Large enough that the 50 products take far longer than a hand-off (about a second).
+    let n: u64 = if gpu { 4096 } else { 96 };
     let mut child = Command::new(std::env::current_exe()?);
     let (mut child, sender) = spawn::<Box>(&mut child)?;
     let x0 = initial(n);
@@ -69,6 +70,10 @@ fn main() -> Fallible {
 }
 
 fn consumer() -> Fallible {
+    // A ready consumer: GPU context and kernels loaded before anything arrives.
+    if cuda_sys::is_available() {
+        Kernels::get(&Context::on_ordinal(0)?)?;
+    }
     let mut receiver = from_parent::<Box>()?;
     let Box { x } = receiver.recv()?;
     let n = x.shape()[0];
