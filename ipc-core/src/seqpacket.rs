@@ -172,6 +172,14 @@ impl Connection {
     }
 }
 
+impl From<OwnedFd> for Connection {
+    /// Wraps a connected `SOCK_SEQPACKET` socket, for example one received from another thread
+    /// or process.
+    fn from(fd: OwnedFd) -> Connection {
+        Connection { fd }
+    }
+}
+
 impl AsFd for Connection {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()

@@ -1,0 +1,139 @@
+//! Typed channels: [`Sender`], [`Receiver`], [`Broadcast`], and children started with a channel.
+//!
+//! # The hand-off
+//! 1. `send` serialises the message; tensors go to the side table. A chunk the peer has not seen
+//!    is announced first, with its descriptor (once per chunk and peer).
+//! 2. For GPU tensors sent with [`Sender::send_on`], an interprocess event is recorded on the
+//!    producer's stream; its handle was announced once, when the event was made.
+//! 3. The message frame carries one descriptor per tensor: (lease, chunk, offset, length, dtype,
+//!    shape, strides, event). The sender keeps the storage alive under that lease.
+//! 4. The receiver (in the thread that calls `recv`, with no hand-off to another thread) validates
+//!    the frame, maps nothing new (chunks are cached), and queues `cuStreamWaitEvent` on its stream
+//!    for the device: the consumer's first use is ordered after the producer's work, and neither
+//!    CPU waits.
+//! 5. When the receiver drops the last view of a tensor, an event is recorded on that stream;
+//!    once it completes (the receiver's GPU work on the tensor is done), a release frame returns
+//!    the lease. Host tensors are released at once.
+//!
+//! # Why interprocess events
+//! Measured on an H200 (`cargo xtask gpu-bundle`, `primitive-costs`): waiting on an imported
+//! interprocess event that is already complete, plus `cuStreamSynchronize`, costs 6.4 us p50 and
+//! 13 us p99, and `cuEventRecord` 0.7 us; the wait itself is an asynchronous enqueue. `GPU.md`
+//! reported 141 us for the same wait, which was not reproduced here. A wait on a stream memory
+//! flag (7-8 us in `GPU.md`) needs a shared flag per message and a write kernel-side, and a
+//! completion wait on the sender's side stalls its CPU. Events are exported once and reused from a
+//! pool: an event returns to the pool only when every lease of its message is released, which is
+//! after the receiver queued its wait, so a re-record can never be waited on by mistake.
+//!
+//! # Flow control and failure
+//! A receiver grants each sender `capacity` messages; `send` blocks when they are used up and
+//! resumes when the receiver has taken half of them (credits return in batches, to keep frames
+//! off the hot path). A peer that dies closes its socket:
+//! the survivor sees the hang-up at once. A dead receiver's leases return to the sender; a dead
+//! sender's messages already queued are still delivered, then `recv` returns
+//! [`Error::Disconnected`], and tensors already received stay valid (their memory lives while
+//! mapped).
+
+mod child;
+mod receiver;
+mod sender;
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use ipc_core::HostId;
+use ipc_core::seqpacket::Connection;
+
+pub use child::{from_parent, spawn};
+pub(crate) use receiver::ReceivedLease;
+pub use receiver::{MessageInfo, Receiver};
+pub use sender::{Broadcast, Sender};
+
+use crate::wire::{Frame, MAX_FRAME};
+use crate::{Error, Result};
+
+/// Messages a sender may have in flight to a receiver unless the receiver says otherwise.
+pub const DEFAULT_CAPACITY: u32 = 16;
+
+/// The environment variable through which [`spawn`] tells a child where its parent listens.
+pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
+
+/// Test-only: when set to `1`, receivers skip the stream wait, so tests can prove that the
+/// ordering they check is real (the seed test must fail with it).
+pub const SKIP_ORDERING_ENV: &str = "TENSOR_QUEUE_TEST_SKIP_ORDERING";
+
+fn skip_ordering() -> bool {
+    static SKIP: OnceLock<bool> = OnceLock::new();
+    *SKIP.get_or_init(|| std::env::var(SKIP_ORDERING_ENV).as_deref() == Ok("1"))
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
+pub fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A connected socket speaking frames.
+struct Link {
+    connection: Connection,
+    peer_pid: u32,
+}
+
+impl Link {
+    fn send(&self, frame: &Frame, fds: &[BorrowedFd<'_>]) -> Result<()> {
+        let bytes = frame.encode();
+        if bytes.len() > MAX_FRAME {
+            return Err(Error::Invalid(format!(
+                "a {}-byte frame is over the {MAX_FRAME}-byte limit; put bulk data in tensors",
+                bytes.len()
+            )));
+        }
+        Ok(self.connection.send(&bytes, fds)?)
+    }
+
+    /// The next frame, or `None` when the peer hung up.
+    fn recv(&self, buf: &mut [u8]) -> Result<Option<(Frame, Vec<OwnedFd>)>> {
+        let (n, fds) = self.connection.recv(buf)?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let frame = Frame::decode(&buf[..n]).map_err(|source| Error::Frame { pid: self.peer_pid, source })?;
+        Ok(Some((frame, fds)))
+    }
+
+    fn shutdown(&self, how: rustix::net::Shutdown) {
+        let _ = rustix::net::shutdown(&self.connection, how);
+    }
+
+    /// Checks that the peer runs as this user (`SO_PEERCRED`), the second lock after the
+    /// socket file's 0600 mode.
+    fn new(connection: Connection) -> Result<Link> {
+        let credentials = connection.peer_credentials()?;
+        let uid = rustix::process::getuid().as_raw();
+        if credentials.uid != uid {
+            return Err(Error::PeerRefused(format!(
+                "pid {} runs as uid {}, not {uid}",
+                credentials.pid, credentials.uid
+            )));
+        }
+        Ok(Link { connection, peer_pid: credentials.pid as u32 })
+    }
+
+    /// Says who we are (and, from a receiver, how many messages the sender may have in flight).
+    fn hello(&self, capacity: u32) -> Result<()> {
+        self.send(&Frame::Hello { pid: std::process::id(), host: HostId::current()?.0, capacity }, &[])
+    }
+
+    /// Checks the peer's `Hello`: same protocol (checked by decoding) and same machine.
+    fn check_hello(frame: &Frame) -> Result<u32> {
+        match frame {
+            Frame::Hello { host, capacity, .. } if *host == HostId::current()?.0 => Ok(*capacity),
+            Frame::Hello { .. } => Err(Error::PeerRefused("the peer runs on another machine".into())),
+            other => Err(Error::Protocol(format!("the first frame was {other:?}, not a Hello"))),
+        }
+    }
+}

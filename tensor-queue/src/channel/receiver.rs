@@ -1,0 +1,516 @@
+//! The receiving end: its connections are polled by the thread that calls `recv`, so a message
+//! goes from the socket to the caller with no hand-off between threads.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::ErrorKind;
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::time::{Duration, Instant};
+
+use ipc_core::seqpacket::{Connection, Listener};
+use ipc_core::{
+    Context, Device, Event, ImportedIpcMemory, IpcEventHandle, IpcMemHandle, SharedMemory, Stream, Uuid, VmmAllocation,
+};
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::io::Errno;
+use serde::de::DeserializeOwned;
+
+use super::{DEFAULT_CAPACITY, Link, lock, monotonic_ns, skip_ordering};
+use crate::arena::{Chunk, ChunkMemory};
+use crate::tensor::Storage;
+use crate::wire::{ChunkKind, Frame, FrameError, MAX_FRAME, TensorDesc};
+use crate::{Error, Result, Tensor, TransferPath, side_table};
+
+/// A sender's connection, shared with the tensors received from it (which send its releases).
+struct Peer {
+    link: Link,
+}
+
+/// Held by each received tensor's storage; returns the lease when the storage drops.
+pub(crate) struct ReceivedLease {
+    peer: Arc<Peer>,
+    id: u64,
+    stream: Option<Arc<Stream>>,
+}
+
+impl Drop for ReceivedLease {
+    fn drop(&mut self) {
+        let Some(stream) = &self.stream else {
+            let _ = self.peer.link.send(&Frame::Release { leases: vec![self.id] }, &[]);
+            return;
+        };
+        // Release only once the receiver's GPU work on the tensor (queued on `stream`) is done.
+        let event = Event::new(stream.context()).and_then(|event| event.record(stream).map(|()| event));
+        match event {
+            Ok(event) => releaser().send((self.peer.clone(), self.id, event)).unwrap_or(()),
+            Err(error) => {
+                tracing::warn!(%error, "could not record a release event; releasing after a stream sync");
+                let _ = stream.synchronize();
+                let _ = self.peer.link.send(&Frame::Release { leases: vec![self.id] }, &[]);
+            }
+        }
+    }
+}
+
+/// A lease to return once its event completes.
+type PendingRelease = (Arc<Peer>, u64, Event);
+
+/// The process's release thread: waits for each event, then returns the lease.
+fn releaser() -> mpsc::Sender<PendingRelease> {
+    static RELEASER: OnceLock<Mutex<mpsc::Sender<PendingRelease>>> = OnceLock::new();
+    lock(RELEASER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<PendingRelease>();
+        std::thread::Builder::new()
+            .name("tq-releaser".into())
+            .spawn(move || {
+                for (peer, id, event) in rx {
+                    if let Err(error) = event.synchronize() {
+                        tracing::warn!(%error, "waiting for a release event failed");
+                    }
+                    let _ = peer.link.send(&Frame::Release { leases: vec![id] }, &[]);
+                }
+            })
+            .expect("spawning the release thread");
+        Mutex::new(tx)
+    }))
+    .clone()
+}
+
+/// When and how a message arrived, on the machine's monotonic clock (nanoseconds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MessageInfo {
+    /// The sender's process id.
+    pub sender_pid: u32,
+    /// Sequence number on its connection.
+    pub seq: u64,
+    /// When the sender called `send`.
+    pub sent_ns: u64,
+    /// When the sender finished encoding (before the socket write).
+    pub encoded_ns: u64,
+    /// When the receiver read the frame from the socket.
+    pub arrived_ns: u64,
+    /// When its tensors were mapped, validated and ordered on the receiver's stream.
+    pub imported_ns: u64,
+    /// When `recv` finished decoding the message.
+    pub decoded_ns: u64,
+}
+
+/// The receiver's state for one connection.
+struct Connected {
+    peer: Arc<Peer>,
+    /// Whether its `Hello` arrived.
+    greeted: bool,
+    chunks: HashMap<u64, Arc<Chunk>>,
+    events: HashMap<u32, Arc<Event>>,
+    /// Messages taken since credits were last returned.
+    taken: u32,
+}
+
+/// A validated message waiting for `recv`.
+struct Ready {
+    peer: Arc<Peer>,
+    tensors: Vec<Tensor>,
+    payload: Vec<u8>,
+    info: MessageInfo,
+}
+
+/// Per-device context and stream on which received GPU tensors are ordered.
+#[derive(Default)]
+struct Devices(Mutex<Vec<DeviceStream>>);
+
+/// A device, its primary context, and the stream received tensors of it are ordered on.
+type DeviceStream = (Uuid, Arc<Context>, Arc<Stream>);
+
+impl Devices {
+    fn get(&self, uuid: &Uuid) -> Result<(Arc<Context>, Arc<Stream>)> {
+        let mut devices = lock(&self.0);
+        if let Some((_, context, stream)) = devices.iter().find(|(u, _, _)| u == uuid) {
+            return Ok((context.clone(), stream.clone()));
+        }
+        let context = Context::primary(Device::by_uuid(uuid)?)?;
+        let stream = Arc::new(Stream::new(&context)?);
+        devices.push((*uuid, context.clone(), stream.clone()));
+        Ok((context, stream))
+    }
+
+    fn set(&self, stream: Arc<Stream>) -> Result<()> {
+        let uuid = stream.context().device().uuid()?;
+        let mut devices = lock(&self.0);
+        devices.retain(|(u, _, _)| *u != uuid);
+        devices.push((uuid, stream.context().clone(), stream));
+        Ok(())
+    }
+}
+
+/// A bound receiver's accept thread, which sets up new connections (user check, `Hello`) so that
+/// senders can start before the first `recv`, and hands each to `recv` over `doorbell`.
+struct Acceptor {
+    path: std::path::PathBuf,
+    doorbell: Connection,
+    closed: Arc<AtomicBool>,
+}
+
+impl Acceptor {
+    fn start(listener: Listener, capacity: u32) -> Result<Acceptor> {
+        let (doorbell, bell) = Connection::pair()?;
+        let closed = Arc::new(AtomicBool::new(false));
+        let path = listener.path().to_path_buf();
+        let stop = closed.clone();
+        std::thread::Builder::new()
+            .name("tq-accept".into())
+            .spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let connection = match listener.accept(Some(Duration::from_millis(100))) {
+                        Ok(connection) => connection,
+                        Err(ipc_core::Error::Os { source, .. }) if source.kind() == ErrorKind::TimedOut => continue,
+                        Err(error) => {
+                            tracing::warn!(%error, "accept failed");
+                            continue;
+                        }
+                    };
+                    // A refused peer is dropped here; `recv` re-checks the user of every socket.
+                    let greeted = Link::new(connection).and_then(|link| link.hello(capacity).map(|()| link));
+                    match greeted {
+                        Ok(link) => {
+                            if bell.send(b"c", &[link.connection.as_fd()]).is_err() {
+                                return; // the receiver is gone
+                            }
+                        }
+                        Err(error) => tracing::warn!(%error, "refused a connection"),
+                    }
+                }
+            })
+            .map_err(|e| Error::Protocol(format!("spawning the accept thread: {e}")))?;
+        Ok(Acceptor { path, doorbell, closed })
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// The receiving end of a typed channel; any number of senders may connect.
+pub struct Receiver<T> {
+    acceptor: Option<Acceptor>,
+    connected: Vec<Connected>,
+    ready: VecDeque<Ready>,
+    devices: Devices,
+    capacity: u32,
+    errors: Vec<String>,
+    /// Whether any sender ever said hello.
+    joined: bool,
+    buf: Vec<u8>,
+    _message: PhantomData<fn() -> T>,
+}
+
+impl<T: DeserializeOwned> Receiver<T> {
+    /// Listens at `path` with the default capacity per sender.
+    pub fn bind(path: impl AsRef<Path>) -> Result<Receiver<T>> {
+        Receiver::bind_with_capacity(path, DEFAULT_CAPACITY)
+    }
+
+    /// Listens at `path`; each sender may have `capacity` messages not yet received.
+    pub fn bind_with_capacity(path: impl AsRef<Path>, capacity: u32) -> Result<Receiver<T>> {
+        let mut receiver = Receiver::new(capacity);
+        receiver.acceptor = Some(Acceptor::start(Listener::bind(path)?, receiver.capacity)?);
+        Ok(receiver)
+    }
+
+    /// A receiver over an already connected socket (see [`super::from_parent`]).
+    pub fn from_connection(connection: Connection, capacity: u32) -> Result<Receiver<T>> {
+        let mut receiver = Receiver::new(capacity);
+        let link = Link::new(connection)?;
+        link.hello(receiver.capacity)?;
+        receiver.adopt(link);
+        Ok(receiver)
+    }
+
+    fn new(capacity: u32) -> Receiver<T> {
+        Receiver {
+            acceptor: None,
+            connected: Vec::new(),
+            ready: VecDeque::new(),
+            devices: Devices::default(),
+            capacity: capacity.max(1),
+            errors: Vec::new(),
+            joined: false,
+            buf: vec![0; MAX_FRAME],
+            _message: PhantomData,
+        }
+    }
+
+    /// Where senders connect, for a bound receiver.
+    pub fn path(&self) -> Option<&Path> {
+        self.acceptor.as_ref().map(|acceptor| acceptor.path.as_path())
+    }
+
+    /// Waits for the next message.
+    ///
+    /// Returns [`Error::Disconnected`] when no sender is connected any more (after at least one
+    /// was) and every message they sent has been received. For a bound receiver this describes
+    /// the moment: a new sender may still connect, and `recv` then waits for it again.
+    pub fn recv(&mut self) -> Result<T> {
+        self.recv_with_info(None).map(|(message, _)| message)
+    }
+
+    /// Waits up to `timeout` for the next message.
+    pub fn recv_timeout(&mut self, timeout: Duration) -> Result<T> {
+        self.recv_with_info(Some(timeout)).map(|(message, _)| message)
+    }
+
+    /// The next message if one is waiting.
+    pub fn try_recv(&mut self) -> Result<T> {
+        self.recv_with_info(Some(Duration::ZERO)).map(|(message, _)| message)
+    }
+
+    /// The next message and when each stage of its hand-off happened.
+    pub fn recv_with_info(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Some(ready) = self.ready.pop_front() {
+                return self.deliver(ready);
+            }
+            let nobody = self.connected.is_empty();
+            if nobody && (self.joined || self.acceptor.is_none()) {
+                return Err(Error::Disconnected);
+            }
+            let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !self.pump(wait)? {
+                return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
+            }
+        }
+    }
+
+    fn deliver(&mut self, ready: Ready) -> Result<(T, MessageInfo)> {
+        let Ready { peer, tensors, payload, mut info } = ready;
+        // Credits go back in batches of half the capacity, keeping a frame off most hand-offs.
+        if let Some(connected) = self.connected.iter_mut().find(|c| Arc::ptr_eq(&c.peer, &peer)) {
+            connected.taken += 1;
+            if connected.taken >= self.capacity.div_ceil(2) {
+                let _ = peer.link.send(&Frame::Credit { count: connected.taken }, &[]);
+                connected.taken = 0;
+            }
+        }
+        let message = side_table::decode(&payload, tensors)?;
+        info.decoded_ns = monotonic_ns();
+        Ok((message, info))
+    }
+
+    /// Errors of connections that were closed (bad frames, refused peers), oldest first.
+    pub fn take_errors(&mut self) -> Vec<String> {
+        if self.ready.is_empty() {
+            // Read what is waiting, so errors of frames already sent are seen.
+            let _ = self.pump(Some(Duration::ZERO));
+        }
+        std::mem::take(&mut self.errors)
+    }
+
+    /// The stream received GPU tensors of `device` are ordered on (made on first use).
+    pub fn stream(&self, device: &Uuid) -> Result<Arc<Stream>> {
+        Ok(self.devices.get(device)?.1)
+    }
+
+    /// Orders GPU tensors of `stream`'s device on `stream` from now on.
+    pub fn set_stream(&self, stream: Arc<Stream>) -> Result<()> {
+        self.devices.set(stream)
+    }
+
+    /// Takes a connection whose `Hello` was sent.
+    fn adopt(&mut self, link: Link) {
+        self.connected.push(Connected {
+            peer: Arc::new(Peer { link }),
+            greeted: false,
+            chunks: HashMap::new(),
+            events: HashMap::new(),
+            taken: 0,
+        });
+    }
+
+    /// Waits up to `wait` (forever with `None`) for sockets to become readable and reads one frame
+    /// from each that is. Returns whether anything was readable.
+    fn pump(&mut self, wait: Option<Duration>) -> Result<bool> {
+        let (listener_ready, readable) = {
+            let mut fds = Vec::with_capacity(self.connected.len() + 1);
+            if let Some(acceptor) = &self.acceptor {
+                fds.push(PollFd::new(&acceptor.doorbell, PollFlags::IN));
+            }
+            for connected in &self.connected {
+                fds.push(PollFd::new(&connected.peer.link.connection, PollFlags::IN));
+            }
+            let timespec = wait.map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
+            match poll(&mut fds, timespec.as_ref()) {
+                Ok(0) => return Ok(false),
+                Ok(_) => {}
+                Err(Errno::INTR) => return Ok(true),
+                Err(errno) => return Err(ipc_core::Error::Os { what: "poll", source: errno.into() }.into()),
+            }
+            let skip = usize::from(self.acceptor.is_some());
+            let listener_ready = skip == 1 && !fds[0].revents().is_empty();
+            let readable: Vec<usize> =
+                fds[skip..].iter().enumerate().filter(|(_, fd)| !fd.revents().is_empty()).map(|(i, _)| i).collect();
+            (listener_ready, readable)
+        };
+        let mut closed = Vec::new();
+        for index in readable {
+            match self.read_frame(index) {
+                Ok(true) => {}
+                Ok(false) => closed.push(index),
+                Err(error) => {
+                    let connected = &self.connected[index];
+                    let message = format!("closed the connection from pid {}: {error}", connected.peer.link.peer_pid);
+                    tracing::warn!("{message}");
+                    self.errors.push(message);
+                    connected.peer.link.shutdown(rustix::net::Shutdown::Both);
+                    closed.push(index);
+                }
+            }
+        }
+        for index in closed.into_iter().rev() {
+            // Tensors received from it keep its socket open for their releases.
+            self.connected.remove(index);
+        }
+        if listener_ready && let Some(acceptor) = &self.acceptor {
+            let (_, fds) = acceptor.doorbell.recv(&mut [0u8; 1])?;
+            for fd in fds {
+                match Link::new(Connection::from(fd)) {
+                    Ok(link) => self.adopt(link),
+                    Err(error) => self.errors.push(format!("refused a connection: {error}")),
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Reads and handles one frame of connection `index`; `Ok(false)` when the sender hung up.
+    fn read_frame(&mut self, index: usize) -> Result<bool> {
+        let connected = &mut self.connected[index];
+        let Some((frame, mut fds)) = connected.peer.link.recv(&mut self.buf)? else {
+            return Ok(false);
+        };
+        let arrived_ns = monotonic_ns();
+        if !connected.greeted {
+            Link::check_hello(&frame)?;
+            connected.greeted = true;
+            self.joined = true;
+            return Ok(true);
+        }
+        match frame {
+            Frame::Chunk { id, len, kind, device, legacy } => {
+                let chunk = import_chunk(&self.devices, id, len as usize, kind, Uuid(device), legacy, fds.pop())?;
+                connected.chunks.insert(id, chunk);
+            }
+            Frame::Event { id, handle } => {
+                let event = Event::import(&IpcEventHandle::from_bytes(&handle)?)?;
+                connected.events.insert(id, Arc::new(event));
+            }
+            Frame::Retire { chunk } => {
+                connected.chunks.remove(&chunk);
+            }
+            Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
+                let tensors = tensors
+                    .iter()
+                    .enumerate()
+                    .map(|(index, desc)| receive_tensor(connected, &self.devices, index, desc))
+                    .collect::<Result<Vec<_>>>()?;
+                let info = MessageInfo {
+                    sender_pid: connected.peer.link.peer_pid,
+                    seq,
+                    sent_ns,
+                    encoded_ns,
+                    arrived_ns,
+                    imported_ns: monotonic_ns(),
+                    decoded_ns: 0,
+                };
+                self.ready.push_back(Ready { peer: connected.peer.clone(), tensors, payload, info });
+            }
+            other => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
+        }
+        Ok(true)
+    }
+}
+
+impl<T> Drop for Receiver<T> {
+    fn drop(&mut self) {
+        // Senders see the receiver go; tensors still held keep the write side for releases.
+        for connected in &self.connected {
+            connected.peer.link.shutdown(rustix::net::Shutdown::Read);
+        }
+    }
+}
+
+fn import_chunk(
+    devices: &Devices,
+    id: u64,
+    len: usize,
+    kind: ChunkKind,
+    device: Uuid,
+    legacy: Option<Vec<u8>>,
+    fd: Option<OwnedFd>,
+) -> Result<Arc<Chunk>> {
+    let missing_fd = || Error::Protocol(format!("chunk {id} came without its descriptor"));
+    let memory = match kind {
+        ChunkKind::Host => ChunkMemory::ImportedHost(SharedMemory::from_fd(fd.ok_or_else(missing_fd)?, len)?),
+        ChunkKind::Vmm => {
+            let (context, _) = devices.get(&device)?;
+            let fd = fd.ok_or_else(missing_fd)?;
+            ChunkMemory::ImportedVmm(VmmAllocation::import(&context, fd.as_fd().as_raw_fd(), len)?)
+        }
+        ChunkKind::Legacy => {
+            let handle = IpcMemHandle::from_bytes(legacy.as_deref().unwrap_or_default())?;
+            if handle.len() != len || handle.device() != device {
+                return Err(Error::Protocol(format!("chunk {id}: the handle disagrees with the announcement")));
+            }
+            devices.get(&device)?; // keeps the device's context alive while mapped
+            ChunkMemory::ImportedLegacy(ImportedIpcMemory::open(&handle)?)
+        }
+    };
+    Ok(Chunk::with_id(id, memory))
+}
+
+fn receive_tensor(connected: &Connected, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<Tensor> {
+    let pid = connected.peer.link.peer_pid;
+    let bad = |reason: String| Error::Frame { pid, source: FrameError::OutOfBounds { index, reason } };
+    let chunk =
+        connected.chunks.get(&desc.chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {}", desc.chunk)))?;
+    let end = desc.storage_offset + desc.storage_len; // no overflow: checked by Frame::decode
+    if end > chunk.len() as u64 {
+        return Err(bad(format!(
+            "storage {}..{end} outside chunk {} of {} bytes",
+            desc.storage_offset,
+            desc.chunk,
+            chunk.len()
+        )));
+    }
+    let (path, stream) = match &chunk.memory {
+        ChunkMemory::ImportedHost(_) => (TransferPath::HostSharedMemory, None),
+        ChunkMemory::ImportedVmm(_) => (TransferPath::CudaVmm, Some(devices.get(&chunk_uuid(&chunk)?)?.1)),
+        ChunkMemory::ImportedLegacy(_) => (TransferPath::CudaLegacyIpc, Some(devices.get(&chunk_uuid(&chunk)?)?.1)),
+        _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
+    };
+    if let (Some(stream), Some(event_id)) = (&stream, desc.event) {
+        let event = connected.events.get(&event_id).ok_or_else(|| bad(format!("unknown event {event_id}")))?;
+        if !skip_ordering() {
+            stream.wait_event(event)?;
+        }
+    }
+    let lease = ReceivedLease { peer: connected.peer.clone(), id: desc.lease, stream: stream.clone() };
+    let storage = Storage::received(chunk, desc.storage_offset as usize, desc.storage_len as usize, lease);
+    Ok(Tensor::from_parts(
+        Arc::new(storage),
+        desc.dtype,
+        desc.shape.clone(),
+        desc.strides.clone(),
+        desc.view_offset as usize,
+        path,
+        stream,
+    ))
+}
+
+fn chunk_uuid(chunk: &Chunk) -> Result<Uuid> {
+    chunk.device_uuid()?.ok_or_else(|| Error::Protocol("a device chunk without a device".into()))
+}
