@@ -46,7 +46,10 @@ pub fn run_gpu_tests(tests: Vec<GpuTest>) -> ! {
         .map(|GpuTest { name, gpus, run }| {
             Trial::ignorable_test(name, move || match gpu_shortfall(gpus) {
                 Some(reason) => Ok(Completion::ignored_with(reason)),
-                None => run().map(|()| Completion::Completed).map_err(|e| Failed::from(format!("{e:#}"))),
+                None => {
+                    eprintln!("[starting {name}]");
+                    run().map(|()| Completion::Completed).map_err(|e| Failed::from(format!("{e:#}")))
+                }
             })
         })
         .collect();

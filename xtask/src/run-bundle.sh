@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Runs every GPU test, example and benchmark of this bundle; prints a pass/fail summary last.
-# Full logs go to ./logs, and as one archive to $OUT (the device tool's output folder) when set.
+# Usage: run.sh [PATTERN]: only the steps whose name contains PATTERN. Each step has STEP_TIMEOUT
+# seconds (default 240). Full logs go to ./logs, and as one archive to $OUT (the device tool's
+# output folder) when set; $OUT/progress.log grows as steps finish, so a cut-off run still tells.
 set -u
+only=${1:-}
+limit=${STEP_TIMEOUT:-240}
 here=$(cd "$(dirname "$0")" && pwd)
 logs=$here/logs
 rm -rf "$logs"
@@ -11,12 +15,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 summary=()
 failed=0
 
+progress=${OUT:-$logs}/progress.log
 step() { # step NAME COMMAND...
   local name=$1; shift
+  case "$name" in *"$only"*) ;; *) return ;; esac
   local log="$logs/$name.log"
   local start=$SECONDS
-  "$@" >"$log" 2>&1
+  timeout "$limit" "$@" >"$log" 2>&1
   local rc=$?
+  { echo "== $name: exit $rc after $((SECONDS - start))s"; tail -25 "$log"; } >> "$progress"
   local verdict=PASS
   [ $rc -eq 0 ] || { verdict="FAIL (exit $rc)"; failed=$((failed + 1)); }
   local extra

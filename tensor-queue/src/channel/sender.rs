@@ -37,6 +37,9 @@ struct SenderState {
     next_lease: u64,
     seq: u64,
     disconnected: bool,
+    /// Leases removed from `leases` whose storage is still being dropped (which may retire a
+    /// chunk): still outstanding, so that nothing is announced before the retirement is sent.
+    dropping: usize,
 }
 
 struct SenderInner {
@@ -160,7 +163,8 @@ impl<T: Serialize> Sender<T> {
 
     /// Hand-offs the receiver still holds.
     pub fn outstanding_leases(&self) -> usize {
-        lock(&self.inner.state).leases.len()
+        let state = lock(&self.inner.state);
+        state.leases.len() + state.dropping
     }
 
     /// Whether the receiver is still there.
@@ -278,9 +282,12 @@ impl SenderInner {
                     break;
                 }
             }
-            self.changed.notify_all();
+            state.dropping += released.len();
             drop(state);
+            let count = released.len();
             drop(released);
+            lock(&self.state).dropping -= count;
+            self.changed.notify_all();
         }
         self.disconnect();
     }
