@@ -26,6 +26,13 @@ impl Event {
         Event::create(context, CUevent_flags::CU_EVENT_DISABLE_TIMING.0, false)
     }
 
+    /// An event whose [`Event::synchronize`] puts the waiting thread to sleep instead of
+    /// spinning: for background threads that wait while others use the driver.
+    pub fn blocking(context: &Arc<Context>) -> Result<Event> {
+        let flags = CUevent_flags::CU_EVENT_BLOCKING_SYNC.0 | CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        Event::create(context, flags, false)
+    }
+
     /// An event that can be exported to another process with [`Event::export`].
     pub fn interprocess(context: &Arc<Context>) -> Result<Event> {
         let flags = CUevent_flags::CU_EVENT_INTERPROCESS.0 | CUevent_flags::CU_EVENT_DISABLE_TIMING.0;

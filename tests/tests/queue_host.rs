@@ -276,3 +276,26 @@ fn a_soak_of_random_sizes_arrives_byte_exact() {
     }
     assert!(child.wait().unwrap().success());
 }
+
+#[test]
+fn another_user_cannot_connect() {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    if std::fs::metadata("/proc/self").unwrap().uid() != 0 {
+        eprintln!("skipped: running a process as another user needs root");
+        return;
+    }
+    let path = socket_path("private");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let output = Command::new(bin_path("tq-peer").unwrap())
+        .args(["send", "--count", "1", "--to"])
+        .arg(&path)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "another user connected: {stderr}");
+    assert!(stderr.contains("Permission denied"), "the socket's mode refused it: {stderr}");
+    assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "nothing arrived");
+}

@@ -38,27 +38,51 @@ pub(crate) struct ReceivedLease {
 
 impl Drop for ReceivedLease {
     fn drop(&mut self) {
-        let Some(stream) = &self.stream else {
-            let _ = self.peer.link.send(&Frame::Release { leases: vec![self.id] }, &[]);
-            return;
+        let release = |peer: &Peer, id| {
+            let _ = peer.link.send(&Frame::Release { leases: vec![id] }, &[]);
         };
-        // Release only once the receiver's GPU work on the tensor (queued on `stream`) is done.
-        let event = Event::new(stream.context()).and_then(|event| event.record(stream).map(|()| event));
-        match event {
+        let Some(stream) = &self.stream else {
+            return release(&self.peer, self.id);
+        };
+        // The common case: the receiver's work on the tensor is already done.
+        if stream.is_idle().unwrap_or(false) {
+            return release(&self.peer, self.id);
+        }
+        // Otherwise the release waits for the work queued on `stream` so far.
+        match release_event(stream) {
             Ok(event) => releaser().send((self.peer.clone(), self.id, event)).unwrap_or(()),
             Err(error) => {
                 tracing::warn!(%error, "could not record a release event; releasing after a stream sync");
                 let _ = stream.synchronize();
-                let _ = self.peer.link.send(&Frame::Release { leases: vec![self.id] }, &[]);
+                release(&self.peer, self.id);
             }
         }
     }
 }
 
+/// Blocking-sync events for pending releases, reused: creating one per release costs more than
+/// the hand-off itself.
+static RELEASE_EVENTS: Mutex<Vec<Event>> = Mutex::new(Vec::new());
+
+/// An event recorded on `stream`, from the pool where one of its context is free.
+fn release_event(stream: &Stream) -> ipc_core::Result<Event> {
+    let pooled = {
+        let mut pool = lock(&RELEASE_EVENTS);
+        let found = pool.iter().position(|event| Arc::ptr_eq(event.context(), stream.context()));
+        found.map(|at| pool.swap_remove(at))
+    };
+    let event = match pooled {
+        Some(event) => event,
+        None => Event::blocking(stream.context())?,
+    };
+    event.record(stream)?;
+    Ok(event)
+}
+
 /// A lease to return once its event completes.
 type PendingRelease = (Arc<Peer>, u64, Event);
 
-/// The process's release thread: waits for each event, then returns the lease.
+/// The process's release thread: waits for each event, returns the lease, and pools the event.
 fn releaser() -> mpsc::Sender<PendingRelease> {
     static RELEASER: OnceLock<Mutex<mpsc::Sender<PendingRelease>>> = OnceLock::new();
     lock(RELEASER.get_or_init(|| {
@@ -71,6 +95,7 @@ fn releaser() -> mpsc::Sender<PendingRelease> {
                         tracing::warn!(%error, "waiting for a release event failed");
                     }
                     let _ = peer.link.send(&Frame::Release { leases: vec![id] }, &[]);
+                    lock(&RELEASE_EVENTS).push(event);
                 }
             })
             .expect("spawning the release thread");
