@@ -71,3 +71,23 @@ pub fn probe(id: u64, seed: u64, len: usize, gpu: Option<(&Arc<Context>, &Stream
     let expected = vec![reference::checksum(&reference::pattern(len, seed))];
     Ok(Probe { id, tensors: vec![tensor], expected, note: format!("seed {seed}") })
 }
+
+/// A benchmark request: tensors to make usable, and whether to answer with GPU timestamps.
+#[derive(Serialize, Deserialize)]
+pub struct BenchItem {
+    /// Message number.
+    pub id: u64,
+    /// The tensors.
+    pub tensors: Vec<Tensor>,
+}
+
+/// A benchmark answer.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BenchAck {
+    /// The item's number.
+    pub id: u64,
+    /// Per-item send-to-usable latencies in nanoseconds (streaming), or empty.
+    pub latencies: Vec<u64>,
+    /// `CLOCK_MONOTONIC` when the answerer had the data usable.
+    pub usable_ns: u64,
+}

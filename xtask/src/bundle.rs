@@ -9,15 +9,18 @@ use std::process::Stdio;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, cargo_command, workspace_root};
+use std::process::Command;
+
+use crate::{cargo, cargo_command, run, workspace_root};
 
 /// The device tool carries at most 64 MiB, the working tree included.
 const SIZE_LIMIT: u64 = 48 << 20;
 
 /// Binaries that tests start as second processes, and benchmarks.
-const BINARIES: &[&str] = &["ipc-helper", "tq-peer", "primitive-costs"];
+const BINARIES: &[&str] = &["ipc-helper", "tq-peer", "primitive-costs", "tq-bench"];
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
+const BENCH_SCRIPT: &str = include_str!("bench-bundle.sh");
 
 pub fn build() -> Result<()> {
     let root = workspace_root();
@@ -25,7 +28,7 @@ pub fn build() -> Result<()> {
     if bundle.exists() {
         std::fs::remove_dir_all(&bundle)?;
     }
-    for dir in ["bin", "tests", "examples"] {
+    for dir in ["bin", "tests", "examples", "bench"] {
         std::fs::create_dir_all(bundle.join(dir))?;
     }
 
@@ -40,9 +43,18 @@ pub fn build() -> Result<()> {
     for (name, executable) in release_test_executables()? {
         copy(&executable, &bundle.join("tests").join(name))?;
     }
-    let script = bundle.join("run.sh");
-    std::fs::write(&script, RUN_SCRIPT)?;
-    make_executable(&script)?;
+    for (name, text) in [("run.sh", RUN_SCRIPT), ("bench.sh", BENCH_SCRIPT)] {
+        std::fs::write(bundle.join(name), text)?;
+        make_executable(&bundle.join(name))?;
+    }
+    // The benchmark's anchors: the C socket floor (built here like the rest) and PyTorch's queues.
+    let bench = root.join("tests/bench");
+    run(Command::new("cc")
+        .args(["-O2", "-Wall", "-o"])
+        .arg(bundle.join("bin/socket-floor"))
+        .arg(bench.join("socket_floor.c")))
+    .context("compiling the socket floor needs a C compiler (cc)")?;
+    copy(&bench.join("torch_anchor.py"), &bundle.join("bench/torch_anchor.py"))?;
 
     let size = folder_size(&bundle)?;
     println!("xtask gpu-bundle: {} ({:.1} MiB)", bundle.display(), size as f64 / (1 << 20) as f64);

@@ -6,13 +6,18 @@
 //! - `hold --reply P`: the same, but keep every tensor and never exit (to be killed);
 //! - `send --to P --count N --seed S [--gpu] [--die]`: connect to a receiver at `P` and send `N`
 //!   probes; with `--die`, abort right after the last one, without any clean-up;
-//! - `soak`: receive `SoakItem`s and check every byte on the GPU, then print the count.
+//! - `soak`: receive `SoakItem`s and check every byte on the GPU, then print the count;
+//! - `echo --reply P`: answer each `BenchItem` once its tensors are usable on the stream (round trips);
+//! - `usable --reply P`: answer each `BenchItem` once its tensors are usable, synchronising the
+//!   stream first (the data is on the GPU and the GPU's work is done: broadcast, set-up);
+//! - `drain --reply P --count N`: take `N` items, synchronise each, and answer once with every
+//!   send-to-usable latency (streaming).
 
 use anyhow::{Context as _, Result, bail, ensure};
-use integration_tests::queue::{Probe, Report, SoakItem, checksum, probe};
+use integration_tests::queue::{BenchAck, BenchItem, Probe, Report, SoakItem, checksum, probe};
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Stream};
 use kernels::Kernels;
-use tensor_queue::{Error, Sender, from_parent};
+use tensor_queue::{Error, Sender, from_parent, monotonic_ns};
 
 fn main() {
     if let Err(error) = run() {
@@ -40,6 +45,11 @@ fn run() -> Result<()> {
             send_probes(&to, count, seed, args.iter().any(|a| a == "--gpu"), args.iter().any(|a| a == "--die"))
         }
         "soak" => soak(),
+        "echo" | "usable" | "drain" => {
+            let reply = arg(&args, "--reply").context("--reply <path>")?;
+            let count: u64 = arg(&args, "--count").unwrap_or("0".into()).parse()?;
+            bench_peer(role, &reply, count)
+        }
         other => bail!("unknown role {other}"),
     }
 }
@@ -118,4 +128,36 @@ fn soak() -> Result<()> {
     }
     println!("soak ok {count}");
     Ok(())
+}
+
+fn bench_peer(role: &str, reply: &str, count: u64) -> Result<()> {
+    // Ready before anything arrives: context and stream made, as a serving process would be.
+    if cuda_sys::is_available() {
+        Context::on_ordinal(0)?;
+    }
+    let mut items = from_parent::<BenchItem>()?;
+    let acks = Sender::<BenchAck>::connect(reply)?;
+    let mut latencies = Vec::new();
+    loop {
+        let (item, info) = match items.recv_with_info(None) {
+            Ok(received) => received,
+            Err(Error::Disconnected) => return Ok(()),
+            Err(error) => return Err(error.into()),
+        };
+        if role != "echo" {
+            for tensor in &item.tensors {
+                if let Some(stream) = tensor.stream() {
+                    stream.synchronize()?;
+                }
+            }
+        }
+        let usable_ns = monotonic_ns();
+        if role == "drain" {
+            latencies.push(usable_ns - info.sent_ns);
+            if (latencies.len() as u64) < count {
+                continue;
+            }
+        }
+        acks.send(&BenchAck { id: item.id, latencies: std::mem::take(&mut latencies), usable_ns })?;
+    }
 }
