@@ -299,3 +299,19 @@ fn another_user_cannot_connect() {
     assert!(stderr.contains("Permission denied"), "the socket's mode refused it: {stderr}");
     assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "nothing arrived");
 }
+
+/// A bound receiver must not report `Disconnected` while a connection its accept thread took is
+/// waiting to be read (this once spun a test forever on a 32-core machine).
+#[test]
+fn a_sender_arriving_after_the_last_one_left_is_heard() {
+    let path = socket_path("came-and-went");
+    let mut receiver = Receiver::<u64>::bind(&path).unwrap();
+    Sender::<u64>::connect(&path).unwrap().send(&1).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), 1);
+    assert!(matches!(receiver.recv_timeout(Duration::from_secs(10)), Err(Error::Disconnected)), "the first left");
+    // A second sender connects, is accepted and greeted by the accept thread, sends and leaves,
+    // all before this thread looks again.
+    Sender::<u64>::connect(&path).unwrap().send(&2).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), 2);
+}

@@ -300,8 +300,11 @@ impl<T: DeserializeOwned> Receiver<T> {
             if let Some(ready) = self.ready.pop_front() {
                 return self.deliver(ready);
             }
-            let nobody = self.connected.is_empty();
-            if nobody && (self.joined || self.acceptor.is_none()) {
+            if self.connected.is_empty() && (self.joined || self.acceptor.is_none()) {
+                // Connections the accept thread already took may be waiting at the doorbell.
+                if self.acceptor.is_some() && self.pump(Some(Duration::ZERO))? {
+                    continue;
+                }
                 return Err(Error::Disconnected);
             }
             let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -437,10 +440,11 @@ impl<T: DeserializeOwned> Receiver<T> {
                 connected.chunks.remove(&chunk);
             }
             Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
+                let mut waited = Vec::new(); // one stream wait per event and stream, not per tensor
                 let tensors = tensors
                     .iter()
                     .enumerate()
-                    .map(|(index, desc)| receive_tensor(connected, &self.devices, index, desc))
+                    .map(|(index, desc)| receive_tensor(connected, &self.devices, index, desc, &mut waited))
                     .collect::<Result<Vec<_>>>()?;
                 let info = MessageInfo {
                     sender_pid: connected.peer.link.peer_pid,
@@ -497,7 +501,13 @@ fn import_chunk(
     Ok(Chunk::with_id(id, memory))
 }
 
-fn receive_tensor(connected: &Connected, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<Tensor> {
+fn receive_tensor(
+    connected: &Connected,
+    devices: &Devices,
+    index: usize,
+    desc: &TensorDesc,
+    waited: &mut Vec<(u32, usize)>,
+) -> Result<Tensor> {
     let pid = connected.peer.link.peer_pid;
     let bad = |reason: String| Error::Frame { pid, source: FrameError::OutOfBounds { index, reason } };
     let chunk =
@@ -519,8 +529,10 @@ fn receive_tensor(connected: &Connected, devices: &Devices, index: usize, desc: 
     };
     if let (Some(stream), Some(event_id)) = (&stream, desc.event) {
         let event = connected.events.get(&event_id).ok_or_else(|| bad(format!("unknown event {event_id}")))?;
-        if !skip_ordering() {
+        let key = (event_id, Arc::as_ptr(stream) as usize);
+        if !skip_ordering() && !waited.contains(&key) {
             stream.wait_event(event)?;
+            waited.push(key);
         }
     }
     let lease = ReceivedLease { peer: connected.peer.clone(), id: desc.lease, stream: stream.clone() };
