@@ -58,6 +58,9 @@ pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> 
         match recvmsg(&socket, &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC) {
             Ok(message) => break message,
             Err(Errno::INTR) => continue,
+            // A Unix socket whose peer closed with unread data of its own reports ECONNRESET once,
+            // *before* the messages still queued here; reading on yields them, then end-of-file.
+            Err(Errno::CONNRESET) => continue,
             Err(errno) => return Err(Error::os("recvmsg", errno)),
         }
     };

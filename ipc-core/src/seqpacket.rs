@@ -220,6 +220,20 @@ mod tests {
         assert!(Listener::bind(&not_a_socket).is_err(), "only socket files are replaced");
     }
 
+    /// Linux reports `ECONNRESET` to the survivor when a Unix socket closes with unread data of its
+    /// own, before the messages still queued for the survivor: those must not be lost.
+    #[test]
+    fn messages_sent_before_a_reset_are_still_delivered() {
+        let (survivor, leaving) = Connection::pair().unwrap();
+        leaving.send(b"last words", &[]).unwrap();
+        survivor.send(b"never read", &[]).unwrap();
+        drop(leaving);
+        let mut buf = [0u8; 32];
+        let (n, _) = survivor.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"last words");
+        assert_eq!(survivor.recv(&mut buf).unwrap().0, 0, "then the hang-up");
+    }
+
     #[test]
     fn accept_times_out() {
         let path = std::env::temp_dir().join(format!("ipc-core-timeout-{}", std::process::id()));

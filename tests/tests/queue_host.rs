@@ -77,6 +77,8 @@ fn several_senders_feed_one_receiver_until_all_are_gone() {
         })
         .collect();
     let mut per_sender = std::collections::HashMap::new();
+    let start = Instant::now();
+    let mut children = children;
     while per_sender.values().sum::<usize>() < 60 {
         match receiver.recv_with_info(Some(Duration::from_secs(30))) {
             Ok((probe, info)) => {
@@ -86,6 +88,10 @@ fn several_senders_feed_one_receiver_until_all_are_gone() {
             // A bound receiver: between one sender leaving and the next connecting, nobody is there.
             Err(Error::Disconnected) => std::thread::sleep(Duration::from_millis(1)),
             Err(other) => panic!("{other}"),
+        }
+        if start.elapsed() > Duration::from_secs(40) {
+            let states: Vec<_> = children.iter_mut().map(|c| (c.id(), c.try_wait().ok().flatten())).collect();
+            panic!("only {per_sender:?} after 40 s; receiver errors {:?}; children {states:?}", receiver.take_errors());
         }
     }
     assert_eq!(per_sender.len(), 3);
