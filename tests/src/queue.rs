@@ -72,7 +72,7 @@ pub fn probe(id: u64, seed: u64, len: usize, gpu: Option<(&Arc<Context>, &Stream
     Ok(Probe { id, tensors: vec![tensor], expected, note: format!("seed {seed}") })
 }
 
-/// A benchmark request: tensors to make usable, and whether to answer with GPU timestamps.
+/// A benchmark request: tensors for the peer to make usable.
 #[derive(Serialize, Deserialize)]
 pub struct BenchItem {
     /// Message number.

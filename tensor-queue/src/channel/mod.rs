@@ -16,9 +16,9 @@
 //!    the lease. Host tensors are released at once.
 //!
 //! # Why interprocess events
-//! Measured on an H200 (`cargo xtask gpu-bundle`, `primitive-costs`): waiting on an imported
-//! interprocess event that is already complete, plus `cuStreamSynchronize`, costs 6.4 us p50 and
-//! 13 us p99, and `cuEventRecord` 0.7 us; the wait itself is an asynchronous enqueue. `GPU.md`
+//! Measured on an H200 (`primitive-costs` in the GPU bundle, five runs): waiting on an imported
+//! interprocess event that is already complete, plus `cuStreamSynchronize`, costs 6.4-6.6 us p50
+//! and 12-16 us p99, and `cuEventRecord` 0.8 us; the wait itself is an asynchronous enqueue. `GPU.md`
 //! reported 141 us for the same wait, which was not reproduced here. A wait on a stream memory
 //! flag (7-8 us in `GPU.md`) needs a shared flag per message and a write kernel-side, and a
 //! completion wait on the sender's side stalls its CPU. Events are exported once and reused from a
