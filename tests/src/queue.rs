@@ -1,12 +1,42 @@
 //! Messages and checks shared by the tensor-queue tests and their `tq-peer` helper.
 
+use std::process::{Child, Command};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, ensure};
 use ipc_core::{Context, DeviceMemory, Stream};
 use kernels::{Kernels, reference};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tensor_queue::{DType, Tensor, TensorDevice};
+use tensor_queue::{DType, Receiver, Sender, Tensor, TensorDevice, spawn};
+
+use crate::{bin_path, socket_path};
+
+/// Starts `tq-peer <role> --reply <path> <extra>` with a channel to it ([`spawn`]), and the
+/// receiver its answers come back on.
+pub fn spawn_tq_peer<Request: Serialize, Answer: DeserializeOwned>(
+    role: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Result<(Child, Sender<Request>, Receiver<Answer>)> {
+    let reply = socket_path(role);
+    let answers = Receiver::<Answer>::bind(&reply)?;
+    let mut command = Command::new(bin_path("tq-peer")?);
+    command.args([role, "--reply"]).arg(&reply).args(extra).envs(env.iter().copied());
+    let (child, sender) = spawn::<Request>(&mut command)?;
+    Ok((child, sender, answers))
+}
+
+/// Polls `done` until it holds (then returns how long that took), for at most 30 seconds.
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) -> Result<Duration> {
+    let start = Instant::now();
+    while !done() {
+        ensure!(start.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    Ok(start.elapsed())
+}
 
 /// What tensor-queue tests send: tensors and the checksums of their elements.
 #[derive(Debug, Serialize, Deserialize)]

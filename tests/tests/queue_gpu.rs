@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
-use integration_tests::queue::{Probe, Report, SoakItem, checksum, probe};
+use integration_tests::queue::{Probe, Report, SoakItem, checksum, probe, spawn_tq_peer, wait_until};
 use integration_tests::{GpuTest, bin_path, run_gpu_tests, socket_path};
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Stream};
 use kernels::{Kernels, reference};
@@ -32,23 +32,8 @@ fn gpu() -> Result<(Arc<Context>, Stream)> {
     Ok((context, stream))
 }
 
-/// Starts `tq-peer <role> --reply <path>` with a channel to it, and the receiver of its reports.
 fn peer(role: &str, env: &[(&str, &str)]) -> Result<(Child, Sender<Probe>, Receiver<Report>)> {
-    let reply_path = socket_path("reports");
-    let reports = Receiver::<Report>::bind(&reply_path)?;
-    let mut command = Command::new(bin_path("tq-peer")?);
-    command.args([role, "--reply"]).arg(&reply_path).envs(env.iter().copied());
-    let (child, sender) = spawn::<Probe>(&mut command)?;
-    Ok((child, sender, reports))
-}
-
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) -> Result<Duration> {
-    let start = Instant::now();
-    while !done() {
-        ensure!(start.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    Ok(start.elapsed())
+    spawn_tq_peer(role, &[], env)
 }
 
 fn gpu_tensors_cross_zero_copy() -> Result<()> {

@@ -6,31 +6,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use integration_tests::queue::{Probe, Report, checksum, probe};
+use integration_tests::queue::{Probe, Report, checksum, probe, spawn_tq_peer};
 use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
 use tensor_queue::wire::{ChunkKind, Frame, TensorDesc};
-use tensor_queue::{DType, Error, Receiver, Sender, Tensor, spawn};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
 
-/// Starts `tq-peer <role> --reply <path>` with a channel to it, and the receiver of its reports.
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
-    let reply_path = socket_path("reports");
-    let reports = Receiver::<Report>::bind(&reply_path).unwrap();
-    let mut command = Command::new(bin_path("tq-peer").unwrap());
-    command.args([role, "--reply"]).arg(&reply_path);
-    let (child, sender) = spawn::<Probe>(&mut command).unwrap();
-    (child, sender, reports)
+    spawn_tq_peer(role, &[], &[]).unwrap()
 }
 
-fn wait_until(what: &str, mut done: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    start.elapsed()
+fn wait_until(what: &str, done: impl FnMut() -> bool) -> Duration {
+    integration_tests::queue::wait_until(what, done).unwrap()
 }
 
 #[test]

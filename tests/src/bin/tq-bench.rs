@@ -10,11 +10,11 @@ use std::process::{Child, Command};
 use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail, ensure};
-use integration_tests::queue::{BenchAck, BenchItem};
-use integration_tests::{bin_path, percentile, socket_path};
+use integration_tests::percentile;
+use integration_tests::queue::{BenchAck, BenchItem, spawn_tq_peer};
 use ipc_core::{Context, Stream};
 use kernels::Kernels;
-use tensor_queue::{Broadcast, DType, Receiver, Sender, Tensor, monotonic_ns, spawn};
+use tensor_queue::{Broadcast, DType, Receiver, Sender, Tensor, monotonic_ns};
 
 /// One figure of the table.
 struct Row {
@@ -227,14 +227,8 @@ fn run_json(mut command: Command) -> Result<serde_json::Value> {
 }
 
 impl Bench {
-    /// Starts `tq-peer <role>` with a channel to it, and the receiver of its answers.
     fn peer(&self, role: &str, extra: &[&str]) -> Result<(Child, Sender<BenchItem>, Receiver<BenchAck>)> {
-        let reply = socket_path("bench");
-        let acks = Receiver::<BenchAck>::bind(&reply)?;
-        let mut command = Command::new(bin_path("tq-peer")?);
-        command.args([role, "--reply"]).arg(&reply).args(extra);
-        let (child, sender) = spawn::<BenchItem>(&mut command)?;
-        Ok((child, sender, acks))
+        spawn_tq_peer(role, extra, &[])
     }
 
     fn tensor(&self, bytes: u64, seed: u64) -> Result<Tensor> {
