@@ -11,9 +11,10 @@
 //!    the frame, maps nothing new (chunks are cached), and queues `cuStreamWaitEvent` on its stream
 //!    for the device: the consumer's first use is ordered after the producer's work, and neither
 //!    CPU waits.
-//! 5. When the receiver drops the last view of a tensor, an event is recorded on that stream;
-//!    once it completes (the receiver's GPU work on the tensor is done), a release frame returns
-//!    the lease. Host tensors are released at once.
+//! 5. When the receiver drops the last view of a tensor, a release frame returns the lease once
+//!    the receiver's GPU work on it is done: at once if its stream is idle (the common case),
+//!    else when a pooled event recorded on that stream completes. Host tensors are released at
+//!    once.
 //!
 //! # Why interprocess events
 //! Measured on an H200 (`primitive-costs` in the GPU bundle, five runs): waiting on an imported
@@ -28,8 +29,7 @@
 //! # Flow control and failure
 //! A receiver grants each sender `capacity` messages; `send` blocks when they are used up and
 //! resumes when the receiver has taken half of them (credits return in batches, to keep frames
-//! off the hot path). A peer that dies closes its socket:
-//! the survivor sees the hang-up at once. A dead receiver's leases return to the sender; a dead
+//! off the hot path). A peer that dies closes its socket: the survivor sees the hang-up at once. A dead receiver's leases return to the sender; a dead
 //! sender's messages already queued are still delivered, then `recv` returns
 //! [`Error::Disconnected`], and tensors already received stay valid (their memory lives while
 //! mapped).
