@@ -42,6 +42,8 @@ pub(crate) enum ChunkMemory {
 pub(crate) struct Chunk {
     pub id: u64,
     pub memory: ChunkMemory,
+    /// The device's UUID for device chunks, asked of the driver once (it is on every hand-off's path).
+    device_uuid: Option<Uuid>,
     /// The VMM export, made on the first announcement and reused for every later peer.
     exported: OnceLock<OwnedFd>,
     /// Peers this chunk was announced to, told to forget it when it is freed.
@@ -63,13 +65,18 @@ impl Drop for Chunk {
 }
 
 impl Chunk {
-    pub fn new(memory: ChunkMemory) -> Arc<Chunk> {
+    pub fn new(memory: ChunkMemory) -> Result<Arc<Chunk>> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         Chunk::with_id(NEXT_ID.fetch_add(1, Ordering::Relaxed), memory)
     }
 
-    pub fn with_id(id: u64, memory: ChunkMemory) -> Arc<Chunk> {
-        Arc::new(Chunk { id, memory, exported: OnceLock::new(), announced_to: Mutex::new(Vec::new()) })
+    pub fn with_id(id: u64, memory: ChunkMemory) -> Result<Arc<Chunk>> {
+        let mut chunk =
+            Chunk { id, memory, device_uuid: None, exported: OnceLock::new(), announced_to: Mutex::new(Vec::new()) };
+        if let Some(memory) = chunk.device() {
+            chunk.device_uuid = Some(memory.context().device().uuid()?);
+        }
+        Ok(Arc::new(chunk))
     }
 
     /// Remembers that `peer` maps this chunk.
@@ -105,11 +112,8 @@ impl Chunk {
     }
 
     /// The device's UUID, for device chunks.
-    pub fn device_uuid(&self) -> Result<Option<Uuid>> {
-        match self.device() {
-            Some(memory) => Ok(Some(memory.context().device().uuid()?)),
-            None => Ok(None),
-        }
+    pub fn device_uuid(&self) -> Option<Uuid> {
+        self.device_uuid
     }
 
     /// What a peer needs to map this chunk: the descriptor to attach (host and VMM chunks) or the
@@ -244,7 +248,7 @@ impl Arena {
             ArenaKind::Host => ChunkMemory::Host(SharedMemory::create("tensor-queue", len)?),
             ArenaKind::Device(context) => ChunkMemory::Vmm(VmmAllocation::new(context, len)?),
         };
-        Ok(Chunk::new(memory))
+        Chunk::new(memory)
     }
 
     /// Bytes in chunks, and bytes free in them.

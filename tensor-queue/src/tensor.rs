@@ -181,7 +181,7 @@ impl Tensor {
         if len > buffer.len() {
             return Err(Error::Invalid(format!("shape {shape:?} needs {len} bytes; the buffer has {}", buffer.len())));
         }
-        let chunk = Chunk::new(ChunkMemory::Legacy(buffer));
+        let chunk = Chunk::new(ChunkMemory::Legacy(buffer))?;
         let storage = Storage { len: chunk.len(), chunk, offset: 0, _origin: Origin::User };
         Ok(Tensor::contiguous(storage, dtype, shape))
     }
@@ -227,8 +227,8 @@ impl Tensor {
     /// Where the bytes are.
     pub fn device(&self) -> TensorDevice {
         match self.storage.chunk.device_uuid() {
-            Ok(Some(uuid)) => TensorDevice::Cuda(uuid),
-            _ => TensorDevice::Host,
+            Some(uuid) => TensorDevice::Cuda(uuid),
+            None => TensorDevice::Host,
         }
     }
 

@@ -198,7 +198,7 @@ impl SenderInner {
         if state.announced.contains(&chunk.id) {
             return Ok(());
         }
-        let device = chunk.device_uuid()?.unwrap_or_default().0;
+        let device = chunk.device_uuid().unwrap_or_default().0;
         let (kind, legacy, fd) = match chunk.share()? {
             Shared::Fd(fd) if chunk.host().is_some() => (ChunkKind::Host, None, Some(fd)),
             Shared::Fd(fd) => (ChunkKind::Vmm, None, Some(fd)),
