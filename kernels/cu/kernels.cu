@@ -47,6 +47,17 @@ extern "C" __global__ void spin_then_fill(u8* p, u64 len, u64 seed, u64 ns) {
     fill_words(p, len, seed);
 }
 
+// Adds `words` 64-bit words into *out: a consumer's read of a tensor that costs only its memory
+// traffic.
+extern "C" __global__ void sum_words(const u64* p, u64 words, u64* out) {
+    u64 sum = 0;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        sum += p[i];
+    }
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_down_sync(0xffffffffu, sum, offset);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out, sum);
+}
+
 // Position-sensitive sum: out += sum over i of splitmix64(i * 256 + byte[i]) (mod 2^64).
 // Addition commutes, so the result does not depend on scheduling. *out must start at 0.
 extern "C" __global__ void checksum(const u8* p, u64 len, u64* out) {

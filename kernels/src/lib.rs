@@ -6,6 +6,8 @@
 //!   ([`reference`] computes both on the CPU);
 //! - [`Kernels::pack`] and [`Kernels::unpack`]: a strided view of up to 8 dimensions (1, 2, 4 or
 //!   8-byte elements) into and out of a contiguous buffer;
+//! - [`Kernels::read`]: reads a range and adds its words into a device counter, asynchronously
+//!   (a consumer's use of a tensor, in benchmarks);
 //! - [`Kernels::spin_then_fill`]: runs for a requested time before writing, to prove ordering;
 //! - [`Kernels::matmul_f32`]: a plain float32 matrix multiply, for the seed scenario.
 
@@ -95,6 +97,7 @@ pub struct Kernels {
     fill: Function,
     spin_then_fill: Function,
     checksum: Function,
+    sum_words: Function,
     pack: Function,
     unpack: Function,
     matmul: Function,
@@ -118,6 +121,7 @@ impl Kernels {
             fill: module.function("fill_pattern")?,
             spin_then_fill: module.function("spin_then_fill")?,
             checksum: module.function("checksum")?,
+            sum_words: module.function("sum_words")?,
             pack: module.function("pack_strided")?,
             unpack: module.function("unpack_strided")?,
             matmul: module.function("matmul_f32")?,
@@ -168,6 +172,28 @@ impl Kernels {
         let mut sum = [0u8; 8];
         scratch.copy_to_host(0, &mut sum)?;
         Ok(u64::from_le_bytes(sum))
+    }
+
+    /// Reads `len` bytes at `offset` on `stream` and adds them, as little-endian 64-bit words,
+    /// into the word at the start of `counter` ([`reference::word_sum`]). The range must be
+    /// 8-byte aligned in device memory and a whole number of words. Returns once it is queued.
+    pub fn read(
+        &self,
+        memory: &dyn DeviceMemory,
+        offset: usize,
+        len: usize,
+        counter: &DeviceBuffer,
+        stream: &Stream,
+    ) -> Result<()> {
+        let mut ptr = range(memory, offset, len)?;
+        if !ptr.is_multiple_of(8) || !len.is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!("read of {len} bytes at {ptr:#x}: not whole aligned words")));
+        }
+        let mut out = range(counter, 0, 8)?;
+        let mut words = len as u64 / 8;
+        let mut params = [arg(&mut ptr), arg(&mut words), arg(&mut out)];
+        // SAFETY: sum_words(const u64*, u64, u64*); both ranges were checked, and `ptr` is aligned.
+        unsafe { self.sum_words.launch(stream, LaunchConfig::for_items(words), &mut params) }
     }
 
     /// Packs the strided view whose element 0 is at `src_offset` into `dst` at `dst_offset`.

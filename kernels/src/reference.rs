@@ -29,6 +29,12 @@ pub fn checksum(bytes: &[u8]) -> u64 {
     bytes.iter().enumerate().fold(0u64, |sum, (i, &b)| sum.wrapping_add(splitmix64(((i as u64) << 8) | b as u64)))
 }
 
+/// The sum of `bytes` read as little-endian 64-bit words (a trailing partial word is ignored),
+/// as [`crate::Kernels::read`] adds it.
+pub fn word_sum(bytes: &[u8]) -> u64 {
+    bytes.chunks_exact(8).fold(0u64, |sum, w| sum.wrapping_add(u64::from_le_bytes(w.try_into().unwrap_or_default())))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

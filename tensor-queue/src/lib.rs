@@ -34,7 +34,10 @@ mod side_table;
 mod tensor;
 pub mod wire;
 
-pub use channel::{Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Sender, from_parent, monotonic_ns, spawn};
+pub use channel::{
+    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Sender, from_parent, from_parent_with_capacity, monotonic_ns,
+    spawn,
+};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};

@@ -48,11 +48,11 @@ enum Origin {
     /// Nobody: a whole user buffer, freed with the chunk.
     User,
     /// The sender, through a release message.
-    Received(#[expect(dead_code, reason = "held for its Drop")] ReceivedLease),
+    Received(#[expect(dead_code, reason = "held for its Drop")] Arc<ReceivedLease>),
 }
 
 impl Storage {
-    pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: ReceivedLease) -> Storage {
+    pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: Arc<ReceivedLease>) -> Storage {
         Storage { chunk, offset, len, _origin: Origin::Received(lease) }
     }
 }

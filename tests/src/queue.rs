@@ -112,12 +112,14 @@ pub struct BenchItem {
 }
 
 /// A benchmark answer.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Default, Serialize, Deserialize)]
 pub struct BenchAck {
-    /// The item's number.
+    /// The item's number (`u64::MAX`: the answerer is listening and ready).
     pub id: u64,
-    /// Per-item send-to-usable latencies in nanoseconds (streaming), or empty.
-    pub latencies: Vec<u64>,
     /// `CLOCK_MONOTONIC` when the answerer had the data usable.
     pub usable_ns: u64,
+    /// Streaming: per item, when it was sent and when the consumer's read of it was done.
+    pub completions: Vec<(u64, u64)>,
+    /// The item's [`tensor_queue::MessageInfo`] stamps: sent, encoded, arrived, imported, decoded.
+    pub stages_ns: Vec<u64>,
 }

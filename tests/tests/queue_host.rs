@@ -310,3 +310,46 @@ fn a_sender_arriving_after_the_last_one_left_is_heard() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), 2);
 }
+
+#[test]
+fn a_message_s_tensors_come_back_together_when_the_last_is_dropped() {
+    let path = socket_path("together");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let sender = Sender::<Probe>::connect(&path).unwrap();
+    let tensors = vec![Tensor::zeros(DType::U8, &[4096]).unwrap(), Tensor::zeros(DType::F32, &[64]).unwrap()];
+    sender.send(&Probe { id: 1, tensors, expected: vec![], note: String::new() }).unwrap();
+    let mut probe = receiver.recv().unwrap();
+    assert_eq!(sender.outstanding_leases(), 2);
+    let kept = probe.tensors.pop().unwrap();
+    drop(probe);
+    sender.send(&probe_again()).unwrap();
+    let again = receiver.recv().unwrap();
+    drop(again);
+    wait_until("the second message's lease", || sender.outstanding_leases() == 2);
+    std::thread::sleep(Duration::from_millis(50)); // time for any release still in flight
+    assert_eq!(sender.outstanding_leases(), 2, "one tensor of a message is still held, so both stay leased");
+    drop(kept);
+    wait_until("both leases", || sender.outstanding_leases() == 0);
+}
+
+#[test]
+fn a_spinning_receiver_gets_every_message_and_keeps_its_timeouts() {
+    let path = socket_path("spin");
+    let mut receiver = Receiver::<u64>::bind(&path).unwrap();
+    receiver.set_spin(Duration::from_millis(5));
+    let sender = Sender::<u64>::connect(&path).unwrap();
+    let start = Instant::now();
+    assert!(matches!(receiver.recv_timeout(Duration::from_millis(2)), Err(Error::Timeout)));
+    assert!(start.elapsed() < Duration::from_secs(5), "the timeout was not kept");
+    assert!(matches!(receiver.try_recv(), Err(Error::Empty)));
+    let feeder = std::thread::spawn(move || {
+        for i in 0..500u64 {
+            sender.send(&i).unwrap();
+        }
+    });
+    for i in 0..500u64 {
+        assert_eq!(receiver.recv().unwrap(), i);
+    }
+    feeder.join().unwrap();
+    assert!(matches!(receiver.recv(), Err(Error::Disconnected)));
+}

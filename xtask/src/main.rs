@@ -37,6 +37,17 @@ enum Task {
     GpuBundle,
     /// Set up, then run the two-process demo (on the GPU where there is one, else host tensors).
     Demo,
+    /// Build the GPU bundle, then run its benchmark suite here (`bench.sh`): tensor-queue against
+    /// the anchors in one run, the table last, JSON and PNG plots in `--out`. Without a GPU it
+    /// measures host tensors only.
+    Bench {
+        /// Where bench.json, latency.png, throughput.png and the primitive costs go.
+        #[arg(long, default_value = "target/bench-results")]
+        out: PathBuf,
+        /// Options passed on to `tq-bench` (for example `--only rtt,stream --spin-us 0`).
+        #[arg(last = true)]
+        options: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
@@ -49,6 +60,11 @@ fn main() -> Result<()> {
         Task::Demo => {
             toolchain::setup()?;
             cargo(&["run", "--release", "--quiet", "-p", "tensor-queue", "--example", "demo"])
+        }
+        Task::Bench { out, options } => {
+            bundle::build()?;
+            let script = workspace_root().join("target/gpu-bundle/bench.sh");
+            run(Command::new("bash").arg(script).args(options).env("OUT", workspace_root().join(out)))
         }
     }
 }

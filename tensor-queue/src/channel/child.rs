@@ -36,8 +36,13 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 
 /// In a child started by [`spawn`]: the receiving end of the channel from the parent.
 pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
+    from_parent_with_capacity(DEFAULT_CAPACITY)
+}
+
+/// [`from_parent`], letting the parent have `capacity` messages in flight.
+pub fn from_parent_with_capacity<T: DeserializeOwned>(capacity: u32) -> Result<Receiver<T>> {
     let path = std::env::var_os(ENDPOINT_ENV).ok_or_else(|| {
         Error::Invalid(format!("{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"))
     })?;
-    Receiver::from_connection(Connection::connect(path)?, DEFAULT_CAPACITY)
+    Receiver::from_connection(Connection::connect(path)?, capacity)
 }

@@ -11,10 +11,13 @@
 //!    the frame, maps nothing new (chunks are cached), and queues `cuStreamWaitEvent` on its stream
 //!    for the device: the consumer's first use is ordered after the producer's work, and neither
 //!    CPU waits.
-//! 5. When the receiver drops the last view of a tensor, a release frame returns the lease once
-//!    the receiver's GPU work on it is done: at once if its stream is idle (the common case),
-//!    else when a pooled event recorded on that stream completes. Host tensors are released at
-//!    once.
+//! 5. A message's tensors share one receiver-side lease: when the last view of any of them drops,
+//!    one release frame returns them all, once the receiver's GPU work on them is done: at once
+//!    if its streams are idle (the common case), else when pooled events recorded on those
+//!    streams complete (a release thread waits on them, and returns what became ready together
+//!    in one frame per sender). Host tensors are released at once. Holding one tensor of a
+//!    message holds the others' memory in the sender: the price of one frame per message
+//!    instead of one per tensor.
 //!
 //! # Why interprocess events
 //! Measured on an H200 (`primitive-costs` in the GPU bundle, five runs): waiting on an imported
@@ -26,13 +29,18 @@
 //! pool: an event returns to the pool only when every lease of its message is released, which is
 //! after the receiver queued its wait, so a re-record can never be waited on by mistake.
 //!
+//! # Waiting
+//! `recv` sleeps in `poll` and the kernel wakes it: a few microseconds per hand-off. With
+//! [`Receiver::set_spin`] it polls without sleeping first, which takes the wake-up off the
+//! latency and costs a busy core while it waits.
+//!
 //! # Flow control and failure
 //! A receiver grants each sender `capacity` messages; `send` blocks when they are used up and
 //! resumes when the receiver has taken half of them (credits return in batches, to keep frames
-//! off the hot path). A peer that dies closes its socket: the survivor sees the hang-up at once. A dead receiver's leases return to the sender; a dead
-//! sender's messages already queued are still delivered, then `recv` returns
-//! [`Error::Disconnected`], and tensors already received stay valid (their memory lives while
-//! mapped).
+//! off the hot path). A peer that dies closes its socket: the survivor sees the hang-up at once.
+//! A dead receiver's leases return to the sender; a dead sender's messages already queued are
+//! still delivered, then `recv` returns [`Error::Disconnected`], and tensors already received
+//! stay valid (their memory lives while mapped).
 
 mod child;
 mod receiver;
@@ -44,7 +52,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use ipc_core::HostId;
 use ipc_core::seqpacket::Connection;
 
-pub use child::{from_parent, spawn};
+pub use child::{from_parent, from_parent_with_capacity, spawn};
 pub(crate) use receiver::ReceivedLease;
 pub use receiver::{MessageInfo, Receiver};
 pub use sender::{Broadcast, Sender};

@@ -29,35 +29,40 @@ struct Peer {
     link: Link,
 }
 
-/// Held by each received tensor's storage; returns the lease when the storage drops.
+/// Held by the storage of every tensor of one received message; returns the message's leases
+/// in one frame when the last of them drops (one frame per message, not per tensor).
 pub(crate) struct ReceivedLease {
     peer: Arc<Peer>,
-    id: u64,
-    stream: Option<Arc<Stream>>,
+    ids: Vec<u64>,
+    /// The streams the message's GPU tensors were ordered on.
+    streams: Vec<Arc<Stream>>,
 }
 
 impl Drop for ReceivedLease {
     fn drop(&mut self) {
-        let release = |peer: &Peer, id| {
-            let _ = peer.link.send(&Frame::Release { leases: vec![id] }, &[]);
-        };
-        let Some(stream) = &self.stream else {
-            return release(&self.peer, self.id);
-        };
-        // The common case: the receiver's work on the tensor is already done.
-        if stream.is_idle().unwrap_or(false) {
-            return release(&self.peer, self.id);
+        let ids = std::mem::take(&mut self.ids);
+        // The common case: the receiver's work on the tensors is already done.
+        let busy: Vec<&Arc<Stream>> = self.streams.iter().filter(|s| !s.is_idle().unwrap_or(false)).collect();
+        if busy.is_empty() {
+            return release(&self.peer, ids);
         }
-        // Otherwise the release waits for the work queued on `stream` so far.
-        match release_event(stream) {
-            Ok(event) => releaser().send((self.peer.clone(), self.id, event)).unwrap_or(()),
+        // Otherwise the release waits for the work queued on those streams so far.
+        match busy.into_iter().map(|stream| release_event(stream)).collect::<ipc_core::Result<Vec<_>>>() {
+            Ok(events) => releaser().send(PendingRelease { peer: self.peer.clone(), ids, events }).unwrap_or(()),
             Err(error) => {
                 tracing::warn!(%error, "could not record a release event; releasing after a stream sync");
-                let _ = stream.synchronize();
-                release(&self.peer, self.id);
+                for stream in &self.streams {
+                    let _ = stream.synchronize();
+                }
+                release(&self.peer, ids);
             }
         }
     }
+}
+
+fn release(peer: &Peer, leases: Vec<u64>) {
+    // A failed send means the sender is gone, and with it the leases.
+    let _ = peer.link.send(&Frame::Release { leases }, &[]);
 }
 
 /// Blocking-sync events for pending releases, reused: creating one per release costs more than
@@ -79,10 +84,15 @@ fn release_event(stream: &Stream) -> ipc_core::Result<Event> {
     Ok(event)
 }
 
-/// A lease to return once its event completes.
-type PendingRelease = (Arc<Peer>, u64, Event);
+/// Leases to return once their events complete.
+struct PendingRelease {
+    peer: Arc<Peer>,
+    ids: Vec<u64>,
+    events: Vec<Event>,
+}
 
-/// The process's release thread: waits for each event, returns the lease, and pools the event.
+/// The process's release thread: waits for the events of what is pending, returns the leases
+/// (one frame per sender for everything that became ready together), and pools the events.
 fn releaser() -> mpsc::Sender<PendingRelease> {
     static RELEASER: OnceLock<Mutex<mpsc::Sender<PendingRelease>>> = OnceLock::new();
     lock(RELEASER.get_or_init(|| {
@@ -90,12 +100,25 @@ fn releaser() -> mpsc::Sender<PendingRelease> {
         std::thread::Builder::new()
             .name("tq-releaser".into())
             .spawn(move || {
-                for (peer, id, event) in rx {
-                    if let Err(error) = event.synchronize() {
-                        tracing::warn!(%error, "waiting for a release event failed");
+                while let Ok(first) = rx.recv() {
+                    // While this thread slept on one event, more releases may have queued up;
+                    // they are usually complete by the time it wakes, so they cost no more sleeps.
+                    let mut frames: Vec<(Arc<Peer>, Vec<u64>)> = Vec::new();
+                    for pending in std::iter::once(first).chain(rx.try_iter()) {
+                        for event in &pending.events {
+                            if let Err(error) = event.synchronize() {
+                                tracing::warn!(%error, "waiting for a release event failed");
+                            }
+                        }
+                        match frames.iter_mut().find(|(peer, _)| Arc::ptr_eq(peer, &pending.peer)) {
+                            Some((_, ids)) => ids.extend(pending.ids),
+                            None => frames.push((pending.peer, pending.ids)),
+                        }
+                        lock(&RELEASE_EVENTS).extend(pending.events);
                     }
-                    let _ = peer.link.send(&Frame::Release { leases: vec![id] }, &[]);
-                    lock(&RELEASE_EVENTS).push(event);
+                    for (peer, ids) in frames {
+                        release(&peer, ids);
+                    }
                 }
             })
             .expect("spawning the release thread");
@@ -229,6 +252,8 @@ pub struct Receiver<T> {
     errors: Vec<String>,
     /// Whether any sender ever said hello.
     joined: bool,
+    /// How long `recv` polls without sleeping before it blocks (zero: it blocks at once).
+    spin: Duration,
     buf: Vec<u8>,
     _message: PhantomData<fn() -> T>,
 }
@@ -264,6 +289,7 @@ impl<T: DeserializeOwned> Receiver<T> {
             capacity: capacity.max(1),
             errors: Vec::new(),
             joined: false,
+            spin: Duration::ZERO,
             buf: vec![0; MAX_FRAME],
             _message: PhantomData,
         }
@@ -272,6 +298,16 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// Where senders connect, for a bound receiver.
     pub fn path(&self) -> Option<&Path> {
         self.acceptor.as_ref().map(|acceptor| acceptor.path.as_path())
+    }
+
+    /// Makes `recv` poll its sockets without sleeping for up to `spin` before it blocks.
+    ///
+    /// A blocked `recv` is woken by the kernel, which costs a few microseconds per message (the
+    /// socket floor in `BENCHMARKS.md`); spinning takes that off the hand-off's latency at the
+    /// price of a busy CPU core while waiting, as iceoryx2's busy-wait mode does. Zero (the
+    /// default) never spins.
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
     }
 
     /// Waits for the next message.
@@ -306,6 +342,9 @@ impl<T: DeserializeOwned> Receiver<T> {
                     continue;
                 }
                 return Err(Error::Disconnected);
+            }
+            if !self.spin.is_zero() && timeout != Some(Duration::ZERO) && self.spin_until_readable(deadline)? {
+                continue;
             }
             let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if !self.pump(wait)? {
@@ -357,6 +396,22 @@ impl<T: DeserializeOwned> Receiver<T> {
             events: HashMap::new(),
             taken: 0,
         });
+    }
+
+    /// Polls without sleeping for up to the spin time (or until `deadline`); whether anything
+    /// was readable.
+    fn spin_until_readable(&mut self, deadline: Option<Instant>) -> Result<bool> {
+        let start = Instant::now();
+        let until = deadline.map_or(start + self.spin, |d| d.min(start + self.spin));
+        loop {
+            if self.pump(Some(Duration::ZERO))? {
+                return Ok(true);
+            }
+            if Instant::now() >= until {
+                return Ok(false);
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// Waits up to `wait` (forever with `None`) for sockets to become readable and reads one frame
@@ -441,11 +496,20 @@ impl<T: DeserializeOwned> Receiver<T> {
             }
             Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
                 let mut waited = Vec::new(); // one stream wait per event and stream, not per tensor
-                let tensors = tensors
+                let placed = tensors
                     .iter()
                     .enumerate()
-                    .map(|(index, desc)| receive_tensor(connected, &self.devices, index, desc, &mut waited))
+                    .map(|(index, desc)| place_tensor(connected, &self.devices, index, desc, &mut waited))
                     .collect::<Result<Vec<_>>>()?;
+                let mut streams: Vec<Arc<Stream>> = Vec::new();
+                for stream in placed.iter().filter_map(|p| p.stream.as_ref()) {
+                    if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
+                        streams.push(stream.clone());
+                    }
+                }
+                let ids = tensors.iter().map(|desc| desc.lease).collect();
+                let lease = Arc::new(ReceivedLease { peer: connected.peer.clone(), ids, streams });
+                let tensors = placed.into_iter().zip(&tensors).map(|(p, desc)| p.into_tensor(desc, &lease)).collect();
                 let info = MessageInfo {
                     sender_pid: connected.peer.link.peer_pid,
                     seq,
@@ -501,13 +565,38 @@ fn import_chunk(
     Chunk::with_id(id, memory)
 }
 
-fn receive_tensor(
+/// A validated tensor descriptor: its chunk, and the stream its first use is ordered on.
+struct Placed {
+    chunk: Arc<Chunk>,
+    path: TransferPath,
+    stream: Option<Arc<Stream>>,
+}
+
+impl Placed {
+    fn into_tensor(self, desc: &TensorDesc, lease: &Arc<ReceivedLease>) -> Tensor {
+        let storage =
+            Storage::received(self.chunk, desc.storage_offset as usize, desc.storage_len as usize, lease.clone());
+        Tensor::from_parts(
+            Arc::new(storage),
+            desc.dtype,
+            desc.shape.clone(),
+            desc.strides.clone(),
+            desc.view_offset as usize,
+            self.path,
+            self.stream,
+        )
+    }
+}
+
+/// Checks a descriptor against the connection's chunks and events, and orders the tensor's first
+/// use on the receiver's stream after the producer's work.
+fn place_tensor(
     connected: &Connected,
     devices: &Devices,
     index: usize,
     desc: &TensorDesc,
     waited: &mut Vec<(u32, usize)>,
-) -> Result<Tensor> {
+) -> Result<Placed> {
     let pid = connected.peer.link.peer_pid;
     let bad = |reason: String| Error::Frame { pid, source: FrameError::OutOfBounds { index, reason } };
     let chunk =
@@ -535,17 +624,7 @@ fn receive_tensor(
             waited.push(key);
         }
     }
-    let lease = ReceivedLease { peer: connected.peer.clone(), id: desc.lease, stream: stream.clone() };
-    let storage = Storage::received(chunk, desc.storage_offset as usize, desc.storage_len as usize, lease);
-    Ok(Tensor::from_parts(
-        Arc::new(storage),
-        desc.dtype,
-        desc.shape.clone(),
-        desc.strides.clone(),
-        desc.view_offset as usize,
-        path,
-        stream,
-    ))
+    Ok(Placed { chunk, path, stream })
 }
 
 fn chunk_uuid(chunk: &Chunk) -> Result<Uuid> {

@@ -10,14 +10,22 @@
 //! - `echo --reply P`: answer each `BenchItem` once its tensors are usable on the stream (round trips);
 //! - `usable --reply P`: answer each `BenchItem` once its tensors are usable, synchronising the
 //!   stream first (the data is on the GPU and the GPU's work is done: broadcast, set-up);
-//! - `drain --reply P --count N`: take `N` items, synchronise each, and answer once with every
-//!   send-to-usable latency (streaming).
+//! - `drain --reply P --count N [--no-read]`: a pipelined consumer: make each item usable, queue a
+//!   read of it on the GPU and an event after it, and go on to the next; a watcher thread notes
+//!   when each event completes, and one answer with every (sent, read) pair goes back at the end.
+//!
+//! The benchmark roles also take `--spin-us U` (spin before sleeping in `recv`), `--capacity C`,
+//! and `--listen PATH` (bind a receiver there for new channels instead of using the parent's,
+//! answering `u64::MAX` once it listens).
 
 use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::queue::{BenchAck, BenchItem, Probe, Report, SoakItem, checksum, probe};
-use ipc_core::{Context, DeviceBuffer, DeviceMemory, Stream};
-use kernels::Kernels;
-use tensor_queue::{Error, Sender, from_parent, monotonic_ns};
+use std::sync::{Arc, mpsc};
+use std::time::Duration;
+
+use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream};
+use kernels::{Kernels, reference};
+use tensor_queue::{DEFAULT_CAPACITY, Error, Receiver, Sender, from_parent, from_parent_with_capacity, monotonic_ns};
 
 fn main() {
     if let Err(error) = run() {
@@ -45,11 +53,7 @@ fn run() -> Result<()> {
             send_probes(&to, count, seed, args.iter().any(|a| a == "--gpu"), args.iter().any(|a| a == "--die"))
         }
         "soak" => soak(),
-        "echo" | "usable" | "drain" => {
-            let reply = arg(&args, "--reply").context("--reply <path>")?;
-            let count: u64 = arg(&args, "--count").unwrap_or("0".into()).parse()?;
-            bench_peer(role, &reply, count)
-        }
+        "echo" | "usable" | "drain" => bench_peer(role, &args),
         other => bail!("unknown role {other}"),
     }
 }
@@ -130,21 +134,40 @@ fn soak() -> Result<()> {
     Ok(())
 }
 
-fn bench_peer(role: &str, reply: &str, count: u64) -> Result<()> {
-    // Ready before anything arrives: context and stream made, as a serving process would be.
-    if cuda_sys::is_available() {
-        Context::on_ordinal(0)?;
-    }
-    let mut items = from_parent::<BenchItem>()?;
+fn bench_peer(role: &str, args: &[String]) -> Result<()> {
+    let reply = arg(args, "--reply").context("--reply <path>")?;
+    let number = |name: &str, default: u64| -> Result<u64> {
+        arg(args, name).map_or(Ok(default), |v| v.parse().with_context(|| format!("{name} {v}")))
+    };
+    let capacity = number("--capacity", u64::from(DEFAULT_CAPACITY))? as u32;
+    // Ready before anything arrives: context, stream and kernels made, as a serving process would
+    // be. The context is held for the whole run: dropping its last handle would destroy it.
+    let context = if cuda_sys::is_available() { Some(Context::on_ordinal(0)?) } else { None };
     let acks = Sender::<BenchAck>::connect(reply)?;
-    let mut latencies = Vec::new();
+    let mut items = match arg(args, "--listen") {
+        Some(path) => {
+            let items = Receiver::<BenchItem>::bind_with_capacity(path, capacity)?;
+            acks.send(&BenchAck { id: u64::MAX, ..Default::default() })?;
+            items
+        }
+        None => from_parent_with_capacity::<BenchItem>(capacity)?,
+    };
+    items.set_spin(Duration::from_micros(number("--spin-us", 0)?));
+    if let Some(context) = &context {
+        items.stream(&context.device().uuid()?)?;
+        Kernels::get(context)?;
+    }
+    if role == "drain" {
+        let read = !args.iter().any(|a| a == "--no-read");
+        return drain(items, &acks, number("--count", 0)?, context.as_ref(), read);
+    }
     loop {
         let (item, info) = match items.recv_with_info(None) {
             Ok(received) => received,
             Err(Error::Disconnected) => return Ok(()),
             Err(error) => return Err(error.into()),
         };
-        if role != "echo" {
+        if role == "usable" {
             for tensor in &item.tensors {
                 if let Some(stream) = tensor.stream() {
                     stream.synchronize()?;
@@ -152,12 +175,73 @@ fn bench_peer(role: &str, reply: &str, count: u64) -> Result<()> {
             }
         }
         let usable_ns = monotonic_ns();
-        if role == "drain" {
-            latencies.push(usable_ns - info.sent_ns);
-            if (latencies.len() as u64) < count {
-                continue;
-            }
-        }
-        acks.send(&BenchAck { id: item.id, latencies: std::mem::take(&mut latencies), usable_ns })?;
+        let stages_ns = vec![info.sent_ns, info.encoded_ns, info.arrived_ns, info.imported_ns, info.decoded_ns];
+        acks.send(&BenchAck { id: item.id, usable_ns, stages_ns, ..Default::default() })?;
     }
+}
+
+/// The streaming consumer: `count` items, each made usable and read on the GPU (or summed on the
+/// CPU for host tensors) without waiting; a watcher thread stamps when each read is done.
+fn drain(
+    mut items: Receiver<BenchItem>,
+    acks: &Sender<BenchAck>,
+    count: u64,
+    context: Option<&Arc<Context>>,
+    read: bool,
+) -> Result<()> {
+    let gpu = match context {
+        Some(context) => {
+            let stream = items.stream(&context.device().uuid()?)?;
+            let counter = DeviceBuffer::alloc(context, 8)?;
+            Some((context.clone(), stream, Kernels::get(context)?, counter))
+        }
+        None => None,
+    };
+    let (done, watched) = mpsc::channel::<(u64, Option<Event>)>();
+    let (recycle, recycled) = mpsc::channel::<Event>();
+    let watcher = std::thread::spawn(move || -> Result<Vec<(u64, u64)>> {
+        let mut completions = Vec::new();
+        for (sent_ns, event) in watched {
+            if let Some(event) = event {
+                event.synchronize()?;
+                let _ = recycle.send(event);
+            }
+            completions.push((sent_ns, monotonic_ns()));
+        }
+        Ok(completions)
+    });
+    let mut host_sum = 0u64;
+    for _ in 0..count {
+        let (item, info) = items.recv_with_info(None)?;
+        let event = match &gpu {
+            Some((context, stream, kernels, counter)) => {
+                if read {
+                    for tensor in &item.tensors {
+                        kernels.read(&tensor.cuda_view()?, 0, tensor.nbytes(), counter, stream)?;
+                    }
+                }
+                let event = match recycled.try_recv() {
+                    Ok(event) => event,
+                    Err(_) => Event::new(context)?,
+                };
+                event.record(stream)?;
+                Some(event)
+            }
+            None => {
+                for tensor in item.tensors.iter().filter(|_| read) {
+                    host_sum = host_sum.wrapping_add(reference::word_sum(tensor.as_slice::<u8>()?));
+                }
+                None
+            }
+        };
+        done.send((info.sent_ns, event))?;
+    }
+    drop(done);
+    let completions = watcher.join().map_err(|_| anyhow::anyhow!("the watcher panicked"))??;
+    let usable_ns = completions.last().map_or(0, |&(_, at)| at);
+    std::hint::black_box(host_sum);
+    acks.send(&BenchAck { id: count, usable_ns, completions, ..Default::default() })?;
+    // Stay until the producer hangs up, so its last leases come back through a live peer.
+    while !matches!(items.recv(), Err(Error::Disconnected)) {}
+    Ok(())
 }
