@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cuda_sys::{CUresult, CUstream, driver};
 
-use crate::{Context, Event, Result};
+use crate::{Context, DeviceMemory, Error, Event, Result};
 
 /// A non-blocking stream (it does not synchronise with the legacy default stream).
 #[derive(Debug)]
@@ -47,6 +47,27 @@ impl Stream {
         Ok(())
     }
 
+    /// Writes `value` to the 64-bit word at `offset` in `memory` once the work queued so far is
+    /// done, after a memory fence (that work's writes are visible first).
+    pub fn write_value64(&self, memory: &dyn DeviceMemory, offset: usize, value: u64) -> Result<()> {
+        let address = word_address(memory, offset)?;
+        self.context.bind()?;
+        // SAFETY: `address` is an aligned word inside a live allocation; the stream is live.
+        unsafe { driver!(cuStreamWriteValue64_v2(self.raw, address, value, 0)) }?;
+        Ok(())
+    }
+
+    /// Makes later work on this stream wait until the 64-bit word at `offset` in `memory` has
+    /// reached `value` (`(int64_t)(word - value) >= 0`), without blocking the CPU.
+    pub fn wait_value64(&self, memory: &dyn DeviceMemory, offset: usize, value: u64) -> Result<()> {
+        let address = word_address(memory, offset)?;
+        self.context.bind()?;
+        let geq = cuda_sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ.0;
+        // SAFETY: `address` is an aligned word inside a live allocation; the stream is live.
+        unsafe { driver!(cuStreamWaitValue64_v2(self.raw, address, value, geq)) }?;
+        Ok(())
+    }
+
     /// Makes later work on this stream wait for `event`, without blocking the CPU.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         self.context.bind()?;
@@ -65,6 +86,18 @@ impl Stream {
             code => Err(cuda_sys::Error::from(cuda_sys::DriverError::new("cuStreamQuery", code)).into()),
         }
     }
+}
+
+/// The device address of the aligned 64-bit word at `offset` in `memory`.
+fn word_address(memory: &dyn DeviceMemory, offset: usize) -> Result<u64> {
+    if offset.checked_add(8).is_none_or(|end| end > memory.len()) {
+        return Err(Error::OutOfBounds { offset, count: 8, len: memory.len() });
+    }
+    let address = memory.device_ptr() + offset as u64;
+    if !address.is_multiple_of(8) {
+        return Err(Error::InvalidArgument(format!("a 64-bit stream word at {address:#x} is not 8-byte aligned")));
+    }
+    Ok(address)
 }
 
 impl Drop for Stream {

@@ -31,6 +31,7 @@ pub mod channel;
 mod dtype;
 mod error;
 mod side_table;
+mod signal;
 mod tensor;
 pub mod wire;
 

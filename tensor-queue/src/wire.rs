@@ -12,7 +12,11 @@ use crate::DType;
 /// Frame magic.
 pub const MAGIC: [u8; 4] = *b"TQF1";
 /// Protocol version; a peer with another version is refused at the handshake.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+
+const FENCE_NONE: u8 = 0;
+const FENCE_EVENT: u8 = 1;
+const FENCE_SIGNAL: u8 = 2;
 /// The largest frame: SEQPACKET messages must fit the socket buffer.
 pub const MAX_FRAME: usize = 128 << 10;
 /// The most tensors in one message.
@@ -109,12 +113,30 @@ pub struct TensorDesc {
     pub view_offset: u64,
     /// Element type.
     pub dtype: DType,
-    /// The interprocess event that marks the producer's work, for GPU tensors.
-    pub event: Option<u32>,
+    /// What the receiver's stream waits for before the tensor's first use.
+    pub fence: Fence,
     /// Sizes.
     pub shape: Vec<u64>,
     /// Strides in elements.
     pub strides: Vec<i64>,
+}
+
+/// How a receiver orders its first use of a GPU tensor after the producer's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fence {
+    /// Nothing to wait for: a host tensor, or the sender synchronised its device.
+    None,
+    /// An interprocess event the sender announced (devices without stream memory operations).
+    Event(u32),
+    /// The 64-bit word at `offset` in chunk `chunk` reaching `value` (`cuStreamWaitValue64`).
+    Signal {
+        /// The chunk holding the word (announced like any chunk).
+        chunk: u64,
+        /// The word's offset in the chunk.
+        offset: u64,
+        /// The value that marks the producer's work as done.
+        value: u64,
+    },
 }
 
 /// Everything that crosses a connection.
@@ -296,7 +318,19 @@ impl Frame {
                     w.u64(t.view_offset);
                     w.u8(t.dtype as u8);
                     w.u8(t.shape.len() as u8);
-                    w.u32(t.event.unwrap_or(u32::MAX));
+                    match t.fence {
+                        Fence::None => w.u8(FENCE_NONE),
+                        Fence::Event(id) => {
+                            w.u8(FENCE_EVENT);
+                            w.u32(id);
+                        }
+                        Fence::Signal { chunk, offset, value } => {
+                            w.u8(FENCE_SIGNAL);
+                            w.u64(chunk);
+                            w.u64(offset);
+                            w.u64(value);
+                        }
+                    }
                     t.shape.iter().for_each(|&s| w.u64(s));
                     t.strides.iter().for_each(|&s| w.u64(s as u64));
                 }
@@ -400,9 +434,11 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
     if ndim > MAX_DIMS {
         return Err(FrameError::TooMany { what: "dimensions", count: ndim, max: MAX_DIMS });
     }
-    let event = match r.u32()? {
-        u32::MAX => None,
-        id => Some(id),
+    let fence = match r.u8()? {
+        FENCE_NONE => Fence::None,
+        FENCE_EVENT => Fence::Event(r.u32()?),
+        FENCE_SIGNAL => Fence::Signal { chunk: r.u64()?, offset: r.u64()?, value: r.u64()? },
+        other => return Err(FrameError::OutOfBounds { index, reason: format!("unknown fence kind {other}") }),
     };
     let shape = (0..ndim).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
     let strides = (0..ndim).map(|_| r.u64().map(|s| s as i64)).collect::<Result<Vec<_>, _>>()?;
@@ -419,7 +455,7 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
             "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside a {storage_len}-byte storage"
         )));
     }
-    Ok(TensorDesc { lease, chunk, storage_offset, storage_len, view_offset, dtype, event, shape, strides })
+    Ok(TensorDesc { lease, chunk, storage_offset, storage_len, view_offset, dtype, fence, shape, strides })
 }
 
 #[cfg(test)]
@@ -440,7 +476,7 @@ mod tests {
                 storage_len: 48,
                 view_offset: 0,
                 dtype: DType::F32,
-                event: Some(2),
+                fence: Fence::Signal { chunk: 1, offset: 64, value: 5 },
                 shape: vec![3, 4],
                 strides: vec![4, 1],
             }],
@@ -482,8 +518,8 @@ mod tests {
         bad[0] = b'X';
         assert!(matches!(Frame::decode(&bad), Err(FrameError::BadMagic(_))));
         let mut bad = good.clone();
-        bad[4] = 2;
-        assert_eq!(Frame::decode(&bad), Err(FrameError::Version(2)));
+        bad[4] = 1; // a peer of the previous protocol
+        assert_eq!(Frame::decode(&bad), Err(FrameError::Version(1)));
         let view_too_big = |shape: Vec<u64>, strides: Vec<i64>, view_offset: u64| {
             let Frame::Message { seq, sent_ns, encoded_ns, mut tensors, payload } = message() else { unreachable!() };
             tensors[0].shape = shape;

@@ -118,8 +118,9 @@ pub struct BenchAck {
     pub id: u64,
     /// `CLOCK_MONOTONIC` when the answerer had the data usable.
     pub usable_ns: u64,
-    /// Streaming: per item, when it was sent and when the consumer's read of it was done.
-    pub completions: Vec<(u64, u64)>,
+    /// Streaming: a host tensor of `[items, 2]` i64: per item, when it was sent and when the
+    /// consumer's read of it was done (too big for a frame, as bulk data should be).
+    pub completions: Option<Tensor>,
     /// The item's [`tensor_queue::MessageInfo`] stamps: sent, encoded, arrived, imported, decoded.
     pub stages_ns: Vec<u64>,
 }

@@ -17,6 +17,7 @@ fn main() {
         GpuTest { name: "gpu_tensors_cross_zero_copy_and_leases_return", gpus: 1, run: gpu_tensors_cross_zero_copy },
         GpuTest { name: "user_buffers_cross_by_legacy_handle_and_never_go_stale", gpus: 1, run: user_buffers },
         GpuTest { name: "seed_matmul_example_is_ordered", gpus: 1, run: seed_example_is_ordered },
+        GpuTest { name: "seed_matmul_example_is_ordered_by_events_too", gpus: 1, run: seed_example_ordered_by_events },
         GpuTest { name: "seed_matmul_example_fails_without_ordering", gpus: 1, run: seed_example_fails_unordered },
         GpuTest { name: "killed_receiver_returns_gpu_leases", gpus: 1, run: killed_receiver_returns_leases },
         GpuTest { name: "killed_sender_leaves_received_gpu_tensors_valid", gpus: 1, run: killed_sender },
@@ -101,6 +102,13 @@ fn run_example(name: &str, env: &[(&str, &str)]) -> Result<(bool, String)> {
 fn seed_example_is_ordered() -> Result<()> {
     let (ok, text) = run_example("seed_matmul", &[])?;
     ensure!(ok && text.contains("matches the reference") && text.contains("CudaVmm"), "{text}");
+    Ok(())
+}
+
+/// The fallback for devices without stream memory operations: interprocess events.
+fn seed_example_ordered_by_events() -> Result<()> {
+    let (ok, text) = run_example("seed_matmul", &[(tensor_queue::channel::FORCE_EVENTS_ENV, "1")])?;
+    ensure!(ok && text.contains("matches the reference"), "{text}");
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Frame, TensorDesc};
+use tensor_queue::wire::{ChunkKind, Fence, Frame, TensorDesc};
 use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
@@ -204,7 +204,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
         storage_len: 64,
         view_offset: 0,
         dtype: DType::U8,
-        event: None,
+        fence: Fence::None,
         shape: vec![64],
         strides: vec![1],
     };

@@ -3,14 +3,16 @@
 //! # The hand-off
 //! 1. `send` serialises the message; tensors go to the side table. A chunk the peer has not seen
 //!    is announced first, with its descriptor (once per chunk and peer).
-//! 2. For GPU tensors sent with [`Sender::send_on`], an interprocess event is recorded on the
-//!    producer's stream; its handle was announced once, when the event was made.
+//! 2. For GPU tensors sent with [`Sender::send_on`], the producer's stream gets a fence after
+//!    its work: the write of the next value of its signal word (see `signal.rs`), or, where the
+//!    device lacks stream memory operations, the record of a pooled interprocess event (its handle
+//!    announced once, when it was made).
 //! 3. The message frame carries one descriptor per tensor: (lease, chunk, offset, length, dtype,
-//!    shape, strides, event). The sender keeps the storage alive under that lease.
+//!    shape, strides, fence). The sender keeps the storage alive under that lease.
 //! 4. The receiver (in the thread that calls `recv`, with no hand-off to another thread) validates
-//!    the frame, maps nothing new (chunks are cached), and queues `cuStreamWaitEvent` on its stream
-//!    for the device: the consumer's first use is ordered after the producer's work, and neither
-//!    CPU waits.
+//!    the frame, maps nothing new (chunks are cached), and queues the fence's wait on its stream
+//!    for the device (`cuStreamWaitValue64` or `cuStreamWaitEvent`): the consumer's first use is
+//!    ordered after the producer's work, and neither CPU waits.
 //! 5. A message's tensors share one receiver-side lease: when the last view of any of them drops,
 //!    one release frame returns them all, once the receiver's GPU work on them is done: at once
 //!    if its streams are idle (the common case), else when pooled events recorded on those
@@ -19,15 +21,16 @@
 //!    message holds the others' memory in the sender: the price of one frame per message
 //!    instead of one per tensor.
 //!
-//! # Why interprocess events
-//! Measured on an H200 (`primitive-costs` in the GPU bundle, five runs): waiting on an imported
-//! interprocess event that is already complete, plus `cuStreamSynchronize`, costs 6.4-6.6 us p50
-//! and 12-16 us p99, and `cuEventRecord` 0.8 us; the wait itself is an asynchronous enqueue. `GPU.md`
-//! reported 141 us for the same wait, which was not reproduced here. A wait on a stream memory
-//! flag (7-8 us in `GPU.md`) needs a shared flag per message and a write kernel-side, and a
-//! completion wait on the sender's side stalls its CPU. Events are exported once and reused from a
-//! pool: an event returns to the pool only when every lease of its message is released, which is
-//! after the receiver queued its wait, so a re-record can never be waited on by mistake.
+//! # Why signal words, not interprocess events
+//! On an H200 a receiver's stream took 140-580 us to get past a wait on an imported interprocess
+//! event that was already complete (the set-up breakdown and the warm broadcast in `tq-bench`;
+//! `GPU.md` measured 141 us), while `primitive-costs` saw 6 us in a quieter set-up. A stream
+//! wait on a 64-bit word in shared device memory costs 7 us (`GPU.md`), needs no per-message
+//! handle, and its enqueue costs about what `cuEventRecord` does. Events remain the fallback:
+//! they are exported once and reused from a pool; an event returns to the pool when a credit
+//! says the receiver took its message, which is after the receiver queued its wait
+//! (`cuStreamWaitEvent` waits for the record current at the call), so a re-record can never be
+//! waited on by mistake, and the pool never outgrows the capacity.
 //!
 //! # Waiting
 //! `recv` sleeps in `poll` and the kernel wakes it: a few microseconds per hand-off. With
@@ -69,6 +72,15 @@ pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
 /// Test-only: when set to `1`, receivers skip the stream wait, so tests can prove that the
 /// ordering they check is real (the seed test must fail with it).
 pub const SKIP_ORDERING_ENV: &str = "TENSOR_QUEUE_TEST_SKIP_ORDERING";
+
+/// Test-only: when set to `1`, senders order GPU hand-offs with interprocess events even where
+/// stream memory operations work, so tests can cover the fallback on any machine.
+pub const FORCE_EVENTS_ENV: &str = "TENSOR_QUEUE_TEST_FORCE_EVENTS";
+
+pub(crate) fn force_events() -> bool {
+    static FORCE: OnceLock<bool> = OnceLock::new();
+    *FORCE.get_or_init(|| std::env::var(FORCE_EVENTS_ENV).as_deref() == Ok("1"))
+}
 
 fn skip_ordering() -> bool {
     static SKIP: OnceLock<bool> = OnceLock::new();

@@ -1,6 +1,6 @@
 //! The sending end: leases, credits, chunk and event announcements.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
@@ -11,8 +11,9 @@ use serde::Serialize;
 
 use super::{Link, lock, monotonic_ns};
 use crate::arena::{Chunk, RetireListener, Shared};
+use crate::signal::signal_after;
 use crate::tensor::Storage;
-use crate::wire::{ChunkKind, Frame, MAX_FRAME, TensorDesc};
+use crate::wire::{ChunkKind, Fence, Frame, MAX_FRAME, TensorDesc};
 use crate::{Error, Result, Tensor, side_table};
 
 /// An interprocess event of one connection, exported once.
@@ -24,7 +25,6 @@ struct EventSlot {
 /// What the sender keeps for one hand-off until the receiver releases it.
 struct Lease {
     storage: Arc<Storage>,
-    event: Option<Arc<EventSlot>>,
 }
 
 #[derive(Default)]
@@ -33,6 +33,10 @@ struct SenderState {
     announced: HashSet<u64>,
     leases: HashMap<u64, Lease>,
     free_events: Vec<EventSlot>,
+    /// Per message sent and not yet covered by a credit, oldest first: its event, if it has one.
+    /// A credit means the receiver took the message and so already queued its wait on the
+    /// event; only then may the event be recorded again. The pool thus stays within the capacity.
+    untaken: VecDeque<Option<EventSlot>>,
     next_event: u32,
     next_lease: u64,
     seq: u64,
@@ -71,7 +75,7 @@ impl<T: Serialize> Sender<T> {
         Sender::from_connection(Connection::connect(path)?)
     }
 
-    /// A sender over an already connected socket (see [`spawn`]).
+    /// A sender over an already connected socket (see [`spawn`](super::spawn)).
     pub fn from_connection(connection: Connection) -> Result<Sender<T>> {
         let link = Link::new(connection)?;
         link.hello(0)?;
@@ -118,13 +122,13 @@ impl<T: Serialize> Sender<T> {
             return Err(Error::Disconnected);
         }
         let has_device = tensors.iter().any(|t| t.storage.chunk.device().is_some());
-        let event = match (has_device, stream) {
-            (true, Some(stream)) => Some(Arc::new(inner.event_for(&mut state, stream)?)),
+        let (fence, event) = match (has_device, stream) {
+            (true, Some(stream)) => inner.fence(&mut state, &tensors, stream)?,
             (true, None) => {
                 synchronize_devices(&tensors)?;
-                None
+                (Fence::None, None)
             }
-            (false, _) => None,
+            (false, _) => (Fence::None, None),
         };
         let mut descriptors = Vec::with_capacity(tensors.len());
         for tensor in &tensors {
@@ -140,12 +144,11 @@ impl<T: Serialize> Sender<T> {
                 storage_len: storage.len as u64,
                 view_offset: tensor.offset() as u64,
                 dtype: tensor.dtype(),
-                event: event.as_ref().filter(|_| on_device).map(|slot| slot.id),
+                fence: if on_device { fence } else { Fence::None },
                 shape: tensor.shape().to_vec(),
                 strides: tensor.strides().to_vec(),
             });
-            let event = event.clone().filter(|_| on_device);
-            state.leases.insert(lease, Lease { storage: storage.clone(), event });
+            state.leases.insert(lease, Lease { storage: storage.clone() });
         }
         state.seq += 1;
         let frame =
@@ -155,8 +158,10 @@ impl<T: Serialize> Sender<T> {
             for desc in tensors {
                 state.leases.remove(&desc.lease);
             }
+            state.free_events.extend(event);
             return Err(error);
         }
+        state.untaken.push_back(event);
         state.credits -= 1;
         Ok(())
     }
@@ -216,6 +221,26 @@ impl SenderInner {
         Ok(())
     }
 
+    /// Marks the end of the work queued on `stream` so far for the receiver: a signal word where
+    /// the device supports it and every GPU tensor is on the stream's device, else an event.
+    fn fence(
+        &self,
+        state: &mut SenderState,
+        tensors: &[Tensor],
+        stream: &Stream,
+    ) -> Result<(Fence, Option<EventSlot>)> {
+        let ordinal = stream.context().device().ordinal();
+        let same_device =
+            tensors.iter().filter_map(|t| t.storage.chunk.device()).all(|m| m.context().device().ordinal() == ordinal);
+        if same_device && let Some(signal) = signal_after(stream)? {
+            self.announce(state, &signal.chunk)?;
+            let fence = Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value };
+            return Ok((fence, None));
+        }
+        let slot = self.event_for(state, stream)?;
+        Ok((Fence::Event(slot.id), Some(slot)))
+    }
+
     /// A pooled interprocess event, recorded on `stream`.
     fn event_for(&self, state: &mut SenderState, stream: &Stream) -> Result<EventSlot> {
         let slot = match state.free_events.pop() {
@@ -268,15 +293,16 @@ impl SenderInner {
             let mut state = lock(&self.state);
             match frame {
                 Frame::Release { leases } => {
-                    for id in leases {
-                        let Some(lease) = state.leases.remove(&id) else { continue };
-                        if let Some(slot) = lease.event.and_then(|slot| Arc::try_unwrap(slot).ok()) {
+                    released.extend(leases.iter().filter_map(|id| state.leases.remove(id)).map(|l| l.storage));
+                }
+                Frame::Credit { count } => {
+                    state.credits = state.credits.saturating_add(count);
+                    for _ in 0..count {
+                        if let Some(Some(slot)) = state.untaken.pop_front() {
                             state.free_events.push(slot);
                         }
-                        released.push(lease.storage);
                     }
                 }
-                Frame::Credit { count } => state.credits = state.credits.saturating_add(count),
                 other => {
                     tracing::warn!(?other, "unexpected frame from a receiver; closing");
                     break;

@@ -10,9 +10,10 @@
 //! - `echo --reply P`: answer each `BenchItem` once its tensors are usable on the stream (round trips);
 //! - `usable --reply P`: answer each `BenchItem` once its tensors are usable, synchronising the
 //!   stream first (the data is on the GPU and the GPU's work is done: broadcast, set-up);
-//! - `drain --reply P --count N [--no-read]`: a pipelined consumer: make each item usable, queue a
-//!   read of it on the GPU and an event after it, and go on to the next; a watcher thread notes
-//!   when each event completes, and one answer with every (sent, read) pair goes back at the end.
+//! - `drain --reply P --count N [--no-read] [--in-flight K]`: a pipelined consumer: make each item
+//!   usable, queue a read of it on the GPU and an event after it, and go on to the next, with at
+//!   most K (default 4) reads queued; a watcher thread notes when each event completes, and one
+//!   answer with every (sent, read) pair goes back at the end.
 //!
 //! The benchmark roles also take `--spin-us U` (spin before sleeping in `recv`), `--capacity C`,
 //! and `--listen PATH` (bind a receiver there for new channels instead of using the parent's,
@@ -25,7 +26,9 @@ use std::time::Duration;
 
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream};
 use kernels::{Kernels, reference};
-use tensor_queue::{DEFAULT_CAPACITY, Error, Receiver, Sender, from_parent, from_parent_with_capacity, monotonic_ns};
+use tensor_queue::{
+    DEFAULT_CAPACITY, DType, Error, Receiver, Sender, Tensor, from_parent, from_parent_with_capacity, monotonic_ns,
+};
 
 fn main() {
     if let Err(error) = run() {
@@ -159,7 +162,8 @@ fn bench_peer(role: &str, args: &[String]) -> Result<()> {
     }
     if role == "drain" {
         let read = !args.iter().any(|a| a == "--no-read");
-        return drain(items, &acks, number("--count", 0)?, context.as_ref(), read);
+        let limit = number("--in-flight", 4)?.max(1) as usize;
+        return drain(items, &acks, number("--count", 0)?, context.as_ref(), read, limit);
     }
     loop {
         let (item, info) = match items.recv_with_info(None) {
@@ -188,6 +192,7 @@ fn drain(
     count: u64,
     context: Option<&Arc<Context>>,
     read: bool,
+    limit: usize,
 ) -> Result<()> {
     let gpu = match context {
         Some(context) => {
@@ -211,6 +216,7 @@ fn drain(
         Ok(completions)
     });
     let mut host_sum = 0u64;
+    let mut events = 0;
     for _ in 0..count {
         let (item, info) = items.recv_with_info(None)?;
         let event = match &gpu {
@@ -220,9 +226,15 @@ fn drain(
                         kernels.read(&tensor.cuda_view()?, 0, tensor.nbytes(), counter, stream)?;
                     }
                 }
+                // At most `limit` events, so at most `limit` reads queued on the GPU: a bounded
+                // queue keeps latency bounded.
                 let event = match recycled.try_recv() {
                     Ok(event) => event,
-                    Err(_) => Event::new(context)?,
+                    Err(_) if events < limit => {
+                        events += 1;
+                        Event::new(context)?
+                    }
+                    Err(_) => recycled.recv()?,
                 };
                 event.record(stream)?;
                 Some(event)
@@ -240,6 +252,8 @@ fn drain(
     let completions = watcher.join().map_err(|_| anyhow::anyhow!("the watcher panicked"))??;
     let usable_ns = completions.last().map_or(0, |&(_, at)| at);
     std::hint::black_box(host_sum);
+    let flat: Vec<i64> = completions.iter().flat_map(|&(sent, done)| [sent as i64, done as i64]).collect();
+    let completions = Some(Tensor::from_slice(&flat, DType::I64, &[completions.len() as u64, 2])?);
     acks.send(&BenchAck { id: count, usable_ns, completions, ..Default::default() })?;
     // Stay until the producer hangs up, so its last leases come back through a live peer.
     while !matches!(items.recv(), Err(Error::Disconnected)) {}

@@ -2,7 +2,7 @@
 //! machine. Prints a table of ratios last, writes the full results as JSON and the plots as PNG.
 //!
 //! `tq-bench [--out DIR] [--floor BIN] [--primitives FILE] [--torch SCRIPT] [--python PYTHON] [--only a,b]
-//! [--spin-us U] [--capacity C] [--items N] [--trips N] [--no-fill] [--no-read]`; on the GPU
+//! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--no-fill] [--no-read]`; on the GPU
 //! machine, `bash target/gpu-bundle/bench.sh` (which `cargo xtask bench` runs). Sections:
 //! `setup`, `floor`, `torch`, `rtt`, `breakdown`, `stream`, `broadcast`.
 //!
@@ -40,6 +40,7 @@ struct Options {
     only: Option<Vec<String>>,
     spin_us: u64,
     capacity: u32,
+    in_flight: u64,
     items: u64,
     trips: usize,
     fill: bool,
@@ -62,6 +63,7 @@ impl Options {
             only: value("--only").map(|v| v.split(',').map(str::to_owned).collect()),
             spin_us: number("--spin-us", 1000)?,
             capacity: number("--capacity", 16)? as u32,
+            in_flight: number("--in-flight", 4)?,
             items: number("--items", 20_000)?,
             trips: number("--trips", 10_000)? as usize,
             fill: !args.iter().any(|a| a == "--no-fill"),
@@ -603,13 +605,14 @@ impl Bench {
         let warmup = 1000u64;
         let items = self.options.items;
         self.progress.start(&format!(
-            "streaming {items} fresh 5 MB tensors (after {warmup}), capacity {}",
-            self.options.capacity
+            "streaming {items} fresh 5 MB tensors (after {warmup}), capacity {}, {} reads in flight",
+            self.options.capacity, self.options.in_flight
         ));
         let count = (warmup + items).to_string();
         let mut extra = vec!["--count", &count];
         let capacity = self.options.capacity.to_string();
-        extra.extend(["--capacity", &capacity]);
+        let in_flight = self.options.in_flight.to_string();
+        extra.extend(["--capacity", &capacity, "--in-flight", &in_flight]);
         let spin = self.spin_args();
         extra.extend(spin.iter().map(String::as_str));
         if !self.options.read {
@@ -624,8 +627,10 @@ impl Bench {
         }
         let ack = acks.recv()?;
         Bench::finish_peer(&mut child, sender)?;
-        ensure!(ack.completions.len() == total, "the consumer saw {} of {total} items", ack.completions.len());
-        let measured = &ack.completions[warmup as usize..];
+        let flat: Vec<i64> = ack.completions.context("no completions")?.as_slice::<i64>()?.to_vec();
+        let completions: Vec<(u64, u64)> = flat.chunks_exact(2).map(|pair| (pair[0] as u64, pair[1] as u64)).collect();
+        ensure!(completions.len() == total, "the consumer saw {} of {total} items", completions.len());
+        let measured = &completions[warmup as usize..];
         let first_sent = measured.iter().map(|c| c.0).min().unwrap_or(0);
         let last_done = measured.iter().map(|c| c.1).max().unwrap_or(0);
         let rate = measured.len() as f64 / ((last_done - first_sent) as f64 / 1e9);
@@ -669,7 +674,7 @@ impl Bench {
                 .against("torch put->usable p99", field(torch, "queue_latency_p99_us"))
                 .target(200.0),
         );
-        self.json.insert("streaming".into(), json!({ "items": items, "warmup": warmup, "capacity": self.options.capacity, "fill": self.options.fill, "read": self.options.read, "items_per_s": rate, "latency": stats }));
+        self.json.insert("streaming".into(), json!({ "items": items, "warmup": warmup, "capacity": self.options.capacity, "in_flight": self.options.in_flight, "fill": self.options.fill, "read": self.options.read, "items_per_s": rate, "latency": stats }));
         Ok(())
     }
 

@@ -1,0 +1,98 @@
+//! Stream-ordered signals: how a receiver's stream waits for a producer's work.
+//!
+//! Each producer stream owns one 64-bit word in the process's device arena (so it is shared with
+//! receivers like any chunk). After the producer's work, `send_on` queues a write of the next
+//! value of that word on the stream (`cuStreamWriteValue64`, with a memory fence before it); the
+//! receiver queues a wait for that value on its own stream (`cuStreamWaitValue64`). Neither CPU
+//! waits.
+//!
+//! Why not interprocess events: on an H200 the receiver's stream took 140-580 us to get past a
+//! wait on an imported interprocess event that was already complete (`tq-bench`: the first
+//! message's "until usable" stage, the warm broadcast), as `GPU.md` also measured (141 us). A
+//! stream wait on a memory word measured 7 us there. Events remain the fallback for devices
+//! without 64-bit stream memory operations.
+//!
+//! Values only grow, and the writes of one stream execute in order, so a wait for value `v` is
+//! released exactly when the work queued before the write of `v` is done. The words live as long
+//! as the process (a wait may still be queued in a receiver after its sender is gone), and a word
+//! is shared by every sender that sends on its stream. A stream handle reused by the driver after
+//! the stream was destroyed keeps the word and its count, which stays correct unless the old
+//! stream's last write is still pending when the new one writes.
+
+use std::sync::{Arc, Mutex};
+
+use cuda_sys::CUdevice_attribute;
+use ipc_core::{DeviceMemory, Stream};
+
+use crate::arena::{Allocation, Arena, Chunk};
+use crate::{Error, Result};
+
+/// Words per block (one arena allocation).
+const WORDS_PER_BLOCK: usize = 512;
+
+/// Where a receiver waits, and for what value.
+pub(crate) struct Signal {
+    pub chunk: Arc<Chunk>,
+    pub offset: usize,
+    pub value: u64,
+}
+
+/// The signal words of one device.
+struct DeviceSignals {
+    ordinal: i32,
+    /// Whether the device has 64-bit stream memory operations.
+    supported: bool,
+    blocks: Vec<Allocation>,
+    /// Per producer stream (by handle): its block, word index and last value.
+    words: Vec<(usize, usize, usize, u64)>,
+}
+
+static SIGNALS: Mutex<Vec<DeviceSignals>> = Mutex::new(Vec::new());
+
+/// Queues, on `stream`, the write of its word's next value and returns where and what to wait
+/// for; `None` when the device lacks 64-bit stream memory operations (use an event instead).
+pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
+    let context = stream.context();
+    let ordinal = context.device().ordinal();
+    // One lock across the increment and the enqueue, so values reach each stream in order.
+    let mut all = SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
+    let at = match all.iter().position(|d| d.ordinal == ordinal) {
+        Some(at) => at,
+        None => {
+            let attribute = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
+            let supported = context.device().attribute(attribute)? != 0;
+            all.push(DeviceSignals { ordinal, supported, blocks: Vec::new(), words: Vec::new() });
+            all.len() - 1
+        }
+    };
+    let device = &mut all[at];
+    if !device.supported || crate::channel::force_events() {
+        return Ok(None);
+    }
+    let key = stream.raw() as usize;
+    let index = match device.words.iter().position(|w| w.0 == key) {
+        Some(index) => index,
+        None => {
+            let word = device.words.len();
+            if word.is_multiple_of(WORDS_PER_BLOCK) {
+                let block = Arena::device(context).allocate(WORDS_PER_BLOCK * 8)?;
+                // Zeroed (synchronously) before any stream can write to it.
+                device_memory(&block)?.copy_from_host(block.offset, &[0; WORDS_PER_BLOCK * 8])?;
+                device.blocks.push(block);
+            }
+            device.words.push((key, word / WORDS_PER_BLOCK, word % WORDS_PER_BLOCK, 0));
+            word
+        }
+    };
+    let (_, block, word, last) = device.words[index];
+    let block = &device.blocks[block];
+    let offset = block.offset + word * 8;
+    let value = last + 1;
+    stream.write_value64(device_memory(block)?, offset, value)?;
+    device.words[index].3 = value;
+    Ok(Some(Signal { chunk: block.chunk.clone(), offset, value }))
+}
+
+fn device_memory(block: &Allocation) -> Result<&dyn DeviceMemory> {
+    block.chunk.device().ok_or_else(|| Error::Protocol("a signal block in host memory".into()))
+}
