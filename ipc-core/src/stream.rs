@@ -54,6 +54,10 @@ impl Stream {
         self.context.bind()?;
         // SAFETY: `address` is an aligned word inside a live allocation; the stream is live.
         unsafe { driver!(cuStreamWriteValue64_v2(self.raw, address, value, 0)) }?;
+        // The driver may hold a lone memory operation back until the stream's next submission
+        // (a receiver waiting on the word then waits for the producer's *next* work, or forever);
+        // a query submits it now.
+        self.is_idle()?;
         Ok(())
     }
 

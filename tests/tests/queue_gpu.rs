@@ -15,6 +15,7 @@ use tensor_queue::{Broadcast, DType, Error, Receiver, Sender, Tensor, spawn};
 fn main() {
     run_gpu_tests(vec![
         GpuTest { name: "gpu_tensors_cross_zero_copy_and_leases_return", gpus: 1, run: gpu_tensors_cross_zero_copy },
+        GpuTest { name: "a_lone_send_on_an_idle_stream_becomes_usable", gpus: 1, run: lone_send_on_idle_stream },
         GpuTest { name: "user_buffers_cross_by_legacy_handle_and_never_go_stale", gpus: 1, run: user_buffers },
         GpuTest { name: "seed_matmul_example_is_ordered", gpus: 1, run: seed_example_is_ordered },
         GpuTest { name: "seed_matmul_example_is_ordered_by_events_too", gpus: 1, run: seed_example_ordered_by_events },
@@ -35,6 +36,21 @@ fn gpu() -> Result<(Arc<Context>, Stream)> {
 
 fn peer(role: &str, env: &[(&str, &str)]) -> Result<(Child, Sender<Probe>, Receiver<Report>)> {
     spawn_tq_peer(role, &[], env)
+}
+
+/// One message, its producer's stream idle before and after: the fence must reach the GPU
+/// without any later work to carry it (a stream memory write the driver held back hung here).
+fn lone_send_on_idle_stream() -> Result<()> {
+    let (context, stream) = gpu()?;
+    let (mut child, sender, mut reports) = peer("checksum", &[])?;
+    let probe = probe(1, 77, 4096, Some((&context, &stream)))?;
+    stream.synchronize()?;
+    sender.send_on(&probe, &stream)?;
+    let report = reports.recv_timeout(Duration::from_secs(20)).context("the receiver never saw the data usable")?;
+    ensure!(report.checksums == probe.expected, "{:?} != {:?}", report.checksums, probe.expected);
+    drop(sender);
+    ensure!(child.wait()?.success());
+    Ok(())
 }
 
 fn gpu_tensors_cross_zero_copy() -> Result<()> {

@@ -11,6 +11,20 @@ export IPC_TESTS_BIN_DIR="$here/bin"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 echo "[0] CUDA IPC primitive costs" >&2
 "$here/bin/primitive-costs" 2>&1 | tee "$results/primitive-costs.txt"
-"$here/bin/tq-bench" --out "$results" --floor "$here/bin/socket-floor" --primitives "$results/primitive-costs.txt" \
+# Streaming again under MPS (kernels of both processes share the GPU without time-slicing), with a
+# private MPS daemon that is stopped afterwards; NO_MPS=1 skips it.
+mps=()
+if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control > /dev/null; then
+  echo "[mps] streaming under a private MPS daemon" >&2
+  mkdir -p "$results/mps"
+  export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+  if timeout 30 nvidia-cuda-mps-control -d; then
+    timeout 300 "$here/bin/tq-bench" --out "$results/mps" --only stream --capacity 4 --in-flight 2 \
+      > "$results/mps/table.md" < /dev/null && mps=(--mps "$results/mps/bench.json")
+    echo quit | timeout 30 nvidia-cuda-mps-control
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
+"$here/bin/tq-bench" "${mps[@]}" --out "$results" --floor "$here/bin/socket-floor" --primitives "$results/primitive-costs.txt" \
   --torch "$here/bench/torch_anchor.py" --python "${PYTHON:-python3}" "$@" | tee "$results/table.md"
 exit "${PIPESTATUS[0]}"

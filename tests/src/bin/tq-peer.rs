@@ -166,8 +166,12 @@ fn bench_peer(role: &str, args: &[String]) -> Result<()> {
         return drain(items, &acks, number("--count", 0)?, context.as_ref(), read, limit);
     }
     loop {
-        let (item, info) = match items.recv_with_info(None) {
+        let (item, info) = match items.recv_with_info(Some(Duration::from_secs(1))) {
             Ok(received) => received,
+            Err(Error::Timeout) => {
+                report_errors(&mut items);
+                continue;
+            }
             Err(Error::Disconnected) => return Ok(()),
             Err(error) => return Err(error.into()),
         };
@@ -181,6 +185,14 @@ fn bench_peer(role: &str, args: &[String]) -> Result<()> {
         let usable_ns = monotonic_ns();
         let stages_ns = vec![info.sent_ns, info.encoded_ns, info.arrived_ns, info.imported_ns, info.decoded_ns];
         acks.send(&BenchAck { id: item.id, usable_ns, stages_ns, ..Default::default() })?;
+    }
+}
+
+/// Prints the errors of connections the receiver closed (a peer waiting on a message that will
+/// never come says why).
+fn report_errors(items: &mut Receiver<BenchItem>) {
+    for error in items.take_errors() {
+        eprintln!("tq-peer: {error}");
     }
 }
 
@@ -217,8 +229,16 @@ fn drain(
     });
     let mut host_sum = 0u64;
     let mut events = 0;
-    for _ in 0..count {
-        let (item, info) = items.recv_with_info(None)?;
+    let mut received = 0;
+    while received < count {
+        let (item, info) = match items.recv_with_info(Some(Duration::from_secs(1))) {
+            Ok(received) => received,
+            Err(Error::Timeout) => {
+                report_errors(&mut items);
+                continue;
+            }
+            Err(error) => return Err(error.into()),
+        };
         let event = match &gpu {
             Some((context, stream, kernels, counter)) => {
                 if read {
@@ -247,6 +267,7 @@ fn drain(
             }
         };
         done.send((info.sent_ns, event))?;
+        received += 1;
     }
     drop(done);
     let completions = watcher.join().map_err(|_| anyhow::anyhow!("the watcher panicked"))??;

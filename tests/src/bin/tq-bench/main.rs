@@ -1,7 +1,7 @@
 //! The benchmark suite: tensor-queue against the anchors, measured in the same run on the same
 //! machine. Prints a table of ratios last, writes the full results as JSON and the plots as PNG.
 //!
-//! `tq-bench [--out DIR] [--floor BIN] [--primitives FILE] [--torch SCRIPT] [--python PYTHON] [--only a,b]
+//! `tq-bench [--out DIR] [--floor BIN] [--primitives FILE] [--mps FILE] [--torch SCRIPT] [--python PYTHON] [--only a,b]
 //! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--no-fill] [--no-read]`; on the GPU
 //! machine, `bash target/gpu-bundle/bench.sh` (which `cargo xtask bench` runs). Sections:
 //! `setup`, `floor`, `torch`, `rtt`, `breakdown`, `stream`, `broadcast`.
@@ -35,6 +35,7 @@ struct Options {
     out: PathBuf,
     floor: Option<String>,
     primitives: Option<String>,
+    mps: Option<String>,
     torch: Option<String>,
     python: String,
     only: Option<Vec<String>>,
@@ -58,6 +59,7 @@ impl Options {
             out: value("--out").map_or_else(|| PathBuf::from("results"), PathBuf::from),
             floor: value("--floor"),
             primitives: value("--primitives"),
+            mps: value("--mps"),
             torch: value("--torch"),
             python: value("--python").unwrap_or_else(|| "python3".into()),
             only: value("--only").map(|v| v.split(',').map(str::to_owned).collect()),
@@ -242,6 +244,9 @@ fn main() -> Result<()> {
             _ => unreachable!(),
         }
     }
+    if let Some(path) = bench.options.mps.clone() {
+        bench.mps_rows(&path, torch.as_ref())?;
+    }
     bench.finish(&machine)
 }
 
@@ -271,6 +276,12 @@ fn run_json(mut command: Command) -> Result<Value> {
     ensure!(output.status.success(), "{command:?} failed: {stdout}{}", String::from_utf8_lossy(&output.stderr));
     let last = stdout.lines().rev().find(|l| l.trim_start().starts_with('{')).context("no JSON in the output")?;
     Ok(serde_json::from_str(last)?)
+}
+
+/// A peer's next answer; a peer that stops answering fails the run instead of hanging it (its
+/// stderr, which this process shares, says why).
+fn answer(acks: &mut Receiver<BenchAck>) -> Result<BenchAck> {
+    acks.recv_timeout(Duration::from_secs(60)).context("waiting for a benchmark peer's answer")
 }
 
 fn field(json: Option<&Value>, key: &str) -> Option<f64> {
@@ -368,7 +379,7 @@ impl Bench {
         let mut command = Command::new(integration_tests::bin_path("tq-peer")?);
         command.args(["usable", "--reply"]).arg(&reply).arg("--listen").arg(&path).args(self.spin_args());
         let mut child = command.spawn().context("starting tq-peer")?;
-        ensure!(acks.recv()?.id == u64::MAX, "the peer did not say it listens");
+        ensure!(answer(&mut acks)?.id == u64::MAX, "the peer did not say it listens");
         // Holds the receiver's accept loop open between the measured channels.
         let keeper = Sender::<BenchItem>::connect(&path)?;
         let names = ["connect", "send call", "to arrival", "ordering", "decode", "until usable"];
@@ -378,7 +389,7 @@ impl Bench {
             let sender = Sender::<BenchItem>::connect(&path)?;
             let connected = monotonic_ns();
             self.send(&sender, &BenchItem { id: round, tensors: vec![first.clone()] })?;
-            let ack = acks.recv()?;
+            let ack = answer(&mut acks)?;
             ensure!(ack.id == round && ack.stages_ns.len() == 5, "unexpected answer {ack:?}");
             let [_, encoded, arrived, imported, decoded] = ack.stages_ns[..] else { unreachable!() };
             let marks = [t0, connected, encoded, arrived, imported, decoded, ack.usable_ns];
@@ -387,6 +398,7 @@ impl Bench {
             }
             stages[names.len()].push(ack.usable_ns - t0);
             wait_until("the first message's lease", || sender.outstanding_leases() == 0)?;
+            self.progress.tick(round as usize + 1, 21);
         }
         drop(keeper);
         child.wait()?;
@@ -463,7 +475,7 @@ impl Bench {
         for id in 0..total as u64 {
             let start = monotonic_ns();
             self.send(&sender, &BenchItem { id, tensors: tensors.clone() })?;
-            ensure!(acks.recv()?.id == id, "answers out of order");
+            ensure!(answer(&mut acks)?.id == id, "answers out of order");
             if id >= WARMUP as u64 {
                 times.push(monotonic_ns() - start);
             }
@@ -555,7 +567,7 @@ impl Bench {
         let total = 2000 + WARMUP;
         for id in 0..total as u64 {
             self.send(&sender, &BenchItem { id, tensors: vec![tensor.clone()] })?;
-            let ack = acks.recv()?;
+            let ack = answer(&mut acks)?;
             let answered = monotonic_ns();
             while sender.outstanding_leases() > 0 {
                 std::hint::spin_loop();
@@ -625,7 +637,7 @@ impl Bench {
             self.send(&sender, &BenchItem { id, tensors: vec![tensor] })?;
             self.progress.tick(id as usize + 1, total);
         }
-        let ack = acks.recv()?;
+        let ack = answer(&mut acks)?;
         Bench::finish_peer(&mut child, sender)?;
         let flat: Vec<i64> = ack.completions.context("no completions")?.as_slice::<i64>()?.to_vec();
         let completions: Vec<(u64, u64)> = flat.chunks_exact(2).map(|pair| (pair[0] as u64, pair[1] as u64)).collect();
@@ -705,12 +717,12 @@ impl Bench {
         // Warm-up: every receiver has had a message, so the figures are the big tensor's.
         send(self, &BenchItem { id: 0, tensors: vec![self.tensor(4096, 8)?] })?;
         for acks in &mut receivers {
-            acks.recv()?;
+            answer(acks)?;
         }
         let mut all_usable = |start: u64| -> Result<u64> {
             let mut last = 0;
             for acks in &mut receivers {
-                last = last.max(acks.recv()?.usable_ns);
+                last = last.max(answer(acks)?.usable_ns);
             }
             Ok(last - start)
         };
@@ -770,6 +782,38 @@ impl Bench {
             );
         }
         self.json.insert("broadcast".into(), json!({ "allocation_us": allocation_us, "first_us": us(first), "again": stats, "extra_device_bytes": extra }));
+        Ok(())
+    }
+
+    /// The streaming figures of a run under MPS (`bench.sh` runs `--only stream` under a private
+    /// MPS daemon first), as rows of this table.
+    fn mps_rows(&mut self, path: &str, torch: Option<&Value>) -> Result<()> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
+        let run: Value = serde_json::from_str(&text)?;
+        let stream = &run["streaming"];
+        let label = format!(
+            "under MPS, capacity {}, {} in flight",
+            stream["capacity"].as_u64().unwrap_or(0),
+            stream["in_flight"].as_u64().unwrap_or(0)
+        );
+        let rate = stream["items_per_s"].as_f64().unwrap_or(0.0);
+        let p50 = stream["latency"]["p50_us"].as_f64().unwrap_or(0.0);
+        let p99 = stream["latency"]["p99_us"].as_f64().unwrap_or(0.0);
+        self.rows.push(
+            Row::new(format!("stream fresh 5 MB {label}, items/s"), rate, "/s")
+                .against("torch mp.Queue items/s", field(torch, "queue_items_per_s"))
+                .target(100_000.0),
+        );
+        self.rows.push(
+            Row::new(format!("stream fresh 5 MB {label}, send->usable+read p50"), p50, "us")
+                .against("torch put->usable p50", field(torch, "queue_latency_p50_us")),
+        );
+        self.rows.push(
+            Row::new(format!("stream fresh 5 MB {label}, send->usable+read p99"), p99, "us")
+                .against("torch put->usable p99", field(torch, "queue_latency_p99_us"))
+                .target(200.0),
+        );
+        self.json.insert("streaming_mps".into(), stream.clone());
         Ok(())
     }
 
