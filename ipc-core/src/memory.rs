@@ -42,6 +42,18 @@ pub trait DeviceMemory {
         let dst = self.device_ptr() + offset as u64;
         // SAFETY: the destination range was checked against this allocation; `src` is readable.
         unsafe { driver!(cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len())) }?;
+        // From pageable memory the call returns once the bytes are staged, possibly before they
+        // land, and work on non-blocking streams is not ordered after it: wait for the context.
+        self.context().synchronize()
+    }
+
+    /// Sets `len` bytes at `offset` to `value`, in stream order.
+    fn memset_range_async(&self, offset: usize, len: usize, value: u8, stream: &Stream) -> Result<()> {
+        check_range(offset, len, self.len())?;
+        self.context().bind()?;
+        let dst = self.device_ptr() + offset as u64;
+        // SAFETY: the range was checked against this allocation; the stream is live.
+        unsafe { driver!(cuMemsetD8Async(dst, value, len, stream.raw())) }?;
         Ok(())
     }
 

@@ -128,7 +128,11 @@ impl VmmAllocation {
         // SAFETY: for POSIX descriptors the driver writes an `int` through the pointer.
         unsafe { driver!(cuMemExportToShareableHandle((&raw mut fd).cast(), self.handle, kind, 0)) }?;
         // SAFETY: on success `fd` is a new descriptor that nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // The driver's descriptor is inheritable: without this, every child started later would
+        // hold the allocation (and keep it alive) without knowing.
+        rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC).map_err(|e| Error::os("fcntl(FD_CLOEXEC)", e))?;
+        Ok(fd)
     }
 }
 

@@ -76,8 +76,10 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
             let word = device.words.len();
             if word.is_multiple_of(WORDS_PER_BLOCK) {
                 let block = Arena::device(context).allocate(WORDS_PER_BLOCK * 8)?;
-                // Zeroed (synchronously) before any stream can write to it.
-                device_memory(&block)?.copy_from_host(block.offset, &[0; WORDS_PER_BLOCK * 8])?;
+                // Zeroed, and the zeroing finished, before any stream can write to it (a copy from
+                // the host could land after a stream's first write and erase it).
+                device_memory(&block)?.memset_range_async(block.offset, WORDS_PER_BLOCK * 8, 0, stream)?;
+                stream.synchronize()?;
                 device.blocks.push(block);
             }
             device.words.push((key, word / WORDS_PER_BLOCK, word % WORDS_PER_BLOCK, 0));
