@@ -54,9 +54,10 @@ impl Stream {
         self.context.bind()?;
         // SAFETY: `address` is an aligned word inside a live allocation; the stream is live.
         unsafe { driver!(cuStreamWriteValue64_v2(self.raw, address, value, 0)) }?;
-        // The driver may hold a lone memory operation back until the stream's next submission
-        // (a receiver waiting on the word then waits for the producer's *next* work, or forever);
-        // a query submits it now.
+        // Defensive: make sure a lone memory operation is submitted now rather than with the
+        // stream's next work, which a receiver waiting on the word may never see coming. (Added
+        // while a hang of the first message was being chased; the hang's cause turned out to be
+        // the word's zeroing, see `tensor-queue/src/signal.rs`.) A query costs well under 1 us.
         self.is_idle()?;
         Ok(())
     }

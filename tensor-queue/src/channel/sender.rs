@@ -1,4 +1,4 @@
-//! The sending end: leases, credits, chunk and event announcements.
+//! The sending end: leases, credits, fences, chunk and event announcements.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::marker::PhantomData;
