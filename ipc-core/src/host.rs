@@ -8,7 +8,7 @@ use cuda_sys::{CUdeviceptr, driver};
 use rustix::fs::{MemfdFlags, fstat, ftruncate, memfd_create};
 use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 
-use crate::{Context, DeviceMemory, Error, Result};
+use crate::{Context, Error, Result};
 
 /// Pinned (page-locked) host memory from `cuMemHostAlloc`, portable to every context and mapped
 /// into the device's address space; freed on drop.
@@ -56,18 +56,8 @@ impl PinnedHostBuffer {
     }
 }
 
-impl DeviceMemory for PinnedHostBuffer {
-    /// The address at which devices see this memory.
-    fn device_ptr(&self) -> CUdeviceptr {
-        self.device_ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Arc<Context> {
-        &self.context
-    }
-}
+// Devices see this memory at `device_ptr`.
+device_memory_fields!(PinnedHostBuffer, ptr: device_ptr, len: len);
 
 impl Drop for PinnedHostBuffer {
     fn drop(&mut self) {
@@ -203,18 +193,8 @@ impl PinnedSharedMemory {
     }
 }
 
-impl DeviceMemory for PinnedSharedMemory {
-    /// The address at which devices see this memory.
-    fn device_ptr(&self) -> CUdeviceptr {
-        self.device_ptr
-    }
-    fn len(&self) -> usize {
-        self.memory.len
-    }
-    fn context(&self) -> &Arc<Context> {
-        &self.context
-    }
-}
+// Devices see this memory at `device_ptr`.
+device_memory_fields!(PinnedSharedMemory, ptr: device_ptr, len: memory.len);
 
 impl Drop for PinnedSharedMemory {
     fn drop(&mut self) {

@@ -20,6 +20,24 @@
 //! with `tracing::warn!` naming the call, and otherwise ignored. `CUDA_ERROR_DEINITIALIZED` (the
 //! driver is shutting down at process exit, and frees everything itself) is not logged.
 
+/// Implements [`DeviceMemory`] for a type that keeps its device address, its length and a
+/// `context: Arc<Context>` in fields: `device_memory_fields!(Type, ptr: field, len: field.path)`.
+macro_rules! device_memory_fields {
+    ($type:ty, ptr: $($ptr:ident).+, len: $($len:ident).+) => {
+        impl $crate::DeviceMemory for $type {
+            fn device_ptr(&self) -> cuda_sys::CUdeviceptr {
+                self.$($ptr).+
+            }
+            fn len(&self) -> usize {
+                self.$($len).+
+            }
+            fn context(&self) -> &std::sync::Arc<$crate::Context> {
+                &self.context
+            }
+        }
+    };
+}
+
 mod context;
 mod device;
 mod error;

@@ -127,17 +127,7 @@ impl DeviceBuffer {
     }
 }
 
-impl DeviceMemory for DeviceBuffer {
-    fn device_ptr(&self) -> CUdeviceptr {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Arc<Context> {
-        &self.context
-    }
-}
+device_memory_fields!(DeviceBuffer, ptr: ptr, len: len);
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
@@ -207,17 +197,7 @@ impl ImportedIpcMemory {
     }
 }
 
-impl DeviceMemory for ImportedIpcMemory {
-    fn device_ptr(&self) -> CUdeviceptr {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Arc<Context> {
-        &self.context
-    }
-}
+device_memory_fields!(ImportedIpcMemory, ptr: ptr, len: len);
 
 impl Drop for ImportedIpcMemory {
     fn drop(&mut self) {

@@ -12,7 +12,7 @@ use cuda_sys::{
     CUmemAllocationProp, CUmemAllocationType, CUmemGenericAllocationHandle, CUmemLocation, CUmemLocationType, driver,
 };
 
-use crate::{Context, DeviceMemory, Error, Result};
+use crate::{Context, Error, Result};
 
 /// VMM device memory, exportable as a file descriptor: reserved, mapped and readable and
 /// writable by its device; unmapped and released on drop.
@@ -136,17 +136,7 @@ impl VmmAllocation {
     }
 }
 
-impl DeviceMemory for VmmAllocation {
-    fn device_ptr(&self) -> CUdeviceptr {
-        self.ptr
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn context(&self) -> &Arc<Context> {
-        &self.context
-    }
-}
+device_memory_fields!(VmmAllocation, ptr: ptr, len: len);
 
 impl Drop for VmmAllocation {
     fn drop(&mut self) {

@@ -43,8 +43,9 @@ struct DeviceSignals {
     /// Whether the device has 64-bit stream memory operations.
     supported: bool,
     blocks: Vec<Allocation>,
-    /// Per producer stream (by handle): its block, word index and last value.
-    words: Vec<(usize, usize, usize, u64)>,
+    /// Per producer stream: its handle and last value. Word `i` is word `i % WORDS_PER_BLOCK`
+    /// of block `i / WORDS_PER_BLOCK`.
+    words: Vec<(usize, u64)>,
 }
 
 static SIGNALS: Mutex<Vec<DeviceSignals>> = Mutex::new(Vec::new());
@@ -82,16 +83,15 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
                 stream.synchronize()?;
                 device.blocks.push(block);
             }
-            device.words.push((key, word / WORDS_PER_BLOCK, word % WORDS_PER_BLOCK, 0));
+            device.words.push((key, 0));
             word
         }
     };
-    let (_, block, word, last) = device.words[index];
-    let block = &device.blocks[block];
-    let offset = block.offset + word * 8;
-    let value = last + 1;
+    let block = &device.blocks[index / WORDS_PER_BLOCK];
+    let offset = block.offset + index % WORDS_PER_BLOCK * 8;
+    let value = device.words[index].1 + 1;
     stream.write_value64(device_memory(block)?, offset, value)?;
-    device.words[index].3 = value;
+    device.words[index].1 = value;
     Ok(Some(Signal { chunk: block.chunk.clone(), offset, value }))
 }
 

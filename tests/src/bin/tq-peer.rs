@@ -27,7 +27,8 @@ use std::time::Duration;
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream};
 use kernels::{Kernels, reference};
 use tensor_queue::{
-    DEFAULT_CAPACITY, DType, Error, Receiver, Sender, Tensor, from_parent, from_parent_with_capacity, monotonic_ns,
+    DEFAULT_CAPACITY, DType, Error, MessageInfo, Receiver, Sender, Tensor, from_parent, from_parent_with_capacity,
+    monotonic_ns,
 };
 
 fn main() {
@@ -165,16 +166,7 @@ fn bench_peer(role: &str, args: &[String]) -> Result<()> {
         let limit = number("--in-flight", 4)?.max(1) as usize;
         return drain(items, &acks, number("--count", 0)?, context.as_ref(), read, limit);
     }
-    loop {
-        let (item, info) = match items.recv_with_info(Some(Duration::from_secs(1))) {
-            Ok(received) => received,
-            Err(Error::Timeout) => {
-                report_errors(&mut items);
-                continue;
-            }
-            Err(Error::Disconnected) => return Ok(()),
-            Err(error) => return Err(error.into()),
-        };
+    while let Some((item, info)) = next_item(&mut items)? {
         if role == "usable" {
             for tensor in &item.tensors {
                 if let Some(stream) = tensor.stream() {
@@ -186,13 +178,20 @@ fn bench_peer(role: &str, args: &[String]) -> Result<()> {
         let stages_ns = vec![info.sent_ns, info.encoded_ns, info.arrived_ns, info.imported_ns, info.decoded_ns];
         acks.send(&BenchAck { id: item.id, usable_ns, stages_ns, ..Default::default() })?;
     }
+    Ok(())
 }
 
-/// Prints the errors of connections the receiver closed (a peer waiting on a message that will
-/// never come says why).
-fn report_errors(items: &mut Receiver<BenchItem>) {
-    for error in items.take_errors() {
-        eprintln!("tq-peer: {error}");
+/// The next item, however long it takes, or `None` once every sender is gone. Each idle second
+/// it prints the errors of connections the receiver closed, so a peer waiting on a message that
+/// will never come says why.
+fn next_item(items: &mut Receiver<BenchItem>) -> Result<Option<(BenchItem, MessageInfo)>> {
+    loop {
+        match items.recv_with_info(Some(Duration::from_secs(1))) {
+            Ok(received) => return Ok(Some(received)),
+            Err(Error::Timeout) => items.take_errors().iter().for_each(|error| eprintln!("tq-peer: {error}")),
+            Err(Error::Disconnected) => return Ok(None),
+            Err(error) => return Err(error.into()),
+        }
     }
 }
 
@@ -229,16 +228,9 @@ fn drain(
     });
     let mut host_sum = 0u64;
     let mut events = 0;
-    let mut received = 0;
-    while received < count {
-        let (item, info) = match items.recv_with_info(Some(Duration::from_secs(1))) {
-            Ok(received) => received,
-            Err(Error::Timeout) => {
-                report_errors(&mut items);
-                continue;
-            }
-            Err(error) => return Err(error.into()),
-        };
+    for received in 0..count {
+        let (item, info) =
+            next_item(&mut items)?.with_context(|| format!("the producer left after {received} items"))?;
         let event = match &gpu {
             Some((context, stream, kernels, counter)) => {
                 if read {
@@ -267,7 +259,6 @@ fn drain(
             }
         };
         done.send((info.sent_ns, event))?;
-        received += 1;
     }
     drop(done);
     let completions = watcher.join().map_err(|_| anyhow::anyhow!("the watcher panicked"))??;

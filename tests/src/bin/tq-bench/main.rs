@@ -312,13 +312,12 @@ fn summary(samples: &mut [u64]) -> Value {
 }
 
 impl Bench {
-    fn spin_args(&self) -> Vec<String> {
-        vec!["--spin-us".into(), self.options.spin_us.to_string()]
-    }
-
-    fn peer(&self, role: &str, extra: &[&str]) -> Result<(Child, Sender<BenchItem>, Receiver<BenchAck>)> {
-        let (child, sender, mut acks) = spawn_tq_peer(role, extra, &[])?;
-        acks.set_spin(Duration::from_micros(self.options.spin_us));
+    /// A `tq-peer` in `role`; both its receiver and ours spin for `spin_us` before sleeping.
+    fn peer(&self, role: &str, spin_us: u64, extra: &[&str]) -> Result<(Child, Sender<BenchItem>, Receiver<BenchAck>)> {
+        let spin = spin_us.to_string();
+        let args: Vec<&str> = ["--spin-us", spin.as_str()].into_iter().chain(extra.iter().copied()).collect();
+        let (child, sender, mut acks) = spawn_tq_peer(role, &args, &[])?;
+        acks.set_spin(Duration::from_micros(spin_us));
         Ok((child, sender, acks))
     }
 
@@ -377,7 +376,8 @@ impl Bench {
         let mut acks = Receiver::<BenchAck>::bind(&reply)?;
         acks.set_spin(Duration::from_micros(self.options.spin_us));
         let mut command = Command::new(integration_tests::bin_path("tq-peer")?);
-        command.args(["usable", "--reply"]).arg(&reply).arg("--listen").arg(&path).args(self.spin_args());
+        command.args(["usable", "--reply"]).arg(&reply).arg("--listen").arg(&path);
+        command.args(["--spin-us", &self.options.spin_us.to_string()]);
         let mut child = command.spawn().context("starting tq-peer")?;
         ensure!(answer(&mut acks)?.id == u64::MAX, "the peer did not say it listens");
         // Holds the receiver's accept loop open between the measured channels.
@@ -466,8 +466,7 @@ impl Bench {
     /// Round-trip times in nanoseconds of messages with `count` 4 KB tensors.
     fn trips(&mut self, count: usize, spin: bool) -> Result<Vec<u64>> {
         let spin_us = if spin { self.options.spin_us } else { 0 };
-        let (mut child, sender, mut acks) = self.peer("echo", &["--spin-us", &spin_us.to_string()])?;
-        acks.set_spin(Duration::from_micros(spin_us));
+        let (mut child, sender, mut acks) = self.peer("echo", spin_us, &[])?;
         let tensors = (0..count).map(|i| self.tensor(4096, i as u64)).collect::<Result<Vec<_>>>()?;
         self.synchronize()?;
         let total = self.options.trips + WARMUP;
@@ -551,8 +550,7 @@ impl Bench {
     /// lease back.
     fn breakdown(&mut self) -> Result<()> {
         self.progress.start("per-stage breakdown of one hand-off (2,000 hand-offs)");
-        let (mut child, sender, mut acks) =
-            self.peer("echo", &self.spin_args().iter().map(String::as_str).collect::<Vec<_>>())?;
+        let (mut child, sender, mut acks) = self.peer("echo", self.options.spin_us, &[])?;
         let tensor = self.tensor(4096, 5)?;
         self.synchronize()?;
         let names = [
@@ -625,12 +623,10 @@ impl Bench {
         let capacity = self.options.capacity.to_string();
         let in_flight = self.options.in_flight.to_string();
         extra.extend(["--capacity", &capacity, "--in-flight", &in_flight]);
-        let spin = self.spin_args();
-        extra.extend(spin.iter().map(String::as_str));
         if !self.options.read {
             extra.push("--no-read");
         }
-        let (mut child, sender, mut acks) = self.peer("drain", &extra)?;
+        let (mut child, sender, mut acks) = self.peer("drain", self.options.spin_us, &extra)?;
         let total = (warmup + items) as usize;
         for id in 0..total as u64 {
             let tensor = self.tensor(5 << 20, id)?;
@@ -695,9 +691,7 @@ impl Bench {
     /// the receivers' mappings added, as the driver reports it.
     fn broadcast(&mut self) -> Result<()> {
         self.progress.start("broadcast of 1 GiB to 3 receivers: first, then 20 more after rewrites");
-        let spin = self.spin_args();
-        let spin: Vec<&str> = spin.iter().map(String::as_str).collect();
-        let peers = (0..3).map(|_| self.peer("usable", &spin)).collect::<Result<Vec<_>>>()?;
+        let peers = (0..3).map(|_| self.peer("usable", self.options.spin_us, &[])).collect::<Result<Vec<_>>>()?;
         let mut children = Vec::new();
         let mut senders = Vec::new();
         let mut receivers = Vec::new();
