@@ -52,12 +52,22 @@ pub fn send(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(
 /// [`MAX_FDS`] descriptors the kernel drops the excess; that is reported as an error (and the
 /// descriptors that did arrive are closed).
 pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
+    recv_with(socket, buf, RecvFlags::CMSG_CLOEXEC).map(|received| received.unwrap_or_default())
+}
+
+/// Like [`recv`], but returns `Ok(None)` at once when nothing is waiting (`MSG_DONTWAIT`).
+pub fn try_recv(socket: impl AsFd, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+    recv_with(socket, buf, RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT)
+}
+
+fn recv_with(socket: impl AsFd, buf: &mut [u8], flags: RecvFlags) -> Result<Option<(usize, Vec<OwnedFd>)>> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let message = loop {
-        match recvmsg(&socket, &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC) {
+        match recvmsg(&socket, &mut [IoSliceMut::new(buf)], &mut control, flags) {
             Ok(message) => break message,
             Err(Errno::INTR) => continue,
+            Err(Errno::AGAIN) if flags.contains(RecvFlags::DONTWAIT) => return Ok(None),
             // A Unix socket whose peer closed with unread data of its own reports ECONNRESET once,
             // *before* the messages still queued here; reading on yields them, then end-of-file.
             Err(Errno::CONNRESET) => continue,
@@ -76,7 +86,7 @@ pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> 
     if message.flags.contains(ReturnFlags::CTRUNC) {
         return Err(Error::InvalidArgument(format!("the peer sent more than {MAX_FDS} descriptors in one message")));
     }
-    Ok((message.bytes, fds))
+    Ok(Some((message.bytes, fds)))
 }
 
 /// Checks that `fd` is open in this process, without taking ownership of it.

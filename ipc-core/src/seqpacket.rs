@@ -160,6 +160,12 @@ impl Connection {
         fd_passing::recv(&self.fd, buf)
     }
 
+    /// Like [`Connection::recv`], but `Ok(None)` at once when nothing is waiting: one system call
+    /// where `poll` and then `recv` would be two.
+    pub fn try_recv(&self, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+        fd_passing::try_recv(&self.fd, buf)
+    }
+
     /// Makes `recv` fail with a timeout after `timeout` (`None`: wait forever).
     pub fn set_recv_timeout(&self, timeout: Option<Duration>) -> Result<()> {
         set_socket_timeout(&self.fd, Timeout::Recv, timeout).map_err(|e| Error::os("SO_RCVTIMEO", e))

@@ -54,11 +54,6 @@ impl Stream {
         self.context.bind()?;
         // SAFETY: `address` is an aligned word inside a live allocation; the stream is live.
         unsafe { driver!(cuStreamWriteValue64_v2(self.raw, address, value, 0)) }?;
-        // Defensive: make sure a lone memory operation is submitted now rather than with the
-        // stream's next work, which a receiver waiting on the word may never see coming. (Added
-        // while a hang of the first message was being chased; the hang's cause turned out to be
-        // the word's zeroing, see `tensor-queue/src/signal.rs`.) A query costs well under 1 us.
-        self.is_idle()?;
         Ok(())
     }
 

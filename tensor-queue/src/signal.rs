@@ -43,6 +43,9 @@ struct DeviceSignals {
     /// Whether the device has 64-bit stream memory operations.
     supported: bool,
     blocks: Vec<Allocation>,
+    /// The stream that zeroes new blocks: its own, so that zeroing never waits for (or stalls the
+    /// CPU behind) the work a producer has queued before its first send.
+    zeroing: Option<Stream>,
     /// Per producer stream: its handle and last value. Word `i` is word `i % WORDS_PER_BLOCK`
     /// of block `i / WORDS_PER_BLOCK`.
     words: Vec<(usize, u64)>,
@@ -62,7 +65,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
         None => {
             let attribute = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
             let supported = context.device().attribute(attribute)? != 0;
-            all.push(DeviceSignals { ordinal, supported, blocks: Vec::new(), words: Vec::new() });
+            all.push(DeviceSignals { ordinal, supported, blocks: Vec::new(), zeroing: None, words: Vec::new() });
             all.len() - 1
         }
     };
@@ -78,9 +81,14 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
             if word.is_multiple_of(WORDS_PER_BLOCK) {
                 let block = Arena::device(context).allocate(WORDS_PER_BLOCK * 8)?;
                 // Zeroed, and the zeroing finished, before any stream can write to it (a copy from
-                // the host could land after a stream's first write and erase it).
-                device_memory(&block)?.memset_range_async(block.offset, WORDS_PER_BLOCK * 8, 0, stream)?;
-                stream.synchronize()?;
+                // the host could land after a stream's first write and erase it). On the device's
+                // zeroing stream, not the producer's: its queued work must not delay the send.
+                let zeroing = match &mut device.zeroing {
+                    Some(zeroing) => zeroing,
+                    zeroing @ None => zeroing.insert(Stream::new(context)?),
+                };
+                device_memory(&block)?.memset_range_async(block.offset, WORDS_PER_BLOCK * 8, 0, zeroing)?;
+                zeroing.synchronize()?;
                 device.blocks.push(block);
             }
             device.words.push((key, 0));

@@ -122,5 +122,7 @@ pub struct BenchAck {
     /// consumer's read of it was done (too big for a frame, as bulk data should be).
     pub completions: Option<Tensor>,
     /// The item's [`tensor_queue::MessageInfo`] stamps: sent, encoded, arrived, imported, decoded.
+    /// Streaming: the consumer's CPU time in total per step: receive (waiting included), read
+    /// launch, completion event, drop (the release).
     pub stages_ns: Vec<u64>,
 }

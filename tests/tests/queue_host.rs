@@ -353,3 +353,38 @@ fn a_spinning_receiver_gets_every_message_and_keeps_its_timeouts() {
     feeder.join().unwrap();
     assert!(matches!(receiver.recv(), Err(Error::Disconnected)));
 }
+
+#[test]
+fn a_spinning_sender_takes_credits_and_releases_itself_and_a_full_queue_still_holds_it() {
+    let path = socket_path("spin-sender");
+    let mut receiver = Receiver::<Probe>::bind_with_capacity(&path, 2).unwrap();
+    let sender = Arc::new(Sender::<Probe>::connect(&path).unwrap());
+    sender.set_spin(Duration::from_millis(5));
+    // Capacity 2: nearly every send finds no credit left and reads the receiver's frames itself.
+    let feeder = sender.clone();
+    let feeding = std::thread::spawn(move || {
+        for id in 0..300 {
+            feeder.send(&probe(id, id, 4096, None).unwrap()).unwrap();
+        }
+    });
+    for id in 0..300 {
+        let probe = receiver.recv().unwrap();
+        assert_eq!(probe.id, id, "messages keep their order");
+        assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0]);
+    }
+    feeding.join().unwrap();
+    wait_until("every lease back", || sender.outstanding_leases() == 0);
+    let sent = Arc::new(AtomicUsize::new(0));
+    let (feeder, counter) = (sender.clone(), sent.clone());
+    let feeding = std::thread::spawn(move || {
+        for id in 0..3 {
+            feeder.send(&probe(id, id, 64, None).unwrap()).unwrap();
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    wait_until("two sends", || sent.load(Ordering::SeqCst) == 2);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(sent.load(Ordering::SeqCst), 2, "a spinning sender went through a full queue");
+    receiver.recv().unwrap();
+    feeding.join().unwrap();
+}

@@ -15,9 +15,9 @@
 //!    ordered after the producer's work, and neither CPU waits.
 //! 5. A message's tensors share one receiver-side lease: when the last view of any of them drops,
 //!    one release frame returns them all, once the receiver's GPU work on them is done: at once
-//!    if its streams are idle (the common case), else when pooled events recorded on those
-//!    streams complete (a release thread waits on them, and returns what became ready together
-//!    in one frame per sender). Host tensors are released at once. Holding one tensor of a
+//!    if its streams are idle, else through a release thread, which records one pooled event per
+//!    stream for the releases queued together, waits for them, and returns them in one frame per
+//!    sender (see `release.rs`). Host tensors are released at once. Holding one tensor of a
 //!    message holds the others' memory in the sender: the price of one frame per message
 //!    instead of one per tensor.
 //!
@@ -47,6 +47,7 @@
 
 mod child;
 mod receiver;
+mod release;
 mod sender;
 
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -56,8 +57,8 @@ use ipc_core::HostId;
 use ipc_core::seqpacket::Connection;
 
 pub use child::{from_parent, from_parent_with_capacity, spawn};
-pub(crate) use receiver::ReceivedLease;
 pub use receiver::{MessageInfo, Receiver};
+pub(crate) use release::ReceivedLease;
 pub use sender::{Broadcast, Sender};
 
 use crate::wire::{Frame, MAX_FRAME};
@@ -118,10 +119,24 @@ impl Link {
     /// The next frame, or `None` when the peer hung up.
     fn recv(&self, buf: &mut [u8]) -> Result<Option<(Frame, Vec<OwnedFd>)>> {
         let (n, fds) = self.connection.recv(buf)?;
-        if n == 0 {
+        self.decode(&buf[..n], fds)
+    }
+
+    /// The next frame if one is waiting (`Ok(None)` if not), without sleeping; `Some(None)` when
+    /// the peer hung up.
+    #[expect(clippy::type_complexity, reason = "recv's answer, or nothing waiting")]
+    fn try_recv(&self, buf: &mut [u8]) -> Result<Option<Option<(Frame, Vec<OwnedFd>)>>> {
+        match self.connection.try_recv(buf)? {
+            Some((n, fds)) => self.decode(&buf[..n], fds).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn decode(&self, bytes: &[u8], fds: Vec<OwnedFd>) -> Result<Option<(Frame, Vec<OwnedFd>)>> {
+        if bytes.is_empty() {
             return Ok(None);
         }
-        let frame = Frame::decode(&buf[..n]).map_err(|source| Error::Frame { pid: self.peer_pid, source })?;
+        let frame = Frame::decode(bytes).map_err(|source| Error::Frame { pid: self.peer_pid, source })?;
         Ok(Some((frame, fds)))
     }
 

@@ -7,7 +7,7 @@ use std::marker::PhantomData;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, mpsc};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::{Connection, Listener};
@@ -18,134 +18,12 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
+use super::release::{Peer, ReceivedLease};
 use super::{DEFAULT_CAPACITY, Link, lock, monotonic_ns, skip_ordering};
 use crate::arena::{Chunk, ChunkMemory};
 use crate::tensor::Storage;
 use crate::wire::{ChunkKind, Fence, Frame, FrameError, MAX_FRAME, TensorDesc};
 use crate::{Error, Result, Tensor, TransferPath, side_table};
-
-/// A sender's connection, shared with the tensors received from it (which send its releases).
-struct Peer {
-    link: Link,
-}
-
-/// Held by the storage of every tensor of one received message; returns the message's leases
-/// in one frame when the last of them drops (one frame per message, not per tensor).
-pub(crate) struct ReceivedLease {
-    peer: Arc<Peer>,
-    ids: Vec<u64>,
-    /// The streams the message's GPU tensors were ordered on.
-    streams: Vec<Arc<Stream>>,
-}
-
-impl Drop for ReceivedLease {
-    fn drop(&mut self) {
-        let ids = std::mem::take(&mut self.ids);
-        // The common case: the receiver's work on the tensors is already done.
-        let busy: Vec<&Arc<Stream>> = self.streams.iter().filter(|s| !s.is_idle().unwrap_or(false)).collect();
-        if busy.is_empty() {
-            return release(&self.peer, ids);
-        }
-        // Otherwise the release waits for the work queued on those streams so far.
-        match busy.into_iter().map(|stream| release_event(stream)).collect::<ipc_core::Result<Vec<_>>>() {
-            Ok(events) => releaser().send(PendingRelease { peer: self.peer.clone(), ids, events }).unwrap_or(()),
-            Err(error) => {
-                tracing::warn!(%error, "could not record a release event; releasing after a stream sync");
-                for stream in &self.streams {
-                    let _ = stream.synchronize();
-                }
-                release(&self.peer, ids);
-            }
-        }
-    }
-}
-
-fn release(peer: &Peer, leases: Vec<u64>) {
-    // A failed send means the sender is gone, and with it the leases.
-    let _ = peer.link.send(&Frame::Release { leases }, &[]);
-}
-
-/// Blocking-sync events for pending releases, reused: creating one per release costs more than
-/// the hand-off itself.
-static RELEASE_EVENTS: Mutex<Vec<Event>> = Mutex::new(Vec::new());
-
-/// An event recorded on `stream`, from the pool where one of its context is free.
-fn release_event(stream: &Stream) -> ipc_core::Result<Event> {
-    let pooled = {
-        let mut pool = lock(&RELEASE_EVENTS);
-        let found = pool.iter().position(|event| Arc::ptr_eq(event.context(), stream.context()));
-        found.map(|at| pool.swap_remove(at))
-    };
-    let event = match pooled {
-        Some(event) => event,
-        None => Event::blocking(stream.context())?,
-    };
-    event.record(stream)?;
-    Ok(event)
-}
-
-/// How long the release thread polls an event before it sleeps in the driver: most release
-/// events complete within microseconds, and a blocking sync's wake-up took 340 us (p50) on an
-/// H200 (`tq-bench` breakdown).
-const RELEASE_POLL: Duration = Duration::from_micros(500);
-
-/// Waits for `event`, polling first and then sleeping in the driver.
-fn wait_for(event: &Event) -> ipc_core::Result<()> {
-    let start = Instant::now();
-    while start.elapsed() < RELEASE_POLL {
-        if event.is_complete()? {
-            return Ok(());
-        }
-        std::thread::yield_now();
-    }
-    event.synchronize()
-}
-
-/// Leases to return once their events complete.
-struct PendingRelease {
-    peer: Arc<Peer>,
-    ids: Vec<u64>,
-    events: Vec<Event>,
-}
-
-/// The process's release thread: waits for the events of what is pending, returns the leases
-/// (one frame per sender for everything that became ready together), and pools the events.
-fn releaser() -> mpsc::Sender<PendingRelease> {
-    static RELEASER: OnceLock<Mutex<mpsc::Sender<PendingRelease>>> = OnceLock::new();
-    lock(RELEASER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<PendingRelease>();
-        std::thread::Builder::new()
-            .name("tq-releaser".into())
-            .spawn(move || {
-                while let Ok(first) = rx.recv() {
-                    // While this thread slept on one event, more releases may have queued up;
-                    // they are usually complete by the time it wakes, so they cost no more sleeps.
-                    // The batch is what is queued now, bounded, so that a steady stream of new
-                    // releases cannot hold back the ones already done.
-                    let batch: Vec<PendingRelease> = std::iter::once(first).chain(rx.try_iter().take(255)).collect();
-                    let mut frames: Vec<(Arc<Peer>, Vec<u64>)> = Vec::new();
-                    for pending in batch {
-                        for event in &pending.events {
-                            if let Err(error) = wait_for(event) {
-                                tracing::warn!(%error, "waiting for a release event failed");
-                            }
-                        }
-                        match frames.iter_mut().find(|(peer, _)| Arc::ptr_eq(peer, &pending.peer)) {
-                            Some((_, ids)) => ids.extend(pending.ids),
-                            None => frames.push((pending.peer, pending.ids)),
-                        }
-                        lock(&RELEASE_EVENTS).extend(pending.events);
-                    }
-                    for (peer, ids) in frames {
-                        release(&peer, ids);
-                    }
-                }
-            })
-            .expect("spawning the release thread");
-        Mutex::new(tx)
-    }))
-    .clone()
-}
 
 /// When and how a message arrived, on the machine's monotonic clock (nanoseconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -418,13 +296,16 @@ impl<T: DeserializeOwned> Receiver<T> {
         });
     }
 
-    /// Polls without sleeping for up to the spin time (or until `deadline`); whether anything
-    /// was readable.
+    /// Looks for frames without sleeping for up to the spin time (or until `deadline`); whether
+    /// anything was read.
     fn spin_until_readable(&mut self, deadline: Option<Instant>) -> Result<bool> {
         let start = Instant::now();
         let until = deadline.map_or(start + self.spin, |d| d.min(start + self.spin));
         loop {
-            if self.pump(Some(Duration::ZERO))? {
+            // A non-blocking read per connection: one system call per frame, where a zero-timeout
+            // `poll` and then the read would be two.
+            let all: Vec<usize> = (0..self.connected.len()).collect();
+            if self.read_connections(all, false) || self.accept_waiting(false)? {
                 return Ok(true);
             }
             if Instant::now() >= until {
@@ -458,11 +339,23 @@ impl<T: DeserializeOwned> Receiver<T> {
                 fds[skip..].iter().enumerate().filter(|(_, fd)| !fd.revents().is_empty()).map(|(i, _)| i).collect();
             (listener_ready, readable)
         };
+        self.read_connections(readable, true);
+        if listener_ready {
+            self.accept_waiting(true)?;
+        }
+        Ok(true)
+    }
+
+    /// Reads one frame from each of these connections (`wait`: they are known to be readable);
+    /// closes those that hung up or sent something wrong. Whether any frame or hang-up was read.
+    fn read_connections(&mut self, indexes: Vec<usize>, wait: bool) -> bool {
+        let mut read = false;
         let mut closed = Vec::new();
-        for index in readable {
-            match self.read_frame(index) {
-                Ok(true) => {}
-                Ok(false) => closed.push(index),
+        for index in indexes {
+            match self.read_frame(index, wait) {
+                Ok(Some(true)) => read = true,
+                Ok(Some(false)) => closed.push(index),
+                Ok(None) => {}
                 Err(error) => {
                     let connected = &self.connected[index];
                     let message = format!("closed the connection from pid {}: {error}", connected.peer.link.peer_pid);
@@ -473,34 +366,56 @@ impl<T: DeserializeOwned> Receiver<T> {
                 }
             }
         }
+        read |= !closed.is_empty();
         for index in closed.into_iter().rev() {
             // Tensors received from it keep its socket open for their releases.
             self.connected.remove(index);
         }
-        if listener_ready && let Some(acceptor) = &self.acceptor {
-            let (_, fds) = acceptor.doorbell.recv(&mut [0u8; 1])?;
-            for fd in fds {
-                match Link::new(Connection::from(fd)) {
-                    Ok(link) => self.adopt(link),
-                    Err(error) => self.errors.push(format!("refused a connection: {error}")),
-                }
+        read
+    }
+
+    /// Adopts the connections the accept thread handed over (`wait`: the doorbell is known to be
+    /// readable). Whether there were any.
+    fn accept_waiting(&mut self, wait: bool) -> Result<bool> {
+        let Some(acceptor) = &self.acceptor else { return Ok(false) };
+        let fds = if wait {
+            acceptor.doorbell.recv(&mut [0u8; 1])?.1
+        } else {
+            match acceptor.doorbell.try_recv(&mut [0u8; 1])? {
+                Some((_, fds)) => fds,
+                None => return Ok(false),
+            }
+        };
+        for fd in fds {
+            match Link::new(Connection::from(fd)) {
+                Ok(link) => self.adopt(link),
+                Err(error) => self.errors.push(format!("refused a connection: {error}")),
             }
         }
         Ok(true)
     }
 
-    /// Reads and handles one frame of connection `index`; `Ok(false)` when the sender hung up.
-    fn read_frame(&mut self, index: usize) -> Result<bool> {
+    /// Reads and handles one frame of connection `index`: `Some(true)` when one was read,
+    /// `Some(false)` when the sender hung up, `None` when nothing was waiting (only without `wait`).
+    fn read_frame(&mut self, index: usize, wait: bool) -> Result<Option<bool>> {
         let connected = &mut self.connected[index];
-        let Some((frame, mut fds)) = connected.peer.link.recv(&mut self.buf)? else {
-            return Ok(false);
+        let received = if wait {
+            connected.peer.link.recv(&mut self.buf)?
+        } else {
+            match connected.peer.link.try_recv(&mut self.buf)? {
+                Some(received) => received,
+                None => return Ok(None),
+            }
+        };
+        let Some((frame, mut fds)) = received else {
+            return Ok(Some(false));
         };
         let arrived_ns = monotonic_ns();
         if !connected.greeted {
             Link::check_hello(&frame)?;
             connected.greeted = true;
             self.joined = true;
-            return Ok(true);
+            return Ok(Some(true));
         }
         match frame {
             Frame::Chunk { id, len, kind, device, legacy } => {
@@ -543,7 +458,7 @@ impl<T: DeserializeOwned> Receiver<T> {
             }
             other => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
         }
-        Ok(true)
+        Ok(Some(true))
     }
 }
 

@@ -3,7 +3,9 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::marker::PhantomData;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering as Atomic};
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::Connection;
 use ipc_core::{Event, Stream};
@@ -11,7 +13,7 @@ use serde::Serialize;
 
 use super::{Link, lock, monotonic_ns};
 use crate::arena::{Chunk, RetireListener, Shared};
-use crate::signal::signal_after;
+use crate::signal::{Signal, signal_after};
 use crate::tensor::Storage;
 use crate::wire::{ChunkKind, Fence, Frame, MAX_FRAME, TensorDesc};
 use crate::{Error, Result, Tensor, side_table};
@@ -40,6 +42,8 @@ struct SenderState {
     next_event: u32,
     next_lease: u64,
     seq: u64,
+    /// Whether the receiver's `Hello` was read: until then only the reader thread reads.
+    greeted: bool,
     disconnected: bool,
     /// Leases removed from `leases` whose storage is still being dropped (which may retire a
     /// chunk): still outstanding, so that nothing is announced before the retirement is sent.
@@ -51,6 +55,10 @@ struct SenderInner {
     state: Mutex<SenderState>,
     changed: Condvar,
     me: std::sync::Weak<SenderInner>,
+    /// How long a send without credits reads the socket itself before it sleeps, in ns.
+    spin_ns: AtomicU64,
+    /// The buffer a spinning send reads frames into.
+    spin_buf: Mutex<Vec<u8>>,
 }
 
 impl RetireListener for SenderInner {
@@ -86,6 +94,8 @@ impl<T: Serialize> Sender<T> {
             state: Mutex::new(SenderState { next_lease: 1, ..Default::default() }),
             changed: Condvar::new(),
             me: me.clone(),
+            spin_ns: AtomicU64::new(0),
+            spin_buf: Mutex::new(Vec::new()),
         });
         let reader = inner.clone();
         std::thread::Builder::new()
@@ -98,72 +108,26 @@ impl<T: Serialize> Sender<T> {
     /// Sends `message`. GPU tensors in it must be complete: their devices are synchronised first
     /// (a CPU stall); use [`Sender::send_on`] to avoid it.
     pub fn send(&self, message: &T) -> Result<()> {
-        self.send_inner(message, None)
+        let outgoing = Outgoing::synchronized(message)?;
+        self.inner.send_outgoing(&outgoing)
     }
 
     /// Sends `message` whose GPU tensors were produced by work queued on `stream`; the receiver's
     /// first use is ordered after that work, and no CPU waits.
     pub fn send_on(&self, message: &T, stream: &Stream) -> Result<()> {
-        self.send_inner(message, Some(stream))
+        let outgoing = Outgoing::on_stream(message, stream)?;
+        self.inner.send_outgoing(&outgoing)
     }
 
-    fn send_inner(&self, message: &T, stream: Option<&Stream>) -> Result<()> {
-        let sent_ns = monotonic_ns();
-        let (payload, tensors) = side_table::encode(message)?;
-        for tensor in &tensors {
-            tensor.touched_bytes()?;
-        }
-        let inner = &self.inner;
-        let mut state = lock(&inner.state);
-        while state.credits == 0 && !state.disconnected {
-            state = inner.changed.wait(state).unwrap_or_else(|e| e.into_inner());
-        }
-        if state.disconnected {
-            return Err(Error::Disconnected);
-        }
-        let has_device = tensors.iter().any(|t| t.storage.chunk.device().is_some());
-        let (fence, event) = match (has_device, stream) {
-            (true, Some(stream)) => inner.fence(&mut state, &tensors, stream)?,
-            (true, None) => {
-                synchronize_devices(&tensors)?;
-                (Fence::None, None)
-            }
-            (false, _) => (Fence::None, None),
-        };
-        let mut descriptors = Vec::with_capacity(tensors.len());
-        for tensor in &tensors {
-            inner.announce(&mut state, &tensor.storage.chunk)?;
-            let lease = state.next_lease;
-            state.next_lease += 1;
-            let storage = &tensor.storage;
-            let on_device = storage.chunk.device().is_some();
-            descriptors.push(TensorDesc {
-                lease,
-                chunk: storage.chunk.id,
-                storage_offset: storage.offset as u64,
-                storage_len: storage.len as u64,
-                view_offset: tensor.offset() as u64,
-                dtype: tensor.dtype(),
-                fence: if on_device { fence } else { Fence::None },
-                shape: tensor.shape().to_vec(),
-                strides: tensor.strides().to_vec(),
-            });
-            state.leases.insert(lease, Lease { storage: storage.clone() });
-        }
-        state.seq += 1;
-        let frame =
-            Frame::Message { seq: state.seq, sent_ns, encoded_ns: monotonic_ns(), tensors: descriptors, payload };
-        if let Err(error) = inner.link.send(&frame, &[]) {
-            let Frame::Message { tensors, .. } = frame else { unreachable!() };
-            for desc in tensors {
-                state.leases.remove(&desc.lease);
-            }
-            state.free_events.extend(event);
-            return Err(error);
-        }
-        state.untaken.push_back(event);
-        state.credits -= 1;
-        Ok(())
+    /// Makes a send that finds no credit left read the receiver's credits and releases itself,
+    /// without sleeping, for up to `spin` before it waits for the reader thread.
+    ///
+    /// Credits come back through a socket read by a thread that sleeps in the kernel, and a
+    /// sleeping sender is woken by that thread in turn: two wake-ups between the receiver taking
+    /// messages and the sender going on, which bound a streaming producer's rate (`BENCHMARKS.md`).
+    /// Spinning costs a busy core while the queue is full. Zero (the default) never spins.
+    pub fn set_spin(&self, spin: Duration) {
+        self.inner.spin_ns.store(spin.as_nanos().min(u64::MAX as u128) as u64, Atomic::Relaxed);
     }
 
     /// Hand-offs the receiver still holds.
@@ -197,6 +161,62 @@ fn synchronize_devices(tensors: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
+/// A message encoded once, with what orders its receivers after the producer's work: the same
+/// for one receiver or for every receiver of a broadcast.
+struct Outgoing<'a> {
+    sent_ns: u64,
+    payload: Vec<u8>,
+    tensors: Vec<Tensor>,
+    fencing: Fencing<'a>,
+}
+
+/// How the receivers' first use of the GPU tensors is ordered after the producer's work.
+enum Fencing<'a> {
+    /// Nothing to wait for: no GPU tensors, or their devices were synchronised.
+    Done,
+    /// A signal word's write, queued once on the producer's stream, which every receiver waits for.
+    Signal(Signal),
+    /// An interprocess event of each connection, recorded on the stream when sent (the fallback).
+    Event(&'a Stream),
+}
+
+impl<'a> Outgoing<'a> {
+    fn encode<T: Serialize>(message: &T) -> Result<(u64, Vec<u8>, Vec<Tensor>)> {
+        let sent_ns = monotonic_ns();
+        let (payload, tensors) = side_table::encode(message)?;
+        for tensor in &tensors {
+            tensor.touched_bytes()?;
+        }
+        Ok((sent_ns, payload, tensors))
+    }
+
+    /// `message` with its GPU tensors' devices synchronised (a CPU stall).
+    fn synchronized<T: Serialize>(message: &T) -> Result<Outgoing<'a>> {
+        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
+        synchronize_devices(&tensors)?;
+        Ok(Outgoing { sent_ns, payload, tensors, fencing: Fencing::Done })
+    }
+
+    /// `message` whose GPU tensors were produced by work queued on `stream`: a signal word where
+    /// the device supports it and every GPU tensor is on the stream's device, else events.
+    fn on_stream<T: Serialize>(message: &T, stream: &'a Stream) -> Result<Outgoing<'a>> {
+        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
+        let devices: Vec<i32> =
+            tensors.iter().filter_map(|t| t.storage.chunk.device()).map(|m| m.context().device().ordinal()).collect();
+        let ordinal = stream.context().device().ordinal();
+        let fencing = if devices.is_empty() {
+            Fencing::Done
+        } else if devices.iter().all(|&d| d == ordinal)
+            && let Some(signal) = signal_after(stream)?
+        {
+            Fencing::Signal(signal)
+        } else {
+            Fencing::Event(stream)
+        };
+        Ok(Outgoing { sent_ns, payload, tensors, fencing })
+    }
+}
+
 impl SenderInner {
     /// Sends the chunk's descriptor or handle the first time this peer needs it.
     fn announce(&self, state: &mut SenderState, chunk: &Chunk) -> Result<()> {
@@ -221,24 +241,71 @@ impl SenderInner {
         Ok(())
     }
 
-    /// Marks the end of the work queued on `stream` so far for the receiver: a signal word where
-    /// the device supports it and every GPU tensor is on the stream's device, else an event.
-    fn fence(
-        &self,
-        state: &mut SenderState,
-        tensors: &[Tensor],
-        stream: &Stream,
-    ) -> Result<(Fence, Option<EventSlot>)> {
-        let ordinal = stream.context().device().ordinal();
-        let same_device =
-            tensors.iter().filter_map(|t| t.storage.chunk.device()).all(|m| m.context().device().ordinal() == ordinal);
-        if same_device && let Some(signal) = signal_after(stream)? {
-            self.announce(state, &signal.chunk)?;
-            let fence = Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value };
-            return Ok((fence, None));
+    /// Sends an encoded message to this receiver: waits for a credit, announces what the receiver
+    /// has not seen yet, and takes a lease per tensor.
+    fn send_outgoing(&self, outgoing: &Outgoing) -> Result<()> {
+        let mut state = lock(&self.state);
+        if state.credits == 0 && state.greeted && !state.disconnected {
+            drop(state);
+            self.spin_for_credits();
+            state = lock(&self.state);
         }
-        let slot = self.event_for(state, stream)?;
-        Ok((Fence::Event(slot.id), Some(slot)))
+        while state.credits == 0 && !state.disconnected {
+            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        if state.disconnected {
+            return Err(Error::Disconnected);
+        }
+        let (fence, event) = match &outgoing.fencing {
+            Fencing::Done => (Fence::None, None),
+            Fencing::Signal(signal) => {
+                self.announce(&mut state, &signal.chunk)?;
+                (Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }, None)
+            }
+            Fencing::Event(stream) => {
+                let slot = self.event_for(&mut state, stream)?;
+                (Fence::Event(slot.id), Some(slot))
+            }
+        };
+        let mut descriptors = Vec::with_capacity(outgoing.tensors.len());
+        for tensor in &outgoing.tensors {
+            self.announce(&mut state, &tensor.storage.chunk)?;
+            let lease = state.next_lease;
+            state.next_lease += 1;
+            let storage = &tensor.storage;
+            let on_device = storage.chunk.device().is_some();
+            descriptors.push(TensorDesc {
+                lease,
+                chunk: storage.chunk.id,
+                storage_offset: storage.offset as u64,
+                storage_len: storage.len as u64,
+                view_offset: tensor.offset() as u64,
+                dtype: tensor.dtype(),
+                fence: if on_device { fence } else { Fence::None },
+                shape: tensor.shape().to_vec(),
+                strides: tensor.strides().to_vec(),
+            });
+            state.leases.insert(lease, Lease { storage: storage.clone() });
+        }
+        state.seq += 1;
+        let frame = Frame::Message {
+            seq: state.seq,
+            sent_ns: outgoing.sent_ns,
+            encoded_ns: monotonic_ns(),
+            tensors: descriptors,
+            payload: outgoing.payload.clone(),
+        };
+        if let Err(error) = self.link.send(&frame, &[]) {
+            let Frame::Message { tensors, .. } = frame else { unreachable!() };
+            for desc in tensors {
+                state.leases.remove(&desc.lease);
+            }
+            state.free_events.extend(event);
+            return Err(error);
+        }
+        state.untaken.push_back(event);
+        state.credits -= 1;
+        Ok(())
     }
 
     /// A pooled interprocess event, recorded on `stream`.
@@ -269,7 +336,10 @@ impl SenderInner {
             None => Err(Error::Disconnected),
         }) {
             Ok(capacity) => {
-                lock(&self.state).credits = capacity;
+                let mut state = lock(&self.state);
+                state.credits = capacity;
+                state.greeted = true;
+                drop(state);
                 self.changed.notify_all();
             }
             Err(error) => {
@@ -287,35 +357,70 @@ impl SenderInner {
                     break;
                 }
             };
-            // Storage is dropped after the lock is let go: dropping a user buffer's chunk sends
-            // a retire frame, which takes the lock.
-            let mut released = Vec::new();
-            let mut state = lock(&self.state);
-            match frame {
-                Frame::Release { leases } => {
-                    released.extend(leases.iter().filter_map(|id| state.leases.remove(id)).map(|l| l.storage));
-                }
-                Frame::Credit { count } => {
-                    state.credits = state.credits.saturating_add(count);
-                    for _ in 0..count {
-                        if let Some(Some(slot)) = state.untaken.pop_front() {
-                            state.free_events.push(slot);
-                        }
-                    }
-                }
-                other => {
-                    tracing::warn!(?other, "unexpected frame from a receiver; closing");
-                    break;
-                }
+            if !self.handle(frame) {
+                break;
             }
-            state.dropping += released.len();
-            drop(state);
-            let count = released.len();
-            drop(released);
-            lock(&self.state).dropping -= count;
-            self.changed.notify_all();
         }
         self.disconnect();
+    }
+
+    /// Reads the receiver's frames on the sending thread while no credit is left, for up to the
+    /// spin time: the reader thread may take some of them too, which is fine, since credits add
+    /// up and releases are independent of each other.
+    fn spin_for_credits(&self) {
+        let spin = Duration::from_nanos(self.spin_ns.load(Atomic::Relaxed));
+        if spin.is_zero() {
+            return;
+        }
+        // One spinning thread is enough; others wait for it (or the reader thread) to see credits.
+        let Ok(mut buf) = self.spin_buf.try_lock() else { return };
+        let until = Instant::now() + spin;
+        buf.resize(MAX_FRAME, 0);
+        while Instant::now() < until && lock(&self.state).credits == 0 {
+            match self.link.try_recv(&mut buf) {
+                Ok(Some(Some((frame, _)))) => {
+                    if !self.handle(frame) {
+                        return self.disconnect(); // the reader thread then reads the hang-up
+                    }
+                }
+                // A hang-up or an error: the reader thread sees it too and cleans up.
+                Ok(Some(None)) | Err(_) => return,
+                Ok(None) => std::hint::spin_loop(),
+            }
+        }
+    }
+
+    /// Handles a frame from the receiver: releases and credits. `false`: the frame was not one a
+    /// receiver may send, and the connection must close.
+    fn handle(&self, frame: Frame) -> bool {
+        // Storage is dropped after the lock is let go: dropping a user buffer's chunk sends
+        // a retire frame, which takes the lock.
+        let mut released = Vec::new();
+        let mut state = lock(&self.state);
+        match frame {
+            Frame::Release { leases } => {
+                released.extend(leases.iter().filter_map(|id| state.leases.remove(id)).map(|l| l.storage));
+            }
+            Frame::Credit { count } => {
+                state.credits = state.credits.saturating_add(count);
+                for _ in 0..count {
+                    if let Some(Some(slot)) = state.untaken.pop_front() {
+                        state.free_events.push(slot);
+                    }
+                }
+            }
+            other => {
+                tracing::warn!(?other, "unexpected frame from a receiver; closing");
+                return false;
+            }
+        }
+        state.dropping += released.len();
+        drop(state);
+        let count = released.len();
+        drop(released);
+        lock(&self.state).dropping -= count;
+        self.changed.notify_all();
+        true
     }
 
     /// The receiver is gone: everything it held comes back now (dropped outside the lock).
@@ -358,12 +463,15 @@ impl<T: Serialize> Broadcast<T> {
     /// Sends to every receiver; see [`Sender::send`]. Every receiver is tried; the first error is
     /// returned.
     pub fn send(&self, message: &T) -> Result<()> {
-        first_error(self.senders.iter().map(|s| s.send(message)))
+        let outgoing = Outgoing::synchronized(message)?;
+        first_error(self.senders.iter().map(|s| s.inner.send_outgoing(&outgoing)))
     }
 
-    /// Sends to every receiver; see [`Sender::send_on`].
+    /// Sends to every receiver; see [`Sender::send_on`]. The message is encoded once, and one
+    /// signal-word write on `stream` orders every receiver.
     pub fn send_on(&self, message: &T, stream: &Stream) -> Result<()> {
-        first_error(self.senders.iter().map(|s| s.send_on(message, stream)))
+        let outgoing = Outgoing::on_stream(message, stream)?;
+        first_error(self.senders.iter().map(|s| s.inner.send_outgoing(&outgoing)))
     }
 }
 

@@ -156,7 +156,9 @@ fn bench_peer(role: &str, args: &[String]) -> Result<()> {
         }
         None => from_parent_with_capacity::<BenchItem>(capacity)?,
     };
-    items.set_spin(Duration::from_micros(number("--spin-us", 0)?));
+    let spin = Duration::from_micros(number("--spin-us", 0)?);
+    items.set_spin(spin);
+    acks.set_spin(spin);
     if let Some(context) = &context {
         items.stream(&context.device().uuid()?)?;
         Kernels::get(context)?;
@@ -228,9 +230,21 @@ fn drain(
     });
     let mut host_sum = 0u64;
     let mut events = 0;
+    // CPU time per step, in total: receive (waiting included), read, completion event, drop.
+    let mut steps_ns = [0u64; 4];
+    let mut lap = {
+        let mut last = monotonic_ns();
+        move |step: &mut u64| {
+            let now = monotonic_ns();
+            *step += now - last;
+            last = now;
+        }
+    };
     for received in 0..count {
+        lap(&mut steps_ns[3]);
         let (item, info) =
             next_item(&mut items)?.with_context(|| format!("the producer left after {received} items"))?;
+        lap(&mut steps_ns[0]);
         let event = match &gpu {
             Some((context, stream, kernels, counter)) => {
                 if read {
@@ -238,6 +252,7 @@ fn drain(
                         kernels.read(&tensor.cuda_view()?, 0, tensor.nbytes(), counter, stream)?;
                     }
                 }
+                lap(&mut steps_ns[1]);
                 // At most `limit` events, so at most `limit` reads queued on the GPU: a bounded
                 // queue keeps latency bounded.
                 let event = match recycled.try_recv() {
@@ -255,18 +270,22 @@ fn drain(
                 for tensor in item.tensors.iter().filter(|_| read) {
                     host_sum = host_sum.wrapping_add(reference::word_sum(tensor.as_slice::<u8>()?));
                 }
+                lap(&mut steps_ns[1]);
                 None
             }
         };
         done.send((info.sent_ns, event))?;
+        lap(&mut steps_ns[2]);
+        drop(item);
     }
+    lap(&mut steps_ns[3]);
     drop(done);
     let completions = watcher.join().map_err(|_| anyhow::anyhow!("the watcher panicked"))??;
     let usable_ns = completions.last().map_or(0, |&(_, at)| at);
     std::hint::black_box(host_sum);
     let flat: Vec<i64> = completions.iter().flat_map(|&(sent, done)| [sent as i64, done as i64]).collect();
     let completions = Some(Tensor::from_slice(&flat, DType::I64, &[completions.len() as u64, 2])?);
-    acks.send(&BenchAck { id: count, usable_ns, completions, ..Default::default() })?;
+    acks.send(&BenchAck { id: count, usable_ns, completions, stages_ns: steps_ns.to_vec() })?;
     // Stay until the producer hangs up, so its last leases come back through a live peer.
     while !matches!(items.recv(), Err(Error::Disconnected)) {}
     Ok(())

@@ -312,12 +312,14 @@ fn summary(samples: &mut [u64]) -> Value {
 }
 
 impl Bench {
-    /// A `tq-peer` in `role`; both its receiver and ours spin for `spin_us` before sleeping.
+    /// A `tq-peer` in `role`; its receiver and ours, and both senders, spin for `spin_us` before
+    /// sleeping.
     fn peer(&self, role: &str, spin_us: u64, extra: &[&str]) -> Result<(Child, Sender<BenchItem>, Receiver<BenchAck>)> {
         let spin = spin_us.to_string();
         let args: Vec<&str> = ["--spin-us", spin.as_str()].into_iter().chain(extra.iter().copied()).collect();
         let (child, sender, mut acks) = spawn_tq_peer(role, &args, &[])?;
         acks.set_spin(Duration::from_micros(spin_us));
+        sender.set_spin(Duration::from_micros(spin_us));
         Ok((child, sender, acks))
     }
 
@@ -626,14 +628,28 @@ impl Bench {
         if !self.options.read {
             extra.push("--no-read");
         }
+        let kernel_us = self.kernel_costs()?;
         let (mut child, sender, mut acks) = self.peer("drain", self.options.spin_us, &extra)?;
         let total = (warmup + items) as usize;
+        // The producer's CPU time per step, in total: allocate and fill, send.
+        let mut producer_ns = [0u64; 2];
         for id in 0..total as u64 {
+            let start = monotonic_ns();
             let tensor = self.tensor(5 << 20, id)?;
+            let made = monotonic_ns();
             self.send(&sender, &BenchItem { id, tensors: vec![tensor] })?;
+            producer_ns[0] += made - start;
+            producer_ns[1] += monotonic_ns() - made;
             self.progress.tick(id as usize + 1, total);
         }
         let ack = answer(&mut acks)?;
+        let per_item = |ns: u64| (ns as f64 / total as f64 / 100.0).round() / 10.0;
+        let cpu = json!({
+            "producer": { "allocate_and_fill": per_item(producer_ns[0]), "send": per_item(producer_ns[1]) },
+            "consumer": ack.stages_ns.iter().zip(["receive_and_wait", "read", "completion_event", "drop_and_release"])
+                .map(|(&ns, name)| (name.to_string(), json!(per_item(ns)))).collect::<serde_json::Map<_, _>>(),
+        });
+        eprintln!("      CPU us per item: {cpu}");
         Bench::finish_peer(&mut child, sender)?;
         let flat: Vec<i64> = ack.completions.context("no completions")?.as_slice::<i64>()?.to_vec();
         let completions: Vec<(u64, u64)> = flat.chunks_exact(2).map(|pair| (pair[0] as u64, pair[1] as u64)).collect();
@@ -682,8 +698,40 @@ impl Bench {
                 .against("torch put->usable p99", field(torch, "queue_latency_p99_us"))
                 .target(200.0),
         );
-        self.json.insert("streaming".into(), json!({ "items": items, "warmup": warmup, "capacity": self.options.capacity, "in_flight": self.options.in_flight, "fill": self.options.fill, "read": self.options.read, "items_per_s": rate, "latency": stats }));
+        self.json.insert("streaming".into(), json!({ "items": items, "warmup": warmup, "capacity": self.options.capacity, "in_flight": self.options.in_flight, "fill": self.options.fill, "read": self.options.read, "items_per_s": rate, "latency": stats, "kernel_us": kernel_us, "cpu_us_per_item": cpu }));
         Ok(())
+    }
+
+    /// The GPU floor of one streamed item, from this process alone: a 5 MB fill and a 5 MB read,
+    /// each launched 500 times back to back on one stream. Per kernel: the CPU's launch call, and
+    /// launch and kernel together (whichever is slower). `None` without a GPU.
+    fn kernel_costs(&mut self) -> Result<Option<Value>> {
+        let Some(gpu) = &self.gpu else { return Ok(None) };
+        let bytes = 5usize << 20;
+        let tensor = ipc_core::DeviceBuffer::alloc(&gpu.context, bytes)?;
+        let counter = ipc_core::DeviceBuffer::alloc(&gpu.context, 8)?;
+        let each = |launch: &dyn Fn(u64) -> ipc_core::Result<()>| -> Result<(f64, f64)> {
+            launch(0)?;
+            gpu.stream.synchronize()?;
+            let start = Instant::now();
+            for i in 0..500 {
+                launch(i)?;
+            }
+            let launched = start.elapsed();
+            gpu.stream.synchronize()?;
+            Ok((launched.as_secs_f64() * 1e6 / 500.0, start.elapsed().as_secs_f64() * 1e6 / 500.0))
+        };
+        let fill = each(&|seed| gpu.kernels.fill(&tensor, 0, bytes, seed, &gpu.stream))?;
+        let read = each(&|_| gpu.kernels.read(&tensor, 0, bytes, &counter, &gpu.stream))?;
+        eprintln!(
+            "      GPU floor per item, back to back in one process: fill 5 MB {:.1} us (launch call {:.1}), read 5 MB {:.1} us (launch call {:.1})",
+            fill.1, fill.0, read.1, read.0
+        );
+        self.rows.push(Row::new("GPU floor: fill 5 MB, back to back", fill.1, "us"));
+        self.rows.push(Row::new("GPU floor: read 5 MB, back to back", read.1, "us"));
+        Ok(Some(
+            json!({ "fill_5mb_us": fill.1, "fill_launch_us": fill.0, "read_5mb_us": read.1, "read_launch_us": read.0 }),
+        ))
     }
 
     /// One 1 GiB tensor to three receivers: the first time (its chunk imported by each), then
