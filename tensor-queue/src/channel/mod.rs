@@ -34,8 +34,10 @@
 //!
 //! # Waiting
 //! `recv` sleeps in `poll` and the kernel wakes it: a few microseconds per hand-off. With
-//! [`Receiver::set_spin`] it polls without sleeping first, which takes the wake-up off the
-//! latency and costs a busy core while it waits.
+//! [`Receiver::set_spin`] it reads its sockets without sleeping first, which takes the wake-up
+//! off the latency and costs a busy core while it waits. Likewise a sender with no credit left
+//! waits for its reader thread to see the next credit, and that thread for the kernel; with
+//! [`Sender::set_spin`] the sending thread reads the credits itself for a while first.
 //!
 //! # Flow control and failure
 //! A receiver grants each sender `capacity` messages; `send` blocks when they are used up and
