@@ -304,8 +304,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         loop {
             // A non-blocking read per connection: one system call per frame, where a zero-timeout
             // `poll` and then the read would be two.
-            let all: Vec<usize> = (0..self.connected.len()).collect();
-            if self.read_connections(all, false) || self.accept_waiting(false)? {
+            if self.read_connections(0..self.connected.len()) || self.accept_waiting()? {
                 return Ok(true);
             }
             if Instant::now() >= until {
@@ -339,20 +338,20 @@ impl<T: DeserializeOwned> Receiver<T> {
                 fds[skip..].iter().enumerate().filter(|(_, fd)| !fd.revents().is_empty()).map(|(i, _)| i).collect();
             (listener_ready, readable)
         };
-        self.read_connections(readable, true);
+        self.read_connections(readable);
         if listener_ready {
-            self.accept_waiting(true)?;
+            self.accept_waiting()?;
         }
         Ok(true)
     }
 
-    /// Reads one frame from each of these connections (`wait`: they are known to be readable);
-    /// closes those that hung up or sent something wrong. Whether any frame or hang-up was read.
-    fn read_connections(&mut self, indexes: Vec<usize>, wait: bool) -> bool {
+    /// Reads the next frame, if one is waiting, of each of these connections; closes those that
+    /// hung up or sent something wrong. Whether any frame or hang-up was read.
+    fn read_connections(&mut self, indexes: impl IntoIterator<Item = usize>) -> bool {
         let mut read = false;
         let mut closed = Vec::new();
         for index in indexes {
-            match self.read_frame(index, wait) {
+            match self.read_frame(index) {
                 Ok(Some(true)) => read = true,
                 Ok(Some(false)) => closed.push(index),
                 Ok(None) => {}
@@ -374,18 +373,11 @@ impl<T: DeserializeOwned> Receiver<T> {
         read
     }
 
-    /// Adopts the connections the accept thread handed over (`wait`: the doorbell is known to be
-    /// readable). Whether there were any.
-    fn accept_waiting(&mut self, wait: bool) -> Result<bool> {
+    /// Adopts the connections the accept thread handed over, if any are waiting. Whether there
+    /// were any.
+    fn accept_waiting(&mut self) -> Result<bool> {
         let Some(acceptor) = &self.acceptor else { return Ok(false) };
-        let fds = if wait {
-            acceptor.doorbell.recv(&mut [0u8; 1])?.1
-        } else {
-            match acceptor.doorbell.try_recv(&mut [0u8; 1])? {
-                Some((_, fds)) => fds,
-                None => return Ok(false),
-            }
-        };
+        let Some((_, fds)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
         for fd in fds {
             match Link::new(Connection::from(fd)) {
                 Ok(link) => self.adopt(link),
@@ -395,18 +387,12 @@ impl<T: DeserializeOwned> Receiver<T> {
         Ok(true)
     }
 
-    /// Reads and handles one frame of connection `index`: `Some(true)` when one was read,
-    /// `Some(false)` when the sender hung up, `None` when nothing was waiting (only without `wait`).
-    fn read_frame(&mut self, index: usize, wait: bool) -> Result<Option<bool>> {
+    /// Reads and handles the next frame of connection `index`, without sleeping (after `poll`
+    /// the frame is there): `Some(true)` when one was read, `Some(false)` when the sender hung
+    /// up, `None` when nothing was waiting.
+    fn read_frame(&mut self, index: usize) -> Result<Option<bool>> {
         let connected = &mut self.connected[index];
-        let received = if wait {
-            connected.peer.link.recv(&mut self.buf)?
-        } else {
-            match connected.peer.link.try_recv(&mut self.buf)? {
-                Some(received) => received,
-                None => return Ok(None),
-            }
-        };
+        let Some(received) = connected.peer.link.try_recv(&mut self.buf)? else { return Ok(None) };
         let Some((frame, mut fds)) = received else {
             return Ok(Some(false));
         };

@@ -684,21 +684,9 @@ impl Bench {
         }
         self.latency_plots
             .push(Series { label: "tensor-queue streaming 5 MB, send -> read done".into(), points: cdf(&latencies) });
-        self.rows.push(
-            Row::new("stream fresh 5 MB, items/s", rate, "/s")
-                .against("torch mp.Queue items/s", field(torch, "queue_items_per_s"))
-                .target(100_000.0),
-        );
-        self.rows.push(
-            Row::new("stream fresh 5 MB, send->usable+read p50", stats["p50_us"].as_f64().unwrap_or(0.0), "us")
-                .against("torch put->usable p50", field(torch, "queue_latency_p50_us")),
-        );
-        self.rows.push(
-            Row::new("stream fresh 5 MB, send->usable+read p99", stats["p99_us"].as_f64().unwrap_or(0.0), "us")
-                .against("torch put->usable p99", field(torch, "queue_latency_p99_us"))
-                .target(200.0),
-        );
-        self.json.insert("streaming".into(), json!({ "items": items, "warmup": warmup, "capacity": self.options.capacity, "in_flight": self.options.in_flight, "fill": self.options.fill, "read": self.options.read, "items_per_s": rate, "latency": stats, "kernel_us": kernel_us, "cpu_us_per_item": cpu }));
+        let results = json!({ "items": items, "warmup": warmup, "capacity": self.options.capacity, "in_flight": self.options.in_flight, "fill": self.options.fill, "read": self.options.read, "items_per_s": rate, "latency": stats, "kernel_us": kernel_us, "cpu_us_per_item": cpu });
+        self.streaming_rows("stream fresh 5 MB", &results, torch);
+        self.json.insert("streaming".into(), results);
         Ok(())
     }
 
@@ -838,25 +826,28 @@ impl Bench {
             stream["capacity"].as_u64().unwrap_or(0),
             stream["in_flight"].as_u64().unwrap_or(0)
         );
-        let rate = stream["items_per_s"].as_f64().unwrap_or(0.0);
-        let p50 = stream["latency"]["p50_us"].as_f64().unwrap_or(0.0);
-        let p99 = stream["latency"]["p99_us"].as_f64().unwrap_or(0.0);
+        self.streaming_rows(&format!("stream fresh 5 MB {label}"), stream, torch);
+        self.json.insert("streaming_mps".into(), stream.clone());
+        Ok(())
+    }
+
+    /// The table's rows of one streaming run (`results` as in `bench.json`), named `name`.
+    fn streaming_rows(&mut self, name: &str, results: &Value, torch: Option<&Value>) {
+        let number = |value: &Value| value.as_f64().unwrap_or(0.0);
         self.rows.push(
-            Row::new(format!("stream fresh 5 MB {label}, items/s"), rate, "/s")
+            Row::new(format!("{name}, items/s"), number(&results["items_per_s"]), "/s")
                 .against("torch mp.Queue items/s", field(torch, "queue_items_per_s"))
                 .target(100_000.0),
         );
         self.rows.push(
-            Row::new(format!("stream fresh 5 MB {label}, send->usable+read p50"), p50, "us")
+            Row::new(format!("{name}, send->usable+read p50"), number(&results["latency"]["p50_us"]), "us")
                 .against("torch put->usable p50", field(torch, "queue_latency_p50_us")),
         );
         self.rows.push(
-            Row::new(format!("stream fresh 5 MB {label}, send->usable+read p99"), p99, "us")
+            Row::new(format!("{name}, send->usable+read p99"), number(&results["latency"]["p99_us"]), "us")
                 .against("torch put->usable p99", field(torch, "queue_latency_p99_us"))
                 .target(200.0),
         );
-        self.json.insert("streaming_mps".into(), stream.clone());
-        Ok(())
     }
 
     fn finish(mut self, machine: &str) -> Result<()> {
