@@ -58,6 +58,49 @@ pub enum Error {
     /// An argument that makes no sense for the call.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A shared-memory descriptor from another process that is not sealed against shrinking.
+    #[error(
+        "the shared-memory descriptor is not sealed against shrinking (F_SEAL_SHRINK): its sender could truncate it and crash this process with SIGBUS; make it with SharedMemory::create"
+    )]
+    UnsealedSharedMemory,
+    /// A write to shared memory that this process mapped read-only.
+    #[error("this shared memory is mapped read-only (its descriptor was opened for reading only)")]
+    ReadOnlyMemory,
+    /// The process at the other end of a connection closed it (`EPIPE` or `ECONNRESET` on send).
+    #[error("the peer closed the connection")]
+    PeerGone,
+    /// A zero-length message while the peer is still connected. It would read like a hang-up,
+    /// so it is refused: no message of a well-behaved peer is empty.
+    #[error("the peer sent an empty message, which would read like a hang-up; the peer is broken or hostile")]
+    EmptyMessage,
+    /// Descriptors sent by the peer were dropped by the kernel because this process has (nearly)
+    /// run out of descriptors.
+    #[error(
+        "descriptors sent by the peer were lost: this process has (nearly) used up its limit of {limit} open files; raise it (`ulimit -n`) or close descriptors"
+    )]
+    DescriptorTableFull {
+        /// The soft limit (`RLIMIT_NOFILE`).
+        limit: u64,
+    },
+    /// The listener was stopped with [`crate::seqpacket::Listener::wake`]: it accepts no more
+    /// connections.
+    #[error("the listener was stopped (Listener::wake) and accepts no more connections")]
+    ListenerStopped,
+    /// No process has this id (it exited and was reaped, or never existed).
+    #[error("there is no process {pid}")]
+    NoSuchProcess {
+        /// The process id.
+        pid: u32,
+    },
+    /// A process this process cannot watch through a pidfd; fall back on another liveness test
+    /// (such as the connection's hang-up).
+    #[error("cannot watch process {pid}: {reason}")]
+    ProcessUnwatchable {
+        /// The process id (0 when the peer's id is not visible in this PID namespace).
+        pid: u32,
+        /// Why.
+        reason: &'static str,
+    },
     /// An operating-system call failed.
     #[error("{what} failed: {source}")]
     Os {

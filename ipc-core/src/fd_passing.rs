@@ -7,50 +7,111 @@ use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer, SendAncillaryMessage,
     SendFlags, recvmsg, sendmsg,
 };
+use rustix::process::Resource;
 
 use crate::{Error, Result};
 
 /// The most descriptors one message carries.
 pub const MAX_FDS: usize = 32;
 
-/// Sends all of `bytes` with `fds` attached to the first byte.
+/// Sends all of `bytes` (at least one) with `fds` attached to the first byte.
+///
+/// A peer that closed the connection is [`Error::PeerGone`].
 pub fn send(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+    check_message(bytes, fds)?;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    send_rest(socket.as_fd(), bytes, 0, control_for(&mut space, fds)?)
+}
+
+/// Sends `bytes` with `fds` attached if the socket has room for them now: `Ok(false)`, having
+/// sent nothing, if it has not (`MSG_DONTWAIT`).
+///
+/// On a `SOCK_SEQPACKET` socket (all of [`crate::seqpacket`]) a message goes whole or not at
+/// all. On a stream socket a message the kernel took only in part is finished by waiting, so
+/// that no message is ever cut.
+pub fn try_send(socket: impl AsFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<bool> {
+    check_message(bytes, fds)?;
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = control_for(&mut space, fds)?;
+    let flags = SendFlags::NOSIGNAL | SendFlags::DONTWAIT;
+    let sent = loop {
+        match sendmsg(&socket, &[IoSlice::new(bytes)], &mut control, flags) {
+            Ok(n) => break n,
+            Err(Errno::INTR) => continue,
+            Err(Errno::AGAIN) => return Ok(false),
+            Err(errno) => return Err(send_error(errno)),
+        }
+    };
+    // The descriptors went with the first chunk.
+    send_rest(socket.as_fd(), bytes, sent, SendAncillaryBuffer::default())?;
+    Ok(true)
+}
+
+fn check_message(bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
     if fds.len() > MAX_FDS {
         return Err(Error::InvalidArgument(format!("{} descriptors in one message; at most {MAX_FDS}", fds.len())));
     }
-    if bytes.is_empty() && !fds.is_empty() {
-        return Err(Error::InvalidArgument("descriptors must travel with at least one byte".into()));
+    if bytes.is_empty() {
+        // And descriptors must travel with at least one byte.
+        return Err(Error::InvalidArgument("an empty message would read like a hang-up".into()));
     }
-    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
-    let mut control = SendAncillaryBuffer::new(&mut space);
+    Ok(())
+}
+
+fn control_for<'a>(
+    space: &'a mut [MaybeUninit<u8>],
+    fds: &'a [BorrowedFd<'a>],
+) -> Result<SendAncillaryBuffer<'a, 'a, 'a>> {
+    let mut control = SendAncillaryBuffer::new(space);
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(Error::InvalidArgument("descriptors do not fit the control buffer".into()));
     }
-    let mut sent = 0;
+    Ok(control)
+}
+
+/// Sends `bytes[sent..]`, waiting for room; `control` goes with the first chunk.
+fn send_rest(
+    socket: BorrowedFd<'_>,
+    bytes: &[u8],
+    mut sent: usize,
+    mut control: SendAncillaryBuffer<'_, '_, '_>,
+) -> Result<()> {
     while sent < bytes.len() {
-        match sendmsg(&socket, &[IoSlice::new(&bytes[sent..])], &mut control, SendFlags::NOSIGNAL) {
+        match sendmsg(socket, &[IoSlice::new(&bytes[sent..])], &mut control, SendFlags::NOSIGNAL) {
             Ok(n) => {
                 sent += n;
                 // The descriptors went with the first chunk.
                 control = SendAncillaryBuffer::default();
             }
             Err(Errno::INTR) => continue,
-            Err(errno) => return Err(Error::os("sendmsg", errno)),
+            Err(errno) => return Err(send_error(errno)),
         }
     }
     Ok(())
 }
 
+/// One error for a dead peer: `EPIPE` (it closed), or `ECONNRESET` (it closed with messages
+/// from us unread, reported once before `EPIPE`).
+fn send_error(errno: Errno) -> Error {
+    match errno {
+        Errno::PIPE | Errno::CONNRESET => Error::PeerGone,
+        errno => Error::os("sendmsg", errno),
+    }
+}
+
 /// Receives up to `buf.len()` bytes and the descriptors that came with them.
 ///
-/// Returns `(0, [])` when the peer has closed the connection. If the peer attached more than
-/// [`MAX_FDS`] descriptors the kernel drops the excess; that is reported as an error (and the
-/// descriptors that did arrive are closed).
+/// Returns `(0, [])` when the peer has closed the connection (or shut it down for writing). An
+/// empty message from a peer still connected is [`Error::EmptyMessage`], so that no peer can
+/// fake a hang-up. If the peer attached more than [`MAX_FDS`] descriptors the kernel drops the
+/// excess; that is reported as an error (and the descriptors that did arrive are closed), as
+/// [`Error::DescriptorTableFull`] when this process had no room for them.
 pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
     recv_with(socket, buf, RecvFlags::CMSG_CLOEXEC).map(|received| received.unwrap_or_default())
 }
@@ -84,9 +145,48 @@ fn recv_with(socket: impl AsFd, buf: &mut [u8], flags: RecvFlags) -> Result<Opti
         return Err(Error::InvalidArgument(format!("a message longer than the {}-byte buffer", buf.len())));
     }
     if message.flags.contains(ReturnFlags::CTRUNC) {
-        return Err(Error::InvalidArgument(format!("the peer sent more than {MAX_FDS} descriptors in one message")));
+        let open = open_descriptors();
+        drop(fds);
+        return Err(match descriptor_shortage(open, rustix::process::getrlimit(Resource::Nofile).current) {
+            Some(limit) => Error::DescriptorTableFull { limit },
+            None => Error::InvalidArgument(format!("the peer sent more than {MAX_FDS} descriptors in one message")),
+        });
+    }
+    if message.bytes == 0 && !hung_up(socket.as_fd())? {
+        return Err(Error::EmptyMessage);
     }
     Ok(Some((message.bytes, fds)))
+}
+
+/// Whether the peer has hung up (or we shut the socket down for reading): a read of 0 bytes is
+/// end-of-file then, and an empty message otherwise. For `SOCK_SEQPACKET` both read alike.
+fn hung_up(socket: BorrowedFd<'_>) -> Result<bool> {
+    let mut fds = [PollFd::new(&socket, PollFlags::IN | PollFlags::RDHUP)];
+    loop {
+        match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
+            Ok(_) => break,
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(Error::os("poll", e)),
+        }
+    }
+    Ok(fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP))
+}
+
+/// How many descriptors this process has open, or `None` if there is no room to count them.
+fn open_descriptors() -> Option<u64> {
+    // Listing the directory takes a descriptor itself: failing for want of one answers the question.
+    std::fs::read_dir("/proc/self/fd").ok().map(|entries| entries.count() as u64)
+}
+
+/// The limit to name when descriptors were lost: `Some(soft limit)` when `open` (`None`: too
+/// many to count) leaves fewer than [`MAX_FDS`] free under it, so that a message's descriptors
+/// may not have fit. `None` when there was room, so the peer sent more than [`MAX_FDS`].
+fn descriptor_shortage(open: Option<u64>, soft_limit: Option<u64>) -> Option<u64> {
+    let limit = soft_limit?;
+    match open {
+        None => Some(limit),
+        Some(open) => (open.saturating_add(MAX_FDS as u64) >= limit).then_some(limit),
+    }
 }
 
 /// Checks that `fd` is open in this process, without taking ownership of it.
@@ -138,8 +238,110 @@ mod tests {
         let fds: Vec<BorrowedFd<'_>> = (0..=MAX_FDS).map(|_| a.as_fd()).collect();
         assert!(matches!(send(&a, b"x", &fds), Err(Error::InvalidArgument(_))));
         assert!(matches!(send(&a, b"", &[a.as_fd()]), Err(Error::InvalidArgument(_))));
+        assert!(matches!(send(&a, b"", &[]), Err(Error::InvalidArgument(_))), "it would read like a hang-up");
+        assert!(matches!(try_send(&a, b"", &[]), Err(Error::InvalidArgument(_))));
         assert!(matches!(check_open(987_654), Err(Error::BadDescriptor { fd: 987_654, .. })));
         assert!(matches!(check_open(-1), Err(Error::BadDescriptor { .. })));
         assert!(check_open(0).is_ok() || check_open(1).is_ok());
+    }
+
+    fn seqpacket_pair() -> (OwnedFd, OwnedFd) {
+        rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            rustix::net::SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap()
+    }
+
+    /// Sends `bytes` with `fds` attached, bypassing [`send`]'s checks, as a hostile peer could.
+    fn raw_send(socket: &OwnedFd, bytes: &[u8], fds: &[BorrowedFd<'_>]) {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2 * MAX_FDS))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        assert!(fds.is_empty() || control.push(SendAncillaryMessage::ScmRights(fds)));
+        assert_eq!(sendmsg(socket, &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL).unwrap(), bytes.len());
+    }
+
+    #[test]
+    fn a_dead_peer_is_one_error_on_send() {
+        let (survivor, leaving) = seqpacket_pair();
+        send(&survivor, b"never read", &[]).unwrap();
+        // Closing with our message unread makes the first send fail with ECONNRESET, the next EPIPE.
+        drop(leaving);
+        assert!(matches!(send(&survivor, b"x", &[]), Err(Error::PeerGone)));
+        assert!(matches!(send(&survivor, b"x", &[]), Err(Error::PeerGone)));
+        assert!(matches!(try_send(&survivor, b"x", &[]), Err(Error::PeerGone)));
+        assert_eq!(Error::PeerGone.to_string(), "the peer closed the connection");
+    }
+
+    #[test]
+    fn an_empty_message_is_not_a_hang_up() {
+        let (hostile, b) = seqpacket_pair();
+        let memfd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        raw_send(&hostile, b"", &[]);
+        raw_send(&hostile, b"", &[memfd.as_fd()]);
+        send(&hostile, b"after", &[]).unwrap();
+        let mut buf = [0u8; 16];
+        assert!(matches!(recv(&b, &mut buf), Err(Error::EmptyMessage)));
+        assert!(matches!(try_recv(&b, &mut buf), Err(Error::EmptyMessage)), "with descriptors too");
+        assert_eq!(recv(&b, &mut buf).unwrap().0, 5, "the connection goes on");
+        rustix::net::shutdown(&hostile, rustix::net::Shutdown::Write).unwrap();
+        assert_eq!(recv(&b, &mut buf).unwrap().0, 0, "a peer that stops writing has hung up");
+        drop(hostile);
+        assert_eq!(recv(&b, &mut buf).unwrap().0, 0, "and so has one that closes");
+        assert_eq!(try_recv(&b, &mut buf).unwrap().map(|(n, _)| n), Some(0));
+    }
+
+    #[test]
+    fn too_many_descriptors_are_named_as_such() {
+        let (a, b) = seqpacket_pair();
+        let fds: Vec<BorrowedFd<'_>> = (0..MAX_FDS + 8).map(|_| a.as_fd()).collect();
+        raw_send(&a, b"x", &fds);
+        let error = recv(&b, &mut [0u8; 4]).unwrap_err();
+        assert!(matches!(error, Error::InvalidArgument(ref m) if m.contains("more than 32")), "{error}");
+    }
+
+    #[test]
+    fn a_nearly_full_table_is_named_with_its_limit() {
+        assert_eq!(descriptor_shortage(Some(1000), Some(1024)), Some(1024));
+        assert_eq!(descriptor_shortage(Some(1024), Some(1024)), Some(1024));
+        assert_eq!(descriptor_shortage(None, Some(64)), Some(64), "no room even to count");
+        assert_eq!(descriptor_shortage(Some(10), Some(1024)), None, "room: the peer sent too many");
+        assert_eq!(descriptor_shortage(Some(10), None), None, "no limit");
+        let message = Error::DescriptorTableFull { limit: 1024 }.to_string();
+        assert!(message.contains("1024") && message.contains("ulimit -n"), "{message}");
+    }
+
+    /// Set in the child that [`lost_descriptors_in_a_full_table_name_the_limit`] starts.
+    const FULL_TABLE_CHILD: &str = "IPC_CORE_TEST_FULL_TABLE_CHILD";
+
+    /// Lowering `RLIMIT_NOFILE` would starve the tests running beside this one, so the test runs
+    /// again in a child process of its own, where it is the only test.
+    #[test]
+    fn lost_descriptors_in_a_full_table_name_the_limit() {
+        let name = "fd_passing::tests::lost_descriptors_in_a_full_table_name_the_limit";
+        if std::env::var_os(FULL_TABLE_CHILD).is_none() {
+            let output = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", name, "--test-threads=1", "--nocapture"])
+                .env(FULL_TABLE_CHILD, "1")
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
+            assert!(stdout.contains("1 passed"), "the child ran the test: {stdout}");
+            return;
+        }
+        let (a, b) = seqpacket_pair();
+        let memfd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        send(&a, b"x", &[memfd.as_fd(), memfd.as_fd()]).unwrap();
+        let nofile = rustix::process::Resource::Nofile;
+        let saved = rustix::process::getrlimit(nofile);
+        // Descriptors 0, 1 and 2 are open: no room for one more.
+        rustix::process::setrlimit(nofile, rustix::process::Rlimit { current: Some(3), maximum: saved.maximum })
+            .unwrap();
+        let received = recv(&b, &mut [0u8; 4]);
+        rustix::process::setrlimit(nofile, saved).unwrap();
+        assert!(matches!(received, Err(Error::DescriptorTableFull { limit: 3 })), "{received:?}");
     }
 }

@@ -1,11 +1,14 @@
 //! Host memory the GPU can reach: pinned allocations, and shared-memory files that two processes
 //! map and pin, so both can copy to and from the same pages at full speed.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use cuda_sys::{CUdeviceptr, driver};
-use rustix::fs::{MemfdFlags, fstat, ftruncate, memfd_create};
+use rustix::fs::{
+    MemfdFlags, Mode, OFlags, SealFlags, fchmod, fcntl_add_seals, fcntl_get_seals, fcntl_getfl, fstat, ftruncate,
+    memfd_create,
+};
 use rustix::mm::{MapFlags, ProtFlags, mmap, munmap};
 
 use crate::{Context, Error, Result};
@@ -74,16 +77,24 @@ fn device_pointer(context: &Context, host: *mut u8) -> Result<CUdeviceptr> {
     Ok(ptr)
 }
 
-/// A shared-memory file (memfd) mapped read-write; its descriptor can be sent to another process
-/// ([`crate::fd_passing`]), which maps the same pages with [`SharedMemory::from_fd`].
+/// A shared-memory file (memfd) mapped into this process; its descriptor can be sent to another
+/// process ([`crate::fd_passing`]), which maps the same pages with [`SharedMemory::from_fd`].
 ///
 /// Both processes see each other's writes: who writes what, and when, is for the protocol that
 /// uses this memory to agree on.
+///
+/// # Why the file is sealed
+/// Touching a mapped page beyond the end of its file raises `SIGBUS`, which kills the process. A
+/// peer holding the file could shrink it under our mapping, so [`SharedMemory::create`] seals it
+/// against shrinking and growing (`F_SEAL_SHRINK | F_SEAL_GROW`, then `F_SEAL_SEAL` so the
+/// seals stay as they are), and [`SharedMemory::from_fd`] maps only files sealed against
+/// shrinking.
 #[derive(Debug)]
 pub struct SharedMemory {
     fd: OwnedFd,
     ptr: *mut u8,
     len: usize,
+    writable: bool,
 }
 
 // SAFETY: the mapping is owned by this value and unmapped once; `&self` gives only reads, and
@@ -93,36 +104,72 @@ unsafe impl Send for SharedMemory {}
 unsafe impl Sync for SharedMemory {}
 
 impl SharedMemory {
-    /// Creates `len` zeroed bytes of anonymous shared memory named `name` (for debugging only).
+    /// Creates `len` zeroed bytes of anonymous shared memory named `name` (for debugging only),
+    /// mapped read-write and sealed against resizing.
     pub fn create(name: &str, len: usize) -> Result<SharedMemory> {
-        let fd = memfd_create(name, MemfdFlags::CLOEXEC).map_err(|e| Error::os("memfd_create", e))?;
+        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        let fd = memfd_create(name, flags).map_err(|e| Error::os("memfd_create", e))?;
         ftruncate(&fd, len as u64).map_err(|e| Error::os("ftruncate", e))?;
-        SharedMemory::map(fd, len)
+        fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| Error::os("sealing shared memory", e))?;
+        // A memfd is created with mode 0777, so whoever holds a read-only descriptor could reopen
+        // it for writing through /proc/<pid>/fd; owner-read-only stops that (for all but root),
+        // while descriptors already open for writing, ours included, keep working.
+        fchmod(&fd, Mode::RUSR).map_err(|e| Error::os("chmod 0400 on shared memory", e))?;
+        SharedMemory::map(fd, len, true)
     }
 
-    /// Maps the first `len` bytes of a shared-memory file received from another process.
+    /// Maps the first `len` bytes of a shared-memory file received from another process:
+    /// read-write if the descriptor was opened for reading and writing, read-only otherwise.
+    ///
+    /// The file must be sealed against shrinking ([`Error::UnsealedSharedMemory`] if not), as
+    /// files from [`SharedMemory::create`] are, so that its sender cannot crash this process.
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<SharedMemory> {
+        // Files that cannot be sealed (a regular file) fail with EINVAL: no seals either.
+        let seals = fcntl_get_seals(&fd).unwrap_or(SealFlags::empty());
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(Error::UnsealedSharedMemory);
+        }
         let size = fstat(&fd).map_err(|e| Error::os("fstat", e))?.st_size;
         if (size as u64) < len as u64 {
             return Err(Error::OutOfBounds { offset: 0, count: len, len: size as usize });
         }
-        SharedMemory::map(fd, len)
+        let access = fcntl_getfl(&fd).map_err(|e| Error::os("fcntl(F_GETFL)", e))? & OFlags::RWMODE;
+        // A write-sealed file refuses writable shared mappings, whatever the descriptor allows.
+        let writable = access == OFlags::RDWR && !seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE);
+        SharedMemory::map(fd, len, writable)
     }
 
-    fn map(fd: OwnedFd, len: usize) -> Result<SharedMemory> {
+    fn map(fd: OwnedFd, len: usize, writable: bool) -> Result<SharedMemory> {
         if len == 0 {
             return Err(Error::InvalidArgument("shared memory needs at least one byte".into()));
         }
-        let protection = ProtFlags::READ | ProtFlags::WRITE;
+        let protection = if writable { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
         // SAFETY: a fresh shared mapping at an address the kernel chooses aliases no Rust object.
         let ptr = unsafe { mmap(std::ptr::null_mut(), len, protection, MapFlags::SHARED, &fd, 0) }
             .map_err(|e| Error::os("mmap", e))?;
-        Ok(SharedMemory { fd, ptr: ptr.cast(), len })
+        Ok(SharedMemory { fd, ptr: ptr.cast(), len, writable })
     }
 
     /// The descriptor, to send to another process.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
+    }
+
+    /// A new descriptor of the same file, opened read-only: a process given it maps the memory
+    /// read-only and cannot write to it, while this one still can.
+    ///
+    /// The file's mode (0400, set by [`SharedMemory::create`]) keeps the receiver from reopening
+    /// it for writing through `/proc`, unless it runs as root.
+    pub fn read_only_fd(&self) -> Result<OwnedFd> {
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+            .map_err(|e| Error::os("reopening shared memory read-only", e))
+    }
+
+    /// Whether this process mapped the memory writable.
+    pub fn is_writable(&self) -> bool {
+        self.writable
     }
 
     /// The length in bytes.
@@ -135,7 +182,7 @@ impl SharedMemory {
         self.len == 0
     }
 
-    /// The first byte of the mapping.
+    /// The first byte of the mapping (writes through it fault unless [`SharedMemory::is_writable`]).
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
     }
@@ -146,16 +193,28 @@ impl SharedMemory {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
-    /// The bytes, writable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes access through this process exclusive.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    /// The bytes, writable; [`Error::ReadOnlyMemory`] if the mapping is read-only.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        if !self.writable {
+            return Err(Error::ReadOnlyMemory);
+        }
+        // SAFETY: as in `as_slice`; the pages are mapped writable (checked above), and `&mut self`
+        // makes access through this process exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
     }
 
     /// Page-locks the mapping and maps it for every context's devices.
+    ///
+    /// A read-only mapping is registered read-only for the devices too, which needs a device with
+    /// `CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED` (else the driver answers
+    /// `CUDA_ERROR_NOT_SUPPORTED`).
     pub fn pin(self, context: &Arc<Context>) -> Result<PinnedSharedMemory> {
         context.bind()?;
-        let flags = cuda_sys::CU_MEMHOSTREGISTER_PORTABLE | cuda_sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        let mut flags = cuda_sys::CU_MEMHOSTREGISTER_PORTABLE | cuda_sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        if !self.writable {
+            // Without it the driver would pin the pages for writing, which the CPU mapping forbids.
+            flags |= cuda_sys::CU_MEMHOSTREGISTER_READ_ONLY;
+        }
         // SAFETY: the range is a live mapping owned by `self`, which the result keeps alive.
         unsafe { driver!(cuMemHostRegister_v2(self.ptr.cast(), self.len, flags)) }?;
         let mut pinned = PinnedSharedMemory { memory: self, device_ptr: 0, context: context.clone() };
@@ -210,7 +269,7 @@ mod tests {
     #[test]
     fn two_mappings_of_one_file_share_bytes() {
         let mut first = SharedMemory::create("test", 4096).unwrap();
-        first.as_mut_slice()[..5].copy_from_slice(b"hello");
+        first.as_mut_slice().unwrap()[..5].copy_from_slice(b"hello");
         let fd = first.fd().try_clone_to_owned().unwrap();
         let second = SharedMemory::from_fd(fd, 4096).unwrap();
         assert_eq!(&second.as_slice()[..5], b"hello");
@@ -223,5 +282,66 @@ mod tests {
         let fd = memory.fd().try_clone_to_owned().unwrap();
         assert!(matches!(SharedMemory::from_fd(fd, 4096), Err(Error::OutOfBounds { len: 100, .. })));
         assert!(matches!(SharedMemory::create("empty", 0), Err(Error::InvalidArgument(_))));
+    }
+
+    /// A file of `len` bytes that can be sealed but is not.
+    fn unsealed_memfd(len: u64) -> OwnedFd {
+        let fd = memfd_create("unsealed", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        ftruncate(&fd, len).unwrap();
+        fd
+    }
+
+    #[test]
+    fn an_unsealed_memfd_is_refused() {
+        let fd = unsealed_memfd(4096);
+        let peer_copy = fd.try_clone().unwrap();
+        assert!(matches!(SharedMemory::from_fd(fd, 4096), Err(Error::UnsealedSharedMemory)));
+        // What the refusal prevents: the sender can still shrink the file under a mapping.
+        ftruncate(&peer_copy, 0).unwrap();
+        let never_sealable = memfd_create("no-sealing", MemfdFlags::CLOEXEC).unwrap();
+        ftruncate(&never_sealable, 4096).unwrap();
+        assert!(matches!(SharedMemory::from_fd(never_sealable, 4096), Err(Error::UnsealedSharedMemory)));
+    }
+
+    #[test]
+    fn a_regular_file_is_refused() {
+        let path = std::env::temp_dir().join(format!("ipc-core-regular-{}", std::process::id()));
+        let file = std::fs::File::create_new(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file.set_len(4096).unwrap();
+        let error = SharedMemory::from_fd(file.into(), 4096).unwrap_err();
+        assert!(matches!(error, Error::UnsealedSharedMemory), "{error}");
+        assert!(error.to_string().contains("SIGBUS"), "the message says what is at stake: {error}");
+    }
+
+    #[test]
+    fn created_memory_cannot_be_resized() {
+        let memory = SharedMemory::create("sealed", 8192).unwrap();
+        let fd = memory.fd().try_clone_to_owned().unwrap();
+        assert_eq!(ftruncate(&fd, 4096), Err(rustix::io::Errno::PERM), "shrinking is sealed");
+        assert_eq!(ftruncate(&fd, 1 << 20), Err(rustix::io::Errno::PERM), "growing is sealed");
+        assert_eq!(fcntl_add_seals(&fd, SealFlags::WRITE), Err(rustix::io::Errno::PERM), "the seals are final");
+        assert_eq!(fstat(&fd).unwrap().st_mode & 0o777, 0o400, "no reopening for writing through /proc");
+    }
+
+    #[test]
+    fn a_read_only_descriptor_maps_read_only_and_sees_writes() {
+        let mut creator = SharedMemory::create("read-only", 4096).unwrap();
+        assert!(creator.is_writable());
+        creator.as_mut_slice().unwrap()[0] = 7;
+        let mut reader = SharedMemory::from_fd(creator.read_only_fd().unwrap(), 4096).unwrap();
+        assert!(!reader.is_writable());
+        assert!(matches!(reader.as_mut_slice(), Err(Error::ReadOnlyMemory)));
+        let fl = fcntl_getfl(reader.fd()).unwrap();
+        assert_eq!(fl & OFlags::RWMODE, OFlags::RDONLY);
+        assert_eq!(reader.as_slice()[0], 7);
+        creator.as_mut_slice().unwrap()[1] = 9;
+        assert_eq!(reader.as_slice()[1], 9, "later writes show through the read-only mapping");
+        // SAFETY: a writable shared mapping of the read-only descriptor is refused by the kernel
+        // before anything is mapped.
+        let writable = unsafe {
+            mmap(std::ptr::null_mut(), 4096, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, reader.fd(), 0)
+        };
+        assert_eq!(writable.err(), Some(rustix::io::Errno::ACCESS));
     }
 }

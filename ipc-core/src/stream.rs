@@ -68,6 +68,20 @@ impl Stream {
         Ok(())
     }
 
+    /// Reads the 64-bit word at `offset` in `memory` after the work queued on this stream so far,
+    /// waiting for it. Unlike [`DeviceMemory::copy_to_host`], which runs on the legacy stream and
+    /// so waits for every blocking stream of the context, it waits for nothing else.
+    pub fn read_value64(&self, memory: &dyn DeviceMemory, offset: usize) -> Result<u64> {
+        let address = word_address(memory, offset)?;
+        let mut value = 0u64;
+        self.context.bind()?;
+        // SAFETY: `address` is an aligned word inside a live allocation; `value` is 8 writable
+        // bytes that outlive the copy, since the stream is synchronised before they are read.
+        unsafe { driver!(cuMemcpyDtoHAsync_v2((&raw mut value).cast(), address, 8, self.raw)) }?;
+        self.synchronize()?;
+        Ok(value)
+    }
+
     /// Makes later work on this stream wait for `event`, without blocking the CPU.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         self.context.bind()?;

@@ -3,13 +3,19 @@
 //! Exporting costs 0.7 ms (VMM) and opening 53-129 us, so tensors are not allocated one by one:
 //! they are carved out of large chunks (64 MiB, or one chunk for a larger tensor). A chunk is
 //! announced to each peer once, with its descriptor; afterwards a message names only
-//! (chunk, offset, length). Freed space is reused, never returned, so a peer's mapping of a chunk
-//! stays valid for the chunk's whole life.
+//! (chunk, offset, length). Freed space is reused at once.
+//!
+//! # Giving memory back
+//! A chunk with no live allocation is kept for reuse for [`idle_release`](crate::memory) (one
+//! second by default) and then goes back to the driver or the kernel; [`crate::memory::trim`]
+//! gives back every such chunk at once. When a chunk goes, every peer it was announced to is told
+//! (`Retire`) so that it drops its mapping too: VMM memory is freed only when no process maps it.
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use ipc_core::{
     Context, DeviceBuffer, DeviceMemory, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation,
@@ -38,13 +44,17 @@ pub(crate) enum ChunkMemory {
     ImportedLegacy(ImportedIpcMemory),
 }
 
-/// A range of shareable memory with a process-unique id.
+/// A range of shareable memory with a process-unique id (chunks received from a peer get one of
+/// this process too: the peer's own id is only a key in that connection's table).
 pub(crate) struct Chunk {
     pub id: u64,
     pub memory: ChunkMemory,
+    /// Host chunks: whether peers may write it (else they are sent a read-only descriptor).
+    pub writable: bool,
     /// The device's UUID for device chunks, asked of the driver once (it is on every hand-off's path).
     device_uuid: Option<Uuid>,
-    /// The VMM export, made on the first announcement and reused for every later peer.
+    /// The descriptor peers get (a VMM export, or a read-only reopening of a host file), made on
+    /// the first announcement and reused for every later peer.
     exported: OnceLock<OwnedFd>,
     /// Peers this chunk was announced to, told to forget it when it is freed.
     announced_to: Mutex<Vec<std::sync::Weak<dyn RetireListener>>>,
@@ -66,22 +76,37 @@ impl Drop for Chunk {
 
 impl Chunk {
     pub fn new(memory: ChunkMemory) -> Result<Arc<Chunk>> {
-        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-        Chunk::with_id(NEXT_ID.fetch_add(1, Ordering::Relaxed), memory)
+        Chunk::with_access(memory, false)
     }
 
-    pub fn with_id(id: u64, memory: ChunkMemory) -> Result<Arc<Chunk>> {
-        let mut chunk =
-            Chunk { id, memory, device_uuid: None, exported: OnceLock::new(), announced_to: Mutex::new(Vec::new()) };
+    fn with_access(memory: ChunkMemory, writable: bool) -> Result<Arc<Chunk>> {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        let mut chunk = Chunk {
+            id,
+            memory,
+            writable,
+            device_uuid: None,
+            exported: OnceLock::new(),
+            announced_to: Mutex::new(Vec::new()),
+        };
         if let Some(memory) = chunk.device() {
             chunk.device_uuid = Some(memory.context().device().uuid()?);
         }
         Ok(Arc::new(chunk))
     }
 
-    /// Remembers that `peer` maps this chunk.
+    /// Remembers that `peer` maps this chunk (forgetting peers that are gone).
     pub fn announced(&self, peer: std::sync::Weak<dyn RetireListener>) {
-        self.announced_to.lock().unwrap_or_else(|e| e.into_inner()).push(peer);
+        let mut peers = self.announced_to.lock().unwrap_or_else(|e| e.into_inner());
+        peers.retain(|p| p.strong_count() > 0);
+        peers.push(peer);
+    }
+
+    /// Whether this process made the chunk (only those can be sent; a received one is the
+    /// sender's, and its leases are the sender's to give).
+    pub fn is_local(&self) -> bool {
+        matches!(self.memory, ChunkMemory::Host(_) | ChunkMemory::Vmm(_) | ChunkMemory::Legacy(_))
     }
 
     pub fn len(&self) -> usize {
@@ -119,19 +144,30 @@ impl Chunk {
     /// What a peer needs to map this chunk: the descriptor to attach (host and VMM chunks) or the
     /// legacy handle.
     pub fn share(&self) -> Result<Shared<'_>> {
-        match &self.memory {
-            ChunkMemory::Host(memory) => Ok(Shared::Fd(memory.fd())),
-            ChunkMemory::Vmm(memory) => {
-                if self.exported.get().is_none() {
-                    let _ = self.exported.set(memory.export()?);
-                }
-                let fd = self.exported.get().ok_or_else(|| Error::Protocol("VMM export vanished".into()))?;
-                Ok(Shared::Fd(std::os::fd::AsFd::as_fd(fd)))
+        let exported = |export: &dyn Fn() -> Result<OwnedFd>| -> Result<Shared<'_>> {
+            if self.exported.get().is_none() {
+                let _ = self.exported.set(export()?);
             }
+            let fd = self.exported.get().ok_or_else(|| Error::Protocol("an export vanished".into()))?;
+            Ok(Shared::Fd(std::os::fd::AsFd::as_fd(fd)))
+        };
+        match &self.memory {
+            ChunkMemory::Host(memory) if self.writable => Ok(Shared::Fd(memory.fd())),
+            ChunkMemory::Host(memory) => exported(&|| Ok(memory.read_only_fd()?)),
+            ChunkMemory::Vmm(memory) => exported(&|| Ok(memory.export()?)),
             ChunkMemory::Legacy(buffer) => Ok(Shared::Legacy(buffer.export()?)),
-            _ => Err(Error::Protocol("a received chunk cannot be forwarded; copy the tensor first".into())),
+            _ => Err(not_sendable()),
         }
     }
+}
+
+/// Why a received tensor cannot be sent on as it is.
+pub(crate) fn not_sendable() -> Error {
+    Error::NotSendable(
+        "a tensor received from another process cannot be sent on as it is: its memory is the \
+         sender's, leased to this process; copy it into a tensor of this process first"
+            .into(),
+    )
 }
 
 /// How a chunk travels to a peer.
@@ -178,14 +214,27 @@ impl FreeList {
 /// What an arena allocates in.
 #[derive(Clone)]
 pub(crate) enum ArenaKind {
-    Host,
+    /// Shared memory; `writable`: peers get a descriptor that lets them write.
+    Host {
+        writable: bool,
+    },
     Device(Arc<Context>),
+}
+
+/// One chunk of an arena and what of it is free.
+struct Slot {
+    chunk: Arc<Chunk>,
+    free: FreeList,
+    /// Bytes handed out.
+    used: usize,
+    /// Since when no allocation has lived in it.
+    idle_since: Option<Instant>,
 }
 
 /// Chunks of one kind (host, or one device) and their free space.
 pub(crate) struct Arena {
     kind: ArenaKind,
-    chunks: Mutex<Vec<(Arc<Chunk>, FreeList)>>,
+    slots: Mutex<Vec<Slot>>,
 }
 
 /// An allocation from an arena, returned to it on drop.
@@ -198,18 +247,43 @@ pub(crate) struct Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        let mut chunks = self.arena.chunks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, free)) = chunks.iter_mut().find(|(c, _)| c.id == self.chunk.id) {
-            free.give(self.offset, self.len);
+        let mut slots = lock(&self.arena.slots);
+        if let Some(slot) = slots.iter_mut().find(|s| s.chunk.id == self.chunk.id) {
+            slot.free.give(self.offset, self.len);
+            slot.used -= self.len;
+            if slot.used == 0 {
+                slot.idle_since = Some(Instant::now());
+                drop(slots);
+                Trimmer::get().wake();
+            }
         }
     }
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Every arena of the process, for [`crate::memory`].
+static ARENAS: Mutex<Vec<Arc<Arena>>> = Mutex::new(Vec::new());
+
 impl Arena {
-    /// The process's host arena.
+    fn register(kind: ArenaKind) -> Arc<Arena> {
+        let arena = Arc::new(Arena { kind, slots: Mutex::new(Vec::new()) });
+        lock(&ARENAS).push(arena.clone());
+        arena
+    }
+
+    /// The process's host arena: peers map its chunks read-only.
     pub fn host() -> Arc<Arena> {
         static HOST: OnceLock<Arc<Arena>> = OnceLock::new();
-        HOST.get_or_init(|| Arc::new(Arena { kind: ArenaKind::Host, chunks: Mutex::new(Vec::new()) })).clone()
+        HOST.get_or_init(|| Arena::register(ArenaKind::Host { writable: false })).clone()
+    }
+
+    /// The process's host arena whose chunks peers may write.
+    pub fn host_writable() -> Arc<Arena> {
+        static HOST: OnceLock<Arc<Arena>> = OnceLock::new();
+        HOST.get_or_init(|| Arena::register(ArenaKind::Host { writable: true })).clone()
     }
 
     /// The process's arena for `context`'s device.
@@ -217,12 +291,12 @@ impl Arena {
         /// Arenas by device ordinal.
         type Devices = Mutex<Vec<(i32, Arc<Arena>)>>;
         static DEVICES: OnceLock<Devices> = OnceLock::new();
-        let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        let mut devices = lock(DEVICES.get_or_init(Default::default));
         let ordinal = context.device().ordinal();
         if let Some((_, arena)) = devices.iter().find(|(o, _)| *o == ordinal) {
             return arena.clone();
         }
-        let arena = Arc::new(Arena { kind: ArenaKind::Device(context.clone()), chunks: Mutex::new(Vec::new()) });
+        let arena = Arena::register(ArenaKind::Device(context.clone()));
         devices.push((ordinal, arena.clone()));
         arena
     }
@@ -230,41 +304,133 @@ impl Arena {
     /// `len` bytes (at least one), aligned to [`ALIGNMENT`].
     pub fn allocate(self: &Arc<Self>, len: usize) -> Result<Allocation> {
         let len = len.max(1).div_ceil(ALIGNMENT) * ALIGNMENT;
-        let mut chunks = self.chunks.lock().unwrap_or_else(|e| e.into_inner());
-        for (chunk, free) in chunks.iter_mut() {
-            if let Some(offset) = free.take(len) {
-                return Ok(Allocation { chunk: chunk.clone(), offset, len, arena: self.clone() });
+        let mut slots = lock(&self.slots);
+        for slot in slots.iter_mut() {
+            if let Some(offset) = slot.free.take(len) {
+                slot.used += len;
+                slot.idle_since = None;
+                return Ok(Allocation { chunk: slot.chunk.clone(), offset, len, arena: self.clone() });
             }
         }
         let chunk = self.new_chunk(len.max(CHUNK_BYTES))?;
         let mut free = FreeList::whole(chunk.len());
         let offset = free.take(len).ok_or_else(|| Error::Protocol("a new chunk is too small".into()))?;
-        chunks.push((chunk.clone(), free));
+        slots.push(Slot { chunk: chunk.clone(), free, used: len, idle_since: None });
         Ok(Allocation { chunk, offset, len, arena: self.clone() })
     }
 
     fn new_chunk(&self, len: usize) -> Result<Arc<Chunk>> {
-        let memory = match &self.kind {
-            ArenaKind::Host => ChunkMemory::Host(SharedMemory::create("tensor-queue", len)?),
-            ArenaKind::Device(context) => ChunkMemory::Vmm(VmmAllocation::new(context, len)?),
+        let (memory, writable) = match &self.kind {
+            ArenaKind::Host { writable } => (ChunkMemory::Host(SharedMemory::create("tensor-queue", len)?), *writable),
+            ArenaKind::Device(context) => (ChunkMemory::Vmm(VmmAllocation::new(context, len)?), false),
         };
-        let chunk = Chunk::new(memory)?;
-        if matches!(chunk.memory, ChunkMemory::Vmm(_)) {
-            // Exported now, once: an arena chunk exists to be shared, and the export (0.7 ms per
-            // 64 MiB on an H200) would otherwise land on the first message of every new channel
-            // that carries it.
-            chunk.share()?;
-        }
+        let chunk = Chunk::with_access(memory, writable)?;
+        // Exported now, once: an arena chunk exists to be shared, and the export (0.7 ms per
+        // 64 MiB on an H200) would otherwise land on the first message of every new channel
+        // that carries it.
+        chunk.share()?;
         Ok(chunk)
     }
 
-    /// Bytes in chunks, and bytes free in them.
-    #[cfg(test)]
+    /// Gives back chunks with no allocation that have been idle since before `idle_before`
+    /// (`None`: all of them); the bytes given back. The chunks are dropped after the lock is let
+    /// go: dropping one tells its peers, which takes their locks.
+    fn trim(&self, idle_before: Option<Instant>) -> usize {
+        let mut gone = Vec::new();
+        lock(&self.slots).retain_mut(|slot| match slot.idle_since {
+            Some(since) if idle_before.is_none_or(|before| since <= before) => {
+                gone.push(slot.chunk.clone());
+                false
+            }
+            _ => true,
+        });
+        gone.iter().map(|chunk| chunk.len()).sum()
+    }
+
+    /// Bytes in chunks, and bytes handed out.
     fn usage(&self) -> (usize, usize) {
-        let chunks = self.chunks.lock().unwrap();
-        let total = chunks.iter().map(|(c, _)| c.len()).sum();
-        let free = chunks.iter().flat_map(|(_, f)| f.0.values()).sum();
-        (total, free)
+        let slots = lock(&self.slots);
+        (slots.iter().map(|s| s.chunk.len()).sum(), slots.iter().map(|s| s.used).sum())
+    }
+
+    /// The earliest moment an idle chunk of this arena is due to go.
+    fn next_due(&self, idle: Duration) -> Option<Instant> {
+        lock(&self.slots).iter().filter_map(|s| s.idle_since).min().map(|since| since + idle)
+    }
+}
+
+/// What this process's arenas hold (see [`crate::memory::usage`]).
+pub(crate) fn usage() -> crate::memory::MemoryUsage {
+    let mut usage = crate::memory::MemoryUsage::default();
+    for arena in lock(&ARENAS).clone() {
+        let (held, used) = arena.usage();
+        match arena.kind {
+            ArenaKind::Host { .. } => usage.host_bytes += held,
+            ArenaKind::Device(_) => usage.device_bytes += held,
+        }
+        usage.in_use_bytes += used;
+    }
+    usage
+}
+
+/// Gives back every chunk with no allocation now; the bytes given back.
+pub(crate) fn trim() -> usize {
+    lock(&ARENAS).clone().iter().map(|arena| arena.trim(None)).sum()
+}
+
+/// How long a free chunk stays for reuse, in milliseconds.
+static IDLE_RELEASE_MS: AtomicU64 = AtomicU64::new(1000);
+
+pub(crate) fn set_idle_release(idle: Duration) {
+    IDLE_RELEASE_MS.store(idle.as_millis().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+    Trimmer::get().wake();
+}
+
+/// The thread that gives back chunks idle for longer than the idle release time. It sleeps
+/// until the next one is due, or until woken when a chunk falls idle.
+struct Trimmer {
+    woken: Mutex<bool>,
+    wake: Condvar,
+}
+
+impl Trimmer {
+    fn get() -> &'static Trimmer {
+        static TRIMMER: OnceLock<&'static Trimmer> = OnceLock::new();
+        TRIMMER.get_or_init(|| {
+            let trimmer: &'static Trimmer =
+                Box::leak(Box::new(Trimmer { woken: Mutex::new(false), wake: Condvar::new() }));
+            if let Err(error) = std::thread::Builder::new().name("tq-trim".into()).spawn(move || trimmer.run()) {
+                tracing::warn!(%error, "no trim thread: free memory goes back only on memory::trim()");
+            }
+            trimmer
+        })
+    }
+
+    fn wake(&self) {
+        *lock(&self.woken) = true;
+        self.wake.notify_one();
+    }
+
+    fn run(&self) {
+        loop {
+            let idle = Duration::from_millis(IDLE_RELEASE_MS.load(Ordering::Relaxed));
+            let arenas = lock(&ARENAS).clone();
+            let now = Instant::now();
+            for arena in &arenas {
+                arena.trim(now.checked_sub(idle));
+            }
+            let due = arenas.iter().filter_map(|arena| arena.next_due(idle)).min();
+            let mut woken = lock(&self.woken);
+            while !*woken {
+                let left = due.map(|due| due.saturating_duration_since(Instant::now()));
+                match left {
+                    Some(left) if left.is_zero() => break,
+                    Some(left) => woken = self.wake.wait_timeout(woken, left).unwrap_or_else(|e| e.into_inner()).0,
+                    None => woken = self.wake.wait(woken).unwrap_or_else(|e| e.into_inner()),
+                }
+            }
+            *woken = false;
+        }
     }
 }
 
@@ -288,16 +454,22 @@ mod tests {
     }
 
     #[test]
-    fn host_allocations_reuse_one_chunk() {
-        let arena = Arc::new(Arena { kind: ArenaKind::Host, chunks: Mutex::new(Vec::new()) });
+    fn host_allocations_reuse_one_chunk_and_idle_chunks_go_back() {
+        let arena = Arc::new(Arena { kind: ArenaKind::Host { writable: false }, slots: Mutex::new(Vec::new()) });
         let first = arena.allocate(1000).unwrap();
         let second = arena.allocate(1).unwrap();
         assert_eq!(first.chunk.id, second.chunk.id);
         assert_eq!(second.offset, 1024, "aligned after the first");
         drop(first);
+        assert_eq!(arena.trim(None), 0, "a chunk in use stays");
         drop(second);
-        assert_eq!(arena.usage(), (CHUNK_BYTES, CHUNK_BYTES), "all space returned");
+        assert_eq!(arena.usage(), (CHUNK_BYTES, 0), "all space returned, the chunk kept for reuse");
         let big = arena.allocate(CHUNK_BYTES + 1).unwrap();
         assert!(big.chunk.len() > CHUNK_BYTES, "a large tensor gets a chunk of its own");
+        assert_eq!(arena.trim(Some(Instant::now() - Duration::from_secs(60))), 0, "not idle for long enough");
+        assert_eq!(arena.trim(None), CHUNK_BYTES, "the idle chunk goes back, the one in use stays");
+        drop(big);
+        assert!(arena.trim(None) > CHUNK_BYTES);
+        assert_eq!(arena.usage(), (0, 0));
     }
 }

@@ -7,17 +7,52 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What can go wrong sending or receiving.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The driver or the operating system failed.
     #[error(transparent)]
     Core(#[from] ipc_core::Error),
-    /// The peer is gone (its process exited or it closed the channel). Messages it sent before
-    /// were delivered first.
+    /// The peer is gone (its process exited, or it closed or dropped its end). Messages it sent
+    /// before were delivered first. The one error for a dead peer, whatever the socket said.
     #[error("the peer disconnected")]
     Disconnected,
-    /// `recv_timeout` waited the whole time.
-    #[error("no message within the timeout")]
+    /// `recv_timeout` or `send_timeout` waited the whole time.
+    #[error("the timeout passed")]
     Timeout,
+    /// `try_send` found the receiver's queue full; nothing was sent.
+    #[error("the receiver's queue is full")]
+    Full,
+    /// The receiver refused one message (it holds nothing of it); the channel goes on. `recv`
+    /// returns it for that message; a sender finds it in `Sender::take_rejected`.
+    #[error("message {seq} from pid {pid} was rejected: {reason}")]
+    Rejected {
+        /// The sender's process id.
+        pid: u32,
+        /// The message's sequence number on its connection.
+        seq: u64,
+        /// Why.
+        reason: String,
+    },
+    /// The producer of a message died before its GPU work on the message's tensors was done: the
+    /// data is not what it meant to send. The message was dropped; `recv` again goes on.
+    #[error("the producer (pid {pid}) died before its GPU work on message {seq} was done")]
+    ProducerFailed {
+        /// The producer's process id.
+        pid: u32,
+        /// The message's sequence number on its connection.
+        seq: u64,
+    },
+    /// A message whose encoded descriptors and payload exceed the limit; nothing was sent.
+    #[error("a {size}-byte message is over the {limit}-byte limit: put bulk data in tensors")]
+    TooLarge {
+        /// The encoded size.
+        size: usize,
+        /// The limit ([`crate::wire::MAX_MESSAGE_BYTES`]).
+        limit: usize,
+    },
+    /// A tensor that cannot be sent as it is (see the text); nothing was sent.
+    #[error("{0}")]
+    NotSendable(String),
     /// `try_recv` found nothing waiting.
     #[error("no message is waiting")]
     Empty,

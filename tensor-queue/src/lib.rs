@@ -30,14 +30,15 @@ mod arena;
 pub mod channel;
 mod dtype;
 mod error;
+pub mod memory;
 mod side_table;
 mod signal;
 mod tensor;
 pub mod wire;
 
 pub use channel::{
-    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Sender, from_parent, from_parent_with_capacity, monotonic_ns,
-    spawn,
+    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Rejection, Sender, from_parent, from_parent_with_capacity,
+    monotonic_ns, spawn,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

@@ -1,7 +1,7 @@
 //! Stream-ordered signals: how a receiver's stream waits for a producer's work.
 //!
-//! Each producer stream owns one 64-bit word in the process's device arena (so it is shared with
-//! receivers like any chunk). After the producer's work, `send_on` queues a write of the next
+//! Each producer stream owns one 64-bit word in a block of signal words of its device (a VMM
+//! allocation, shared with receivers like any chunk). After the producer's work, `send_on` queues a write of the next
 //! value of that word on the stream (`cuStreamWriteValue64`, with a memory fence before it); the
 //! receiver queues a wait for that value on its own stream (`cuStreamWaitValue64`). Neither CPU
 //! waits.
@@ -22,12 +22,13 @@
 use std::sync::{Arc, Mutex};
 
 use cuda_sys::CUdevice_attribute;
-use ipc_core::{DeviceMemory, Stream};
+use ipc_core::{DeviceMemory, Stream, VmmAllocation};
 
-use crate::arena::{Allocation, Arena, Chunk};
+use crate::arena::{Chunk, ChunkMemory};
 use crate::{Error, Result};
 
-/// Words per block (one arena allocation).
+/// Words per block. A block is a VMM allocation of its own (not part of the device arena, whose
+/// chunks go back to the driver when free: a word lives as long as the process).
 const WORDS_PER_BLOCK: usize = 512;
 
 /// Where a receiver waits, and for what value.
@@ -42,7 +43,7 @@ struct DeviceSignals {
     ordinal: i32,
     /// Whether the device has 64-bit stream memory operations.
     supported: bool,
-    blocks: Vec<Allocation>,
+    blocks: Vec<Arc<Chunk>>,
     /// The stream that zeroes new blocks: its own, so that zeroing never waits for (or stalls the
     /// CPU behind) the work a producer has queued before its first send.
     zeroing: Option<Stream>,
@@ -70,7 +71,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
         }
     };
     let device = &mut all[at];
-    if !device.supported || crate::channel::force_events() {
+    if !device.supported || crate::channel::switches::force_events() {
         return Ok(None);
     }
     let key = stream.raw() as usize;
@@ -79,7 +80,8 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
         None => {
             let word = device.words.len();
             if word.is_multiple_of(WORDS_PER_BLOCK) {
-                let block = Arena::device(context).allocate(WORDS_PER_BLOCK * 8)?;
+                let block = Chunk::new(ChunkMemory::Vmm(VmmAllocation::new(context, WORDS_PER_BLOCK * 8)?))?;
+                block.share()?; // exported once, now, like an arena chunk
                 // Zeroed, and the zeroing finished, before any stream can write to it (a copy from
                 // the host could land after a stream's first write and erase it). On the device's
                 // zeroing stream, not the producer's: its queued work must not delay the send.
@@ -87,7 +89,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
                     Some(zeroing) => zeroing,
                     zeroing @ None => zeroing.insert(Stream::new(context)?),
                 };
-                device_memory(&block)?.memset_range_async(block.offset, WORDS_PER_BLOCK * 8, 0, zeroing)?;
+                device_memory(&block)?.memset_range_async(0, WORDS_PER_BLOCK * 8, 0, zeroing)?;
                 zeroing.synchronize()?;
                 device.blocks.push(block);
             }
@@ -96,13 +98,13 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
         }
     };
     let block = &device.blocks[index / WORDS_PER_BLOCK];
-    let offset = block.offset + index % WORDS_PER_BLOCK * 8;
+    let offset = index % WORDS_PER_BLOCK * 8;
     let value = device.words[index].1 + 1;
     stream.write_value64(device_memory(block)?, offset, value)?;
     device.words[index].1 = value;
-    Ok(Some(Signal { chunk: block.chunk.clone(), offset, value }))
+    Ok(Some(Signal { chunk: block.clone(), offset, value }))
 }
 
-fn device_memory(block: &Allocation) -> Result<&dyn DeviceMemory> {
-    block.chunk.device().ok_or_else(|| Error::Protocol("a signal block in host memory".into()))
+fn device_memory(block: &Chunk) -> Result<&dyn DeviceMemory> {
+    block.device().ok_or_else(|| Error::Protocol("a signal block in host memory".into()))
 }

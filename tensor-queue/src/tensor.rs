@@ -38,7 +38,7 @@ pub(crate) struct Storage {
     pub offset: usize,
     pub len: usize,
     /// Held for its `Drop`: the allocation or the lease goes back when the storage dies.
-    _origin: Origin,
+    origin: Origin,
 }
 
 /// Who gets the storage back when the last view drops.
@@ -48,12 +48,12 @@ enum Origin {
     /// Nobody: a whole user buffer, freed with the chunk.
     User,
     /// The sender, through a release message.
-    Received(#[expect(dead_code, reason = "held for its Drop")] Arc<ReceivedLease>),
+    Received(Arc<ReceivedLease>),
 }
 
 impl Storage {
     pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: Arc<ReceivedLease>) -> Storage {
-        Storage { chunk, offset, len, _origin: Origin::Received(lease) }
+        Storage { chunk, offset, len, origin: Origin::Received(lease) }
     }
 }
 
@@ -93,6 +93,9 @@ pub fn contiguous_strides(shape: &[u64]) -> Vec<i64> {
 }
 
 fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
+    if shape.len() > crate::wire::MAX_DIMS {
+        return Err(Error::Invalid(format!("{} dimensions; at most {}", shape.len(), crate::wire::MAX_DIMS)));
+    }
     shape
         .iter()
         .try_fold(dtype.size() as u64, |n, &d| n.checked_mul(d))
@@ -131,14 +134,26 @@ impl Tensor {
             chunk: allocation.chunk.clone(),
             offset: allocation.offset,
             len: allocation.len,
-            _origin: Origin::Arena(allocation),
+            origin: Origin::Arena(allocation),
         };
         Ok(Tensor::contiguous(storage, dtype, shape))
     }
 
-    /// A zero-filled host tensor in shared memory.
+    /// A zero-filled host tensor in shared memory. Receivers map it read-only: they can read it
+    /// but neither write it nor map it writable (see [`Tensor::zeros_writable`]).
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Tensor> {
-        let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
+        Tensor::zeros_in(&Arena::host(), dtype, shape)
+    }
+
+    /// A zero-filled host tensor in shared memory that receivers may write too (for example,
+    /// workers that each fill a part of one result). Its chunk is shared writable with every
+    /// receiver of any tensor in it: use it only for memory meant to be written by peers.
+    pub fn zeros_writable(dtype: DType, shape: &[u64]) -> Result<Tensor> {
+        Tensor::zeros_in(&Arena::host_writable(), dtype, shape)
+    }
+
+    fn zeros_in(arena: &Arc<Arena>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
+        let tensor = Tensor::from_arena(arena, dtype, shape)?;
         let base = tensor.host_base()?;
         // SAFETY: the storage was just allocated here; nothing else refers to these bytes yet.
         unsafe { std::ptr::write_bytes(base, 0, tensor.storage.len) };
@@ -182,7 +197,7 @@ impl Tensor {
             return Err(Error::Invalid(format!("shape {shape:?} needs {len} bytes; the buffer has {}", buffer.len())));
         }
         let chunk = Chunk::new(ChunkMemory::Legacy(buffer))?;
-        let storage = Storage { len: chunk.len(), chunk, offset: 0, _origin: Origin::User };
+        let storage = Storage { len: chunk.len(), chunk, offset: 0, origin: Origin::User };
         Ok(Tensor::contiguous(storage, dtype, shape))
     }
 
@@ -237,10 +252,23 @@ impl Tensor {
         self.path
     }
 
-    /// For a received GPU tensor: the stream its first use is ordered on (the receiver's stream for
-    /// its device). Work on another stream must be ordered after this one by the user.
+    /// For a received GPU tensor: the stream its first use is ordered on (its sender's stream in
+    /// the receiver, or the one set with `Receiver::set_stream`). Work on another stream must be
+    /// ordered after this one by the user.
     pub fn stream(&self) -> Option<&Arc<Stream>> {
         self.stream.as_ref()
+    }
+
+    /// For a received GPU tensor: whether its producer died before its GPU work on the tensor
+    /// was done, so the bytes are not what it meant to send. `recv` refuses such messages when
+    /// the death is known by then ([`Error::ProducerFailed`]); this tells about a death that came
+    /// later. Work ordered after the tensor still runs (it is not left waiting forever) but reads
+    /// whatever the memory held.
+    pub fn producer_failed(&self) -> bool {
+        match &self.storage.origin {
+            Origin::Received(lease) => lease.producer_failed(),
+            _ => false,
+        }
     }
 
     fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
@@ -274,7 +302,8 @@ impl Tensor {
 
     /// The same elements with another shape; only for contiguous tensors (no copy).
     pub fn reshape(&self, shape: &[u64]) -> Result<Tensor> {
-        if !self.is_contiguous() || shape.iter().product::<u64>() != self.numel() {
+        if !self.is_contiguous() || shape.len() > crate::wire::MAX_DIMS || shape.iter().product::<u64>() != self.numel()
+        {
             return Err(Error::Invalid(format!("cannot view {:?} as {shape:?}", self.shape)));
         }
         Ok(self.with_layout(shape.to_vec(), contiguous_strides(shape), self.offset))
@@ -338,8 +367,12 @@ impl Tensor {
         Ok(unsafe { ptr.read_volatile() })
     }
 
-    /// Writes one element of a host tensor (shared with every holder of the storage).
+    /// Writes one element of a host tensor (shared with every holder of the storage). A received
+    /// tensor is read-only unless its sender made it with [`Tensor::zeros_writable`].
     pub fn set<T: Element>(&self, index: &[u64], value: T) -> Result<()> {
+        if self.storage.chunk.host().is_some_and(|memory| !memory.is_writable()) {
+            return Err(Error::Invalid("the tensor is read-only here: its sender shared it read-only".into()));
+        }
         let ptr = self.element_ptr::<T>(index)?;
         // SAFETY: `ptr` points at one element inside the live, writable mapping; concurrent writers
         // to the same element are the program's to avoid, as with any shared buffer.
@@ -355,7 +388,10 @@ impl Tensor {
             return Ok(unsafe { std::slice::from_raw_parts(base.add(self.offset), self.nbytes()) }.to_vec());
         }
         let size = self.dtype.size();
-        let mut out = Vec::with_capacity(self.nbytes());
+        let mut out = Vec::new();
+        // A broadcast view may have far more elements than memory: an error, not an abort.
+        out.try_reserve_exact(self.nbytes())
+            .map_err(|_| Error::Invalid(format!("{} bytes do not fit in memory", self.nbytes())))?;
         let mut index = vec![0u64; self.shape.len()];
         for _ in 0..self.numel() {
             let at: i64 = index.iter().zip(&self.strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;

@@ -11,7 +11,7 @@ fn shared_memory_crosses_processes_as_a_descriptor() {
     let len = 1 << 20;
     let seed = 5;
     let mut memory = SharedMemory::create("host-test", len).unwrap();
-    reference::fill(memory.as_mut_slice(), seed);
+    reference::fill(memory.as_mut_slice().unwrap(), seed);
     let helper = Helper::spawn(&["shm-check"], &[]).unwrap();
     helper.connection.send(&encode_u64s(&[len as u64, seed]), &[memory.fd()]).unwrap();
     let sum = helper.recv_u64s().unwrap()[0];

@@ -123,7 +123,7 @@ fn seed_example_is_ordered() -> Result<()> {
 
 /// The fallback for devices without stream memory operations: interprocess events.
 fn seed_example_ordered_by_events() -> Result<()> {
-    let (ok, text) = run_example("seed_matmul", &[(tensor_queue::channel::FORCE_EVENTS_ENV, "1")])?;
+    let (ok, text) = run_example("seed_matmul", &[("TENSOR_QUEUE_TEST_FORCE_EVENTS", "1")])?;
     ensure!(ok && text.contains("matches the reference"), "{text}");
     Ok(())
 }
@@ -131,7 +131,7 @@ fn seed_example_ordered_by_events() -> Result<()> {
 /// Proves the seed test can fail: with the receiver's stream wait disabled, the consumer reads
 /// `x` while the producer's matmuls are still running.
 fn seed_example_fails_unordered() -> Result<()> {
-    let (ok, text) = run_example("seed_matmul", &[(tensor_queue::channel::SKIP_ORDERING_ENV, "1")])?;
+    let (ok, text) = run_example("seed_matmul", &[("TENSOR_QUEUE_TEST_SKIP_ORDERING", "1")])?;
     ensure!(!ok && text.contains("MISMATCH"), "without ordering the consumer still saw the final x: {text}");
     Ok(())
 }

@@ -1,10 +1,22 @@
 //! Children started with a channel to them.
+//!
+//! The channel is a socket pair made before the child starts, so no path exists that another
+//! user could create first or connect to. The child's end reaches it as an inherited descriptor,
+//! whose number is in [`ENDPOINT_ENV`]:
+//! - Its close-on-exec flag is cleared only in the child, between `fork` and `exec`, so children
+//!   that other threads start at the same moment do not inherit it.
+//! - The child takes it once and sets close-on-exec on it again, so its own children do not
+//!   inherit it either.
 
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use ipc_core::seqpacket::{Connection, Listener};
+use ipc_core::seqpacket::Connection;
+use rustix::io::{FdFlags, fcntl_dupfd_cloexec, fcntl_setfd};
+use rustix::net::{AddressFamily, SocketType};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -15,23 +27,34 @@ use crate::{Error, Result};
 /// receiving end. The child is a fresh process (`exec`), never a fork of this one, so this is safe
 /// after CUDA is initialised.
 pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let path = std::env::temp_dir().join(format!("tensor-queue-{}-{n}.sock", std::process::id()));
-    let listener = Listener::bind(&path)?;
-    let mut child =
-        command.env(ENDPOINT_ENV, &path).spawn().map_err(|e| Error::Invalid(format!("starting the child: {e}")))?;
-    loop {
-        match listener.accept(Some(Duration::from_millis(100))) {
-            Ok(connection) => return Ok((child, Sender::from_connection(connection)?)),
-            Err(ipc_core::Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => {
-                if let Ok(Some(status)) = child.try_wait() {
-                    return Err(Error::Invalid(format!("the child exited ({status}) before connecting")));
-                }
-            }
-            Err(error) => return Err(error.into()),
+    let (ours, theirs) = Connection::pair()?;
+    // Above the standard streams, which the child's stdio set-up may replace before our hook runs.
+    let theirs = fcntl_dupfd_cloexec(&theirs, 3).map_err(|e| Error::Invalid(format!("duplicating a socket: {e}")))?;
+    let raw = theirs.as_raw_fd();
+    // The hook stays on `command` after this call; disarmed, it does nothing if `command` is
+    // spawned again (by then `raw` may name another descriptor).
+    let armed = Arc::new(AtomicBool::new(true));
+    let hook_armed = armed.clone();
+    let hook = move || {
+        if hook_armed.load(Ordering::Relaxed) {
+            // SAFETY: `raw` is open in the child, a copy of this process's descriptor table at
+            // fork time, because `theirs` lives until `spawn` has started the child; it is
+            // borrowed only for this call.
+            let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+            fcntl_setfd(fd, FdFlags::empty())?;
         }
-    }
+        Ok(())
+    };
+    // SAFETY: the hook runs in the child between `fork` and `exec`, where only async-signal-safe
+    // calls are allowed: it reads an atomic and makes one `fcntl` system call (rustix calls the
+    // kernel directly), and neither allocates nor takes a lock.
+    unsafe { command.pre_exec(hook) };
+    let started = command.env(ENDPOINT_ENV, raw.to_string()).spawn();
+    armed.store(false, Ordering::Relaxed);
+    // Our copy of the child's end goes, so that a child which exits without taking it hangs up.
+    drop(theirs);
+    let child = started.map_err(|e| Error::Invalid(format!("starting the child: {e}")))?;
+    Ok((child, Sender::from_connection(ours)?))
 }
 
 /// In a child started by [`spawn`]: the receiving end of the channel from the parent.
@@ -40,9 +63,109 @@ pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
 }
 
 /// [`from_parent`], letting the parent have `capacity` messages in flight.
+///
+/// The descriptor can be taken once per process: a second call is an error.
 pub fn from_parent_with_capacity<T: DeserializeOwned>(capacity: u32) -> Result<Receiver<T>> {
-    let path = std::env::var_os(ENDPOINT_ENV).ok_or_else(|| {
+    Receiver::from_connection(Connection::from(take_parent_socket()?), capacity)
+}
+
+/// Whether this process has taken the descriptor from [`ENDPOINT_ENV`]: after that the number
+/// may name another file, so it must never be wrapped again.
+static TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// Takes ownership of the socket that [`spawn`] left open in this process.
+fn take_parent_socket() -> Result<OwnedFd> {
+    let value = std::env::var(ENDPOINT_ENV).map_err(|_| {
         Error::Invalid(format!("{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"))
     })?;
-    Receiver::from_connection(Connection::connect(path)?, capacity)
+    if TAKEN.load(Ordering::Acquire) {
+        return Err(already_taken());
+    }
+    let raw: RawFd = value.parse().map_err(|_| {
+        Error::Invalid(format!("{ENDPOINT_ENV}={value:?} is not a descriptor number (set by tensor_queue::spawn)"))
+    })?;
+    ipc_core::fd_passing::check_open(raw)?;
+    // SAFETY: `raw` is open (checked above) and borrowed only for these two queries.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(raw) };
+    check_parent_socket(borrowed, raw)?;
+    if TAKEN.swap(true, Ordering::AcqRel) {
+        return Err(already_taken());
+    }
+    // SAFETY: `raw` is open and is a Unix `SOCK_SEQPACKET` socket (checked above), left open for
+    // this process by `spawn` and owned by nothing else here; `TAKEN` makes this the one
+    // `OwnedFd` ever made from it in this process.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    fcntl_setfd(&fd, FdFlags::CLOEXEC).map_err(|e| Error::Invalid(format!("setting close-on-exec: {e}")))?;
+    Ok(fd)
+}
+
+fn already_taken() -> Error {
+    Error::Invalid("the channel from the parent was already taken: from_parent works once per process".into())
+}
+
+/// Checks that `fd` is what `spawn` leaves: a Unix `SOCK_SEQPACKET` socket.
+fn check_parent_socket(fd: BorrowedFd<'_>, raw: RawFd) -> Result<()> {
+    let wrong =
+        || Error::Invalid(format!("descriptor {raw} from {ENDPOINT_ENV} is not the socket tensor_queue::spawn left"));
+    let domain = rustix::net::sockopt::socket_domain(fd).map_err(|_| wrong())?;
+    let kind = rustix::net::sockopt::socket_type(fd.as_fd()).map_err(|_| wrong())?;
+    if domain != AddressFamily::UNIX || kind != SocketType::SEQPACKET {
+        return Err(wrong());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::process::Stdio;
+
+    use rustix::io::fcntl_getfd;
+
+    use super::*;
+
+    const NAME: &str = "channel::child::tests::a_child_gets_a_socket_not_a_path_and_takes_it_once";
+
+    /// The test binary starts itself as the child, which runs this test again and takes the
+    /// other branch.
+    #[test]
+    fn a_child_gets_a_socket_not_a_path_and_takes_it_once() {
+        if std::env::var_os(ENDPOINT_ENV).is_some() {
+            return child_side();
+        }
+        // Another user could create the paths the socket once had; nothing depends on them now.
+        let squatted: Vec<PathBuf> = (0..32)
+            .map(|n| std::env::temp_dir().join(format!("tensor-queue-{}-{n}.sock", std::process::id())))
+            .collect();
+        for path in &squatted {
+            std::fs::create_dir_all(path).unwrap();
+        }
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command.args(["--exact", NAME, "--test-threads=1", "--nocapture"]).stdout(Stdio::piped());
+        let started = spawn::<u32>(&mut command);
+        for path in &squatted {
+            let _ = std::fs::remove_dir(path);
+        }
+        let (child, sender) = started.unwrap();
+        sender.send(&42).unwrap();
+        drop(sender);
+        let output = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{stdout}");
+        assert!(stdout.contains("1 passed"), "the child ran the test: {stdout}");
+    }
+
+    fn child_side() {
+        let raw: RawFd = std::env::var(ENDPOINT_ENV).unwrap().parse().expect("a descriptor number");
+        // SAFETY: the descriptor is open (spawn left it) and borrowed only for this query.
+        let inherited = fcntl_getfd(unsafe { BorrowedFd::borrow_raw(raw) }).unwrap();
+        assert_eq!(inherited, FdFlags::empty(), "spawn cleared close-on-exec for the child");
+        let mut receiver = from_parent::<u32>().unwrap();
+        // SAFETY: `receiver` owns the descriptor and keeps it open; borrowed only for this query.
+        let taken = fcntl_getfd(unsafe { BorrowedFd::borrow_raw(raw) }).unwrap();
+        assert_eq!(taken, FdFlags::CLOEXEC, "our own children do not inherit it");
+        let again = from_parent::<u32>().map(drop);
+        assert!(matches!(again, Err(Error::Invalid(ref m)) if m.contains("already taken")), "{again:?}");
+        assert_eq!(receiver.recv().unwrap(), 42);
+    }
 }

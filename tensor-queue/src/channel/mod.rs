@@ -48,47 +48,30 @@
 //! stay valid (their memory lives while mapped).
 
 mod child;
+mod connection;
+mod fences;
+mod imports;
+mod link;
+mod outgoing;
+mod peer;
 mod receiver;
 mod release;
 mod sender;
+pub(crate) mod switches;
 
-use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::{Mutex, MutexGuard, OnceLock};
-
-use ipc_core::HostId;
-use ipc_core::seqpacket::Connection;
+use std::sync::{Mutex, MutexGuard};
 
 pub use child::{from_parent, from_parent_with_capacity, spawn};
-pub use receiver::{MessageInfo, Receiver};
+pub use connection::MessageInfo;
+pub use receiver::Receiver;
 pub(crate) use release::ReceivedLease;
-pub use sender::{Broadcast, Sender};
-
-use crate::wire::{Frame, MAX_FRAME};
-use crate::{Error, Result};
+pub use sender::{Broadcast, Rejection, Sender};
 
 /// Messages a sender may have in flight to a receiver unless the receiver says otherwise.
 pub const DEFAULT_CAPACITY: u32 = 16;
 
 /// The environment variable through which [`spawn`] tells a child where its parent listens.
 pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
-
-/// Test-only: when set to `1`, receivers skip the stream wait, so tests can prove that the
-/// ordering they check is real (the seed test must fail with it).
-pub const SKIP_ORDERING_ENV: &str = "TENSOR_QUEUE_TEST_SKIP_ORDERING";
-
-/// Test-only: when set to `1`, senders order GPU hand-offs with interprocess events even where
-/// stream memory operations work, so tests can cover the fallback on any machine.
-pub const FORCE_EVENTS_ENV: &str = "TENSOR_QUEUE_TEST_FORCE_EVENTS";
-
-pub(crate) fn force_events() -> bool {
-    static FORCE: OnceLock<bool> = OnceLock::new();
-    *FORCE.get_or_init(|| std::env::var(FORCE_EVENTS_ENV).as_deref() == Ok("1"))
-}
-
-fn skip_ordering() -> bool {
-    static SKIP: OnceLock<bool> = OnceLock::new();
-    *SKIP.get_or_init(|| std::env::var(SKIP_ORDERING_ENV).as_deref() == Ok("1"))
-}
 
 /// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
 pub fn monotonic_ns() -> u64 {
@@ -98,79 +81,4 @@ pub fn monotonic_ns() -> u64 {
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A connected socket speaking frames.
-struct Link {
-    connection: Connection,
-    peer_pid: u32,
-}
-
-impl Link {
-    fn send(&self, frame: &Frame, fds: &[BorrowedFd<'_>]) -> Result<()> {
-        let bytes = frame.encode();
-        if bytes.len() > MAX_FRAME {
-            return Err(Error::Invalid(format!(
-                "a {}-byte frame is over the {MAX_FRAME}-byte limit; put bulk data in tensors",
-                bytes.len()
-            )));
-        }
-        Ok(self.connection.send(&bytes, fds)?)
-    }
-
-    /// The next frame, or `None` when the peer hung up.
-    fn recv(&self, buf: &mut [u8]) -> Result<Option<(Frame, Vec<OwnedFd>)>> {
-        let (n, fds) = self.connection.recv(buf)?;
-        self.decode(&buf[..n], fds)
-    }
-
-    /// The next frame if one is waiting (`Ok(None)` if not), without sleeping; `Some(None)` when
-    /// the peer hung up.
-    #[expect(clippy::type_complexity, reason = "recv's answer, or nothing waiting")]
-    fn try_recv(&self, buf: &mut [u8]) -> Result<Option<Option<(Frame, Vec<OwnedFd>)>>> {
-        match self.connection.try_recv(buf)? {
-            Some((n, fds)) => self.decode(&buf[..n], fds).map(Some),
-            None => Ok(None),
-        }
-    }
-
-    fn decode(&self, bytes: &[u8], fds: Vec<OwnedFd>) -> Result<Option<(Frame, Vec<OwnedFd>)>> {
-        if bytes.is_empty() {
-            return Ok(None);
-        }
-        let frame = Frame::decode(bytes).map_err(|source| Error::Frame { pid: self.peer_pid, source })?;
-        Ok(Some((frame, fds)))
-    }
-
-    fn shutdown(&self, how: rustix::net::Shutdown) {
-        let _ = rustix::net::shutdown(&self.connection, how);
-    }
-
-    /// Checks that the peer runs as this user (`SO_PEERCRED`), the second lock after the
-    /// socket file's 0600 mode.
-    fn new(connection: Connection) -> Result<Link> {
-        let credentials = connection.peer_credentials()?;
-        let uid = rustix::process::getuid().as_raw();
-        if credentials.uid != uid {
-            return Err(Error::PeerRefused(format!(
-                "pid {} runs as uid {}, not {uid}",
-                credentials.pid, credentials.uid
-            )));
-        }
-        Ok(Link { connection, peer_pid: credentials.pid as u32 })
-    }
-
-    /// Says who we are (and, from a receiver, how many messages the sender may have in flight).
-    fn hello(&self, capacity: u32) -> Result<()> {
-        self.send(&Frame::Hello { pid: std::process::id(), host: HostId::current()?.0, capacity }, &[])
-    }
-
-    /// Checks the peer's `Hello`: same protocol (checked by decoding) and same machine.
-    fn check_hello(frame: &Frame) -> Result<u32> {
-        match frame {
-            Frame::Hello { host, capacity, .. } if *host == HostId::current()?.0 => Ok(*capacity),
-            Frame::Hello { .. } => Err(Error::PeerRefused("the peer runs on another machine".into())),
-            other => Err(Error::Protocol(format!("the first frame was {other:?}, not a Hello"))),
-        }
-    }
 }

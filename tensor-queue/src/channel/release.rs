@@ -7,7 +7,8 @@
 //! thread records one event per stream for everything queued together (covering the work queued
 //! before each drop, and perhaps a little after, which only returns the memory later), waits for
 //! it, and sends one frame per sender. It stays awake briefly after each batch, so a consumer that
-//! streams messages pays neither a driver call nor a thread wake-up per message.
+//! streams messages pays neither a driver call nor a thread wake-up per message. It also retries
+//! the writes to senders whose sockets were full (see `peer.rs`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -15,50 +16,55 @@ use std::time::{Duration, Instant};
 
 use ipc_core::{Event, Stream};
 
-use super::{Link, lock};
-use crate::wire::Frame;
+use super::fences::FenceWait;
+use super::lock;
+use super::peer::Peer;
 
-/// A sender's connection, shared with the tensors received from it (which send its releases).
-pub(crate) struct Peer {
-    pub(super) link: Link,
-}
-
-/// Held by the storage of every tensor of one received message; returns the message's leases
-/// in one frame when the last of them drops (one frame per message, not per tensor).
+/// Held by the storage of every tensor of one received message; returns the message to its
+/// sender in one frame when the last of them drops (one frame per message, not per tensor).
 pub(crate) struct ReceivedLease {
     pub(super) peer: Arc<Peer>,
-    pub(super) ids: Vec<u64>,
+    pub(super) seq: u64,
     /// The streams the message's GPU tensors were ordered on.
     pub(super) streams: Vec<Arc<Stream>>,
+    /// The producer's fences the message waited for.
+    pub(super) fences: Vec<FenceWait>,
+}
+
+impl ReceivedLease {
+    /// Whether the producer died before its work on these tensors was done.
+    pub(crate) fn producer_failed(&self) -> bool {
+        self.fences.iter().any(FenceWait::failed)
+    }
 }
 
 impl Drop for ReceivedLease {
     fn drop(&mut self) {
-        let ids = std::mem::take(&mut self.ids);
         // The common case for a single hand-off: the receiver's work on the tensors is done.
         if self.streams.iter().all(|s| s.is_idle().unwrap_or(false)) {
-            return send_release(&self.peer, ids);
+            return self.peer.release([self.seq]);
         }
         let streams = std::mem::take(&mut self.streams);
-        Releaser::get().push(PendingRelease { peer: self.peer.clone(), ids, streams });
+        let fences = std::mem::take(&mut self.fences);
+        Releaser::get().push(PendingRelease { peer: self.peer.clone(), seq: self.seq, streams, _fences: fences });
     }
 }
 
-fn send_release(peer: &Peer, leases: Vec<u64>) {
-    // A failed send means the sender is gone, and with it the leases.
-    let _ = peer.link.send(&Frame::Release { leases }, &[]);
-}
-
-/// Leases to return once the work queued on their streams is done.
+/// A message to release once the work queued on its streams is done.
 struct PendingRelease {
     peer: Arc<Peer>,
-    ids: Vec<u64>,
+    seq: u64,
     streams: Vec<Arc<Stream>>,
+    /// Kept so their producers stay watched: if one dies, its fences are released, and so the
+    /// streams this release waits for.
+    _fences: Vec<FenceWait>,
 }
 
-/// How long the release thread polls an event before it sleeps in the driver: most release
-/// events complete within microseconds, and a blocking sync's wake-up took 340 us (p50) on an
-/// H200 (`tq-bench` breakdown).
+/// How often the release thread retries writing to senders whose sockets were full.
+const RETRY_STALLED: Duration = Duration::from_millis(2);
+
+/// How long the release thread polls an event without sleeping: most release events complete
+/// within microseconds, and a sleeping wake-up took 340 us (p50) on an H200 (`tq-bench` breakdown).
 const EVENT_POLL: Duration = Duration::from_micros(500);
 
 /// How long the release thread looks for more work after a batch before it sleeps: while
@@ -71,7 +77,7 @@ const STAY_AWAKE: Duration = Duration::from_micros(200);
 const MAX_BATCH: usize = 256;
 
 /// The process's release thread and its queue.
-struct Releaser {
+pub(super) struct Releaser {
     queue: Mutex<Queue>,
     /// Releases queued, readable without the lock (the awake thread watches it).
     queued: AtomicUsize,
@@ -81,11 +87,13 @@ struct Releaser {
 #[derive(Default)]
 struct Queue {
     pending: Vec<PendingRelease>,
+    /// Senders with frames waiting for room in their sockets.
+    stalled: Vec<Arc<Peer>>,
     sleeping: bool,
 }
 
 impl Releaser {
-    fn get() -> &'static Releaser {
+    pub(super) fn get() -> &'static Releaser {
         static RELEASER: OnceLock<&'static Releaser> = OnceLock::new();
         RELEASER.get_or_init(|| {
             let releaser: &'static Releaser = Box::leak(Box::new(Releaser {
@@ -101,6 +109,15 @@ impl Releaser {
         })
     }
 
+    /// Retries `peer`'s writes until its outbox is empty (or the peer is gone).
+    pub(super) fn retry(&self, peer: Arc<Peer>) {
+        let mut queue = lock(&self.queue);
+        queue.stalled.push(peer);
+        if queue.sleeping {
+            self.wake.notify_one();
+        }
+    }
+
     fn push(&self, pending: PendingRelease) {
         let mut queue = lock(&self.queue);
         queue.pending.push(pending);
@@ -110,16 +127,26 @@ impl Releaser {
         }
     }
 
-    /// The next releases: what is queued now (at most [`MAX_BATCH`]), waiting for some.
-    fn next_batch(&self) -> Vec<PendingRelease> {
-        let awake_until = Instant::now() + STAY_AWAKE;
-        while self.queued.load(Ordering::Acquire) == 0 && Instant::now() < awake_until {
-            std::hint::spin_loop();
+    /// The next releases: what is queued now (at most [`MAX_BATCH`]). With `wait`, waits for
+    /// some (retrying stalled peers meanwhile); else returns at once, perhaps with none.
+    fn next_batch(&self, wait: bool) -> Vec<PendingRelease> {
+        if wait {
+            let awake_until = Instant::now() + STAY_AWAKE;
+            while self.queued.load(Ordering::Acquire) == 0 && Instant::now() < awake_until {
+                std::hint::spin_loop();
+            }
         }
         let mut queue = lock(&self.queue);
         queue.sleeping = true;
-        while queue.pending.is_empty() {
-            queue = self.wake.wait(queue).unwrap_or_else(|e| e.into_inner());
+        while wait && queue.pending.is_empty() {
+            if queue.stalled.is_empty() {
+                queue = self.wake.wait(queue).unwrap_or_else(|e| e.into_inner());
+                continue;
+            }
+            queue = self.wake.wait_timeout(queue, RETRY_STALLED).unwrap_or_else(|e| e.into_inner()).0;
+            drop(queue);
+            self.retry_stalled();
+            queue = lock(&self.queue);
         }
         queue.sleeping = false;
         let count = queue.pending.len().min(MAX_BATCH);
@@ -127,65 +154,99 @@ impl Releaser {
         queue.pending.drain(..count).collect()
     }
 
+    /// Writes what stalled peers owe, where their sockets have room now. Without the queue's
+    /// lock: a flush takes the peer's outbox lock, under which `retry` takes the queue's.
+    fn retry_stalled(&self) {
+        let stalled = std::mem::take(&mut lock(&self.queue).stalled);
+        if stalled.is_empty() {
+            return;
+        }
+        let still: Vec<Arc<Peer>> = stalled.into_iter().filter(|peer| !peer.flush()).collect();
+        lock(&self.queue).stalled.extend(still);
+    }
+
+    /// Batches whose events are recorded are polled, never waited on: a stream held up for long
+    /// (a consumer's long kernel, a producer that died with work queued) must not hold up the
+    /// releases of every other message of the process.
     fn run(&self) {
-        // Blocking-sync events, reused: creating one per batch costs more than the hand-off.
+        // Events, reused: creating one per batch costs more than the hand-off.
         let mut pool: Vec<Event> = Vec::new();
+        let mut in_flight: Vec<InFlight> = Vec::new();
         loop {
-            let batch = self.next_batch();
-            let mut streams: Vec<&Arc<Stream>> = Vec::new();
-            for stream in batch.iter().flat_map(|pending| &pending.streams) {
-                if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
-                    streams.push(stream);
+            let batch = self.next_batch(in_flight.is_empty());
+            if !batch.is_empty() {
+                in_flight.push(InFlight { events: record_all(&mut pool, &batch), batch, since: Instant::now() });
+            }
+            let mut waiting = Vec::new();
+            let mut done: Vec<PendingRelease> = Vec::new();
+            for entry in in_flight.drain(..) {
+                if entry.events.iter().all(|event| event.is_complete().unwrap_or(true)) {
+                    pool.extend(entry.events);
+                    done.extend(entry.batch);
+                } else {
+                    waiting.push(entry);
                 }
             }
-            let mut used = Vec::with_capacity(streams.len());
-            for stream in streams {
-                match record(&mut pool, stream) {
-                    Ok(event) => used.push(event),
-                    Err(error) => {
-                        tracing::warn!(%error, "could not record a release event; synchronising the stream");
-                        let _ = stream.synchronize();
-                    }
-                }
-            }
-            for event in &used {
-                if let Err(error) = wait_for(event) {
-                    tracing::warn!(%error, "waiting for a release event failed");
-                }
-            }
-            pool.extend(used);
+            in_flight = waiting;
             let mut frames: Vec<(Arc<Peer>, Vec<u64>)> = Vec::new();
-            for pending in batch {
+            for pending in done {
                 match frames.iter_mut().find(|(peer, _)| Arc::ptr_eq(peer, &pending.peer)) {
-                    Some((_, ids)) => ids.extend(pending.ids),
-                    None => frames.push((pending.peer, pending.ids)),
+                    Some((_, seqs)) => seqs.push(pending.seq),
+                    None => frames.push((pending.peer, vec![pending.seq])),
                 }
             }
-            for (peer, ids) in frames {
-                send_release(&peer, ids);
+            for (peer, seqs) in frames {
+                peer.release(seqs);
+            }
+            self.retry_stalled();
+            // Most release events complete within microseconds: poll those at once, and sleep
+            // between polls of the ones that take longer.
+            match in_flight.iter().map(|entry| entry.since.elapsed()).min() {
+                Some(age) if age < EVENT_POLL => std::thread::yield_now(),
+                Some(_) => std::thread::sleep(SLOW_POLL),
+                None => {}
             }
         }
     }
+}
+
+/// Releases whose streams' events are recorded, waiting for them to complete.
+struct InFlight {
+    events: Vec<Event>,
+    batch: Vec<PendingRelease>,
+    since: Instant,
+}
+
+/// How often events that did not complete within [`EVENT_POLL`] are polled.
+const SLOW_POLL: Duration = Duration::from_micros(200);
+
+/// One event per stream of `batch`, recorded after the work queued on it so far.
+fn record_all(pool: &mut Vec<Event>, batch: &[PendingRelease]) -> Vec<Event> {
+    let mut streams: Vec<&Arc<Stream>> = Vec::new();
+    for stream in batch.iter().flat_map(|pending| &pending.streams) {
+        if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
+            streams.push(stream);
+        }
+    }
+    let mut used = Vec::with_capacity(streams.len());
+    for stream in streams {
+        match record(pool, stream) {
+            Ok(event) => used.push(event),
+            Err(error) => {
+                tracing::warn!(%error, "could not record a release event; synchronising the stream");
+                let _ = stream.synchronize();
+            }
+        }
+    }
+    used
 }
 
 /// An event recorded on `stream`, from the pool where one of its context is free.
 fn record(pool: &mut Vec<Event>, stream: &Stream) -> ipc_core::Result<Event> {
     let event = match pool.iter().position(|event| Arc::ptr_eq(event.context(), stream.context())) {
         Some(at) => pool.swap_remove(at),
-        None => Event::blocking(stream.context())?,
+        None => Event::new(stream.context())?,
     };
     event.record(stream)?;
     Ok(event)
-}
-
-/// Waits for `event`, polling first and then sleeping in the driver.
-fn wait_for(event: &Event) -> ipc_core::Result<()> {
-    let start = Instant::now();
-    while start.elapsed() < EVENT_POLL {
-        if event.is_complete()? {
-            return Ok(());
-        }
-        std::thread::yield_now();
-    }
-    event.synchronize()
 }

@@ -1,22 +1,39 @@
-//! The sending end: leases, credits, fences, chunk and event announcements.
+//! The sending end: credits, leases, announcements and the thread that reads the receiver's
+//! answers.
+//!
+//! Two locks, never nested the other way round: `state` (credits, leases, events, what the
+//! receiver said) is only ever held briefly and never across a socket write, so the reader thread
+//! can always take releases and credits, and `is_connected` or `outstanding_leases` never wait
+//! for a blocked send; `writer` (announcements and sequence numbers) is held across the writes of
+//! one message, so its frames reach the socket whole and in order.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::marker::PhantomData;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering as Atomic};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::Connection;
 use ipc_core::{Event, Stream};
 use serde::Serialize;
 
-use super::{Link, lock, monotonic_ns};
+use super::link::{Link, Read};
+use super::lock;
+use super::outgoing::{Fencing, Outgoing};
 use crate::arena::{Chunk, RetireListener, Shared};
-use crate::signal::{Signal, signal_after};
 use crate::tensor::Storage;
-use crate::wire::{ChunkKind, Fence, Frame, MAX_FRAME, TensorDesc};
-use crate::{Error, Result, Tensor, side_table};
+use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
+use crate::{Error, Result};
+
+/// A message the receiver refused (see [`Sender::take_rejected`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    /// The message's sequence number on this connection: the first message sent is 1.
+    pub seq: u64,
+    /// Why, in the receiver's words.
+    pub reason: String,
+}
 
 /// An interprocess event of one connection, exported once.
 struct EventSlot {
@@ -24,36 +41,43 @@ struct EventSlot {
     event: Event,
 }
 
-/// What the sender keeps for one hand-off until the receiver releases it.
-struct Lease {
-    storage: Arc<Storage>,
-}
-
 #[derive(Default)]
 struct SenderState {
     credits: u32,
-    announced: HashSet<u64>,
-    leases: HashMap<u64, Lease>,
+    /// Messages sent that no credit has covered yet: a receiver may not grant more than this.
+    uncredited: u32,
+    /// Per message the receiver may still hold (by `seq`): the storage of its tensors.
+    leases: HashMap<u64, Vec<Arc<Storage>>>,
     free_events: Vec<EventSlot>,
     /// Per message sent and not yet covered by a credit, oldest first: its event, if it has one.
     /// A credit means the receiver took the message and so already queued its wait on the
     /// event; only then may the event be recorded again. The pool thus stays within the capacity.
     untaken: VecDeque<Option<EventSlot>>,
     next_event: u32,
-    next_lease: u64,
-    seq: u64,
     /// Whether the receiver's `Hello` was read: until then only the reader thread reads.
     greeted: bool,
-    disconnected: bool,
+    /// Why the receiver takes no more messages, once it does not.
+    closed: Option<String>,
+    rejected: Vec<Rejection>,
     /// Leases removed from `leases` whose storage is still being dropped (which may retire a
     /// chunk): still outstanding, so that nothing is announced before the retirement is sent.
     dropping: usize,
+}
+
+/// What only the thread writing a message touches.
+#[derive(Default)]
+struct Writer {
+    announced: HashSet<u64>,
+    seq: u64,
 }
 
 struct SenderInner {
     link: Link,
     state: Mutex<SenderState>,
     changed: Condvar,
+    writer: Mutex<Writer>,
+    /// Chunks freed since the last write, to retire at the receiver before anything else.
+    retired: Mutex<Vec<u64>>,
     me: std::sync::Weak<SenderInner>,
     /// How long a send without credits reads the socket itself before it sleeps, in ns.
     spin_ns: AtomicU64,
@@ -63,18 +87,42 @@ struct SenderInner {
 
 impl RetireListener for SenderInner {
     fn retire(&self, chunk: u64) {
-        lock(&self.state).announced.remove(&chunk);
-        let _ = self.link.send(&Frame::Retire { chunk }, &[]);
+        lock(&self.retired).push(chunk);
+        // Sent now if no message is being written (never waiting: this may run on the reader
+        // thread, which must not block on a write), else before that message's next frame.
+        if let Ok(mut writer) = self.writer.try_lock() {
+            let _ = self.flush_retired(&mut writer, false);
+        }
     }
 }
 
 /// The sending end of a typed channel to one receiver.
 ///
-/// `Sender` is `Sync`: threads may share one. Dropping it closes the sending direction; the
-/// connection stays open until the receiver has released every tensor it still holds.
+/// `Sender` is cheap to clone: clones share the connection, and threads may share one. Dropping
+/// the last clone closes the sending direction; the connection stays open until the receiver has
+/// released every tensor it still holds.
 pub struct Sender<T> {
-    inner: Arc<SenderInner>,
+    handle: Arc<Handle>,
     _message: PhantomData<fn(&T)>,
+}
+
+impl<T> Clone for Sender<T> {
+    fn clone(&self) -> Self {
+        Sender { handle: self.handle.clone(), _message: PhantomData }
+    }
+}
+
+/// Closes the sending direction when the last clone of a [`Sender`] drops.
+struct Handle {
+    inner: Arc<SenderInner>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // Close our direction only: the receiver may still hold tensors, and their releases
+        // must still reach the reader thread before the memory can be reused.
+        self.inner.link.shutdown(rustix::net::Shutdown::Write);
+    }
 }
 
 impl<T: Serialize> Sender<T> {
@@ -91,8 +139,10 @@ impl<T: Serialize> Sender<T> {
             link,
             // No credits until the receiver's Hello says how many: until then the receiver is
             // not receiving, which is what a full queue means too.
-            state: Mutex::new(SenderState { next_lease: 1, ..Default::default() }),
+            state: Mutex::new(SenderState::default()),
             changed: Condvar::new(),
+            writer: Mutex::new(Writer::default()),
+            retired: Mutex::new(Vec::new()),
             me: me.clone(),
             spin_ns: AtomicU64::new(0),
             spin_buf: Mutex::new(Vec::new()),
@@ -100,23 +150,53 @@ impl<T: Serialize> Sender<T> {
         let reader = inner.clone();
         std::thread::Builder::new()
             .name("tq-sender-reader".into())
-            .spawn(move || reader.read_releases())
+            .spawn(move || reader.read_answers())
             .map_err(|e| Error::Protocol(format!("spawning the reader thread: {e}")))?;
-        Ok(Sender { inner, _message: PhantomData })
+        Ok(Sender { handle: Arc::new(Handle { inner }), _message: PhantomData })
     }
 
-    /// Sends `message`. GPU tensors in it must be complete: their devices are synchronised first
-    /// (a CPU stall); use [`Sender::send_on`] to avoid it.
+    /// Sends `message`, waiting while the receiver's queue is full. GPU tensors in it must be
+    /// complete: their devices are synchronised first (a CPU stall); use [`Sender::send_on`] to
+    /// avoid it.
+    ///
+    /// # Limits and errors
+    /// A message has any number of tensors, but its encoded descriptors and payload (about 100
+    /// bytes per tensor plus the serde bytes) must fit [`MAX_MESSAGE_BYTES`](crate::wire::MAX_MESSAGE_BYTES),
+    /// else [`Error::TooLarge`]. Tensors received from another process cannot be sent on
+    /// ([`Error::NotSendable`]). Either way nothing is sent, and the channel goes on. A receiver
+    /// that refuses the message after it was sent (for example a GPU it cannot see) reports it
+    /// through [`Sender::take_rejected`]. [`Error::Disconnected`] means the receiver is gone or
+    /// closed the channel.
     pub fn send(&self, message: &T) -> Result<()> {
-        let outgoing = Outgoing::synchronized(message)?;
-        self.inner.send_outgoing(&outgoing)
+        self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Forever)
     }
 
     /// Sends `message` whose GPU tensors were produced by work queued on `stream`; the receiver's
-    /// first use is ordered after that work, and no CPU waits.
+    /// first use is ordered after that work, and no CPU waits. Limits as for [`Sender::send`].
     pub fn send_on(&self, message: &T, stream: &Stream) -> Result<()> {
-        let outgoing = Outgoing::on_stream(message, stream)?;
-        self.inner.send_outgoing(&outgoing)
+        self.inner().send_outgoing(&Outgoing::on_stream(message, stream)?, Wait::Forever)
+    }
+
+    /// [`Sender::send`], giving up with [`Error::Timeout`] (nothing sent) when the receiver has no
+    /// room for the message within `timeout`.
+    pub fn send_timeout(&self, message: &T, timeout: Duration) -> Result<()> {
+        self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Until(Instant::now() + timeout))
+    }
+
+    /// [`Sender::send_on`] with a timeout, as [`Sender::send_timeout`].
+    pub fn send_on_timeout(&self, message: &T, stream: &Stream, timeout: Duration) -> Result<()> {
+        self.inner().send_outgoing(&Outgoing::on_stream(message, stream)?, Wait::Until(Instant::now() + timeout))
+    }
+
+    /// [`Sender::send`] if the receiver has room now, else [`Error::Full`] (nothing sent).
+    pub fn try_send(&self, message: &T) -> Result<()> {
+        self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Never)
+    }
+}
+
+impl<T> Sender<T> {
+    fn inner(&self) -> &SenderInner {
+        &self.handle.inner
     }
 
     /// Makes a send that finds no credit left read the receiver's credits and releases itself,
@@ -127,100 +207,186 @@ impl<T: Serialize> Sender<T> {
     /// messages and the sender going on, which bound a streaming producer's rate (`BENCHMARKS.md`).
     /// Spinning costs a busy core while the queue is full. Zero (the default) never spins.
     pub fn set_spin(&self, spin: Duration) {
-        self.inner.spin_ns.store(spin.as_nanos().min(u64::MAX as u128) as u64, Atomic::Relaxed);
+        self.inner().spin_ns.store(spin.as_nanos().min(u64::MAX as u128) as u64, Atomic::Relaxed);
     }
 
-    /// Hand-offs the receiver still holds.
+    /// Messages whose tensors the receiver still holds (never waits, even while a send does).
     pub fn outstanding_leases(&self) -> usize {
-        let state = lock(&self.inner.state);
+        let state = lock(&self.inner().state);
         state.leases.len() + state.dropping
     }
 
-    /// Whether the receiver is still there.
+    /// Waits up to `timeout` until the receiver holds nothing of this sender's; whether it did.
+    pub fn wait_released(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let inner = self.inner();
+        let mut state = lock(&inner.state);
+        while !state.leases.is_empty() || state.dropping > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            state = inner.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+
+    /// Whether the receiver still takes messages. It turns false when the receiver is dropped,
+    /// dies or closes the connection, even while it still holds tensors: their memory comes back
+    /// when it releases them or its process ends, never before.
     pub fn is_connected(&self) -> bool {
-        !lock(&self.inner.state).disconnected
+        lock(&self.inner().state).closed.is_none()
+    }
+
+    /// Messages the receiver refused since the last call, oldest first. It held nothing of them.
+    pub fn take_rejected(&self) -> Vec<Rejection> {
+        std::mem::take(&mut lock(&self.inner().state).rejected)
     }
 
     /// The receiver's process id.
     pub fn peer_pid(&self) -> u32 {
-        self.inner.link.peer_pid
+        self.inner().link.peer_pid
     }
 }
 
-fn synchronize_devices(tensors: &[Tensor]) -> Result<()> {
-    let mut done = Vec::new();
-    for tensor in tensors {
-        if let Some(memory) = tensor.storage.chunk.device() {
-            let context = memory.context();
-            if !done.contains(&context.device().ordinal()) {
-                context.synchronize()?;
-                done.push(context.device().ordinal());
-            }
+/// How long a send waits for room.
+#[derive(Clone, Copy)]
+enum Wait {
+    Forever,
+    Until(Instant),
+    Never,
+}
+
+impl Wait {
+    fn deadline(self) -> Option<Instant> {
+        match self {
+            Wait::Forever => None,
+            Wait::Until(deadline) => Some(deadline),
+            Wait::Never => Some(Instant::now()),
         }
-    }
-    Ok(())
-}
-
-/// A message encoded once, with what orders its receivers after the producer's work: the same
-/// for one receiver or for every receiver of a broadcast.
-struct Outgoing<'a> {
-    sent_ns: u64,
-    payload: Vec<u8>,
-    tensors: Vec<Tensor>,
-    fencing: Fencing<'a>,
-}
-
-/// How the receivers' first use of the GPU tensors is ordered after the producer's work.
-enum Fencing<'a> {
-    /// Nothing to wait for: no GPU tensors, or their devices were synchronised.
-    Done,
-    /// A signal word's write, queued once on the producer's stream, which every receiver waits for.
-    Signal(Signal),
-    /// An interprocess event of each connection, recorded on the stream when sent (the fallback).
-    Event(&'a Stream),
-}
-
-impl<'a> Outgoing<'a> {
-    fn encode<T: Serialize>(message: &T) -> Result<(u64, Vec<u8>, Vec<Tensor>)> {
-        let sent_ns = monotonic_ns();
-        let (payload, tensors) = side_table::encode(message)?;
-        for tensor in &tensors {
-            tensor.touched_bytes()?;
-        }
-        Ok((sent_ns, payload, tensors))
-    }
-
-    /// `message` with its GPU tensors' devices synchronised (a CPU stall).
-    fn synchronized<T: Serialize>(message: &T) -> Result<Outgoing<'a>> {
-        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
-        synchronize_devices(&tensors)?;
-        Ok(Outgoing { sent_ns, payload, tensors, fencing: Fencing::Done })
-    }
-
-    /// `message` whose GPU tensors were produced by work queued on `stream`: a signal word where
-    /// the device supports it and every GPU tensor is on the stream's device, else events.
-    fn on_stream<T: Serialize>(message: &T, stream: &'a Stream) -> Result<Outgoing<'a>> {
-        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
-        let devices: Vec<i32> =
-            tensors.iter().filter_map(|t| t.storage.chunk.device()).map(|m| m.context().device().ordinal()).collect();
-        let ordinal = stream.context().device().ordinal();
-        let fencing = if devices.is_empty() {
-            Fencing::Done
-        } else if devices.iter().all(|&d| d == ordinal)
-            && let Some(signal) = signal_after(stream)?
-        {
-            Fencing::Signal(signal)
-        } else {
-            Fencing::Event(stream)
-        };
-        Ok(Outgoing { sent_ns, payload, tensors, fencing })
     }
 }
 
 impl SenderInner {
+    /// Sends an encoded message to this receiver: takes a credit, then announces what the
+    /// receiver has not seen yet and writes the message, leasing its tensors' storage.
+    fn send_outgoing(&self, outgoing: &Outgoing, wait: Wait) -> Result<()> {
+        self.take_credit(wait)?;
+        let mut writer = lock(&self.writer);
+        let seq = writer.seq + 1;
+        let result = self.write_message(&mut writer, outgoing, seq, wait.deadline());
+        match result {
+            Ok(event) => {
+                writer.seq = seq;
+                lock(&self.state).untaken.push_back(event);
+                Ok(())
+            }
+            Err(error) => {
+                let mut state = lock(&self.state);
+                state.credits += 1;
+                state.uncredited -= 1;
+                let storage = state.leases.remove(&seq);
+                drop(state);
+                drop(writer);
+                drop(storage); // may retire a user buffer's chunk, which takes the writer lock
+                Err(error)
+            }
+        }
+    }
+
+    /// Waits for a credit (see [`Wait`]) and takes it.
+    fn take_credit(&self, wait: Wait) -> Result<()> {
+        let mut state = lock(&self.state);
+        if state.credits == 0 && state.greeted && state.closed.is_none() && !matches!(wait, Wait::Never) {
+            drop(state);
+            self.spin_for_credits();
+            state = lock(&self.state);
+        }
+        loop {
+            if state.closed.is_some() {
+                return Err(Error::Disconnected);
+            }
+            if state.credits > 0 {
+                state.credits -= 1;
+                state.uncredited += 1;
+                return Ok(());
+            }
+            state = match wait {
+                Wait::Never => return Err(Error::Full),
+                Wait::Forever => self.changed.wait(state).unwrap_or_else(|e| e.into_inner()),
+                Wait::Until(deadline) => {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(Error::Timeout);
+                    }
+                    self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0
+                }
+            };
+        }
+    }
+
+    /// Writes one message (and the announcements it needs) under the writer lock; the event it
+    /// recorded, if any.
+    fn write_message(
+        &self,
+        writer: &mut Writer,
+        outgoing: &Outgoing,
+        seq: u64,
+        deadline: Option<Instant>,
+    ) -> Result<Option<EventSlot>> {
+        self.flush_retired(writer, true)?;
+        let (fence, event) = match &outgoing.fencing {
+            Fencing::Done => (Fence::None, None),
+            Fencing::Signal(signal) => {
+                self.announce(writer, &signal.chunk, deadline)?;
+                (Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }, None)
+            }
+            Fencing::Event(stream) => {
+                let slot = self.event_for(stream, deadline)?;
+                (Fence::Event(slot.id), Some(slot))
+            }
+        };
+        let give_back = |error: Error, event: Option<EventSlot>| {
+            lock(&self.state).free_events.extend(event);
+            error
+        };
+        let mut descriptors = Vec::with_capacity(outgoing.tensors.len());
+        for tensor in &outgoing.tensors {
+            let storage = &tensor.storage;
+            if let Err(error) = self.announce(writer, &storage.chunk, deadline) {
+                return Err(give_back(error, event));
+            }
+            descriptors.push(TensorDesc {
+                chunk: storage.chunk.id,
+                storage_offset: storage.offset as u64,
+                storage_len: storage.len as u64,
+                view_offset: tensor.offset() as u64,
+                dtype: tensor.dtype(),
+                fence: if storage.chunk.device().is_some() { fence } else { Fence::None },
+                shape: tensor.shape().to_vec(),
+                strides: tensor.strides().to_vec(),
+            });
+        }
+        if !outgoing.tensors.is_empty() {
+            let storages = outgoing.tensors.iter().map(|t| t.storage.clone()).collect();
+            lock(&self.state).leases.insert(seq, storages);
+        }
+        let frame = Frame::Message {
+            seq,
+            sent_ns: outgoing.sent_ns,
+            encoded_ns: super::monotonic_ns(),
+            tensors: descriptors,
+            payload: outgoing.payload.clone(),
+        };
+        match self.link.send(&frame, &[], deadline) {
+            Ok(()) => Ok(event),
+            Err(error) => Err(give_back(error, event)),
+        }
+    }
+
     /// Sends the chunk's descriptor or handle the first time this peer needs it.
-    fn announce(&self, state: &mut SenderState, chunk: &Chunk) -> Result<()> {
-        if state.announced.contains(&chunk.id) {
+    fn announce(&self, writer: &mut Writer, chunk: &Chunk, deadline: Option<Instant>) -> Result<()> {
+        if writer.announced.contains(&chunk.id) {
             return Ok(());
         }
         let device = chunk.device_uuid().unwrap_or_default().0;
@@ -229,113 +395,80 @@ impl SenderInner {
             Shared::Fd(fd) => (ChunkKind::Vmm, None, Some(fd)),
             Shared::Legacy(handle) => (ChunkKind::Legacy, Some(handle.to_bytes().to_vec()), None),
         };
-        let frame = Frame::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy };
-        self.link.send(&frame, fd.as_slice())?;
-        state.announced.insert(chunk.id);
-        if kind == ChunkKind::Legacy {
-            // Arena chunks live as long as the process; a user buffer may be freed and its
-            // address reused, so the receiver must hear when it goes.
-            let me: std::sync::Weak<dyn RetireListener> = self.me.clone();
-            chunk.announced(me);
+        let frame =
+            Frame::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy, writable: chunk.writable };
+        self.link.send(&frame, fd.as_slice(), deadline)?;
+        writer.announced.insert(chunk.id);
+        // When the chunk goes (a user buffer freed, an idle arena chunk given back), the
+        // receiver must drop its mapping: to free the memory, and since a user buffer's address
+        // may be reused for other memory.
+        let me: std::sync::Weak<dyn RetireListener> = self.me.clone();
+        chunk.announced(me);
+        Ok(())
+    }
+
+    /// Sends the retirements queued since the last write, waiting for room if `wait`, else
+    /// keeping what does not fit for later.
+    fn flush_retired(&self, writer: &mut Writer, wait: bool) -> Result<()> {
+        let retired = std::mem::take(&mut *lock(&self.retired));
+        let mut pending = retired.into_iter();
+        while let Some(chunk) = pending.next() {
+            writer.announced.remove(&chunk);
+            let frame = Frame::Retire { chunk };
+            let sent = if wait { self.link.send(&frame, &[], None).map(|()| true) } else { self.link.try_send(&frame) };
+            match sent {
+                Ok(true) => {}
+                Ok(false) => {
+                    let mut retired = lock(&self.retired);
+                    retired.push(chunk);
+                    retired.extend(pending);
+                    return Ok(());
+                }
+                Err(Error::Disconnected) => return Ok(()), // the receiver maps nothing any more
+                Err(error) => return Err(error),
+            }
         }
         Ok(())
     }
 
-    /// Sends an encoded message to this receiver: waits for a credit, announces what the receiver
-    /// has not seen yet, and takes a lease per tensor.
-    fn send_outgoing(&self, outgoing: &Outgoing) -> Result<()> {
-        let mut state = lock(&self.state);
-        if state.credits == 0 && state.greeted && !state.disconnected {
-            drop(state);
-            self.spin_for_credits();
-            state = lock(&self.state);
-        }
-        while state.credits == 0 && !state.disconnected {
-            state = self.changed.wait(state).unwrap_or_else(|e| e.into_inner());
-        }
-        if state.disconnected {
-            return Err(Error::Disconnected);
-        }
-        let (fence, event) = match &outgoing.fencing {
-            Fencing::Done => (Fence::None, None),
-            Fencing::Signal(signal) => {
-                self.announce(&mut state, &signal.chunk)?;
-                (Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }, None)
-            }
-            Fencing::Event(stream) => {
-                let slot = self.event_for(&mut state, stream)?;
-                (Fence::Event(slot.id), Some(slot))
-            }
-        };
-        let mut descriptors = Vec::with_capacity(outgoing.tensors.len());
-        for tensor in &outgoing.tensors {
-            self.announce(&mut state, &tensor.storage.chunk)?;
-            let lease = state.next_lease;
-            state.next_lease += 1;
-            let storage = &tensor.storage;
-            let on_device = storage.chunk.device().is_some();
-            descriptors.push(TensorDesc {
-                lease,
-                chunk: storage.chunk.id,
-                storage_offset: storage.offset as u64,
-                storage_len: storage.len as u64,
-                view_offset: tensor.offset() as u64,
-                dtype: tensor.dtype(),
-                fence: if on_device { fence } else { Fence::None },
-                shape: tensor.shape().to_vec(),
-                strides: tensor.strides().to_vec(),
-            });
-            state.leases.insert(lease, Lease { storage: storage.clone() });
-        }
-        state.seq += 1;
-        let frame = Frame::Message {
-            seq: state.seq,
-            sent_ns: outgoing.sent_ns,
-            encoded_ns: monotonic_ns(),
-            tensors: descriptors,
-            payload: outgoing.payload.clone(),
-        };
-        if let Err(error) = self.link.send(&frame, &[]) {
-            let Frame::Message { tensors, .. } = frame else { unreachable!() };
-            for desc in tensors {
-                state.leases.remove(&desc.lease);
-            }
-            state.free_events.extend(event);
-            return Err(error);
-        }
-        state.untaken.push_back(event);
-        state.credits -= 1;
-        Ok(())
-    }
-
-    /// A pooled interprocess event, recorded on `stream`.
-    fn event_for(&self, state: &mut SenderState, stream: &Stream) -> Result<EventSlot> {
-        let slot = match state.free_events.pop() {
+    /// A pooled interprocess event, recorded on `stream` (a new one is announced first).
+    fn event_for(&self, stream: &Stream, deadline: Option<Instant>) -> Result<EventSlot> {
+        let pooled = lock(&self.state).free_events.pop();
+        let slot = match pooled {
             Some(slot) => slot,
             None => {
                 let event = Event::interprocess(stream.context())?;
-                let id = state.next_event;
-                state.next_event += 1;
+                let id = {
+                    let mut state = lock(&self.state);
+                    state.next_event += 1;
+                    state.next_event
+                };
                 let handle = event.export()?.to_bytes().to_vec();
-                self.link.send(&Frame::Event { id, handle }, &[])?;
+                self.link.send(&Frame::Event { id, handle }, &[], deadline)?;
                 EventSlot { id, event }
             }
         };
         if let Err(error) = slot.event.record(stream) {
-            state.free_events.push(slot);
+            lock(&self.state).free_events.push(slot);
             return Err(error.into());
         }
         Ok(slot)
     }
 
-    /// The reader thread: releases and credits until the receiver hangs up.
-    fn read_releases(self: Arc<Self>) {
-        let mut buf = vec![0u8; MAX_FRAME];
-        match self.link.recv(&mut buf).and_then(|hello| match hello {
-            Some((frame, _)) => Link::check_hello(&frame),
-            None => Err(Error::Disconnected),
-        }) {
-            Ok(capacity) => {
+    /// The reader thread: credits, releases, rejections and closings until the receiver hangs up.
+    fn read_answers(self: Arc<Self>) {
+        let mut buf = vec![0u8; MAX_PACKET];
+        let mut assembler = Assembler::default();
+        let greeting = loop {
+            match self.link.recv(&mut assembler, &mut buf) {
+                Ok(Read::Frame(frame, _)) => break Link::check_hello(&frame),
+                Ok(Read::Nothing) => continue,
+                Ok(Read::HungUp) => break Err(Error::Disconnected),
+                Err(error) => break Err(error),
+            }
+        };
+        match greeting {
+            Ok((capacity, _)) => {
                 let mut state = lock(&self.state);
                 state.credits = capacity;
                 state.greeted = true;
@@ -344,29 +477,30 @@ impl SenderInner {
             }
             Err(error) => {
                 tracing::warn!(%error, "the receiver's greeting failed");
-                self.disconnect();
-                return;
+                return self.hang_up("the receiver's greeting failed");
             }
         }
         loop {
-            let frame = match self.link.recv(&mut buf) {
-                Ok(Some((frame, _))) => frame,
-                Ok(None) => break,
+            match self.link.recv(&mut assembler, &mut buf) {
+                Ok(Read::Frame(frame, _)) => {
+                    if !self.handle(frame) {
+                        break;
+                    }
+                }
+                Ok(Read::Nothing) => {}
+                Ok(Read::HungUp) => break,
                 Err(error) => {
                     tracing::warn!(%error, "closing the connection to the receiver");
                     break;
                 }
-            };
-            if !self.handle(frame) {
-                break;
             }
         }
-        self.disconnect();
+        self.hang_up("the receiver hung up");
     }
 
     /// Reads the receiver's frames on the sending thread while no credit is left, for up to the
     /// spin time: the reader thread may take some of them too, which is fine, since credits add
-    /// up and releases are independent of each other.
+    /// up and releases are independent of each other (and a receiver's frames are never parts).
     fn spin_for_credits(&self) {
         let spin = Duration::from_nanos(self.spin_ns.load(Atomic::Relaxed));
         if spin.is_zero() {
@@ -375,39 +509,58 @@ impl SenderInner {
         // One spinning thread is enough; others wait for it (or the reader thread) to see credits.
         let Ok(mut buf) = self.spin_buf.try_lock() else { return };
         let until = Instant::now() + spin;
-        buf.resize(MAX_FRAME, 0);
+        buf.resize(MAX_PACKET, 0);
+        let mut assembler = Assembler::default();
         while Instant::now() < until && lock(&self.state).credits == 0 {
-            match self.link.try_recv(&mut buf) {
-                Ok(Some(Some((frame, _)))) => {
+            match self.link.try_recv(&mut assembler, &mut buf) {
+                Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
-                        return self.disconnect(); // the reader thread then reads the hang-up
+                        // The reader thread then reads the hang-up and returns the leases.
+                        return self.link.shutdown(rustix::net::Shutdown::Both);
                     }
                 }
                 // A hang-up or an error: the reader thread sees it too and cleans up.
-                Ok(Some(None)) | Err(_) => return,
-                Ok(None) => std::hint::spin_loop(),
+                Ok(Read::HungUp) | Err(_) => return,
+                Ok(Read::Nothing) => std::hint::spin_loop(),
             }
         }
     }
 
-    /// Handles a frame from the receiver: releases and credits. `false`: the frame was not one a
-    /// receiver may send, and the connection must close.
+    /// Handles a frame from the receiver. `false`: the frame was not one an honest receiver
+    /// sends, and the connection must close.
     fn handle(&self, frame: Frame) -> bool {
-        // Storage is dropped after the lock is let go: dropping a user buffer's chunk sends
-        // a retire frame, which takes the lock.
+        // Storage is dropped after the lock is let go: dropping a user buffer's chunk retires it.
         let mut released = Vec::new();
         let mut state = lock(&self.state);
         match frame {
-            Frame::Release { leases } => {
-                released.extend(leases.iter().filter_map(|id| state.leases.remove(id)).map(|l| l.storage));
+            Frame::Release { messages } => {
+                released.extend(messages.iter().filter_map(|seq| state.leases.remove(seq)));
             }
             Frame::Credit { count } => {
-                state.credits = state.credits.saturating_add(count);
+                if count > state.uncredited {
+                    tracing::warn!(
+                        count,
+                        uncredited = state.uncredited,
+                        "a receiver granted more than it may; closing"
+                    );
+                    return false;
+                }
+                state.credits += count;
+                state.uncredited -= count;
                 for _ in 0..count {
                     if let Some(Some(slot)) = state.untaken.pop_front() {
                         state.free_events.push(slot);
                     }
                 }
+            }
+            Frame::Rejected { seq, reason } => {
+                tracing::warn!(seq, %reason, "the receiver refused a message");
+                released.extend(state.leases.remove(&seq));
+                state.rejected.push(Rejection { seq, reason });
+            }
+            Frame::Close { reason } => {
+                tracing::info!(%reason, "the receiver closed the channel");
+                state.closed.get_or_insert(reason);
             }
             other => {
                 tracing::warn!(?other, "unexpected frame from a receiver; closing");
@@ -423,23 +576,16 @@ impl SenderInner {
         true
     }
 
-    /// The receiver is gone: everything it held comes back now (dropped outside the lock).
-    fn disconnect(&self) {
+    /// The receiver's end is closed (its process is gone, or it released everything and let
+    /// go): everything it held comes back now (dropped outside the lock).
+    fn hang_up(&self, why: &str) {
         self.link.shutdown(rustix::net::Shutdown::Both);
-        let mut state = lock(&self.state);
-        state.disconnected = true;
+        let mut state: MutexGuard<'_, SenderState> = lock(&self.state);
+        state.closed.get_or_insert_with(|| why.to_string());
         let released = std::mem::take(&mut state.leases);
-        self.changed.notify_all();
         drop(state);
         drop(released);
-    }
-}
-
-impl<T> Drop for Sender<T> {
-    fn drop(&mut self) {
-        // Close our direction only: the receiver may still hold tensors, and their releases
-        // must still reach the reader thread before the memory can be reused.
-        self.inner.link.shutdown(rustix::net::Shutdown::Write);
+        self.changed.notify_all();
     }
 }
 
@@ -464,14 +610,14 @@ impl<T: Serialize> Broadcast<T> {
     /// returned.
     pub fn send(&self, message: &T) -> Result<()> {
         let outgoing = Outgoing::synchronized(message)?;
-        first_error(self.senders.iter().map(|s| s.inner.send_outgoing(&outgoing)))
+        first_error(self.senders.iter().map(|s| s.inner().send_outgoing(&outgoing, Wait::Forever)))
     }
 
     /// Sends to every receiver; see [`Sender::send_on`]. The message is encoded once, and one
     /// signal-word write on `stream` orders every receiver.
     pub fn send_on(&self, message: &T, stream: &Stream) -> Result<()> {
         let outgoing = Outgoing::on_stream(message, stream)?;
-        first_error(self.senders.iter().map(|s| s.inner.send_outgoing(&outgoing)))
+        first_error(self.senders.iter().map(|s| s.inner().send_outgoing(&outgoing, Wait::Forever)))
     }
 }
 

@@ -85,7 +85,7 @@ fn shm_check(connection: &Connection) -> Result<()> {
     let fd = fds.pop().context("expected a descriptor")?;
     let mut memory = SharedMemory::from_fd(fd, len as usize)?;
     let sum = kernels::reference::checksum(memory.as_slice());
-    kernels::reference::fill(memory.as_mut_slice(), seed + 1);
+    kernels::reference::fill(memory.as_mut_slice()?, seed + 1);
     reply(connection, &[sum])
 }
 

@@ -1,0 +1,352 @@
+//! A receiver's state for one sender's connection, and what each frame from it does: chunk and
+//! event announcements, retirements, and messages, checked and ordered after the producer's work.
+//!
+//! A frame that cannot be trusted (it does not decode, breaks the protocol, or exceeds the
+//! credits) closes the connection. A well-formed message that cannot be used here (it names a
+//! chunk that could not be mapped, a GPU this process cannot see, a range outside its chunk) is
+//! rejected alone: the sender hears why, `recv` reports it, and the connection goes on.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ipc_core::{Context, Device, Event, IpcEventHandle, Stream, Uuid};
+
+use super::fences::{FenceWait, Producer, producer};
+use super::imports::{Announced, import};
+use super::link::{Link, Read};
+use super::peer::Peer;
+use super::release::ReceivedLease;
+use super::{lock, monotonic_ns};
+use crate::arena::{Chunk, ChunkMemory};
+use crate::tensor::Storage;
+use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
+use crate::{Error, Result, Tensor, TransferPath};
+
+/// When and how a message arrived, on the machine's monotonic clock (nanoseconds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MessageInfo {
+    /// The sender's process id.
+    pub sender_pid: u32,
+    /// Sequence number on its connection.
+    pub seq: u64,
+    /// When the sender called `send`.
+    pub sent_ns: u64,
+    /// When the sender finished encoding (before the socket write).
+    pub encoded_ns: u64,
+    /// When the receiver read the frame from the socket.
+    pub arrived_ns: u64,
+    /// When its tensors were mapped, validated and ordered on the receiver's stream.
+    pub imported_ns: u64,
+    /// When `recv` finished decoding the message.
+    pub decoded_ns: u64,
+}
+
+/// A message read from a connection, for `recv`.
+pub(super) enum Arrival {
+    /// Validated and ordered; ready to decode.
+    Ready(Ready),
+    /// Refused: the sender was told, and `recv` reports it.
+    Rejected { pid: u32, seq: u64, reason: String },
+}
+
+/// A validated message waiting for `recv`.
+pub(super) struct Ready {
+    pub peer: Arc<Peer>,
+    pub tensors: Vec<Tensor>,
+    pub payload: Vec<u8>,
+    pub info: MessageInfo,
+    /// Whether its producer had died with its work on these tensors unfinished.
+    pub producer_failed: bool,
+}
+
+/// The contexts of the devices received tensors live on, and the streams the user chose for them.
+#[derive(Default)]
+pub(super) struct Devices {
+    contexts: std::sync::Mutex<Vec<(Uuid, Arc<Context>)>>,
+    /// Streams set with `Receiver::set_stream`: every connection orders that device's tensors
+    /// on it (and so one slow producer delays the others there, the user's choice).
+    chosen: std::sync::Mutex<Vec<(Uuid, Arc<Stream>)>>,
+}
+
+impl Devices {
+    pub fn context(&self, uuid: &Uuid) -> Result<Arc<Context>> {
+        let mut contexts = lock(&self.contexts);
+        if let Some((_, context)) = contexts.iter().find(|(u, _)| u == uuid) {
+            return Ok(context.clone());
+        }
+        let context = Context::primary(Device::by_uuid(uuid)?)?;
+        contexts.push((*uuid, context.clone()));
+        Ok(context)
+    }
+
+    pub fn choose(&self, stream: Arc<Stream>) -> Result<()> {
+        let uuid = stream.context().device().uuid()?;
+        let mut chosen = lock(&self.chosen);
+        chosen.retain(|(u, _)| *u != uuid);
+        chosen.push((uuid, stream));
+        Ok(())
+    }
+
+    pub fn chosen(&self, uuid: &Uuid) -> Option<Arc<Stream>> {
+        lock(&self.chosen).iter().find(|(u, _)| u == uuid).map(|(_, s)| s.clone())
+    }
+}
+
+/// The receiver's state for one connection.
+pub(super) struct Connected {
+    pub peer: Arc<Peer>,
+    assembler: Assembler,
+    /// The sender's process, known once its `Hello` came.
+    producer: Option<(u64, Arc<Producer>)>,
+    /// Chunks by the sender's id; those that could not be mapped, with why.
+    chunks: HashMap<u64, Arc<Chunk>>,
+    refused: HashMap<u64, String>,
+    events: HashMap<u32, Arc<Event>>,
+    /// This connection's stream per device: waits for one sender's work never hold up another's.
+    streams: Vec<(Uuid, Arc<Stream>)>,
+    /// Messages read and not yet covered by a credit: never more than the capacity.
+    uncredited: u32,
+    /// Messages taken since credits were last returned.
+    taken: u32,
+}
+
+impl Connected {
+    pub fn new(link: Link) -> Connected {
+        Connected {
+            peer: Peer::new(link),
+            assembler: Assembler::default(),
+            producer: None,
+            chunks: HashMap::new(),
+            refused: HashMap::new(),
+            events: HashMap::new(),
+            streams: Vec::new(),
+            uncredited: 0,
+            taken: 0,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.peer.link.peer_pid
+    }
+
+    /// Whether the sender's `Hello` came.
+    pub fn greeted(&self) -> bool {
+        self.producer.is_some()
+    }
+
+    /// Counts a message as taken by `recv` (or rejected), returning credits in batches of half
+    /// the capacity, which keeps a frame off most hand-offs.
+    pub fn took(&mut self, capacity: u32) {
+        self.taken += 1;
+        if self.taken >= capacity.div_ceil(2) {
+            self.peer.credit(self.taken);
+            self.uncredited -= self.taken;
+            self.taken = 0;
+        }
+    }
+
+    /// Reads the next packet if one is waiting and does what it says. `Ok(None)`: the sender
+    /// hung up. An error closes the connection.
+    pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Option<Option<Arrival>>> {
+        let (frame, mut fds) = match self.peer.link.try_recv(&mut self.assembler, buf)? {
+            Read::Frame(frame, fds) => (frame, fds),
+            Read::Nothing => return Ok(Some(None)),
+            Read::HungUp => return Ok(None),
+        };
+        let arrived_ns = monotonic_ns();
+        let Some((instance, _)) = &self.producer else {
+            let (_, instance) = Link::check_hello(&frame)?;
+            self.producer = Some((instance, producer(self.pid(), instance)));
+            return Ok(Some(None));
+        };
+        let instance = *instance;
+        match frame {
+            Frame::Chunk { id, len, kind, device, legacy, .. } => {
+                let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
+                match import(self.pid(), instance, announced, |uuid| devices.context(uuid)) {
+                    Ok(chunk) => {
+                        self.refused.remove(&id);
+                        self.chunks.insert(id, chunk);
+                    }
+                    Err(error) => {
+                        tracing::warn!(pid = self.pid(), chunk = id, %error, "could not map a chunk");
+                        self.chunks.remove(&id);
+                        self.refused.insert(id, error.to_string());
+                    }
+                }
+            }
+            Frame::Event { id, handle } => {
+                let event = Event::import(&IpcEventHandle::from_bytes(&handle)?)?;
+                self.events.insert(id, Arc::new(event));
+            }
+            Frame::Retire { chunk } => {
+                self.chunks.remove(&chunk);
+                self.refused.remove(&chunk);
+            }
+            Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
+                if self.uncredited >= capacity {
+                    return Err(Error::Protocol(format!("more than the {capacity} messages its credits allow")));
+                }
+                self.uncredited += 1;
+                let info = MessageInfo {
+                    sender_pid: self.pid(),
+                    seq,
+                    sent_ns,
+                    encoded_ns,
+                    arrived_ns,
+                    imported_ns: 0,
+                    decoded_ns: 0,
+                };
+                return Ok(Some(Some(match self.place(devices, &tensors, payload, info) {
+                    Ok(ready) => Arrival::Ready(ready),
+                    Err(error) => {
+                        let reason = error.to_string();
+                        self.peer.reject(seq, reason.clone());
+                        self.took(capacity);
+                        Arrival::Rejected { pid: self.pid(), seq, reason }
+                    }
+                })));
+            }
+            other => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
+        }
+        Ok(Some(None))
+    }
+
+    /// Checks every descriptor of a message against this connection's chunks and events, and
+    /// orders the tensors' first use after the producer's work.
+    fn place(
+        &mut self,
+        devices: &Devices,
+        descs: &[TensorDesc],
+        payload: Vec<u8>,
+        mut info: MessageInfo,
+    ) -> Result<Ready> {
+        let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
+        let mut fences: Vec<FenceWait> = Vec::new();
+        let mut placed = Vec::with_capacity(descs.len());
+        for (index, desc) in descs.iter().enumerate() {
+            let (chunk, path, stream) = self.locate(devices, index, desc)?;
+            if let Some(stream) = &stream
+                && desc.fence != Fence::None
+                && !super::switches::skip_ordering()
+                && !waits.iter().any(|(fence, s)| *fence == desc.fence && Arc::ptr_eq(s, stream))
+            {
+                fences.extend(self.order(index, desc, &chunk, stream)?);
+                waits.push((desc.fence, stream.clone()));
+            }
+            placed.push((chunk, path, stream));
+        }
+        let producer_failed = fences.iter().any(FenceWait::failed);
+        let mut streams: Vec<Arc<Stream>> = Vec::new();
+        for (_, stream) in waits {
+            if !streams.iter().any(|s| Arc::ptr_eq(s, &stream)) {
+                streams.push(stream);
+            }
+        }
+        for stream in placed.iter().filter_map(|(_, _, s)| s.as_ref()) {
+            if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
+                streams.push(stream.clone());
+            }
+        }
+        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences });
+        let tensors = placed
+            .into_iter()
+            .zip(descs)
+            .map(|((chunk, path, stream), desc)| {
+                let storage =
+                    Storage::received(chunk, desc.storage_offset as usize, desc.storage_len as usize, lease.clone());
+                Tensor::from_parts(
+                    Arc::new(storage),
+                    desc.dtype,
+                    desc.shape.clone(),
+                    desc.strides.clone(),
+                    desc.view_offset as usize,
+                    path,
+                    stream,
+                )
+            })
+            .collect();
+        info.imported_ns = monotonic_ns();
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, producer_failed })
+    }
+
+    /// The chunk a descriptor names, checked, with the path it came by and the stream its first
+    /// use is ordered on.
+    fn locate(
+        &mut self,
+        devices: &Devices,
+        index: usize,
+        desc: &TensorDesc,
+    ) -> Result<(Arc<Chunk>, TransferPath, Option<Arc<Stream>>)> {
+        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        if let Some(why) = self.refused.get(&desc.chunk) {
+            return Err(bad(format!("chunk {} could not be mapped here: {why}", desc.chunk)));
+        }
+        let chunk =
+            self.chunks.get(&desc.chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {}", desc.chunk)))?;
+        let end = desc.storage_offset + desc.storage_len; // no overflow: checked by Frame::decode
+        if end > chunk.len() as u64 {
+            return Err(bad(format!(
+                "storage {}..{end} outside chunk {} of {} bytes",
+                desc.storage_offset,
+                desc.chunk,
+                chunk.len()
+            )));
+        }
+        let path = match &chunk.memory {
+            ChunkMemory::ImportedHost(_) => return Ok((chunk, TransferPath::HostSharedMemory, None)),
+            ChunkMemory::ImportedVmm(_) => TransferPath::CudaVmm,
+            ChunkMemory::ImportedLegacy(_) => TransferPath::CudaLegacyIpc,
+            _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
+        };
+        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
+        let stream = self.stream(devices, &uuid)?;
+        Ok((chunk, path, Some(stream)))
+    }
+
+    /// This connection's stream for `uuid`'s device (the user's, if one was chosen).
+    fn stream(&mut self, devices: &Devices, uuid: &Uuid) -> Result<Arc<Stream>> {
+        if let Some(chosen) = devices.chosen(uuid) {
+            return Ok(chosen);
+        }
+        if let Some((_, stream)) = self.streams.iter().find(|(u, _)| u == uuid) {
+            return Ok(stream.clone());
+        }
+        let stream = Arc::new(Stream::new(&devices.context(uuid)?)?);
+        self.streams.push((*uuid, stream.clone()));
+        Ok(stream)
+    }
+
+    /// Queues `stream`'s wait for the producer's fence of tensor `index`.
+    fn order(&self, index: usize, desc: &TensorDesc, chunk: &Chunk, stream: &Stream) -> Result<Option<FenceWait>> {
+        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        match desc.fence {
+            Fence::None => Ok(None),
+            Fence::Event(id) => {
+                let event = self.events.get(&id).ok_or_else(|| bad(format!("unknown event {id}")))?;
+                stream.wait_event(event)?;
+                Ok(None)
+            }
+            Fence::Signal { chunk: signal_chunk, offset, value } => {
+                let signal = self
+                    .chunks
+                    .get(&signal_chunk)
+                    .ok_or_else(|| bad(format!("unknown signal chunk {signal_chunk}")))?;
+                if signal.device().is_none() {
+                    return Err(bad(format!("signal chunk {signal_chunk} is host memory")));
+                }
+                if signal.device_uuid() != chunk.device_uuid() {
+                    return Err(bad(format!("signal chunk {signal_chunk} is on another device than the tensor")));
+                }
+                let offset = usize::try_from(offset).map_err(|_| bad(format!("signal offset {offset}")))?;
+                let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+                producer.wait(stream, signal, offset, value).map(Some).map_err(|e| match e {
+                    Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
+                        bad(format!("signal word {offset} of chunk {signal_chunk}: {e}"))
+                    }
+                    other => other,
+                })
+            }
+        }
+    }
+}

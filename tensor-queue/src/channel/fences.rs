@@ -1,0 +1,216 @@
+//! Waiting for a producer's work, and surviving the producer's death.
+//!
+//! A received GPU tensor is ordered after its producer's work by a stream wait on the producer's
+//! signal word (see `signal.rs`). If the producer dies before its work writes the word, the write
+//! never comes, and the wait would block the receiver's stream, and every later use of it,
+//! forever. So this module keeps, per producer process, each word this process waits on and the
+//! highest value awaited, and a watcher thread holds a pidfd of each producer. When one dies it:
+//! 1. reads each word: messages fenced at or below that value were complete, the others were not;
+//! 2. writes the highest awaited value itself, on a stream of its own, which releases every wait;
+//! 3. records the value read, so that each message can tell whether it was complete
+//!    ([`FenceWait::failed`], surfaced as [`Error::ProducerFailed`](crate::Error::ProducerFailed)
+//!    by `recv` and as `Tensor::producer_failed`).
+//!
+//! Waits on one connection's stream never hold up another's (each connection has its own
+//! stream), so a slow producer delays only its own tensors. The event fallback (devices without
+//! stream memory operations) cannot be rescued this way: an interprocess event never recorded is
+//! waited on forever; it only ever holds up that connection's stream.
+
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use ipc_core::Stream;
+use ipc_core::process::ProcessHandle;
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+
+use super::lock;
+use crate::Result;
+use crate::arena::Chunk;
+
+/// The value a word held when its producer died (`u64::MAX` while the producer lives).
+struct WordFate(AtomicU64);
+
+/// One stream wait on a producer's word: whether its producer's work completed. It keeps the
+/// producer watched while the wait may still be queued.
+pub(crate) struct FenceWait {
+    _producer: Arc<Producer>,
+    fate: Arc<WordFate>,
+    value: u64,
+}
+
+impl FenceWait {
+    /// Whether the producer died before its work reached this fence.
+    pub fn failed(&self) -> bool {
+        self.value > self.fate.0.load(Ordering::Acquire)
+    }
+}
+
+/// A word of a producer's this process waits on.
+struct Word {
+    chunk: Arc<Chunk>,
+    offset: usize,
+    awaited: u64,
+    fate: Arc<WordFate>,
+}
+
+/// A producer process whose fences this process waits on.
+pub(crate) struct Producer {
+    pid: u32,
+    instance: u64,
+    /// How its death is seen, opened with its first fence; `None` where pidfds are not
+    /// available (its fences are then never rescued: the limitation is logged).
+    process: OnceLock<Option<ProcessHandle>>,
+    state: Mutex<ProducerState>,
+}
+
+#[derive(Default)]
+struct ProducerState {
+    dead: bool,
+    words: Vec<Word>,
+}
+
+/// Producers with fences, for the watcher thread.
+static PRODUCERS: Mutex<Vec<Weak<Producer>>> = Mutex::new(Vec::new());
+
+/// The producer process `pid` (named for good by `instance`), shared by every connection from it.
+pub(crate) fn producer(pid: u32, instance: u64) -> Arc<Producer> {
+    let mut all = lock(&PRODUCERS);
+    all.retain(|p| p.strong_count() > 0);
+    if let Some(found) = all.iter().filter_map(Weak::upgrade).find(|p| p.pid == pid && p.instance == instance) {
+        return found;
+    }
+    let producer =
+        Arc::new(Producer { pid, instance, process: OnceLock::new(), state: Mutex::new(ProducerState::default()) });
+    all.push(Arc::downgrade(&producer));
+    producer
+}
+
+impl Producer {
+    /// Makes `stream` wait until the word at `offset` of `chunk` reaches `value`, unless the
+    /// producer already died (then nothing is queued: the word will never move again).
+    pub fn wait(self: &Arc<Self>, stream: &Stream, chunk: &Arc<Chunk>, offset: usize, value: u64) -> Result<FenceWait> {
+        let memory = chunk.device().ok_or_else(|| crate::Error::Protocol("a signal word in host memory".into()))?;
+        let mut state = lock(&self.state);
+        let at = match state.words.iter().position(|w| w.chunk.id == chunk.id && w.offset == offset) {
+            Some(at) => at,
+            None => {
+                self.watch();
+                let fate = Arc::new(WordFate(AtomicU64::new(u64::MAX)));
+                state.words.push(Word { chunk: chunk.clone(), offset, awaited: 0, fate });
+                state.words.len() - 1
+            }
+        };
+        let fate = state.words[at].fate.clone();
+        if !state.dead {
+            stream.wait_value64(memory, offset, value)?;
+            let word = &mut state.words[at];
+            word.awaited = word.awaited.max(value);
+        } else if fate.0.load(Ordering::Acquire) == u64::MAX {
+            // A word first named after the producer died: how far did it get?
+            rescue_word(&state.words[at])?;
+        }
+        Ok(FenceWait { _producer: self.clone(), fate, value })
+    }
+
+    /// Opens the producer's pidfd (once) and makes sure the watcher runs.
+    fn watch(&self) {
+        self.process.get_or_init(|| match ProcessHandle::open(self.pid) {
+            Ok(process) => Some(process),
+            Err(error) => {
+                let pid = self.pid;
+                tracing::warn!(pid, %error, "cannot watch a producer: if it dies with GPU work queued, waits on it stay");
+                None
+            }
+        });
+        Watcher::start();
+    }
+
+    fn process(&self) -> Option<&ProcessHandle> {
+        self.process.get().and_then(Option::as_ref)
+    }
+
+    /// The producer is dead: note how far each word got, and release every wait on it.
+    fn rescue(&self) {
+        let mut state = lock(&self.state);
+        if state.dead {
+            return;
+        }
+        state.dead = true;
+        let mut abandoned = 0;
+        for word in &state.words {
+            match rescue_word(word) {
+                Ok(true) => abandoned += 1,
+                Ok(false) => {}
+                Err(error) => tracing::warn!(pid = self.pid, %error, "releasing a dead producer's fence failed"),
+            }
+        }
+        if abandoned > 0 {
+            tracing::warn!(pid = self.pid, abandoned, "a producer died with GPU work unfinished; its waits released");
+        }
+    }
+}
+
+/// Reads `word`, records it, and writes the highest awaited value if the word is short of it.
+/// Whether it was short (some message's work never completed).
+fn rescue_word(word: &Word) -> Result<bool> {
+    let memory = word.chunk.device().ok_or_else(|| crate::Error::Protocol("a signal word in host memory".into()))?;
+    // A stream of its own: the receiving streams are blocked on this very word.
+    let stream = Stream::new(memory.context())?;
+    let reached = stream.read_value64(memory, word.offset)?;
+    word.fate.0.store(reached, Ordering::Release);
+    if reached >= word.awaited {
+        return Ok(false);
+    }
+    stream.write_value64(memory, word.offset, word.awaited)?;
+    stream.synchronize()?;
+    Ok(true)
+}
+
+/// The thread that watches producers' pidfds.
+struct Watcher;
+
+/// How often the watcher looks for new producers to watch.
+const WATCH_TICK: Duration = Duration::from_millis(50);
+
+impl Watcher {
+    fn start() {
+        static STARTED: OnceLock<()> = OnceLock::new();
+        STARTED.get_or_init(|| {
+            if let Err(error) = std::thread::Builder::new().name("tq-fences".into()).spawn(Watcher::run) {
+                tracing::warn!(%error, "no fence watcher: a producer's death will not release waits on it");
+            }
+        });
+    }
+
+    fn run() {
+        loop {
+            let watched: Vec<Arc<Producer>> = lock(&PRODUCERS)
+                .iter()
+                .filter_map(Weak::upgrade)
+                .filter(|p| p.process().is_some() && !lock(&p.state).dead)
+                .collect();
+            let mut fds: Vec<PollFd<'_>> = watched
+                .iter()
+                .filter_map(|p| p.process())
+                .map(|process| PollFd::from_borrowed_fd(process.as_fd(), PollFlags::IN))
+                .collect();
+            let tick = Timespec::try_from(WATCH_TICK).ok();
+            if fds.is_empty() {
+                std::thread::sleep(WATCH_TICK);
+                continue;
+            }
+            if poll(&mut fds, tick.as_ref()).unwrap_or(0) == 0 {
+                continue;
+            }
+            let exited: Vec<bool> = fds.iter().map(|fd| !fd.revents().is_empty()).collect();
+            drop(fds);
+            for (producer, exited) in watched.iter().zip(exited) {
+                if exited {
+                    producer.rescue();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! A connected socket speaking frames: the only place that writes or reads the socket.
+//!
+//! Frames longer than a packet travel in parts ([`wire::packets`], joined by
+//! [`wire::Assembler`]). Writes never hold a lock of the channel's state: a blocked write must
+//! never stop the thread that reads the peer's frames, or two honest processes that write to
+//! each other at once wait for each other forever.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::Instant;
+
+use ipc_core::HostId;
+use ipc_core::seqpacket::Connection;
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::io::Errno;
+
+use crate::wire::{self, Assembler, Frame, MAX_MESSAGE_BYTES, MAX_PACKET};
+use crate::{Error, Result};
+
+/// What a read found.
+pub(crate) enum Read {
+    /// A whole frame and the descriptors that came with it.
+    Frame(Frame, Vec<OwnedFd>),
+    /// Nothing whole yet (nothing waiting, or a part of a longer frame).
+    Nothing,
+    /// The peer closed its end: nothing more will come.
+    HungUp,
+}
+
+/// A connected socket and who is at the other end.
+pub(crate) struct Link {
+    connection: Connection,
+    /// The peer's process id, as the kernel recorded it at connect time.
+    pub peer_pid: u32,
+}
+
+/// A random number drawn once per process: with the pid it names this process for good.
+pub(crate) fn instance() -> u64 {
+    static INSTANCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *INSTANCE.get_or_init(|| {
+        use std::hash::BuildHasher;
+        std::collections::hash_map::RandomState::new().hash_one((std::process::id(), super::monotonic_ns()))
+    })
+}
+
+impl Link {
+    /// Checks that the peer runs as this user (`SO_PEERCRED`), the second lock after the
+    /// socket file's 0600 mode.
+    pub fn new(connection: Connection) -> Result<Link> {
+        let credentials = connection.peer_credentials()?;
+        let uid = rustix::process::getuid().as_raw();
+        if credentials.uid != uid {
+            return Err(Error::PeerRefused(format!(
+                "pid {} runs as uid {}, not {uid}",
+                credentials.pid, credentials.uid
+            )));
+        }
+        Ok(Link { connection, peer_pid: credentials.pid as u32 })
+    }
+
+    /// Sends `frame`, waiting while the socket is full. The wait before the first packet ends at
+    /// `deadline` with [`Error::Timeout`] (nothing sent); once a frame of several parts has begun
+    /// it is finished, since a cut frame would break the connection for good.
+    pub fn send(&self, frame: &Frame, fds: &[BorrowedFd<'_>], deadline: Option<Instant>) -> Result<()> {
+        let bytes = frame.encode();
+        if bytes.len() > MAX_MESSAGE_BYTES {
+            return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
+        }
+        for (index, packet) in wire::packets(&bytes).iter().enumerate() {
+            let fds = if index == 0 { fds } else { &[] };
+            while !self.connection.try_send(packet, fds).map_err(peer_gone)? {
+                self.wait_writable(if index == 0 { deadline } else { None })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a small frame if the socket has room now: `Ok(false)` when it is full (nothing sent).
+    pub fn try_send(&self, frame: &Frame) -> Result<bool> {
+        let bytes = frame.encode();
+        if bytes.len() > MAX_PACKET {
+            return Err(Error::Invalid(format!("a {}-byte control frame", bytes.len())));
+        }
+        self.connection.try_send(&bytes, &[]).map_err(peer_gone)
+    }
+
+    /// Reads the next packet if one is waiting, without sleeping.
+    pub fn try_recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read> {
+        match self.connection.try_recv(buf)? {
+            Some((n, fds)) => self.join(assembler, &buf[..n], fds),
+            None => Ok(Read::Nothing),
+        }
+    }
+
+    /// Waits for the next packet.
+    pub fn recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read> {
+        let (n, fds) = self.connection.recv(buf)?;
+        self.join(assembler, &buf[..n], fds)
+    }
+
+    fn join(&self, assembler: &mut Assembler, packet: &[u8], fds: Vec<OwnedFd>) -> Result<Read> {
+        if packet.is_empty() {
+            return Ok(Read::HungUp);
+        }
+        match assembler.push(packet, fds) {
+            Ok(Some((frame, fds))) => Ok(Read::Frame(frame, fds)),
+            Ok(None) => Ok(Read::Nothing),
+            Err(source) => Err(Error::Frame { pid: self.peer_pid, source }),
+        }
+    }
+
+    /// Sleeps until the socket has room, or `deadline` passes.
+    fn wait_writable(&self, deadline: Option<Instant>) -> Result<()> {
+        let mut fds = [PollFd::new(&self.connection, PollFlags::OUT)];
+        loop {
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left.is_some_and(|left| left.is_zero()) {
+                return Err(Error::Timeout);
+            }
+            let timespec = left.map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
+            match poll(&mut fds, timespec.as_ref()) {
+                Ok(0) | Err(Errno::INTR) => continue,
+                Ok(_) if fds[0].revents().intersects(PollFlags::ERR | PollFlags::HUP) => {
+                    return Err(Error::Disconnected);
+                }
+                Ok(_) => return Ok(()),
+                Err(errno) => return Err(ipc_core::Error::Os { what: "poll", source: errno.into() }.into()),
+            }
+        }
+    }
+
+    /// Shuts down one or both directions.
+    pub fn shutdown(&self, how: rustix::net::Shutdown) {
+        let _ = rustix::net::shutdown(&self.connection, how);
+    }
+
+    /// The socket, for `poll`.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.connection.as_fd()
+    }
+
+    /// Says who we are (and, from a receiver, how many messages the sender may have in flight).
+    pub fn hello(&self, capacity: u32) -> Result<()> {
+        let hello =
+            Frame::Hello { pid: std::process::id(), host: HostId::current()?.0, capacity, instance: instance() };
+        self.send(&hello, &[], None)
+    }
+
+    /// Checks the peer's `Hello` (same protocol, checked by decoding, and same machine): its
+    /// capacity and instance.
+    pub fn check_hello(frame: &Frame) -> Result<(u32, u64)> {
+        match frame {
+            Frame::Hello { host, capacity, instance, .. } if *host == HostId::current()?.0 => {
+                Ok((*capacity, *instance))
+            }
+            Frame::Hello { .. } => Err(Error::PeerRefused("the peer runs on another machine".into())),
+            other => Err(Error::Protocol(format!("the first frame was {other:?}, not a Hello"))),
+        }
+    }
+}
+
+/// A write to a peer that is gone is [`Error::Disconnected`], whatever the socket said.
+fn peer_gone(error: ipc_core::Error) -> Error {
+    match error {
+        ipc_core::Error::PeerGone => Error::Disconnected,
+        other => other.into(),
+    }
+}

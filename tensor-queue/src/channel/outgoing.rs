@@ -1,0 +1,85 @@
+//! A message on its way out: encoded once, checked, and fenced after the producer's work; the
+//! same for one receiver or for every receiver of a broadcast.
+
+use ipc_core::Stream;
+use serde::Serialize;
+
+use super::monotonic_ns;
+use crate::arena::not_sendable;
+use crate::signal::{Signal, signal_after};
+use crate::wire::check_layout;
+use crate::{Error, Result, Tensor, side_table};
+
+/// A message encoded once, with what orders its receivers after the producer's work.
+pub(super) struct Outgoing<'a> {
+    pub sent_ns: u64,
+    pub payload: Vec<u8>,
+    pub tensors: Vec<Tensor>,
+    pub fencing: Fencing<'a>,
+}
+
+/// How the receivers' first use of the GPU tensors is ordered after the producer's work.
+pub(super) enum Fencing<'a> {
+    /// Nothing to wait for: no GPU tensors, or their devices were synchronised.
+    Done,
+    /// A signal word's write, queued once on the producer's stream, which every receiver waits for.
+    Signal(Signal),
+    /// An interprocess event of each connection, recorded on the stream when sent (the fallback).
+    Event(&'a Stream),
+}
+
+impl<'a> Outgoing<'a> {
+    /// Encodes `message` and checks every tensor before anything is leased, fenced or sent, so a
+    /// refused message leaves nothing behind.
+    fn encode<T: Serialize>(message: &T) -> Result<(u64, Vec<u8>, Vec<Tensor>)> {
+        let sent_ns = monotonic_ns();
+        let (payload, tensors) = side_table::encode(message)?;
+        for tensor in &tensors {
+            check_sendable(tensor)?;
+        }
+        Ok((sent_ns, payload, tensors))
+    }
+
+    /// `message` with its GPU tensors' devices synchronised (a CPU stall).
+    pub fn synchronized<T: Serialize>(message: &T) -> Result<Outgoing<'a>> {
+        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
+        let mut done = Vec::new();
+        for memory in tensors.iter().filter_map(|t| t.storage.chunk.device()) {
+            let context = memory.context();
+            if !done.contains(&context.device().ordinal()) {
+                context.synchronize()?;
+                done.push(context.device().ordinal());
+            }
+        }
+        Ok(Outgoing { sent_ns, payload, tensors, fencing: Fencing::Done })
+    }
+
+    /// `message` whose GPU tensors were produced by work queued on `stream`: a signal word where
+    /// the device supports it and every GPU tensor is on the stream's device, else events.
+    pub fn on_stream<T: Serialize>(message: &T, stream: &'a Stream) -> Result<Outgoing<'a>> {
+        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
+        let devices: Vec<i32> =
+            tensors.iter().filter_map(|t| t.storage.chunk.device()).map(|m| m.context().device().ordinal()).collect();
+        let ordinal = stream.context().device().ordinal();
+        let fencing = if devices.is_empty() {
+            Fencing::Done
+        } else if devices.iter().all(|&d| d == ordinal)
+            && let Some(signal) = signal_after(stream)?
+        {
+            Fencing::Signal(signal)
+        } else {
+            Fencing::Event(stream)
+        };
+        Ok(Outgoing { sent_ns, payload, tensors, fencing })
+    }
+}
+
+/// Whether `tensor` can be sent: memory of this process, and a view every receiver accepts.
+fn check_sendable(tensor: &Tensor) -> Result<()> {
+    if !tensor.storage.chunk.is_local() {
+        return Err(not_sendable());
+    }
+    tensor.touched_bytes()?;
+    let offset = (tensor.storage.offset + tensor.offset()) as u64;
+    check_layout(tensor.shape(), tensor.strides(), tensor.dtype(), offset).map_err(Error::Invalid)
+}

@@ -1,0 +1,102 @@
+//! A receiver's side of one sender's connection, shared by the tensors received from it: what it
+//! owes the sender (credits, releases, rejections, a closing) and the non-blocking writes that
+//! deliver it.
+//!
+//! A receiver never waits for a sender to read: a sender that stops reading must not stop the
+//! receiver, nor the threads that drop received tensors, nor other senders. Frames that do not
+//! fit the socket now stay in the outbox (credits add up to one number, releases to one list)
+//! and go out with the next write, or from the release thread, which retries stalled peers.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use super::link::Link;
+use super::lock;
+use super::release::Releaser;
+use crate::wire::{Frame, MAX_RELEASES};
+
+/// A sender's connection as the receiving process sees it.
+pub(crate) struct Peer {
+    pub link: Link,
+    outbox: Mutex<Outbox>,
+}
+
+#[derive(Default)]
+struct Outbox {
+    /// Rejections and the closing, in order; they go before credits and releases.
+    control: VecDeque<Frame>,
+    credits: u32,
+    releases: Vec<u64>,
+    /// Whether the release thread is retrying this peer.
+    stalled: bool,
+}
+
+impl Peer {
+    pub fn new(link: Link) -> Arc<Peer> {
+        Arc::new(Peer { link, outbox: Mutex::new(Outbox::default()) })
+    }
+
+    /// Returns `count` credits.
+    pub fn credit(self: &Arc<Self>, count: u32) {
+        self.post(|out| out.credits += count);
+    }
+
+    /// Releases these messages.
+    pub fn release(self: &Arc<Self>, messages: impl IntoIterator<Item = u64>) {
+        self.post(|out| out.releases.extend(messages));
+    }
+
+    /// Tells the sender that message `seq` was refused.
+    pub fn reject(self: &Arc<Self>, seq: u64, reason: String) {
+        self.post(|out| out.control.push_back(Frame::Rejected { seq, reason }));
+    }
+
+    /// Tells the sender that no more messages are taken.
+    pub fn close(self: &Arc<Self>, reason: String) {
+        self.post(|out| out.control.push_back(Frame::Close { reason }));
+    }
+
+    fn post(self: &Arc<Self>, add: impl FnOnce(&mut Outbox)) {
+        let mut out = lock(&self.outbox);
+        add(&mut out);
+        if !out.stalled && !self.flush_locked(&mut out) {
+            out.stalled = true;
+            Releaser::get().retry(self.clone());
+        }
+    }
+
+    /// Writes what the outbox holds while the socket has room; whether it is empty now.
+    pub fn flush(&self) -> bool {
+        let mut out = lock(&self.outbox);
+        let empty = self.flush_locked(&mut out);
+        out.stalled = !empty;
+        empty
+    }
+
+    fn flush_locked(&self, out: &mut Outbox) -> bool {
+        loop {
+            let frame = if let Some(frame) = out.control.front() {
+                frame.clone()
+            } else if out.credits > 0 {
+                Frame::Credit { count: out.credits }
+            } else if !out.releases.is_empty() {
+                Frame::Release { messages: out.releases[..out.releases.len().min(MAX_RELEASES)].to_vec() }
+            } else {
+                return true;
+            };
+            match self.link.try_send(&frame) {
+                Ok(true) => match frame {
+                    Frame::Credit { .. } => out.credits = 0,
+                    Frame::Release { messages } => drop(out.releases.drain(..messages.len())),
+                    _ => drop(out.control.pop_front()),
+                },
+                Ok(false) => return false,
+                // The sender is gone, and with it what we owed it.
+                Err(_) => {
+                    *out = Outbox::default();
+                    return true;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! Switches for tests only, compiled in only with the `test-switches` feature: no environment
+//! variable can turn ordering off in a program built without it.
+
+#[cfg(feature = "test-switches")]
+/// With the `test-switches` feature, when set to `1`: receivers skip the stream wait, so tests
+/// can prove that the ordering they check is real (the seed test must fail with it).
+pub const SKIP_ORDERING_ENV: &str = "TENSOR_QUEUE_TEST_SKIP_ORDERING";
+
+#[cfg(feature = "test-switches")]
+/// With the `test-switches` feature, when set to `1`: senders order GPU hand-offs with
+/// interprocess events even where stream memory operations work, so tests can cover the fallback.
+pub const FORCE_EVENTS_ENV: &str = "TENSOR_QUEUE_TEST_FORCE_EVENTS";
+
+#[cfg(feature = "test-switches")]
+fn switch(name: &str, cell: &std::sync::OnceLock<bool>) -> bool {
+    *cell.get_or_init(|| std::env::var(name).as_deref() == Ok("1"))
+}
+
+/// Whether receivers skip the stream wait (tests only).
+pub(crate) fn skip_ordering() -> bool {
+    #[cfg(feature = "test-switches")]
+    {
+        static SKIP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        switch(SKIP_ORDERING_ENV, &SKIP)
+    }
+    #[cfg(not(feature = "test-switches"))]
+    false
+}
+
+/// Whether senders use events where signal words would do (tests only).
+pub(crate) fn force_events() -> bool {
+    #[cfg(feature = "test-switches")]
+    {
+        static FORCE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        switch(FORCE_EVENTS_ENV, &FORCE)
+    }
+    #[cfg(not(feature = "test-switches"))]
+    false
+}

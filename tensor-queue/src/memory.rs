@@ -1,0 +1,49 @@
+//! How much memory this process's tensors hold, and giving it back.
+//!
+//! Sendable tensors are carved out of large shareable chunks (see [`Tensor::empty_cuda`] and
+//! [`Tensor::zeros`]), because exporting and importing memory is expensive. A chunk whose tensors
+//! are all gone (dropped here, and released by every receiver) is kept for reuse for the idle
+//! release time (one second unless [`set_idle_release`] says otherwise) and then goes back to the
+//! driver (device memory) or the kernel (shared memory). [`trim`] gives back every such chunk at
+//! once. Receivers that mapped a chunk are told when it goes and unmap it, so the memory is
+//! really free, not only in this process.
+//!
+//! ```
+//! let held = tensor_queue::memory::usage();
+//! println!("{} bytes of device memory, {} in use", held.device_bytes, held.in_use_bytes);
+//! tensor_queue::memory::trim();
+//! ```
+//!
+//! [`Tensor::empty_cuda`]: crate::Tensor::empty_cuda
+//! [`Tensor::zeros`]: crate::Tensor::zeros
+
+use std::time::Duration;
+
+/// What this process's arenas hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryUsage {
+    /// Bytes of shared host memory held in chunks.
+    pub host_bytes: usize,
+    /// Bytes of device memory held in chunks, all devices together.
+    pub device_bytes: usize,
+    /// Of those, bytes of live tensors (including those a receiver still holds).
+    pub in_use_bytes: usize,
+}
+
+/// What this process's arenas hold now.
+pub fn usage() -> MemoryUsage {
+    crate::arena::usage()
+}
+
+/// Gives back every chunk that holds no live tensor now; returns the bytes given back.
+pub fn trim() -> usize {
+    crate::arena::trim()
+}
+
+/// How long a chunk with no live tensor is kept for reuse before it goes back (default one
+/// second; zero gives chunks back as soon as they are free, at the cost of exporting a new one,
+/// 0.7 ms per 64 MiB on an H200, when memory is needed again).
+pub fn set_idle_release(idle: Duration) {
+    crate::arena::set_idle_release(idle)
+}
