@@ -302,8 +302,10 @@ impl Tensor {
 
     /// The same elements with another shape; only for contiguous tensors (no copy).
     pub fn reshape(&self, shape: &[u64]) -> Result<Tensor> {
-        if !self.is_contiguous() || shape.len() > crate::wire::MAX_DIMS || shape.iter().product::<u64>() != self.numel()
-        {
+        // The product is checked: a wrapped one could pass for the right count (found by an
+        // outside test: a reshape to [2^55 + 1, 512] of 512 bytes, then a read far outside).
+        let count = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+        if !self.is_contiguous() || shape.len() > crate::wire::MAX_DIMS || count != Some(self.numel()) {
             return Err(Error::Invalid(format!("cannot view {:?} as {shape:?}", self.shape)));
         }
         Ok(self.with_layout(shape.to_vec(), contiguous_strides(shape), self.offset))
@@ -463,6 +465,8 @@ mod tests {
         assert_eq!(t.get::<f32>(&[1, 0]).unwrap(), 40.0, "writes through a view reach the original");
         assert!(t.reshape(&[2, 6]).is_ok());
         assert!(tt.reshape(&[12]).is_err(), "a transposed view cannot be reshaped without a copy");
+        let bytes = Tensor::zeros(DType::U8, &[512]).unwrap();
+        assert!(bytes.reshape(&[(1 << 55) + 1, 512]).is_err(), "a product that wraps to 512 is refused");
         assert!(t.as_slice::<i32>().is_err(), "the element type must match");
         assert!(t.get::<f32>(&[3, 0]).is_err());
         assert_eq!(t.device(), TensorDevice::Host);

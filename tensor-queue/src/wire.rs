@@ -577,6 +577,11 @@ pub struct Assembler {
 }
 
 impl Assembler {
+    /// Whether a frame's parts have begun and not ended.
+    pub fn is_joining(&self) -> bool {
+        !self.parts.is_empty()
+    }
+
     /// Takes one packet (and the descriptors that came with it): the frame it completes, if any.
     pub fn push(
         &mut self,

@@ -15,7 +15,7 @@ use integration_tests::queue::{Probe, checksum, probe};
 use integration_tests::{bin_path, socket_path};
 use ipc_core::seqpacket::{Connection, Listener};
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Fence, Frame, TensorDesc};
+use tensor_queue::wire::{ChunkKind, Fence, Frame, MAX_MESSAGE_BYTES, TensorDesc};
 use tensor_queue::{DType, Error, Receiver, Sender, Tensor, monotonic_ns};
 
 /// What the `blob` role receives: an id, tensors, a byte payload and a text payload.
@@ -356,8 +356,8 @@ fn a_consumer_that_drops_a_large_batch_at_once_returns_every_lease() {
         assert!(matches!(sent, Some(Ok(()))), "sending {count}: {:?}", sent.map(|r| r.map_err(|e| e.to_string())));
         consumer.expect("collected", Duration::from_secs(30));
         let dropped = consumer.expect("dropped", Duration::from_secs(10));
-        let returned = wait_for(Duration::from_secs(10), || sender.outstanding_leases() == 0);
-        assert!(returned.is_some(), "{count}: {} leases still out 10 s after {dropped}", sender.outstanding_leases());
+        let returned = sender.wait_released(Duration::from_secs(10));
+        assert!(returned, "{count}: {} leases still out 10 s after {dropped}", sender.outstanding_leases());
         drop(sender);
         consumer.expect("disconnected", Duration::from_secs(10));
         assert!(consumer.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()), "{count}");
@@ -423,12 +423,18 @@ fn dropping_a_receiver_wakes_a_blocked_sender_and_held_leases_come_back_later() 
         let third = results.recv_timeout(Duration::from_secs(1));
         assert_eq!(third, Ok((2, Err("Disconnected".to_string()))), "the blocked send after the receiver dropped");
         assert!(!sender.is_connected(), "is_connected after the receiver dropped");
-        assert!(wait_for(Duration::from_secs(2), || sender.outstanding_leases() <= 1).is_some(), "unreceived back");
+        // The held tensor's lease stays out (the unreceived second message's may too, until the
+        // connection closes).
         std::thread::sleep(Duration::from_millis(200));
-        assert_eq!(sender.outstanding_leases(), 1, "the held tensor's lease stays out until it is dropped");
+        let while_held = sender.outstanding_leases();
         user.tell(ending);
         let back = wait_for(Duration::from_secs(1), || sender.outstanding_leases() == 0);
-        assert!(back.is_some(), "{ending}: the held lease did not come back within 1 s");
+        assert!(
+            (1..=2).contains(&while_held) && back.is_some(),
+            "{ending}: leases out while one tensor is held: {while_held} (expected 1 or 2); \
+             1 s after `{ending}`: {}",
+            sender.outstanding_leases()
+        );
     }
 }
 
@@ -478,15 +484,16 @@ fn a_peer_that_never_reads_does_not_stall_an_honest_sender() {
     assert_eq!(line, "done honest=2000 distinct=2000 bad=0");
 }
 
-/// A hostile receiver grants `u32::MAX` credits over and over and never releases: the sender
-/// neither stalls nor panics, and its queries answer within 10 ms.
+/// A hostile receiver takes two messages fairly, then grants `u32::MAX` credits over and over and
+/// never releases: the sender neither stalls nor panics (its sends go through or fail with a typed
+/// error), and its queries answer at once while it sends (within 10 ms, with 1%
+/// of calls allowed up to 100 ms for a loaded machine's scheduler).
 #[test]
 fn a_receiver_granting_absurd_credit_does_not_stall_the_sender() {
     let path = socket_path("hostile-receiver");
     let mut hostile = User::start(&["hostile", "--listen", path.to_str().unwrap()]);
     hostile.expect("ready", Duration::from_secs(20));
     let sender = Arc::new(Sender::<Probe>::connect(&path).unwrap());
-    hostile.expect("credited", Duration::from_secs(20));
     let feeder = sender.clone();
     let sending = Arc::new(AtomicBool::new(true));
     let still_sending = sending.clone();
@@ -502,21 +509,41 @@ fn a_receiver_granting_absurd_credit_does_not_stall_the_sender() {
         }
         still_sending.store(false, Ordering::SeqCst);
     });
-    let mut slowest = Duration::ZERO;
+    // The queries run on a thread of their own, so that one that blocks cannot hang the test.
+    let (probe_tx, probes) = mpsc::channel();
+    let (prober, probing) = (sender.clone(), sending.clone());
+    std::thread::spawn(move || {
+        while probing.load(Ordering::SeqCst) {
+            let start = Instant::now();
+            let _ = prober.outstanding_leases();
+            let leases = start.elapsed();
+            let start = Instant::now();
+            let _ = prober.is_connected();
+            if probe_tx.send(leases.max(start.elapsed())).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    });
+    let mut took = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(20);
     while sending.load(Ordering::SeqCst) && Instant::now() < deadline {
-        let start = Instant::now();
-        let _ = sender.outstanding_leases();
-        slowest = slowest.max(start.elapsed());
-        let start = Instant::now();
-        let _ = sender.is_connected();
-        slowest = slowest.max(start.elapsed());
-        std::thread::sleep(Duration::from_millis(1));
+        match probes.recv_timeout(Duration::from_secs(1)) {
+            Ok(duration) => took.push(duration),
+            Err(_) if !sending.load(Ordering::SeqCst) => break,
+            Err(_) => panic!("outstanding_leases() or is_connected() blocked for over 1 s while sending"),
+        }
     }
     let outcomes: Vec<Result<(), String>> = results.try_iter().collect();
     assert!(!sending.load(Ordering::SeqCst), "200 sends did not finish in 20 s: {} done", outcomes.len());
-    assert!(slowest < Duration::from_millis(10), "a query took {slowest:?}");
+    took.sort();
+    let slow = took.iter().filter(|d| **d > Duration::from_millis(10)).count();
+    assert!(took.last().is_none_or(|d| *d < Duration::from_millis(100)), "a query took {:?}", took.last());
+    assert!(slow * 100 <= took.len(), "{slow} of {} queries took over 10 ms", took.len());
     let oks = outcomes.iter().filter(|r| r.is_ok()).count();
+    eprintln!("{oks} sends went through; the last: {:?}", outcomes.last());
+    assert!(oks >= 2, "the two fair messages: {outcomes:?}");
+    hostile.expect("credited", Duration::from_secs(10));
     assert!(oks == 200 || outcomes.last().is_some_and(|r| r.is_err()), "{outcomes:?}");
     if let Some(Err(kind)) = outcomes.last() {
         assert!(!kind.is_empty() && kind != "Core", "an untyped error after {oks} sends: {kind}");
@@ -534,9 +561,10 @@ fn listen(user: &mut User, said: &mut Vec<String>, until: &dyn Fn(&[String]) -> 
     });
 }
 
-/// A raw sender announces a host chunk in an unsealed memfd (and another in a regular file), has a
-/// message on it delivered, then shrinks the file and sends another: the receiver refuses such a
-/// chunk (no SIGBUS can reach its user), stays alive, and an honest sender beside it loses nothing.
+/// A raw sender announces a host chunk in an unsealed memfd (and another in a regular file), sends
+/// a message on it, then shrinks the file and sends another: the receiver refuses such a chunk
+/// (errors in `take_errors`; no SIGBUS can reach its user), stays alive, and an honest sender
+/// beside it loses nothing.
 #[test]
 fn a_chunk_that_can_shrink_is_refused_without_sigbus() {
     let path = socket_path("sigbus");
@@ -581,7 +609,7 @@ fn a_chunk_that_can_shrink_is_refused_without_sigbus() {
     let status = receiver.child.try_wait().unwrap();
     assert!(status.is_none(), "the receiver died: {status:?} (it said {said:?})");
     assert!(!said.iter().any(|l| l.starts_with("other")), "a shrinkable chunk was used: {said:?}");
-    assert_eq!(said.iter().filter(|l| l.starts_with("error:")).count(), 2, "two refusals: {said:?}");
+    assert!(said.iter().filter(|l| l.starts_with("error:")).count() >= 2, "both refused: {said:?}");
     for id in 50..100 {
         sender.send(&honest(id, 900 + id, 4096)).unwrap();
     }
@@ -659,13 +687,20 @@ fn hostile_views_are_refused_and_the_receiver_lives_on() {
 }
 
 /// Through the public API, views whose size overflows or that have too many dimensions cannot be
-/// made, or if made cannot be sent: a typed `Error::Invalid`, never a panic.
+/// made, or if made cannot be sent: a typed `Error::Invalid`, never a panic, and never a tensor
+/// whose element count wrapped around.
 #[test]
 fn hostile_views_cannot_be_made_or_sent_through_the_api() {
     let (mut user, sender) = User::spawn::<Probe>(&["count"]);
     let typed = |what: &str, result: std::thread::Result<tensor_queue::Result<Tensor>>| match result {
         Err(_) => Some(format!("{what}: panicked instead of returning an error")),
         Ok(Ok(tensor)) => {
+            // A tensor that was made must at least know its own size (a wrapped count lets `get`
+            // read far outside the storage).
+            let numel = tensor.shape().iter().try_fold(1u128, |n, &d| n.checked_mul(u128::from(d)));
+            if numel != Some(u128::from(tensor.numel())) {
+                return Some(format!("{what}: made with numel() {} for shape {:?}", tensor.numel(), tensor.shape()));
+            }
             let sent = sender.send(&Probe { id: 99, tensors: vec![tensor], expected: vec![0], note: what.into() });
             (!matches!(sent, Err(Error::Invalid(_)))).then(|| format!("{what}: made, and sending gave {sent:?}"))
         }
@@ -691,7 +726,8 @@ fn hostile_views_cannot_be_made_or_sent_through_the_api() {
 }
 
 /// One message with 100,000 tiny host tensors and one with a 10 MB serde payload both arrive
-/// intact.
+/// intact; one over `wire::MAX_MESSAGE_BYTES` is refused with `Error::TooLarge` and the connection
+/// goes on.
 #[test]
 fn messages_of_any_size_arrive_intact() {
     let (mut user, sender) = User::spawn::<Blob>(&["blob"]);
@@ -710,6 +746,15 @@ fn messages_of_any_size_arrive_intact() {
     assert!(sent.is_ok(), "10 MB payload: {sent:?}");
     let line = user.expect_any(&["blob", "recv-error"], Duration::from_secs(120));
     assert_eq!(line, format!("blob 2 0 0 {} {} 1000", 10 << 20, reference::checksum(&bytes)));
+    drop(bytes);
+    let too_large = sender.send(&(3, Vec::new(), Vec::new(), "x".repeat(MAX_MESSAGE_BYTES + 1)));
+    match too_large {
+        Err(Error::TooLarge { size, limit }) => assert!(limit == MAX_MESSAGE_BYTES && size > limit, "{size} {limit}"),
+        other => panic!("a message over MAX_MESSAGE_BYTES: {other:?}"),
+    }
+    sender.send(&(4, Vec::new(), vec![1, 2, 3], "after".into())).expect("the connection goes on");
+    let line = user.expect_any(&["blob", "recv-error"], Duration::from_secs(30));
+    assert_eq!(line, format!("blob 4 0 0 3 {} 5", reference::checksum(&[1, 2, 3])), "nothing of message 3 arrived");
     drop(sender);
     user.expect("disconnected", Duration::from_secs(30));
 }
@@ -755,4 +800,88 @@ fn racing_binds_on_a_stale_path_have_one_winner() {
         }
     }
     assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
+}
+
+/// A receiver is killed (SIGKILL) while it holds three large host tensors: the sender's leases
+/// come back within a second, and after `memory::trim()` the sender's shared memory is back to
+/// its baseline. The sender is a `tq-user` of its own (its memory is not shared with other tests
+/// running in this process), and the receiver another.
+#[test]
+fn a_killed_receiver_gives_back_leases_and_memory() {
+    let mut lender = User::start(&["lender", "--count", "3", "--mib", "24"]);
+    let back = lender.expect_any(&["leases", "failed"], Duration::from_secs(60));
+    let millis: u64 = back
+        .strip_prefix("leases back in ")
+        .and_then(|r| r.strip_suffix(" ms"))
+        .map_or(u64::MAX, |m| m.parse().unwrap_or(u64::MAX));
+    assert!(millis <= 1000, "{back}");
+    let memory = lender.expect_any(&["memory", "failed"], Duration::from_secs(20));
+    let fields: Vec<&str> = memory.split(' ').collect();
+    assert!(fields.len() == 4 && fields[0] == "memory", "{memory}");
+    let (baseline, held, after) = (fields[1], fields[2], fields[3]);
+    assert_ne!(held, baseline, "the three tensors showed in host_bytes: {memory}");
+    assert_eq!(after, baseline, "host_bytes after trim (baseline, while held, after): {memory}");
+    assert!(lender.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+}
+
+/// `send_timeout` on a full queue gives `Error::Timeout` after about the time given, and
+/// `try_send` gives `Error::Full`, without sending anything.
+#[test]
+fn a_full_queue_times_out_and_try_send_reports_full() {
+    let (mut user, sender) = User::spawn::<u64>(&["idle", "--capacity", "2"]);
+    user.expect("ready", Duration::from_secs(20));
+    let filled = within(Duration::from_secs(10), move || {
+        let results = [sender.send(&1).map_err(|e| variant(&e)), sender.send(&2).map_err(|e| variant(&e))];
+        (sender, results)
+    });
+    let (sender, results) = filled.expect("two sends into a queue of two");
+    assert_eq!(results, [Ok(()), Ok(())]);
+    let start = Instant::now();
+    let full = sender.try_send(&3);
+    assert!(matches!(full, Err(Error::Full)), "try_send on a full queue: {full:?}");
+    assert!(start.elapsed() < Duration::from_millis(100), "try_send waited {:?}", start.elapsed());
+    let sender = Arc::new(sender);
+    let timing = sender.clone();
+    let timed = within(Duration::from_secs(5), move || {
+        let start = Instant::now();
+        let result = timing.send_timeout(&4, Duration::from_millis(300));
+        (result.map_err(|e| variant(&e)), start.elapsed())
+    });
+    let (result, took) = timed.expect("send_timeout(300 ms) returned within 5 s");
+    assert_eq!(result, Err("Timeout".to_string()));
+    assert!(took >= Duration::from_millis(290) && took < Duration::from_millis(1000), "send_timeout took {took:?}");
+    assert!(matches!(sender.try_send(&5), Err(Error::Full)), "still full");
+    assert!(sender.is_connected());
+    user.close_stdin();
+    assert!(user.exit_within(Duration::from_secs(10)).is_some());
+    let gone = within(Duration::from_secs(5), move || {
+        sender.send_timeout(&6, Duration::from_secs(2)).map_err(|e| variant(&e))
+    });
+    assert_eq!(gone, Some(Err("Disconnected".to_string())), "a send to a receiver that left");
+}
+
+/// Clones of one `Sender` used from several threads, the original dropped first: the receiver
+/// gets every message, and `Error::Disconnected` only after the last clone is dropped.
+#[test]
+fn sender_clones_on_threads_close_the_channel_when_the_last_drops() {
+    let (mut user, sender) = User::spawn::<Probe>(&["count"]);
+    let (done_tx, done) = mpsc::channel();
+    for thread in 0..4u64 {
+        let (clone, done_tx) = (sender.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            let result = (0..100u64).try_for_each(|i| {
+                std::thread::sleep(Duration::from_micros(thread * 300));
+                clone.send(&honest(thread * 100 + i, thread * 100 + i, 512 + i as usize))
+            });
+            drop(clone);
+            let _ = done_tx.send(result.map_err(|e| variant(&e)));
+        });
+    }
+    drop(sender);
+    for _ in 0..4 {
+        let result = done.recv_timeout(Duration::from_secs(60)).expect("a sending thread is stuck");
+        assert_eq!(result, Ok(()));
+    }
+    let line = user.expect_any(&["disconnected", "recv-error"], Duration::from_secs(30));
+    assert_eq!(line, "disconnected after 400 bad 0");
 }

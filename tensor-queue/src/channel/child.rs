@@ -8,7 +8,7 @@
 //! - The child takes it once and sets close-on-exec on it again, so its own children do not
 //!   inherit it either.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::sync::Arc;
@@ -108,7 +108,7 @@ fn check_parent_socket(fd: BorrowedFd<'_>, raw: RawFd) -> Result<()> {
     let wrong =
         || Error::Invalid(format!("descriptor {raw} from {ENDPOINT_ENV} is not the socket tensor_queue::spawn left"));
     let domain = rustix::net::sockopt::socket_domain(fd).map_err(|_| wrong())?;
-    let kind = rustix::net::sockopt::socket_type(fd.as_fd()).map_err(|_| wrong())?;
+    let kind = rustix::net::sockopt::socket_type(fd).map_err(|_| wrong())?;
     if domain != AddressFamily::UNIX || kind != SocketType::SEQPACKET {
         return Err(wrong());
     }

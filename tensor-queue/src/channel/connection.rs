@@ -41,6 +41,18 @@ pub struct MessageInfo {
     pub decoded_ns: u64,
 }
 
+/// What reading a connection found.
+pub(super) enum Progress {
+    /// Nothing whole was waiting.
+    Idle,
+    /// A frame was read and handled (an announcement, a part of a longer frame).
+    Handled,
+    /// A message.
+    Arrived(Arrival),
+    /// The sender hung up.
+    HungUp,
+}
+
 /// A message read from a connection, for `recv`.
 pub(super) enum Arrival {
     /// Validated and ordered; ready to decode.
@@ -145,19 +157,20 @@ impl Connected {
         }
     }
 
-    /// Reads the next packet if one is waiting and does what it says. `Ok(None)`: the sender
-    /// hung up. An error closes the connection.
-    pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Option<Option<Arrival>>> {
+    /// Reads the next packet if one is waiting and does what it says. An error closes the
+    /// connection.
+    pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Progress> {
         let (frame, mut fds) = match self.peer.link.try_recv(&mut self.assembler, buf)? {
             Read::Frame(frame, fds) => (frame, fds),
-            Read::Nothing => return Ok(Some(None)),
-            Read::HungUp => return Ok(None),
+            Read::Nothing if self.assembler.is_joining() => return Ok(Progress::Handled),
+            Read::Nothing => return Ok(Progress::Idle),
+            Read::HungUp => return Ok(Progress::HungUp),
         };
         let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
             let (_, instance) = Link::check_hello(&frame)?;
             self.producer = Some((instance, producer(self.pid(), instance)));
-            return Ok(Some(None));
+            return Ok(Progress::Handled);
         };
         let instance = *instance;
         match frame {
@@ -197,7 +210,7 @@ impl Connected {
                     imported_ns: 0,
                     decoded_ns: 0,
                 };
-                return Ok(Some(Some(match self.place(devices, &tensors, payload, info) {
+                return Ok(Progress::Arrived(match self.place(devices, &tensors, payload, info) {
                     Ok(ready) => Arrival::Ready(ready),
                     Err(error) => {
                         let reason = error.to_string();
@@ -205,11 +218,11 @@ impl Connected {
                         self.took(capacity);
                         Arrival::Rejected { pid: self.pid(), seq, reason }
                     }
-                })));
+                }));
             }
             other => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
         }
-        Ok(Some(None))
+        Ok(Progress::Handled)
     }
 
     /// Checks every descriptor of a message against this connection's chunks and events, and

@@ -70,7 +70,8 @@ pub use sender::{Broadcast, Rejection, Sender};
 /// Messages a sender may have in flight to a receiver unless the receiver says otherwise.
 pub const DEFAULT_CAPACITY: u32 = 16;
 
-/// The environment variable through which [`spawn`] tells a child where its parent listens.
+/// The environment variable through which [`spawn`] tells a child the number of the inherited
+/// descriptor that is its end of the channel.
 pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
 
 /// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.

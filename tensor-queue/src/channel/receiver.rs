@@ -16,7 +16,7 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
-use super::connection::{Arrival, Connected, Devices, MessageInfo, Ready};
+use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
 use super::link::Link;
 use super::{DEFAULT_CAPACITY, monotonic_ns};
 use crate::wire::MAX_PACKET;
@@ -296,17 +296,19 @@ impl<T: DeserializeOwned> Receiver<T> {
         for index in indexes {
             let connected = &mut self.connected[index];
             match connected.read(&mut self.buf, &self.devices, self.capacity) {
-                Ok(Some(arrival)) => {
+                Ok(Progress::Idle) => {}
+                Ok(Progress::Handled) => {
                     read = true;
-                    if let Some(Arrival::Rejected { pid, seq, reason }) = &arrival {
+                    self.joined |= connected.greeted();
+                }
+                Ok(Progress::Arrived(arrival)) => {
+                    read = true;
+                    if let Arrival::Rejected { pid, seq, reason } = &arrival {
                         self.errors.push(format!("rejected message {seq} from pid {pid}: {reason}"));
                     }
-                    if connected.greeted() {
-                        self.joined = true;
-                    }
-                    self.arrivals.extend(arrival);
+                    self.arrivals.push_back(arrival);
                 }
-                Ok(None) => closed.push(index),
+                Ok(Progress::HungUp) => closed.push(index),
                 Err(error) => {
                     let message = format!("closed the connection from pid {}: {error}", connected.pid());
                     tracing::warn!("{message}");

@@ -160,7 +160,9 @@ fn bench_peer(role: &str, args: &[String]) -> Result<()> {
     items.set_spin(spin);
     acks.set_spin(spin);
     if let Some(context) = &context {
-        items.stream(&context.device().uuid()?)?;
+        // One stream for every sender's tensors, made before the first message: the consumer's
+        // reads are queued on it, after the waits for the producers' work.
+        items.set_stream(Arc::new(Stream::new(context)?))?;
         Kernels::get(context)?;
     }
     if role == "drain" {

@@ -17,8 +17,9 @@
 //!   together (`dropped <n> in <ms> ms`), then wait for the parent to hang up (`disconnected`).
 //! - `drop-receiver`: take one probe from the parent (capacity 1) and keep it (`holding`); then obey
 //!   stdin: `drop-receiver`, `drop-tensor`, `exit` (exit without clean-up, still holding).
-//! - `hostile --listen P`: a raw receiver: answer the sender's `Hello` with capacity 1, read and
-//!   discard everything, and send `Credit { count: u32::MAX }` over and over.
+//! - `hostile --listen P`: a raw receiver: answer the sender's `Hello` with capacity 1, take two
+//!   messages playing fair (`two messages`), then send `Credit { count: u32::MAX }` over and over
+//!   (`credited <n>`), reading and discarding everything, releasing nothing.
 //! - `bind-race --path P --at NS`: at `CLOCK_MONOTONIC` `NS`, bind a receiver at `P` (`won` or
 //!   `lost: ...`); a winner prints `got <v>` for each `u64` received and drops the receiver when
 //!   stdin closes (`dropped`).
@@ -27,6 +28,10 @@
 //! - `count`: receive probes from the parent, check each, and print `disconnected after <n> bad <b>`.
 //! - `hold --count N`: take `N` probes from the parent, keep them (`holding <n>`), and wait to be killed.
 //! - `idle --capacity C`: take the channel from the parent and never receive; exit when stdin closes.
+//! - `lender --count N --mib M`: note `memory::usage().host_bytes` after a trim, start a `hold`
+//!   receiver, send it `N` tensors of `M` MiB, kill it (SIGKILL) once it holds them, print
+//!   `leases back in <ms> ms`, then drop its own tensors, trim, and print
+//!   `memory <baseline> <while held> <after trim>` (host bytes).
 
 use std::collections::HashSet;
 use std::io::{BufRead as _, Write as _};
@@ -34,7 +39,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::queue::{Probe, checksum, probe};
 use ipc_core::seqpacket::Listener;
 use kernels::reference;
@@ -81,6 +86,7 @@ fn run() -> Result<()> {
         "count" => count(),
         "hold" => hold(number(&args, "--count", 1)? as usize),
         "idle" => idle(number(&args, "--capacity", 1)? as u32),
+        "lender" => lender(number(&args, "--count", 3)?, number(&args, "--mib", 16)? as usize),
         other => bail!("unknown role {other}"),
     }
 }
@@ -220,7 +226,8 @@ fn drop_receiver() -> Result<()> {
     Ok(())
 }
 
-/// A receiver that grants absurd credit and never releases anything.
+/// A receiver that plays fair for two messages, then grants absurd credit over and over; it
+/// never releases anything.
 fn hostile(listen: &str) -> Result<()> {
     let listener = Listener::bind(listen)?;
     say("ready");
@@ -231,17 +238,26 @@ fn hostile(listen: &str) -> Result<()> {
     let host = ipc_core::HostId::current()?.0;
     connection.send(&Frame::Hello { pid: std::process::id(), host, capacity: 1, instance: 7 }.encode(), &[])?;
     let reader = connection.clone();
+    let (messages_tx, messages) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let mut frames = 0u64;
+        let (mut frames, mut count) = (0u64, 0u64);
         while let Ok((n, _fds)) = reader.recv(&mut buf) {
             if n == 0 {
                 break;
             }
             frames += 1;
+            if let Ok(Frame::Message { .. }) = Frame::decode(&buf[..n]) {
+                count += 1;
+                let _ = messages_tx.send(count);
+            }
         }
-        say(&format!("sender hung up after {frames} frames"));
-        std::process::exit(0);
+        say(&format!("sender hung up after {frames} frames, {count} messages"));
     });
+    // Fair play first: one message on the first credit, a second on one more.
+    messages.recv_timeout(Duration::from_secs(30)).context("the first message")?;
+    connection.send(&Frame::Credit { count: 1 }.encode(), &[])?;
+    messages.recv_timeout(Duration::from_secs(30)).context("the second message")?;
+    say("two messages");
     let credit = Frame::Credit { count: u32::MAX }.encode();
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut sent = 0u64;
@@ -250,12 +266,13 @@ fn hostile(listen: &str) -> Result<()> {
             break;
         }
         sent += 1;
-        if sent == 1 || sent % 10_000 == 0 {
+        if sent == 1 || sent.is_multiple_of(10_000) {
             say(&format!("credited {sent}"));
         }
         std::thread::sleep(Duration::from_micros(50));
     }
     say(&format!("stopped after {sent} credits"));
+    std::thread::sleep(Duration::from_secs(60));
     Ok(())
 }
 
@@ -351,5 +368,35 @@ fn idle(capacity: u32) -> Result<()> {
     say("ready");
     for _ in std::io::stdin().lock().lines() {}
     drop(receiver);
+    Ok(())
+}
+
+/// A sender whose receiver is killed while holding its tensors.
+fn lender(count: u64, mib: usize) -> Result<()> {
+    use tensor_queue::memory;
+    memory::trim();
+    let baseline = memory::usage().host_bytes;
+    let mut command = std::process::Command::new(std::env::current_exe()?);
+    command.args(["hold", "--count", &count.to_string()]).stdout(std::process::Stdio::piped());
+    let (mut holder, sender) = tensor_queue::spawn::<Probe>(&mut command)?;
+    let lines = std::io::BufReader::new(holder.stdout.take().context("the holder's stdout")?);
+    let probes = (0..count).map(|i| probe(i, 70 + i, mib << 20, None)).collect::<Result<Vec<_>>>()?;
+    for probe in &probes {
+        sender.send(probe)?;
+    }
+    let said = lines.lines().next().context("the holder said nothing")??;
+    ensure!(said == format!("holding {count}"), "the holder said {said}");
+    let held = memory::usage().host_bytes;
+    holder.kill()?;
+    let killed = Instant::now();
+    let back = sender.wait_released(Duration::from_secs(10));
+    let took = killed.elapsed();
+    holder.wait()?;
+    ensure!(back, "{} leases still out 10 s after the kill", sender.outstanding_leases());
+    say(&format!("leases back in {} ms", took.as_millis()));
+    drop(probes);
+    drop(sender);
+    memory::trim();
+    say(&format!("memory {baseline} {held} {}", memory::usage().host_bytes));
     Ok(())
 }

@@ -1,0 +1,389 @@
+//! The second process of the GPU fault tests (`tests/tests/faults_gpu.rs`): `tq-fault <role> [options]`.
+//!
+//! Every role reports on stdout, one line per event, and every wait has a deadline: a watchdog
+//! aborts the process after `--deadline-s` (default 120) seconds, so a helper never outlives its
+//! test for long. Messages are [`Item`]s: one fresh GPU tensor filled with the pattern of `seed`.
+//!
+//! Roles:
+//! - `produce --to P --threads T --count N --len L --tag G [--spin-every E --spin-us U]
+//!   [--every-ms M] [--send-timeout-ms S]`: `T` threads, each with its own `Sender::connect(P)`
+//!   and its own stream, send `N` fresh `L`-byte tensors each (seed [`seed_of`]`(G, thread,
+//!   index)`), filled by a kernel on that stream and sent with `send_on_timeout`; every `E`-th
+//!   fill (`index % E == 0`) first spins for `U` µs of GPU time; `M` ms pass between sends. Prints
+//!   `ready <thread>` once connected, `sent <thread> <index>` after each send returned, then
+//!   `disconnected <thread> <why>` (the receiver went away), `timeout <thread> <index>` or
+//!   `error <thread> <what>` if sending stopped early, `released <thread>` or `unreleased
+//!   <thread> <n>` once the receiver gave every lease back (10 s at most), and at the end
+//!   `cuda ok` (or `cuda error <what>`) after a kernel and a sync on a fresh stream.
+//! - `consume --listen P --len L`: bind a receiver of items at `P`, print `ready`, then check each
+//!   message's tensor on the GPU and print `ok <pid> <seed> <seq>`, `lost producer-failed <pid>
+//!   <seq>` (`recv` said `Error::ProducerFailed`), `lost flag <pid> <seed> <match|mismatch>`
+//!   (delivered, then `Tensor::producer_failed()` turned true), `failed <seed> <pid>` (delivered
+//!   as complete with the wrong bytes) or `error <what>` (anything else). Closed connections'
+//!   errors are printed as `conn-error <what>`. When stdin closes it drains what is left (5 s at
+//!   most), prints `cuda ok` as `produce` does, and `done ok=<n> lost=<n> failed=<n>`.
+//! - `hold`: take items from the parent ([`tensor_queue::from_parent`]), check each on the GPU
+//!   (`holding <n> ok|bad`), keep them all, and wait to be killed.
+//!
+//! `produce` and `consume` take `--host` too: host tensors instead of GPU tensors, and no CUDA at
+//! all (`cuda ok (host tensors: no GPU used)`), so that a test's process handling and accounting
+//! can be tried on a machine without a GPU.
+
+use std::io::BufRead as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::queue::checksum;
+use ipc_core::{Context, DeviceBuffer, Stream};
+use kernels::{Kernels, reference};
+use serde::{Deserialize, Serialize};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor, from_parent};
+
+/// One message of the fault tests; `tests/tests/faults_gpu.rs` has the same type.
+#[derive(Serialize, Deserialize)]
+struct Item {
+    /// The producer's process id, as it knows it.
+    pid: u32,
+    /// The producing thread.
+    thread: u32,
+    /// The message's number on its thread (its sender's `seq` is `index + 1`).
+    index: u64,
+    /// The pattern's seed.
+    seed: u64,
+    /// A fresh GPU tensor of bytes filled with the pattern of `seed`.
+    tensor: Tensor,
+}
+
+/// The seed of message `index` of `thread` of the producer tagged `tag` (the test decodes it).
+fn seed_of(tag: u64, thread: u64, index: u64) -> u64 {
+    (tag << 40) | (thread << 32) | index
+}
+
+/// How long a helper may live at most, unless `--deadline-s` says otherwise.
+const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
+
+/// How long a received tensor's stream may take to become usable before it counts as stuck.
+const USABLE_WITHIN: Duration = Duration::from_secs(5);
+
+fn main() {
+    if let Err(error) = run() {
+        eprintln!("tq-fault: {error:#}");
+        std::process::exit(1);
+    }
+}
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+}
+
+fn number(args: &[String], name: &str, default: u64) -> Result<u64> {
+    arg(args, name).map_or(Ok(default), |v| v.parse().with_context(|| format!("{name} {v}")))
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let role = args.first().context("usage: tq-fault <role> [options]")?.clone();
+    let deadline = Duration::from_secs(number(&args, "--deadline-s", DEFAULT_DEADLINE.as_secs())?);
+    std::thread::spawn(move || {
+        std::thread::sleep(deadline);
+        eprintln!("tq-fault {role}: still running after {deadline:?}; aborting");
+        std::process::abort();
+    });
+    match args[0].as_str() {
+        "produce" => produce(&args),
+        "consume" => consume(&args),
+        "hold" => hold(),
+        other => bail!("unknown role {other}"),
+    }
+}
+
+/// A kernel and a sync on a fresh stream: the context has no sticky error.
+fn cuda_ok(context: &Arc<Context>) -> Result<()> {
+    let stream = Stream::new(context)?;
+    let buffer = DeviceBuffer::alloc(context, 4096)?;
+    let kernels = Kernels::get(context)?;
+    kernels.fill(&buffer, 0, 4096, 4242, &stream)?;
+    let sum = kernels.checksum(&buffer, 0, 4096, &stream)?;
+    ensure!(sum == reference::checksum(&reference::pattern(4096, 4242)), "a fresh kernel computed {sum:#x}");
+    Ok(())
+}
+
+/// Prints `cuda ok` (or `cuda error <what>`) after [`cuda_ok`]; with host tensors only, says so.
+fn report_cuda(context: Option<&Arc<Context>>) {
+    let Some(context) = context else {
+        println!("cuda ok (host tensors: no GPU used)");
+        return;
+    };
+    match cuda_ok(context) {
+        Ok(()) => println!("cuda ok"),
+        Err(error) => println!("cuda error {error:#}"),
+    }
+}
+
+/// What one producing thread is told.
+#[derive(Clone)]
+struct Plan {
+    to: String,
+    count: u64,
+    len: usize,
+    tag: u64,
+    spin_every: u64,
+    spin: Duration,
+    every: Duration,
+    send_timeout: Duration,
+    /// Host tensors instead of GPU tensors: a dry run of a test's logic on a machine without a GPU.
+    host: bool,
+}
+
+fn produce(args: &[String]) -> Result<()> {
+    let plan = Plan {
+        to: arg(args, "--to").context("--to <path>")?,
+        count: number(args, "--count", 1)?,
+        len: number(args, "--len", 4096)? as usize,
+        tag: number(args, "--tag", 0)?,
+        spin_every: number(args, "--spin-every", 0)?,
+        spin: Duration::from_micros(number(args, "--spin-us", 0)?),
+        every: Duration::from_millis(number(args, "--every-ms", 0)?),
+        send_timeout: Duration::from_millis(number(args, "--send-timeout-ms", 5000)?),
+        host: args.iter().any(|a| a == "--host"),
+    };
+    let threads = number(args, "--threads", 1)? as u32;
+    let context = if plan.host { None } else { Some(gpu()?) };
+    let workers: Vec<_> = (0..threads)
+        .map(|thread| {
+            let (plan, context) = (plan.clone(), context.clone());
+            std::thread::spawn(move || {
+                if let Err(error) = produce_thread(&plan, context.as_ref(), thread) {
+                    println!("error {thread} {error:#}");
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        if worker.join().is_err() {
+            println!("error a producing thread panicked");
+        }
+    }
+    report_cuda(context.as_ref());
+    Ok(())
+}
+
+/// The context of GPU 0 with the kernels loaded.
+fn gpu() -> Result<Arc<Context>> {
+    let context = Context::on_ordinal(0)?;
+    Kernels::get(&context)?;
+    Ok(context)
+}
+
+fn produce_thread(plan: &Plan, context: Option<&Arc<Context>>, thread: u32) -> Result<()> {
+    let sender = match Sender::<Item>::connect(&plan.to) {
+        Ok(sender) => sender,
+        Err(error) => {
+            // The receiver is gone already; nothing was leased.
+            println!("disconnected {thread} connect: {error}");
+            println!("released {thread}");
+            return Ok(());
+        }
+    };
+    let gpu = match context {
+        Some(context) => Some((context, Stream::new(context)?, Kernels::get(context)?)),
+        None => None,
+    };
+    let pid = std::process::id();
+    println!("ready {thread}");
+    for index in 0..plan.count {
+        if index > 0 && !plan.every.is_zero() {
+            std::thread::sleep(plan.every);
+        }
+        let seed = seed_of(plan.tag, u64::from(thread), index);
+        let sent = match &gpu {
+            Some((context, stream, kernels)) => {
+                let tensor = Tensor::empty_cuda(context, DType::U8, &[plan.len as u64])?;
+                let view = tensor.cuda_view()?;
+                if plan.spin_every > 0 && index % plan.spin_every == 0 {
+                    kernels.spin_then_fill(&view, plan.len, seed, plan.spin, stream)?;
+                } else {
+                    kernels.fill(&view, 0, plan.len, seed, stream)?;
+                }
+                let item = Item { pid, thread, index, seed, tensor };
+                sender.send_on_timeout(&item, stream, plan.send_timeout)
+            }
+            None => {
+                let tensor = Tensor::from_slice(&reference::pattern(plan.len, seed), DType::U8, &[plan.len as u64])?;
+                sender.send_timeout(&Item { pid, thread, index, seed, tensor }, plan.send_timeout)
+            }
+        };
+        match sent {
+            Ok(()) => println!("sent {thread} {index}"),
+            Err(Error::Disconnected) => {
+                println!("disconnected {thread} at {index}");
+                break;
+            }
+            Err(Error::Timeout) => {
+                println!("timeout {thread} {index}");
+                break;
+            }
+            Err(error) => {
+                println!("error {thread} send {index}: {error:?}");
+                break;
+            }
+        }
+    }
+    if sender.wait_released(Duration::from_secs(10)) {
+        println!("released {thread}");
+    } else {
+        println!("unreleased {thread} {}", sender.outstanding_leases());
+    }
+    for rejected in sender.take_rejected() {
+        println!("error {thread} rejected seq {}: {}", rejected.seq, rejected.reason);
+    }
+    Ok(())
+}
+
+/// Waits up to [`USABLE_WITHIN`] for a received tensor's stream to drain (the wait for its
+/// producer's work included), then computes its checksum on the GPU: `None` if it never drained.
+fn bounded_checksum(tensor: &Tensor) -> Result<Option<u64>> {
+    let Some(stream) = tensor.stream() else {
+        return checksum(tensor).map(Some); // a host tensor
+    };
+    let start = Instant::now();
+    while !stream.is_idle()? {
+        if start.elapsed() > USABLE_WITHIN {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    checksum(tensor).map(Some)
+}
+
+/// Set when stdin closes: the consumer drains what is left and ends.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+fn consume(args: &[String]) -> Result<()> {
+    let listen = arg(args, "--listen").context("--listen <path>")?;
+    let len = number(args, "--len", 65536)? as usize;
+    let context = if args.iter().any(|a| a == "--host") { None } else { Some(gpu()?) };
+    let mut items = Receiver::<Item>::bind(&listen)?;
+    std::thread::spawn(|| {
+        for line in std::io::stdin().lock().lines() {
+            if line.is_err() {
+                break;
+            }
+        }
+        STOP.store(true, Ordering::SeqCst);
+    });
+    println!("ready");
+    let (mut ok, mut lost, mut failed) = (0u64, 0u64, 0u64);
+    let mut stopped_at: Option<Instant> = None;
+    let mut idle_after_stop = 0;
+    loop {
+        if stopped_at.is_none() && STOP.load(Ordering::SeqCst) {
+            stopped_at = Some(Instant::now());
+        }
+        if stopped_at.is_some_and(|at| at.elapsed() > Duration::from_secs(5)) {
+            println!("error still receiving 5 s after stdin closed");
+            break;
+        }
+        for error in items.take_errors() {
+            println!("conn-error {error}");
+        }
+        match items.recv_with_info(Some(Duration::from_millis(100))) {
+            Ok((item, info)) => {
+                idle_after_stop = 0;
+                if item.pid != info.sender_pid || item.index + 1 != info.seq || item.tensor.nbytes() != len {
+                    println!(
+                        "error item {} of pid {} seq {} ({} bytes) came from pid {} seq {}",
+                        item.index,
+                        item.pid,
+                        item.index + 1,
+                        item.tensor.nbytes(),
+                        info.sender_pid,
+                        info.seq
+                    );
+                    continue;
+                }
+                let expected = reference::checksum(&reference::pattern(len, item.seed));
+                let Some(seen) = bounded_checksum(&item.tensor)? else {
+                    println!("error stuck: pid {} seed {} not usable within {USABLE_WITHIN:?}", item.pid, item.seed);
+                    continue;
+                };
+                let verdict = if seen == expected { "match" } else { "mismatch" };
+                if item.tensor.producer_failed() {
+                    lost += 1;
+                    println!("lost flag {} {} {verdict}", item.pid, item.seed);
+                } else if seen == expected {
+                    ok += 1;
+                    println!("ok {} {} {}", item.pid, item.seed, info.seq);
+                } else if wait_for_flag(&item.tensor, Duration::from_secs(2)) {
+                    lost += 1;
+                    println!("lost flag {} {} {verdict}", item.pid, item.seed);
+                } else {
+                    failed += 1;
+                    println!("failed {} {}", item.seed, item.pid);
+                }
+            }
+            Err(Error::ProducerFailed { pid, seq }) => {
+                lost += 1;
+                println!("lost producer-failed {pid} {seq}");
+            }
+            Err(Error::Timeout) if stopped_at.is_some() => {
+                idle_after_stop += 1;
+                if idle_after_stop >= 3 {
+                    break;
+                }
+            }
+            Err(Error::Timeout) => {}
+            Err(Error::Disconnected) if stopped_at.is_some() => break,
+            // No sender connected right now; a new one may still connect.
+            Err(Error::Disconnected) => std::thread::sleep(Duration::from_millis(5)),
+            Err(error) => println!("error recv: {error:?}"),
+        }
+    }
+    for error in items.take_errors() {
+        println!("conn-error {error}");
+    }
+    report_cuda(context.as_ref());
+    println!("done ok={ok} lost={lost} failed={failed}");
+    Ok(())
+}
+
+/// Whether `tensor.producer_failed()` turns true within `timeout`.
+fn wait_for_flag(tensor: &Tensor, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if tensor.producer_failed() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    tensor.producer_failed()
+}
+
+fn hold() -> Result<()> {
+    let _context = gpu()?;
+    let mut items = from_parent::<Item>()?;
+    let mut kept = Vec::new();
+    loop {
+        match items.recv_timeout(Duration::from_millis(500)) {
+            Ok(item) => {
+                let len = item.tensor.nbytes();
+                let expected = reference::checksum(&reference::pattern(len, item.seed));
+                let verdict = match bounded_checksum(&item.tensor)? {
+                    Some(seen) if seen == expected => "ok",
+                    Some(_) => "bad",
+                    None => "stuck",
+                };
+                kept.push(item);
+                println!("holding {} {verdict}", kept.len());
+            }
+            Err(Error::Timeout) => {}
+            // Keep everything until killed (the watchdog ends it at the latest).
+            Err(Error::Disconnected) => loop {
+                std::thread::sleep(Duration::from_secs(1));
+            },
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
