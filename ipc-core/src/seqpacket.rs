@@ -46,7 +46,9 @@ fn bind_error(kind: ErrorKind, message: String) -> Error {
 struct DirectoryLock(#[expect(dead_code, reason = "held for its lock")] OwnedFd);
 
 impl DirectoryLock {
-    /// Locks the directory that holds `path`, waiting for other binders and droppers.
+    /// Locks the directory that holds `path`, waiting for other binders and droppers, for at
+    /// most [`LOCK_PATIENCE`]: anyone who can open the directory can hold its lock (another user
+    /// in `/tmp`, say), and a bind must fail then, not hang.
     fn of(path: &Path) -> Result<DirectoryLock> {
         let dir = match path.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => parent,
@@ -54,15 +56,31 @@ impl DirectoryLock {
         };
         let fd = rustix::fs::open(dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
             .map_err(|e| Error::os("opening the socket's directory", e))?;
+        let deadline = std::time::Instant::now() + LOCK_PATIENCE;
         loop {
-            match flock(&fd, FlockOperation::LockExclusive) {
+            match flock(&fd, FlockOperation::NonBlockingLockExclusive) {
                 Ok(()) => return Ok(DirectoryLock(fd)),
                 Err(Errno::INTR) => continue,
+                Err(Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(Errno::WOULDBLOCK) => {
+                    return Err(Error::os(
+                        "locking the socket's directory",
+                        std::io::Error::new(
+                            ErrorKind::WouldBlock,
+                            format!("{} stayed locked by another process for {LOCK_PATIENCE:?}", dir.display()),
+                        ),
+                    ));
+                }
                 Err(e) => return Err(Error::os("locking the socket's directory", e)),
             }
         }
     }
 }
+
+/// How long a bind (or a listener's removal of its file) waits for the directory's lock.
+const LOCK_PATIENCE: Duration = Duration::from_secs(5);
 
 /// What identifies the file at `path` (device, inode), if there is one.
 fn file_identity(path: &Path) -> Option<(u64, u64)> {

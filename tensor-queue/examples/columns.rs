@@ -47,7 +47,8 @@ fn main() -> Fallible {
             matrix.cuda_view()?.copy_from_host(0, &vec![0u8; matrix.nbytes()])?;
             matrix
         }
-        None => Tensor::zeros(DType::F32, &[ROWS, WORKERS])?,
+        // Shared writable on purpose: the workers write their columns into it.
+        None => Tensor::zeros_writable(DType::F32, &[ROWS, WORKERS])?,
     };
     let mut children = Vec::new();
     for column in 0..WORKERS {

@@ -23,7 +23,7 @@ fn main() {
         GpuTest { name: "killed_receiver_returns_gpu_leases", gpus: 1, run: killed_receiver_returns_leases },
         GpuTest { name: "killed_sender_leaves_received_gpu_tensors_valid", gpus: 1, run: killed_sender },
         GpuTest { name: "broadcast_one_tensor_to_three_receivers", gpus: 1, run: broadcast_to_three },
-        GpuTest { name: "soak_100k_random_sizes_checked_on_the_gpu", gpus: 1, run: soak },
+        GpuTest { name: "soak_1m_random_sizes_checked_on_the_gpu_no_growth", gpus: 1, run: soak },
         GpuTest { name: "examples_run_on_the_gpu", gpus: 1, run: examples_run },
     ]);
 }
@@ -206,24 +206,46 @@ fn soak() -> Result<()> {
     let mut command = Command::new(bin_path("tq-peer")?);
     command.arg("soak").stdout(Stdio::piped());
     let (child, sender) = spawn::<SoakItem>(&mut command)?;
-    let count = 100_000u64;
+    let count = 1_000_000u64;
     let mut state = 0xC0FFEEu64;
     let start = Instant::now();
-    for _ in 0..count {
+    let mut early = (0, 0);
+    for index in 0..count {
+        if index == 100_000 {
+            early = (open_fds(), tensor_queue::memory::usage().device_bytes);
+        }
         state = reference::splitmix64(state);
         let len = 1 + (state % (256 << 10)) as usize;
         let tensor = Tensor::empty_cuda(&context, DType::U8, &[len as u64])?;
         kernels.fill(&tensor.cuda_view()?, 0, len, state, &stream)?;
         sender.send_on(&SoakItem { tensor, seed: state }, &stream)?;
     }
+    let late = (open_fds(), tensor_queue::memory::usage().device_bytes);
     drop(sender);
     let output = child.wait_with_output()?;
     let text = String::from_utf8_lossy(&output.stdout);
-    println!("{text} in {:.1} s", start.elapsed().as_secs_f64());
+    println!(
+        "{} in {:.1} s; sender fds {} -> {}, arena {} -> {} bytes",
+        text.trim(),
+        start.elapsed().as_secs_f64(),
+        early.0,
+        late.0,
+        early.1,
+        late.1
+    );
     if !output.status.success() || !text.contains(&format!("soak ok {count}")) {
         bail!("the soak failed: {text}");
     }
+    let consumer: Vec<usize> = text.split_whitespace().skip(4).filter_map(|n| n.parse().ok()).collect();
+    ensure!(consumer.len() == 2 && consumer[1] <= consumer[0] + 2, "the consumer's descriptors grew: {text}");
+    ensure!(late.0 <= early.0 + 2, "the sender's descriptors grew: {} -> {}", early.0, late.0);
+    // Random sizes up to 256 KiB: the arena may hold a chunk more than it did early on, not more.
+    ensure!(late.1 <= early.1 + (64 << 20), "the sender's arena grew: {} -> {} bytes", early.1, late.1);
     Ok(())
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |dir| dir.count())
 }
 
 fn examples_run() -> Result<()> {

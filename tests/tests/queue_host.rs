@@ -309,6 +309,26 @@ fn another_user_cannot_connect() {
     assert!(!output.status.success(), "another user connected: {stderr}");
     assert!(stderr.contains("Permission denied"), "the socket's mode refused it: {stderr}");
     assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "nothing arrived");
+    // Past the file's mode (opened up here on purpose), the user check refuses it, and both sides
+    // hear why: the sender a typed refusal, the receiver an entry in its errors.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let output = Command::new(bin_path("tq-peer").unwrap())
+        .args(["send", "--count", "1", "--to"])
+        .arg(&path)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "another user's message went through: {stderr}");
+    assert!(stderr.contains("peer refused") && stderr.contains("runs as uid"), "a typed refusal: {stderr}");
+    let mut errors = Vec::new();
+    wait_until("the refusal in the receiver's errors", || {
+        errors.extend(receiver.take_errors());
+        errors.iter().any(|e| e.contains("refused a connection") && e.contains("uid 65534"))
+    });
+    assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "nothing arrived");
 }
 
 /// A bound receiver must not report `Disconnected` while a connection its accept thread took is

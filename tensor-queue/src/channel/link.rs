@@ -46,6 +46,12 @@ impl Link {
     /// Checks that the peer runs as this user (`SO_PEERCRED`), the second lock after the
     /// socket file's 0600 mode.
     pub fn new(connection: Connection) -> Result<Link> {
+        let peer_pid = Link::check_peer(&connection)?;
+        Ok(Link { connection, peer_pid })
+    }
+
+    /// The peer's pid, if it runs as this user.
+    pub fn check_peer(connection: &Connection) -> Result<u32> {
         let credentials = connection.peer_credentials()?;
         let uid = rustix::process::getuid().as_raw();
         if credentials.uid != uid {
@@ -54,7 +60,7 @@ impl Link {
                 credentials.pid, credentials.uid
             )));
         }
-        Ok(Link { connection, peer_pid: credentials.pid as u32 })
+        Ok(credentials.pid as u32)
     }
 
     /// Sends `frame`, waiting while the socket is full. The wait before the first packet ends at

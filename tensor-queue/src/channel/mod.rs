@@ -7,16 +7,19 @@
 //!    its work: the write of the next value of its signal word (see `signal.rs`), or, where the
 //!    device lacks stream memory operations, the record of a pooled interprocess event (its handle
 //!    announced once, when it was made).
-//! 3. The message frame carries one descriptor per tensor: (lease, chunk, offset, length, dtype,
-//!    shape, strides, fence). The sender keeps the storage alive under that lease.
+//! 3. The message frame carries one descriptor per tensor: (chunk, offset, length, dtype, shape,
+//!    strides, fence); a frame longer than a packet travels in parts. The sender keeps the
+//!    tensors' storage alive under the message's lease (its sequence number).
 //! 4. The receiver (in the thread that calls `recv`, with no hand-off to another thread) validates
-//!    the frame, maps nothing new (chunks are cached), and queues the fence's wait on its stream
-//!    for the device (`cuStreamWaitValue64` or `cuStreamWaitEvent`): the consumer's first use is
-//!    ordered after the producer's work, and neither CPU waits.
+//!    the frame, maps nothing new (chunks are mapped once per process, see `imports.rs`), and
+//!    queues the fence's wait on the connection's stream for the device (`cuStreamWaitValue64`
+//!    or `cuStreamWaitEvent`): the consumer's first use is ordered after the producer's work, and
+//!    neither CPU waits. Each connection has its own stream, so one producer's slow work never
+//!    holds up another's tensors (unless the user chose one stream for all, `set_stream`).
 //! 5. A message's tensors share one receiver-side lease: when the last view of any of them drops,
-//!    one release frame returns them all, once the receiver's GPU work on them is done: at once
+//!    one release frame returns the message, once the receiver's GPU work on it is done: at once
 //!    if its streams are idle, else through a release thread, which records one pooled event per
-//!    stream for the releases queued together, waits for them, and returns them in one frame per
+//!    stream for the releases queued together, polls them, and returns them in one frame per
 //!    sender (see `release.rs`). Host tensors are released at once. Holding one tensor of a
 //!    message holds the others' memory in the sender: the price of one frame per message
 //!    instead of one per tensor.
@@ -39,13 +42,41 @@
 //! waits for its reader thread to see the next credit, and that thread for the kernel; with
 //! [`Sender::set_spin`] the sending thread reads the credits itself for a while first.
 //!
-//! # Flow control and failure
+//! # Flow control
 //! A receiver grants each sender `capacity` messages; `send` blocks when they are used up and
 //! resumes when the receiver has taken half of them (credits return in batches, to keep frames
-//! off the hot path). A peer that dies closes its socket: the survivor sees the hang-up at once.
-//! A dead receiver's leases return to the sender; a dead sender's messages already queued are
-//! still delivered, then `recv` returns [`Error::Disconnected`], and tensors already received
-//! stay valid (their memory lives while mapped).
+//! off the hot path). The receiver enforces it: a sender that sends beyond its credits, or a
+//! receiver that grants more than was sent, has its connection closed. No thread ever writes to
+//! a socket while holding the channel's state (a blocked write must never stop the thread that
+//! reads the peer's answers), and a receiver never waits for a sender to read: what does not fit
+//! a sender's socket waits in an outbox (`peer.rs`).
+//!
+//! # Failure
+//! - A receiver that refuses one message (a chunk it could not map, a GPU it cannot see, a range
+//!   outside its chunk) says so to both sides ([`Error::Rejected`](crate::Error::Rejected) from `recv`,
+//!   [`Sender::take_rejected`]) and the connection goes on.
+//! - A receiver that stops taking messages (dropped, or closing a connection that broke the
+//!   protocol) sends `Close`: `send` returns [`Error::Disconnected`](crate::Error::Disconnected) at once. Its socket stays
+//!   open while it holds tensors, whose releases still flow. A sender takes its leases back only
+//!   when the receiver's socket closes, which happens when the receiver holds nothing or its
+//!   process is gone: a hang-up is not a death, and held memory is never reused.
+//! - A sender that dies: its messages already queued are still delivered, then `recv` returns
+//!   [`Error::Disconnected`](crate::Error::Disconnected), and tensors already received stay valid (their memory lives while
+//!   mapped). If it died with GPU work queued, the waits on its fences are released (see
+//!   `fences.rs`) and the messages it never finished are reported: [`Error::ProducerFailed`](crate::Error::ProducerFailed), or
+//!   [`Tensor::producer_failed`](crate::Tensor::producer_failed) for one already received.
+//!
+//! # What a peer can and cannot do (trust model)
+//! Peers run as the same user on the same machine (checked by `SO_PEERCRED`; the socket file is
+//! 0600). Every frame is validated, and no frame can crash the receiver, block it, or touch another
+//! peer's messages. Sharing is by chunk, not by tensor: a receiver maps the whole chunk (64 MiB of
+//! an arena, or the user's buffer) that a tensor lies in, and so can read other tensors of this
+//! process in that chunk, including ones sent to other receivers. Host chunks are shared read-only
+//! (the receiver gets a read-only descriptor of a sealed file it cannot shrink or reopen for
+//! writing), except those made for writing ([`Tensor::zeros_writable`](crate::Tensor::zeros_writable)).
+//! GPU memory is mapped read-write: CUDA IPC has no read-only import of a legacy handle, and a
+//! receiver's kernels may write a received tensor. Put data that one receiver must not see in a
+//! process of its own.
 
 mod child;
 mod connection;

@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
 use super::link::Link;
 use super::{DEFAULT_CAPACITY, monotonic_ns};
-use crate::wire::MAX_PACKET;
+use crate::wire::{Frame, MAX_PACKET};
 use crate::{Error, Result, side_table};
 
 /// A bound receiver's accept thread, which sets up new connections (user check, `Hello`) so that
@@ -51,15 +51,24 @@ impl Acceptor {
                             continue;
                         }
                     };
-                    // A refused peer is dropped here; `recv` re-checks the user of every socket.
-                    let greeted = Link::new(connection).and_then(|link| link.hello(capacity).map(|()| link));
-                    match greeted {
-                        Ok(link) => {
-                            if bell.send(b"c", &[link.fd()]).is_err() {
-                                return; // the receiver is gone
+                    // A refused peer is told why and dropped here, and `recv` hears of it
+                    // (`take_errors`); `recv` re-checks the user of every socket it adopts.
+                    let answer = match Link::check_peer(&connection) {
+                        Ok(_) => match Link::new(connection).and_then(|link| link.hello(capacity).map(|()| link)) {
+                            Ok(link) => bell.send(b"c", &[link.fd()]),
+                            Err(error) => {
+                                tracing::warn!(%error, "a new connection failed");
+                                Ok(())
                             }
+                        },
+                        Err(error) => {
+                            tracing::warn!(%error, "refused a connection");
+                            let _ = connection.try_send(&Frame::Close { reason: error.to_string() }.encode(), &[]);
+                            bell.send(format!("r{error}").as_bytes(), &[])
                         }
-                        Err(error) => tracing::warn!(%error, "refused a connection"),
+                    };
+                    if answer.is_err() {
+                        return; // the receiver is gone
                     }
                 }
             })
@@ -333,7 +342,11 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// were any.
     fn accept_waiting(&mut self) -> Result<bool> {
         let Some(acceptor) = &self.acceptor else { return Ok(false) };
-        let Some((_, fds)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
+        let mut note = [0u8; 1024];
+        let Some((n, fds)) = acceptor.doorbell.try_recv(&mut note)? else { return Ok(false) };
+        if let Some(refusal) = note[..n].strip_prefix(b"r") {
+            self.errors.push(format!("refused a connection: {}", String::from_utf8_lossy(refusal)));
+        }
         for fd in fds {
             match Link::new(Connection::from(fd)) {
                 Ok(link) => self.connected.push(Connected::new(link)),

@@ -58,6 +58,8 @@ struct SenderState {
     greeted: bool,
     /// Why the receiver takes no more messages, once it does not.
     closed: Option<String>,
+    /// Why the receiver refused this sender at the handshake, if it did.
+    refused: Option<String>,
     rejected: Vec<Rejection>,
     /// Leases removed from `leases` whose storage is still being dropped (which may retire a
     /// chunk): still outstanding, so that nothing is announced before the retirement is sent.
@@ -303,6 +305,9 @@ impl SenderInner {
             state = lock(&self.state);
         }
         loop {
+            if let Some(refused) = &state.refused {
+                return Err(Error::PeerRefused(refused.clone()));
+            }
             if state.closed.is_some() {
                 return Err(Error::Disconnected);
             }
@@ -461,6 +466,7 @@ impl SenderInner {
         let mut assembler = Assembler::default();
         let greeting = loop {
             match self.link.recv(&mut assembler, &mut buf) {
+                Ok(Read::Frame(Frame::Close { reason }, _)) => break Err(Error::PeerRefused(reason)),
                 Ok(Read::Frame(frame, _)) => break Link::check_hello(&frame),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
@@ -477,6 +483,7 @@ impl SenderInner {
             }
             Err(error) => {
                 tracing::warn!(%error, "the receiver's greeting failed");
+                lock(&self.state).refused = Some(error.to_string());
                 return self.hang_up("the receiver's greeting failed");
             }
         }
