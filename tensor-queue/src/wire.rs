@@ -223,6 +223,8 @@ pub enum Frame {
     /// The receiver takes no more messages on this connection. Releases of what it still holds
     /// follow; the socket closes when it holds nothing (or its process ends).
     Close {
+        /// The last message it read: later ones it never saw, and their leases are the sender's.
+        read_up_to: u64,
         /// Why, for people.
         reason: String,
     },
@@ -391,7 +393,10 @@ impl Frame {
                 w.u64(*seq);
                 w.text(reason);
             }
-            Frame::Close { reason } => w.text(reason),
+            Frame::Close { read_up_to, reason } => {
+                w.u64(*read_up_to);
+                w.text(reason);
+            }
         }
         let body = (w.0.len() - HEADER_LEN) as u32;
         w.0[8..12].copy_from_slice(&body.to_le_bytes());
@@ -478,7 +483,7 @@ impl Frame {
             KIND_CREDIT => Frame::Credit { count: r.u32()? },
             KIND_RETIRE => Frame::Retire { chunk: r.u64()? },
             KIND_REJECTED => Frame::Rejected { seq: r.u64()?, reason: r.text()? },
-            KIND_CLOSE => Frame::Close { reason: r.text()? },
+            KIND_CLOSE => Frame::Close { read_up_to: r.u64()?, reason: r.text()? },
             other => return Err(FrameError::UnknownKind(other)),
         };
         r.finish()?;
@@ -666,7 +671,7 @@ mod tests {
             Frame::Credit { count: 1 },
             Frame::Retire { chunk: 5 },
             Frame::Rejected { seq: 4, reason: "no such device".into() },
-            Frame::Close { reason: "bye".into() },
+            Frame::Close { read_up_to: 3, reason: "bye".into() },
         ]
     }
 

@@ -251,7 +251,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
         let (n, _) = client.recv(&mut buf).unwrap();
         Frame::decode(&buf[..n]).unwrap()
     };
-    assert!(matches!(said(&garbage), Frame::Close { reason } if reason.contains("bad frame")), "told why");
+    assert!(matches!(said(&garbage), Frame::Close { reason, .. } if reason.contains("bad frame")), "told why");
     assert!(matches!(said(&unknown_chunk), Frame::Rejected { seq: 1, .. }));
     assert!(matches!(said(&out_of_bounds), Frame::Rejected { seq: 1, .. }));
     honest.send(&probe_again()).unwrap();
@@ -423,4 +423,25 @@ fn a_spinning_sender_takes_credits_and_releases_itself_and_a_full_queue_still_ho
     assert_eq!(sent.load(Ordering::SeqCst), 2, "a spinning sender went through a full queue");
     receiver.recv().unwrap();
     feeding.join().unwrap();
+}
+
+/// A receiver dropped while holding one message's tensor, with two more messages it never read:
+/// the sender hears it at once, takes back the two unread messages, and the held one only when
+/// it is dropped (found by an outside test: before, a hang-up returned every lease at once, and
+/// a dropped receiver left a blocked sender waiting for ever).
+#[test]
+fn a_dropped_receiver_gives_back_what_it_never_read_and_keeps_what_it_holds() {
+    let path = socket_path("dropped");
+    let mut receiver = Receiver::<Probe>::bind_with_capacity(&path, 4).unwrap();
+    let sender = Sender::<Probe>::connect(&path).unwrap();
+    for id in 0..3 {
+        sender.send(&probe(id, id + 5, 100, None).unwrap()).unwrap();
+    }
+    let held = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    drop(receiver);
+    wait_until("the unread messages' leases", || !sender.is_connected() && sender.outstanding_leases() == 1);
+    assert!(matches!(sender.send(&probe_again()), Err(Error::Disconnected)));
+    assert_eq!(checksum(&held.tensors[0]).unwrap(), held.expected[0], "what is held is intact");
+    drop(held);
+    assert!(sender.wait_released(Duration::from_secs(10)), "the held message comes back when dropped");
 }

@@ -120,6 +120,8 @@ pub(super) struct Connected {
     uncredited: u32,
     /// Messages taken since credits were last returned.
     taken: u32,
+    /// The sequence number of the last message read.
+    last_seq: u64,
 }
 
 impl Connected {
@@ -134,7 +136,15 @@ impl Connected {
             streams: Vec::new(),
             uncredited: 0,
             taken: 0,
+            last_seq: 0,
         }
+    }
+
+    /// Stops reading this connection: the sender hears why, and that messages after the last one
+    /// read are its own again. The sending side stays open for the releases of what is held.
+    pub fn close(&self, reason: String) {
+        self.peer.close(self.last_seq, reason);
+        self.peer.link.shutdown(rustix::net::Shutdown::Read);
     }
 
     pub fn pid(&self) -> u32 {
@@ -201,6 +211,7 @@ impl Connected {
                     return Err(Error::Protocol(format!("more than the {capacity} messages its credits allow")));
                 }
                 self.uncredited += 1;
+                self.last_seq = seq;
                 let info = MessageInfo {
                     sender_pid: self.pid(),
                     seq,

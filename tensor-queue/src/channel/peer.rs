@@ -51,9 +51,9 @@ impl Peer {
         self.post(|out| out.control.push_back(Frame::Rejected { seq, reason }));
     }
 
-    /// Tells the sender that no more messages are taken.
-    pub fn close(self: &Arc<Self>, reason: String) {
-        self.post(|out| out.control.push_back(Frame::Close { reason }));
+    /// Tells the sender that no more messages are taken; `read_up_to` is the last one read.
+    pub fn close(self: &Arc<Self>, read_up_to: u64, reason: String) {
+        self.post(|out| out.control.push_back(Frame::Close { read_up_to, reason }));
     }
 
     fn post(self: &Arc<Self>, add: impl FnOnce(&mut Outbox)) {

@@ -63,7 +63,8 @@ impl Acceptor {
                         },
                         Err(error) => {
                             tracing::warn!(%error, "refused a connection");
-                            let _ = connection.try_send(&Frame::Close { reason: error.to_string() }.encode(), &[]);
+                            let close = Frame::Close { read_up_to: 0, reason: error.to_string() };
+                            let _ = connection.try_send(&close.encode(), &[]);
                             bell.send(format!("r{error}").as_bytes(), &[])
                         }
                     };
@@ -322,10 +323,7 @@ impl<T: DeserializeOwned> Receiver<T> {
                     let message = format!("closed the connection from pid {}: {error}", connected.pid());
                     tracing::warn!("{message}");
                     self.errors.push(message);
-                    // Reading stops; the sending side stays open for the releases of what this
-                    // receiver still holds, and the sender hears why.
-                    connected.peer.close(format!("the receiver closed the connection: {error}"));
-                    connected.peer.link.shutdown(rustix::net::Shutdown::Read);
+                    connected.close(format!("the receiver closed the connection: {error}"));
                     closed.push(index);
                 }
             }
@@ -362,8 +360,7 @@ impl<T> Drop for Receiver<T> {
         // Senders hear that no more messages are taken (a blocked send returns at once); the
         // sockets stay open for the releases of tensors still held.
         for connected in &self.connected {
-            connected.peer.close("the receiver was dropped".into());
-            connected.peer.link.shutdown(rustix::net::Shutdown::Read);
+            connected.close("the receiver was dropped".into());
         }
     }
 }

@@ -466,7 +466,7 @@ impl SenderInner {
         let mut assembler = Assembler::default();
         let greeting = loop {
             match self.link.recv(&mut assembler, &mut buf) {
-                Ok(Read::Frame(Frame::Close { reason }, _)) => break Err(Error::PeerRefused(reason)),
+                Ok(Read::Frame(Frame::Close { reason, .. }, _)) => break Err(Error::PeerRefused(reason)),
                 Ok(Read::Frame(frame, _)) => break Link::check_hello(&frame),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
@@ -565,9 +565,12 @@ impl SenderInner {
                 released.extend(state.leases.remove(&seq));
                 state.rejected.push(Rejection { seq, reason });
             }
-            Frame::Close { reason } => {
+            Frame::Close { read_up_to, reason } => {
                 tracing::info!(%reason, "the receiver closed the channel");
                 state.closed.get_or_insert(reason);
+                // Messages it never read are ours again; those it read come back by release.
+                let unread: Vec<u64> = state.leases.keys().copied().filter(|&seq| seq > read_up_to).collect();
+                released.extend(unread.iter().filter_map(|seq| state.leases.remove(seq)));
             }
             other => {
                 tracing::warn!(?other, "unexpected frame from a receiver; closing");
