@@ -13,19 +13,15 @@ use crate::{Error, Result, Tensor};
 thread_local! {
     static OUTGOING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
     static INCOMING: RefCell<Option<Vec<Option<Tensor>>>> = const { RefCell::new(None) };
-    /// postcard drops custom error messages; the side table keeps its own here.
-    static PROBLEM: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
-fn problem(message: impl Into<String>) -> String {
-    let message = message.into();
-    PROBLEM.with(|p| *p.borrow_mut() = Some(message.clone()));
-    message
-}
-
-/// The side table's own message if it caused the failure, else serde's.
-fn explain(error: postcard::Error) -> String {
-    PROBLEM.with(|p| p.borrow_mut().take()).unwrap_or_else(|| error.to_string())
+/// The serde format is bincode with variable-length integers (compact). It keeps the text of
+/// custom errors (a message type's own `serialize` or `deserialize` errors reach the caller
+/// whole), which postcard drops. Decoding is limited to the payload's own length, so a hostile
+/// length prefix cannot make it allocate more.
+fn decoding(limit: usize) -> impl bincode::Options {
+    use bincode::Options;
+    bincode::DefaultOptions::new().with_limit(limit as u64)
 }
 
 /// Clears a table when encoding or decoding ends, even by panic.
@@ -41,7 +37,11 @@ impl Drop for Reset {
 pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)> {
     OUTGOING.with(|table| *table.borrow_mut() = Some(Vec::new()));
     let _reset = Reset(&OUTGOING);
-    let bytes = postcard::to_stdvec(message).map_err(|e| Error::Encode(explain(e)))?;
+    // Written in one pass: with a limit, bincode first walks the message to size it, and each
+    // tensor would be set aside twice. The frame's size is checked when it is sent.
+    let mut bytes = Vec::new();
+    bincode::Options::serialize_into(bincode::DefaultOptions::new(), &mut bytes, message)
+        .map_err(|e| Error::Encode(e.to_string()))?;
     let tensors = OUTGOING.with(|table| table.borrow_mut().take()).unwrap_or_default();
     Ok((bytes, tensors))
 }
@@ -50,7 +50,7 @@ pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)
 /// are dropped (and so released).
 pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: Vec<Tensor>) -> Result<T> {
     INCOMING.with(|table| *table.borrow_mut() = Some(tensors.into_iter().map(Some).collect()));
-    let result = postcard::from_bytes(bytes).map_err(|e| Error::Decode(explain(e)));
+    let result = bincode::Options::deserialize(decoding(bytes.len()), bytes).map_err(|e| Error::Decode(e.to_string()));
     INCOMING.with(|table| table.borrow_mut().take());
     result
 }
@@ -65,7 +65,7 @@ impl Serialize for Tensor {
         });
         match index {
             Some(index) => serializer.serialize_u32(index as u32),
-            None => Err(S::Error::custom(problem("a Tensor can only be serialized by a tensor-queue Sender"))),
+            None => Err(S::Error::custom("a Tensor can only be serialized by a tensor-queue Sender")),
         }
     }
 }
@@ -83,7 +83,7 @@ impl<'de> Deserialize<'de> for Tensor {
                 Some(slot) => slot.take().ok_or_else(|| format!("the message names tensor {index} twice")),
             }
         });
-        taken.map_err(|message| D::Error::custom(problem(message)))
+        taken.map_err(D::Error::custom)
     }
 }
 
@@ -135,8 +135,39 @@ mod tests {
         tensors.clear();
         assert!(matches!(decode::<(Tensor, u8)>(&bytes, tensors), Err(Error::Decode(_))));
         let t = Tensor::zeros(DType::U8, &[1]).unwrap();
-        assert!(postcard::to_stdvec(&t).is_err(), "outside a channel a tensor does not serialize");
-        let twice = postcard::to_stdvec(&(0u32, 0u32)).unwrap();
+        let outside = bincode::serialize(&t).unwrap_err().to_string();
+        assert!(outside.contains("only be serialized by a tensor-queue Sender"), "{outside}");
+        let twice = encode(&(0u32, 0u32)).unwrap().0;
         assert!(matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice")));
+    }
+}
+
+#[cfg(test)]
+mod custom_errors {
+    use super::*;
+
+    /// A message type whose own serde code fails with a reason.
+    struct Picky;
+
+    impl Serialize for Picky {
+        fn serialize<S: Serializer>(&self, _: S) -> std::result::Result<S::Ok, S::Error> {
+            Err(S::Error::custom("picky refuses to be sent"))
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Picky {
+        fn deserialize<D: Deserializer<'de>>(_: D) -> std::result::Result<Self, D::Error> {
+            Err(D::Error::custom("picky refuses to arrive"))
+        }
+    }
+
+    /// Found by an outside test: postcard dropped the text of a type's own errors.
+    #[test]
+    fn a_type_s_own_error_text_reaches_the_caller() {
+        assert!(matches!(encode(&Picky), Err(Error::Encode(m)) if m.contains("picky refuses to be sent")));
+        let (bytes, tensors) = encode(&0u8).unwrap();
+        assert!(
+            matches!(decode::<Picky>(&bytes, tensors), Err(Error::Decode(m)) if m.contains("picky refuses to arrive"))
+        );
     }
 }

@@ -445,3 +445,21 @@ fn a_dropped_receiver_gives_back_what_it_never_read_and_keeps_what_it_holds() {
     drop(held);
     assert!(sender.wait_released(Duration::from_secs(10)), "the held message comes back when dropped");
 }
+
+/// Found by an outside test: every receiver mapped the sender's whole host chunk read-write, so it
+/// could change tensors the sender never sent it. Now a received host tensor is read-only unless
+/// its sender made it writable on purpose, and a write through a writable one reaches the sender.
+#[test]
+fn received_host_tensors_are_read_only_unless_shared_writable() {
+    let path = socket_path("read-only");
+    let mut receiver = Receiver::<Vec<Tensor>>::bind(&path).unwrap();
+    let sender = Sender::<Vec<Tensor>>::connect(&path).unwrap();
+    let private = Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[2]).unwrap();
+    let shared = Tensor::zeros_writable(DType::F32, &[2]).unwrap();
+    sender.send(&vec![private.clone(), shared.clone()]).unwrap();
+    let received = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(received[0].set(&[0], 9.0f32).is_err(), "a read-only tensor cannot be written");
+    assert_eq!(received[0].as_slice::<f32>().unwrap(), [1.0, 2.0], "but it reads");
+    received[1].set(&[1], 7.0f32).unwrap();
+    assert_eq!(shared.get::<f32>(&[1]).unwrap(), 7.0, "a writable one is shared both ways");
+}
