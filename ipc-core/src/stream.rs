@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use cuda_sys::{CUresult, CUstream, driver};
 
+use crate::error::check_range;
 use crate::{Context, DeviceMemory, Error, Event, Result};
 
 /// A non-blocking stream (it does not synchronise with the legacy default stream).
@@ -80,6 +81,93 @@ impl Stream {
         unsafe { driver!(cuMemcpyDtoHAsync_v2((&raw mut value).cast(), address, 8, self.raw)) }?;
         self.synchronize()?;
         Ok(value)
+    }
+
+    /// Copies `len` bytes from `src` at `src_offset` to `dst` at `dst_offset`, in stream order.
+    /// Either side may be any device's memory or mapped pinned host memory (unified addressing).
+    pub fn copy_async(
+        &self,
+        dst: &dyn DeviceMemory,
+        dst_offset: usize,
+        src: &dyn DeviceMemory,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        check_range(dst_offset, len, dst.len())?;
+        check_range(src_offset, len, src.len())?;
+        if len == 0 {
+            return Ok(());
+        }
+        self.context.bind()?;
+        let (to, from) = (dst.device_ptr() + dst_offset as u64, src.device_ptr() + src_offset as u64);
+        // SAFETY: both ranges were checked against live allocations; the stream is live.
+        unsafe { driver!(cuMemcpyAsync(to, from, len, self.raw)) }?;
+        Ok(())
+    }
+
+    /// Copies `src` from the host to `dst` at `offset`, in stream order. The call returns once
+    /// `src` is staged (the driver's rule for pageable memory), so `src` may be reused at once.
+    pub fn copy_from_host_async(&self, dst: &dyn DeviceMemory, offset: usize, src: &[u8]) -> Result<()> {
+        check_range(offset, src.len(), dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.context.bind()?;
+        let to = dst.device_ptr() + offset as u64;
+        // SAFETY: the destination range was checked; `src` is readable for the whole call, and a
+        // copy from pageable memory is staged before the call returns.
+        unsafe { driver!(cuMemcpyHtoDAsync_v2(to, src.as_ptr().cast(), src.len(), self.raw)) }?;
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of `src` to the host after the work queued on this
+    /// stream so far, and waits for them (nothing else: not the legacy stream).
+    pub fn copy_to_host(&self, src: &dyn DeviceMemory, offset: usize, dst: &mut [u8]) -> Result<()> {
+        check_range(offset, dst.len(), src.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.context.bind()?;
+        let from = src.device_ptr() + offset as u64;
+        // SAFETY: the source range was checked; `dst` is writable and outlives the copy, since
+        // the stream is synchronised before this returns.
+        unsafe { driver!(cuMemcpyDtoHAsync_v2(dst.as_mut_ptr().cast(), from, dst.len(), self.raw)) }?;
+        self.synchronize()
+    }
+
+    /// Sets `count` elements of `value.len()` bytes (1, 2, 4 or 8) at `offset` of `memory` to
+    /// `value`, in stream order. `offset` must be aligned to the element size.
+    pub fn fill_async(&self, memory: &dyn DeviceMemory, offset: usize, count: usize, value: &[u8]) -> Result<()> {
+        let size = value.len();
+        let bytes = count.checked_mul(size).ok_or_else(|| Error::InvalidArgument("fill size overflows".into()))?;
+        check_range(offset, bytes, memory.len())?;
+        let to = memory.device_ptr() + offset as u64;
+        if ![1, 2, 4, 8].contains(&size) || !to.is_multiple_of(size as u64) {
+            return Err(Error::InvalidArgument(format!("a fill of {size}-byte elements at {to:#x}")));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        self.context.bind()?;
+        let word = |at: usize| u32::from_le_bytes(value[at..at + 4].try_into().unwrap_or_default());
+        let stream = self.raw;
+        match size {
+            // SAFETY: the range was checked against a live allocation; the stream is live.
+            1 => unsafe { driver!(cuMemsetD8Async(to, value[0], count, stream)) }?,
+            // SAFETY: as above, and `to` is 2-byte aligned.
+            2 => unsafe { driver!(cuMemsetD16Async(to, u16::from_le_bytes([value[0], value[1]]), count, stream)) }?,
+            // SAFETY: as above, and `to` is 4-byte aligned.
+            4 => unsafe { driver!(cuMemsetD32Async(to, word(0), count, stream)) }?,
+            _ => {
+                // An 8-byte value as two 32-bit halves: a 2-D fill one word wide with a pitch of
+                // 8 bytes writes every low half, then every high half.
+                // SAFETY: `count` rows of 8 bytes were checked; `to` is 8-byte aligned.
+                unsafe { driver!(cuMemsetD2D32Async(to, 8, word(0), 1, count, stream)) }?;
+                // SAFETY: as above, the high halves of the same rows.
+                unsafe { driver!(cuMemsetD2D32Async(to + 4, 8, word(4), 1, count, stream)) }?;
+            }
+        }
+        Ok(())
     }
 
     /// Makes later work on this stream wait for `event`, without blocking the CPU.

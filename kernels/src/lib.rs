@@ -1,5 +1,7 @@
-//! Hand-written CUDA kernels, compiled at build time by nvcc into one fatbin that is embedded here
-//! and loaded with `cuModuleLoadData` on first use, once per device.
+//! Hand-written CUDA kernels, compiled by nvcc into one fatbin (`kernels.fatbin`, committed, so no
+//! build needs nvcc; `cargo xtask kernels` rebuilds it and `--check` tells when `cu/kernels.cu`
+//! changed without it) that is embedded here and loaded with `cuModuleLoadData` on first use,
+//! once per device.
 //!
 //! - [`Kernels::fill`] and [`Kernels::checksum`]: a deterministic pattern and a position-sensitive
 //!   checksum, which every GPU test uses to prove a receiver sees exactly the sender's bytes
@@ -20,7 +22,7 @@ use std::time::Duration;
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Error, Function, LaunchConfig, Module, Result, Stream};
 
 /// The fatbin nvcc built from `cu/kernels.cu`.
-pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.fatbin"));
+pub static FATBIN: &[u8] = include_bytes!("../kernels.fatbin");
 
 /// The most dimensions a strided view may have.
 pub const MAX_DIMS: usize = 8;

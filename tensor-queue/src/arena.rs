@@ -18,7 +18,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use ipc_core::{
-    Context, DeviceBuffer, DeviceMemory, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation,
+    Context, DeviceBuffer, DeviceMemory, Event, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation,
 };
 
 use crate::{Error, Result};
@@ -386,19 +386,39 @@ pub(crate) fn set_idle_release(idle: Duration) {
     Trimmer::get().wake();
 }
 
-/// The thread that gives back chunks idle for longer than the idle release time. It sleeps
-/// until the next one is due, or until woken when a chunk falls idle.
+/// Keeps `held` (a tensor's allocation or lease) until the GPU work recorded in `events` is
+/// done: memory that work on another stream still uses must not be reused (see
+/// `Tensor::record_stream`).
+pub(crate) fn drop_after(events: Vec<Event>, held: Box<dyn Send>) {
+    let trimmer = Trimmer::get();
+    lock(&trimmer.deferred).push((events, held));
+    trimmer.wake();
+}
+
+/// How often memory held for pending GPU work is looked at.
+const DEFERRED_POLL: Duration = Duration::from_micros(200);
+
+/// The arenas' thread: it gives back chunks idle for longer than the idle release time, and lets
+/// go of memory held for GPU work once that work is done. It sleeps until the next chunk is due,
+/// polls while memory is held, and is woken when a chunk falls idle.
 struct Trimmer {
     woken: Mutex<bool>,
     wake: Condvar,
+    deferred: Mutex<Vec<Deferred>>,
 }
+
+/// Something held until the GPU work recorded in the events is done.
+type Deferred = (Vec<Event>, Box<dyn Send>);
 
 impl Trimmer {
     fn get() -> &'static Trimmer {
         static TRIMMER: OnceLock<&'static Trimmer> = OnceLock::new();
         TRIMMER.get_or_init(|| {
-            let trimmer: &'static Trimmer =
-                Box::leak(Box::new(Trimmer { woken: Mutex::new(false), wake: Condvar::new() }));
+            let trimmer: &'static Trimmer = Box::leak(Box::new(Trimmer {
+                woken: Mutex::new(false),
+                wake: Condvar::new(),
+                deferred: Mutex::new(Vec::new()),
+            }));
             if let Err(error) = std::thread::Builder::new().name("tq-trim".into()).spawn(move || trimmer.run()) {
                 tracing::warn!(%error, "no trim thread: free memory goes back only on memory::trim()");
             }
@@ -413,13 +433,27 @@ impl Trimmer {
 
     fn run(&self) {
         loop {
+            // Dropped outside the lock: dropping may free chunks and send frames.
+            let done: Vec<_> = {
+                let mut deferred = lock(&self.deferred);
+                let (done, waiting) = std::mem::take(&mut *deferred)
+                    .into_iter()
+                    .partition(|(events, _)| events.iter().all(|e| e.is_complete().unwrap_or(true)));
+                *deferred = waiting;
+                done
+            };
+            drop(done);
+            let polling = !lock(&self.deferred).is_empty();
             let idle = Duration::from_millis(IDLE_RELEASE_MS.load(Ordering::Relaxed));
             let arenas = lock(&ARENAS).clone();
             let now = Instant::now();
             for arena in &arenas {
                 arena.trim(now.checked_sub(idle));
             }
-            let due = arenas.iter().filter_map(|arena| arena.next_due(idle)).min();
+            let mut due = arenas.iter().filter_map(|arena| arena.next_due(idle)).min();
+            if polling {
+                due = Some(due.map_or(now + DEFERRED_POLL, |due| due.min(now + DEFERRED_POLL)));
+            }
             let mut woken = lock(&self.woken);
             while !*woken {
                 let left = due.map(|due| due.saturating_duration_since(Instant::now()));

@@ -28,18 +28,31 @@
 
 mod arena;
 pub mod channel;
+mod copy;
 mod dtype;
 mod error;
 pub mod memory;
 mod side_table;
 mod signal;
 mod tensor;
+mod view;
 pub mod wire;
 
 pub use channel::{
     Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Rejection, Sender, from_parent, from_parent_with_capacity,
     monotonic_ns, spawn,
 };
+pub use copy::HostCopy;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};
+
+/// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal
+/// or UUID, their primary contexts, streams, and the [`DeviceMemory`] methods of
+/// [`Tensor::cuda_view`].
+pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
+
+/// Whether a CUDA driver and at least one GPU are usable here (without one, use host tensors).
+pub fn is_gpu_available() -> bool {
+    cuda_sys::is_available()
+}

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use ipc_core::layout::strided_byte_span;
-use ipc_core::{Context, DeviceBuffer, DeviceMemory, Stream, Uuid};
+use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream, Uuid};
 
 use crate::arena::{Allocation, Arena, Chunk, ChunkMemory};
 use crate::channel::ReceivedLease;
@@ -39,6 +39,20 @@ pub(crate) struct Storage {
     pub len: usize,
     /// Held for its `Drop`: the allocation or the lease goes back when the storage dies.
     origin: Origin,
+    /// Events after GPU work on other streams that uses the storage (`Tensor::record_stream`):
+    /// the memory goes back only once they are complete.
+    uses: std::sync::Mutex<Vec<Event>>,
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        let uses = std::mem::take(self.uses.get_mut().unwrap_or_else(|e| e.into_inner()));
+        if uses.iter().all(|event| event.is_complete().unwrap_or(true)) {
+            return;
+        }
+        let origin = std::mem::replace(&mut self.origin, Origin::User);
+        crate::arena::drop_after(uses, Box::new(origin));
+    }
 }
 
 /// Who gets the storage back when the last view drops.
@@ -53,7 +67,11 @@ enum Origin {
 
 impl Storage {
     pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: Arc<ReceivedLease>) -> Storage {
-        Storage { chunk, offset, len, origin: Origin::Received(lease) }
+        Storage::new(chunk, offset, len, Origin::Received(lease))
+    }
+
+    fn new(chunk: Arc<Chunk>, offset: usize, len: usize, origin: Origin) -> Storage {
+        Storage { chunk, offset, len, origin, uses: std::sync::Mutex::new(Vec::new()) }
     }
 }
 
@@ -84,10 +102,14 @@ impl std::fmt::Debug for Tensor {
 }
 
 /// Row-major strides of a contiguous tensor of `shape`.
+///
+/// Saturating: an empty tensor may have sizes whose product overflows (a peer can send
+/// `[0, 2^40, 2^40]`), and asking whether it is contiguous must not overflow then.
 pub fn contiguous_strides(shape: &[u64]) -> Vec<i64> {
     let mut strides = vec![1i64; shape.len()];
     for d in (0..shape.len().saturating_sub(1)).rev() {
-        strides[d] = strides[d + 1] * shape[d + 1].max(1) as i64;
+        let size = i64::try_from(shape[d + 1].max(1)).unwrap_or(i64::MAX);
+        strides[d] = strides[d + 1].saturating_mul(size);
     }
     strides
 }
@@ -104,7 +126,7 @@ fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
 }
 
 impl Tensor {
-    fn contiguous(storage: Storage, dtype: DType, shape: &[u64]) -> Tensor {
+    fn with_storage(storage: Storage, dtype: DType, shape: &[u64]) -> Tensor {
         Tensor {
             storage: Arc::new(storage),
             dtype,
@@ -130,13 +152,9 @@ impl Tensor {
 
     fn from_arena(arena: &Arc<Arena>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let allocation = arena.allocate(byte_len(dtype, shape)?)?;
-        let storage = Storage {
-            chunk: allocation.chunk.clone(),
-            offset: allocation.offset,
-            len: allocation.len,
-            origin: Origin::Arena(allocation),
-        };
-        Ok(Tensor::contiguous(storage, dtype, shape))
+        let storage =
+            Storage::new(allocation.chunk.clone(), allocation.offset, allocation.len, Origin::Arena(allocation));
+        Ok(Tensor::with_storage(storage, dtype, shape))
     }
 
     /// A zero-filled host tensor in shared memory. Receivers map it read-only: they can read it
@@ -197,8 +215,8 @@ impl Tensor {
             return Err(Error::Invalid(format!("shape {shape:?} needs {len} bytes; the buffer has {}", buffer.len())));
         }
         let chunk = Chunk::new(ChunkMemory::Legacy(buffer))?;
-        let storage = Storage { len: chunk.len(), chunk, offset: 0, origin: Origin::User };
-        Ok(Tensor::contiguous(storage, dtype, shape))
+        let storage = Storage::new(chunk.clone(), 0, chunk.len(), Origin::User);
+        Ok(Tensor::with_storage(storage, dtype, shape))
     }
 
     /// The element type.
@@ -271,44 +289,9 @@ impl Tensor {
         }
     }
 
-    fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
+    /// The same storage seen with another layout (checked by the caller, see `view.rs`).
+    pub(crate) fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
         Tensor { shape, strides, offset, ..self.clone() }
-    }
-
-    /// A view with dimensions `a` and `b` swapped (no copy).
-    pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
-        if a >= self.shape.len() || b >= self.shape.len() {
-            return Err(Error::Invalid(format!("transpose({a}, {b}) of a {}-d tensor", self.shape.len())));
-        }
-        let (mut shape, mut strides) = (self.shape.clone(), self.strides.clone());
-        shape.swap(a, b);
-        strides.swap(a, b);
-        Ok(self.with_layout(shape, strides, self.offset))
-    }
-
-    /// A view of `len` entries of dimension `dim` starting at `start` (no copy).
-    pub fn narrow(&self, dim: usize, start: u64, len: u64) -> Result<Tensor> {
-        let size = *self.shape.get(dim).ok_or_else(|| Error::Invalid(format!("no dimension {dim}")))?;
-        if start.checked_add(len).is_none_or(|end| end > size) {
-            return Err(Error::Invalid(format!("narrow({dim}, {start}, {len}) of size {size}")));
-        }
-        let mut shape = self.shape.clone();
-        shape[dim] = len;
-        let moved = start as i64 * self.strides[dim] * self.dtype.size() as i64;
-        let offset =
-            usize::try_from(self.offset as i64 + moved).map_err(|_| Error::Invalid("narrow before start".into()))?;
-        Ok(self.with_layout(shape, self.strides.clone(), offset))
-    }
-
-    /// The same elements with another shape; only for contiguous tensors (no copy).
-    pub fn reshape(&self, shape: &[u64]) -> Result<Tensor> {
-        // The product is checked: a wrapped one could pass for the right count (found by an
-        // outside test: a reshape to [2^55 + 1, 512] of 512 bytes, then a read far outside).
-        let count = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
-        if !self.is_contiguous() || shape.len() > crate::wire::MAX_DIMS || count != Some(self.numel()) {
-            return Err(Error::Invalid(format!("cannot view {:?} as {shape:?}", self.shape)));
-        }
-        Ok(self.with_layout(shape.to_vec(), contiguous_strides(shape), self.offset))
     }
 
     /// The byte range of the storage this view touches, relative to the storage's start.
@@ -348,7 +331,15 @@ impl Tensor {
     }
 
     fn element_ptr<T: Element>(&self, index: &[u64]) -> Result<*mut T> {
-        if !T::matches(self.dtype) || index.len() != self.shape.len() {
+        if !T::matches(self.dtype) {
+            return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
+        }
+        self.byte_ptr(index).map(|ptr| ptr.cast())
+    }
+
+    /// The first byte of one element of a host tensor.
+    fn byte_ptr(&self, index: &[u64]) -> Result<*mut u8> {
+        if index.len() != self.shape.len() {
             return Err(Error::Invalid(format!("index {index:?} of a {:?} {:?} tensor", self.dtype, self.shape)));
         }
         let mut at = self.offset as i64;
@@ -359,7 +350,27 @@ impl Tensor {
             at += i as i64 * s * self.dtype.size() as i64;
         }
         // SAFETY: the index is inside the shape, and the view inside the storage.
-        Ok(unsafe { self.host_base()?.offset(at as isize) }.cast())
+        Ok(unsafe { self.host_base()?.offset(at as isize) })
+    }
+
+    /// Writes one element of a host tensor from its bytes.
+    pub(crate) fn set_bytes(&self, index: &[u64], bytes: &[u8]) -> Result<()> {
+        self.check_writable()?;
+        if bytes.len() != self.dtype.size() {
+            return Err(Error::Invalid(format!("{} bytes for a {:?} element", bytes.len(), self.dtype)));
+        }
+        let ptr = self.byte_ptr(index)?;
+        // SAFETY: `ptr` points at one element (`bytes.len()` bytes) inside the live, writable
+        // mapping; `bytes` is another allocation.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+        Ok(())
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.storage.chunk.host().is_some_and(|memory| !memory.is_writable()) {
+            return Err(Error::Invalid("the tensor is read-only here: its sender shared it read-only".into()));
+        }
+        Ok(())
     }
 
     /// Reads one element of a host tensor.
@@ -372,9 +383,7 @@ impl Tensor {
     /// Writes one element of a host tensor (shared with every holder of the storage). A received
     /// tensor is read-only unless its sender made it with [`Tensor::zeros_writable`].
     pub fn set<T: Element>(&self, index: &[u64], value: T) -> Result<()> {
-        if self.storage.chunk.host().is_some_and(|memory| !memory.is_writable()) {
-            return Err(Error::Invalid("the tensor is read-only here: its sender shared it read-only".into()));
-        }
+        self.check_writable()?;
         let ptr = self.element_ptr::<T>(index)?;
         // SAFETY: `ptr` points at one element inside the live, writable mapping; concurrent writers
         // to the same element are the program's to avoid, as with any shared buffer.
@@ -383,7 +392,7 @@ impl Tensor {
     }
 
     /// The elements of a host tensor in row-major order, as bytes (a copy; any strides).
-    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+    pub(crate) fn host_bytes(&self) -> Result<Vec<u8>> {
         let base = self.host_base()?;
         if self.is_contiguous() {
             // SAFETY: a contiguous view's bytes lie in the live storage (checked when it was made).
@@ -411,27 +420,50 @@ impl Tensor {
         Ok(out)
     }
 
-    /// The GPU memory from element 0 to the end of the storage, for kernels and copies.
-    pub fn cuda_view(&self) -> Result<DeviceView> {
+    /// The GPU memory of this tensor, from element 0 to the end of the bytes its view touches
+    /// (`nbytes()` for a contiguous tensor), for your own kernels and copies. It borrows the
+    /// tensor, so it cannot outlive the memory.
+    ///
+    /// Raw memory carries no ordering: for a received tensor, queue work on [`Tensor::stream`]
+    /// (or after it), never on the legacy stream (`DeviceMemory::copy_to_host` runs there), or it
+    /// may see the producer's unfinished data. [`Tensor::to_bytes`], [`Tensor::copy_to_host_async`],
+    /// [`Tensor::copy_into`] and the other helpers order themselves.
+    pub fn cuda_view(&self) -> Result<DeviceView<'_>> {
         let memory = self.storage.chunk.device().ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
+        let (_, end) = self.touched_bytes()?;
         let start = self.storage.offset + self.offset;
         Ok(DeviceView {
             ptr: memory.device_ptr() + start as u64,
-            len: self.storage.len - self.offset,
+            len: end.saturating_sub(self.offset),
             context: memory.context().clone(),
+            _tensor: std::marker::PhantomData,
         })
+    }
+
+    /// The storage's device memory and the byte offset of element 0 in it.
+    pub(crate) fn device_memory(&self) -> Result<(&dyn DeviceMemory, usize)> {
+        let memory = self.storage.chunk.device().ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
+        Ok((memory, self.storage.offset + self.offset))
+    }
+
+    /// Keeps the storage from going back (to the arena, or to the sender) until `event`, recorded
+    /// after work on another stream that uses the tensor, is complete.
+    pub(crate) fn hold_until(&self, event: Event) {
+        self.storage.uses.lock().unwrap_or_else(|e| e.into_inner()).push(event);
     }
 }
 
-/// A range of a GPU tensor's storage, usable wherever [`DeviceMemory`] is.
+/// A range of a GPU tensor's storage, usable wherever [`DeviceMemory`] is, for as long as the
+/// tensor it was taken from lives.
 #[derive(Debug, Clone)]
-pub struct DeviceView {
+pub struct DeviceView<'a> {
     ptr: u64,
     len: usize,
     context: Arc<Context>,
+    _tensor: std::marker::PhantomData<&'a Tensor>,
 }
 
-impl DeviceMemory for DeviceView {
+impl DeviceMemory for DeviceView<'_> {
     fn device_ptr(&self) -> u64 {
         self.ptr
     }
@@ -465,6 +497,7 @@ mod tests {
         assert_eq!(t.get::<f32>(&[1, 0]).unwrap(), 40.0, "writes through a view reach the original");
         assert!(t.reshape(&[2, 6]).is_ok());
         assert!(tt.reshape(&[12]).is_err(), "a transposed view cannot be reshaped without a copy");
+        assert_eq!(contiguous_strides(&[0, 1 << 40, 1 << 40]), [i64::MAX, 1 << 40, 1], "no overflow");
         let bytes = Tensor::zeros(DType::U8, &[512]).unwrap();
         assert!(bytes.reshape(&[(1 << 55) + 1, 512]).is_err(), "a product that wraps to 512 is refused");
         assert!(t.as_slice::<i32>().is_err(), "the element type must match");

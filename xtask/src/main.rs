@@ -4,6 +4,7 @@
 
 mod bundle;
 mod codegen;
+mod kernels;
 mod toolchain;
 
 use std::path::{Path, PathBuf};
@@ -26,6 +27,12 @@ enum Task {
     /// Regenerate `cuda-sys/src/bindings.rs` from the pinned `cuda.h`.
     Codegen {
         /// Fail if the committed bindings differ from freshly generated ones.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Rebuild the committed `kernels/kernels.fatbin` from `kernels/cu/kernels.cu` with nvcc.
+    Kernels {
+        /// Fail if the committed fatbin differs from a fresh build.
         #[arg(long)]
         check: bool,
     },
@@ -54,13 +61,11 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Task::Setup => toolchain::setup(),
         Task::Codegen { check } => codegen::run(check),
+        Task::Kernels { check } => kernels::run(check),
         Task::Build => cargo(&["build", "--workspace", "--all-targets"]),
         Task::Test => test(),
         Task::GpuBundle => bundle::build(),
-        Task::Demo => {
-            toolchain::setup()?;
-            cargo(&["run", "--release", "--quiet", "-p", "tensor-queue", "--example", "demo"])
-        }
+        Task::Demo => cargo(&["run", "--release", "--quiet", "-p", "tensor-queue", "--example", "demo"]),
         Task::Bench { out, options } => {
             bundle::build()?;
             let script = workspace_root().join("target/gpu-bundle/bench.sh");
@@ -72,6 +77,7 @@ fn main() -> Result<()> {
 fn test() -> Result<()> {
     toolchain::setup()?;
     codegen::run(true)?;
+    kernels::run(true)?;
     cargo(&["test", "--workspace", "--all-targets"])?;
     // Doc tests are not part of `--all-targets`.
     cargo(&["test", "--workspace", "--doc"])
@@ -85,7 +91,7 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
-/// Runs cargo in the workspace root with the project's nvcc on the environment.
+/// Runs cargo in the workspace root.
 fn cargo(args: &[&str]) -> Result<()> {
     let mut command = cargo_command(args)?;
     run(&mut command)
@@ -95,11 +101,6 @@ fn cargo_command(args: &[&str]) -> Result<Command> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut command = Command::new(cargo);
     command.args(args).current_dir(workspace_root());
-    if std::env::var_os("NVCC").is_none()
-        && let Some(nvcc) = toolchain::installed_nvcc()?
-    {
-        command.env("NVCC", nvcc);
-    }
     Ok(command)
 }
 

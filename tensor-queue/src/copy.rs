@@ -1,0 +1,334 @@
+//! Making, filling, copying and reading tensors. GPU work is queued on a stream the caller gives
+//! and ordered after the tensor's own stream (a received tensor's, which waits for its
+//! producer), with the project's kernels for strided views; host tensors are handled on the CPU.
+//!
+//! ```no_run
+//! # fn main() -> tensor_queue::Result<()> {
+//! use tensor_queue::{Context, DType, Stream, Tensor};
+//! let context = Context::on_ordinal(0)?;
+//! let stream = Stream::new(&context)?;
+//! let x = Tensor::from_slice_cuda(&[1.0f32, 2.0, 3.0, 4.0], DType::F32, &[2, 2], &stream)?;
+//! let xt = x.transpose(0, 1)?.contiguous_on(&stream)?;    // a packed copy, on the GPU
+//! assert_eq!(xt.to_vec::<f32>()?, [1.0, 3.0, 2.0, 4.0]);    // waits for the stream's work
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+
+use ipc_core::{Event, PinnedHostBuffer, Stream};
+use kernels::{Kernels, StridedLayout};
+
+use crate::{DType, Element, Error, Result, Tensor, TensorDevice};
+
+impl Tensor {
+    /// A GPU tensor on `stream`'s device holding `data` (row-major), copied on `stream`; `data`
+    /// may be reused as soon as this returns.
+    pub fn from_slice_cuda<T: Element>(data: &[T], dtype: DType, shape: &[u64], stream: &Stream) -> Result<Tensor> {
+        check_element::<T>(dtype)?;
+        Tensor::from_bytes_cuda(bytemuck::cast_slice(data), dtype, shape, stream)
+    }
+
+    /// A GPU tensor on `stream`'s device from its row-major bytes, copied on `stream`.
+    pub fn from_bytes_cuda(bytes: &[u8], dtype: DType, shape: &[u64], stream: &Stream) -> Result<Tensor> {
+        let tensor = Tensor::empty_cuda(stream.context(), dtype, shape)?;
+        if bytes.len() != tensor.nbytes() {
+            return Err(Error::Invalid(format!(
+                "{} bytes of data for {} bytes of tensor",
+                bytes.len(),
+                tensor.nbytes()
+            )));
+        }
+        let (memory, start) = tensor.device_memory()?;
+        stream.copy_from_host_async(memory, start, bytes)?;
+        Ok(tensor)
+    }
+
+    /// A zero-filled GPU tensor on `stream`'s device, zeroed on `stream`.
+    pub fn zeros_cuda(dtype: DType, shape: &[u64], stream: &Stream) -> Result<Tensor> {
+        let tensor = Tensor::empty_cuda(stream.context(), dtype, shape)?;
+        let (memory, start) = tensor.device_memory()?;
+        memory.memset_range_async(start, tensor.nbytes(), 0, stream)?;
+        Ok(tensor)
+    }
+
+    /// Sets every element to `value` (any layout), waiting for it (see [`Tensor::to_bytes`] for
+    /// the stream a GPU tensor's work goes on).
+    pub fn fill<T: Element>(&self, value: T) -> Result<()> {
+        self.blocking(|stream| self.fill_with(value, stream))
+    }
+
+    /// Sets every element to `value` (any layout): queued on `stream` for a GPU tensor, at once
+    /// for a host tensor.
+    pub fn fill_on<T: Element>(&self, value: T, stream: &Stream) -> Result<()> {
+        self.fill_with(value, Some(stream))
+    }
+
+    /// The elements in row-major order, as bytes, waiting for them: a received GPU tensor is read
+    /// on its own stream (after its producer's work); a GPU tensor made here after all the work
+    /// queued on its device (its producer's stream is not known). Any layout.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        if self.device() == TensorDevice::Host {
+            return self.host_bytes();
+        }
+        let stream = self.own_stream()?;
+        let packed = self.copy_with(Some(&stream), false)?;
+        let (memory, start) = packed.device_memory()?;
+        let mut out = Vec::new();
+        out.try_reserve_exact(packed.nbytes()).map_err(|_| too_big(self))?;
+        out.resize(packed.nbytes(), 0);
+        stream.copy_to_host(memory, start, &mut out)?;
+        Ok(out)
+    }
+
+    /// The elements in row-major order, typed (see [`Tensor::to_bytes`]).
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        check_element::<T>(self.dtype())?;
+        Ok(bytemuck::pod_collect_to_vec(&self.to_bytes()?))
+    }
+
+    /// Starts copying the elements (row-major) to the host on `stream`, after the tensor's own
+    /// stream; [`HostCopy::wait`] is the sync point. For a host tensor the copy is made at once.
+    pub fn copy_to_host_async(&self, stream: &Stream) -> Result<HostCopy> {
+        if self.device() == TensorDevice::Host {
+            return Ok(HostCopy(Pending::Ready(self.host_bytes()?)));
+        }
+        let packed = self.copy_with(Some(stream), false)?;
+        let (memory, start) = packed.device_memory()?;
+        let len = packed.nbytes();
+        let buffer = PinnedHostBuffer::alloc(stream.context(), len.max(1))?;
+        stream.copy_async(&buffer, 0, memory, start, len)?;
+        let done = Event::new(stream.context())?;
+        done.record(stream)?;
+        packed.record_stream(stream)?;
+        Ok(HostCopy(Pending::Copying { buffer, done, len }))
+    }
+
+    /// [`Tensor::contiguous_on`], waiting for the copy if one is made.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        self.blocking(|stream| self.copy_with(stream, false))
+    }
+
+    /// This tensor if it is contiguous, else a contiguous copy in new memory of this process
+    /// (packed on `stream` for a GPU tensor).
+    pub fn contiguous_on(&self, stream: &Stream) -> Result<Tensor> {
+        self.copy_with(Some(stream), false)
+    }
+
+    /// [`Tensor::copy_on`], waiting for the copy.
+    pub fn copy(&self) -> Result<Tensor> {
+        self.blocking(|stream| self.copy_with(stream, true))
+    }
+
+    /// A contiguous copy in new, shareable memory of this process, on the same device: what a
+    /// stage sends on after receiving a tensor (a received tensor is the sender's memory and
+    /// cannot be sent on as it is). GPU tensors are copied on `stream`, after the tensor's own
+    /// stream; use the copy on `stream` (`send_on(.., stream)`), or after it.
+    pub fn copy_on(&self, stream: &Stream) -> Result<Tensor> {
+        self.copy_with(Some(stream), true)
+    }
+
+    /// [`Tensor::copy_into_on`], waiting for the copy.
+    pub fn copy_into(&self, dst: &Tensor) -> Result<()> {
+        self.blocking(|stream| self.copy_into_with(dst, stream))
+    }
+
+    /// Copies the elements into `dst`, which has the same dtype and shape (any layout of either;
+    /// host to host, or GPU to GPU on one device). GPU copies are queued on `stream`, after both
+    /// tensors' own streams, with the pack kernels for strided views.
+    pub fn copy_into_on(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
+        self.copy_into_with(dst, Some(stream))
+    }
+
+    /// Marks the tensor as used by work queued on `stream` so far (the name PyTorch users know):
+    /// its memory goes back (to this process's arena, or to the sender of a received tensor) only
+    /// once that work is done. Needed when work on a stream other than the one the tensor is
+    /// ordered on reads or writes it and the tensor may be dropped before that work is done; the
+    /// helpers of this module call it themselves. Host tensors need nothing.
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        if self.device() == TensorDevice::Host {
+            return Ok(());
+        }
+        let event = Event::new(stream.context())?;
+        event.record(stream)?;
+        self.hold_until(event);
+        Ok(())
+    }
+
+    fn fill_with<T: Element>(&self, value: T, stream: Option<&Stream>) -> Result<()> {
+        check_element::<T>(self.dtype())?;
+        let bytes = bytemuck::bytes_of(&value);
+        let Some(stream) = stream.filter(|_| self.device() != TensorDevice::Host) else {
+            let numel = self.numel() as usize;
+            let mut row_major = Vec::new();
+            row_major.try_reserve_exact(numel * bytes.len()).map_err(|_| too_big(self))?;
+            (0..numel).for_each(|_| row_major.extend_from_slice(bytes));
+            return self.write_host(&row_major);
+        };
+        self.order_on(stream)?;
+        let target = if self.is_contiguous() {
+            self.clone()
+        } else {
+            Tensor::empty_cuda(stream.context(), self.dtype(), self.shape())?
+        };
+        let (memory, start) = target.device_memory()?;
+        stream.fill_async(memory, start, self.numel() as usize, bytes)?;
+        if !self.is_contiguous() {
+            target.copy_into_with(self, Some(stream))?;
+        }
+        target.record_stream(stream)
+    }
+
+    /// A contiguous copy (or, unless `always`, this tensor if it is contiguous).
+    fn copy_with(&self, stream: Option<&Stream>, always: bool) -> Result<Tensor> {
+        if !always && self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let copy = match self.device() {
+            TensorDevice::Host => Tensor::zeros(self.dtype(), self.shape())?,
+            TensorDevice::Cuda(_) => {
+                let (memory, _) = self.device_memory()?;
+                Tensor::empty_cuda(memory.context(), self.dtype(), self.shape())?
+            }
+        };
+        self.copy_into_with(&copy, stream)?;
+        Ok(copy)
+    }
+
+    fn copy_into_with(&self, dst: &Tensor, stream: Option<&Stream>) -> Result<()> {
+        if self.dtype() != dst.dtype() || self.shape() != dst.shape() {
+            return Err(Error::Invalid(format!(
+                "copy of a {:?} {:?} tensor into a {:?} {:?} one",
+                self.dtype(),
+                self.shape(),
+                dst.dtype(),
+                dst.shape()
+            )));
+        }
+        let stream = match (self.device(), dst.device(), stream) {
+            (TensorDevice::Host, TensorDevice::Host, _) => return dst.write_host(&self.host_bytes()?),
+            (TensorDevice::Cuda(a), TensorDevice::Cuda(b), Some(stream)) if a == b => stream,
+            (from, to, _) => {
+                return Err(Error::Invalid(format!(
+                    "copy_into moves data within one device ({from:?} to {to:?}): use to_bytes and \
+                     from_bytes_cuda, or a channel, across devices"
+                )));
+            }
+        };
+        self.order_on(stream)?;
+        dst.order_on(stream)?;
+        let ((src, src_at), (to, to_at)) = (self.device_memory()?, dst.device_memory()?);
+        match (self.is_contiguous(), dst.is_contiguous()) {
+            (true, true) => stream.copy_async(to, to_at, src, src_at, self.nbytes())?,
+            (false, true) => kernels(stream)?.pack(src, src_at, &layout(self)?, to, to_at, stream)?,
+            (true, false) => kernels(stream)?.unpack(src, src_at, &layout(dst)?, to, to_at, stream)?,
+            (false, false) => {
+                let packed = self.copy_with(Some(stream), true)?;
+                return packed.copy_into_with(dst, Some(stream));
+            }
+        }
+        self.record_stream(stream)?;
+        dst.record_stream(stream)
+    }
+
+    /// Runs `work` and waits for it: host tensors need no stream; a GPU tensor's work goes on its
+    /// own stream (see [`Tensor::to_bytes`]).
+    fn blocking<R>(&self, work: impl FnOnce(Option<&Stream>) -> Result<R>) -> Result<R> {
+        if self.device() == TensorDevice::Host {
+            return work(None);
+        }
+        let stream = self.own_stream()?;
+        let result = work(Some(&stream))?;
+        stream.synchronize()?;
+        Ok(result)
+    }
+
+    /// A received GPU tensor's stream, or, for one made here, a new stream of its device after
+    /// all the work queued on the device (which its producer's work is part of).
+    fn own_stream(&self) -> Result<Arc<Stream>> {
+        if let Some(stream) = self.stream() {
+            return Ok(stream.clone());
+        }
+        let (memory, _) = self.device_memory()?;
+        let context = memory.context();
+        context.synchronize()?;
+        Ok(Arc::new(Stream::new(context)?))
+    }
+
+    /// Makes `stream` wait for the tensor's own stream (a received tensor's), if it has another.
+    fn order_on(&self, stream: &Stream) -> Result<()> {
+        if let Some(own) = self.stream()
+            && own.raw() != stream.raw()
+        {
+            let event = Event::new(own.context())?;
+            event.record(own)?;
+            stream.wait_event(&event)?;
+        }
+        Ok(())
+    }
+
+    /// Writes row-major `bytes` into a host tensor's elements (any layout).
+    fn write_host(&self, bytes: &[u8]) -> Result<()> {
+        let size = self.dtype().size();
+        let mut index = vec![0u64; self.shape().len()];
+        for element in bytes.chunks_exact(size) {
+            self.set_bytes(&index, element)?;
+            for d in (0..index.len()).rev() {
+                index[d] += 1;
+                if index[d] < self.shape()[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A copy to the host on its way: [`HostCopy::wait`] gives the bytes.
+pub struct HostCopy(Pending);
+
+enum Pending {
+    Ready(Vec<u8>),
+    Copying { buffer: PinnedHostBuffer, done: Event, len: usize },
+}
+
+impl HostCopy {
+    /// Whether the bytes have arrived (never waits).
+    pub fn is_ready(&self) -> Result<bool> {
+        match &self.0 {
+            Pending::Ready(_) => Ok(true),
+            Pending::Copying { done, .. } => Ok(done.is_complete()?),
+        }
+    }
+
+    /// Waits for the copy and returns the bytes, row-major.
+    pub fn wait(self) -> Result<Vec<u8>> {
+        match self.0 {
+            Pending::Ready(bytes) => Ok(bytes),
+            Pending::Copying { buffer, done, len } => {
+                done.synchronize()?;
+                Ok(buffer.as_slice()[..len].to_vec())
+            }
+        }
+    }
+}
+
+fn check_element<T: Element>(dtype: DType) -> Result<()> {
+    if !T::matches(dtype) {
+        return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
+    }
+    Ok(())
+}
+
+fn too_big(tensor: &Tensor) -> Error {
+    Error::Invalid(format!("{} bytes do not fit in memory", tensor.nbytes()))
+}
+
+fn kernels(stream: &Stream) -> Result<Arc<Kernels>> {
+    Ok(Kernels::get(stream.context())?)
+}
+
+/// The pack kernels' description of a view (at most `kernels::MAX_DIMS` dimensions).
+fn layout(tensor: &Tensor) -> Result<StridedLayout> {
+    Ok(StridedLayout::new(tensor.shape(), tensor.strides(), tensor.dtype().size())?)
+}
