@@ -39,8 +39,8 @@ mod view;
 pub mod wire;
 
 pub use channel::{
-    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Rejection, Sender, from_parent, from_parent_with_capacity,
-    monotonic_ns, spawn,
+    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Rejection, Sender, from_parent, from_parent_duplex,
+    from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex, spawn_timeout,
 };
 pub use copy::HostCopy;
 pub use dtype::{DType, Element};

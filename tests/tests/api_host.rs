@@ -1,9 +1,11 @@
 //! The tensor API on host tensors, as a user outside the workspace calls it (runs in CI): the
 //! same calls as on the GPU, and a pipeline stage that forwards what it received.
 
-use std::time::Duration;
+use std::process::Command;
+use std::time::{Duration, Instant};
 
-use integration_tests::socket_path;
+use integration_tests::queue::{Probe, checksum};
+use integration_tests::{bin_path, socket_path};
 use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
 
 #[test]
@@ -41,4 +43,79 @@ fn a_stage_copies_what_it_received_and_sends_it_on() {
     assert!(to_stage.wait_released(Duration::from_secs(10)), "the original comes back once the stage drops it");
     let arrived = last.recv_timeout(Duration::from_secs(10)).unwrap();
     assert_eq!(arrived.to_vec::<f32>().unwrap(), [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+}
+
+/// Found by an outside test: with independent senders, a bound receiver's `recv` said
+/// `Disconnected` in the moment between one sender leaving and the next arriving. With
+/// `expect_senders` the end is definite.
+#[test]
+fn independent_senders_end_a_stream_when_the_last_expected_one_leaves() {
+    let path = socket_path("expected");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    receiver.expect_senders(3);
+    let mut received = 0;
+    for k in 0..3u64 {
+        // One after another, each gone before the next comes.
+        let status = Command::new(bin_path("tq-peer").unwrap())
+            .args(["send", "--count", "10", "--seed", &(k * 100).to_string(), "--to"])
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        while received < 10 * (k + 1) {
+            let probe = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+            assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0]);
+            received += 1;
+        }
+    }
+    assert!(matches!(receiver.recv_timeout(Duration::from_secs(30)), Err(Error::Disconnected)));
+    assert!(!path.exists(), "no more may join: the socket file is gone");
+}
+
+#[test]
+fn a_receiver_that_stops_accepting_ends_when_its_senders_leave() {
+    let path = socket_path("stop");
+    let mut receiver = Receiver::<u32>::bind(&path).unwrap();
+    let sender = Sender::<u32>::connect(&path).unwrap();
+    sender.send(&1).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), 1);
+    receiver.stop_accepting().unwrap();
+    assert!(Sender::<u32>::connect(&path).is_err(), "nobody new can connect");
+    sender.send(&2).unwrap();
+    drop(sender);
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), 2);
+    assert!(matches!(receiver.recv_timeout(Duration::from_secs(10)), Err(Error::Disconnected)));
+}
+
+/// Found by an outside test: a child that hung before `from_parent` hung its parent.
+#[test]
+fn spawn_timeout_gives_up_on_a_child_that_never_takes_its_channel() {
+    let start = Instant::now();
+    let hung = tensor_queue::spawn_timeout::<u32>(Command::new("sleep").arg("30"), Duration::from_millis(300));
+    assert!(matches!(hung, Err(Error::Timeout)), "{:?}", hung.err());
+    assert!(start.elapsed() < Duration::from_secs(10), "the timeout was kept");
+    let gone = tensor_queue::spawn_timeout::<u32>(&mut Command::new("true"), Duration::from_secs(10));
+    assert!(matches!(gone, Err(Error::Invalid(ref m)) if m.contains("before taking")), "{:?}", gone.err());
+    // A child that takes its channel is ready well within the time.
+    let mut command = Command::new(bin_path("tq-peer").unwrap());
+    command.arg("soak");
+    let (child, sender) =
+        tensor_queue::spawn_timeout::<integration_tests::queue::SoakItem>(&mut command, Duration::from_secs(10))
+            .unwrap();
+    drop(sender);
+    assert!(child.wait_with_output().unwrap().status.success());
+}
+
+/// Found by an outside test: `from_parent` went one way only; answers needed a second channel.
+#[test]
+fn a_duplex_child_answers_on_the_same_spawn() {
+    let mut command = Command::new(bin_path("tq-peer").unwrap());
+    command.arg("double");
+    let (mut child, numbers, mut answers) = tensor_queue::spawn_duplex::<u64, u64>(&mut command).unwrap();
+    for n in 0..100u64 {
+        numbers.send(&n).unwrap();
+        assert_eq!(answers.recv_timeout(Duration::from_secs(10)).unwrap(), n * 2);
+    }
+    drop(numbers);
+    assert!(child.wait().unwrap().success());
 }

@@ -13,6 +13,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use ipc_core::seqpacket::Connection;
 use rustix::io::{FdFlags, fcntl_dupfd_cloexec, fcntl_setfd};
@@ -25,36 +26,84 @@ use crate::{Error, Result};
 
 /// Starts `command` as a child with a channel to it: the child calls [`from_parent`] for the
 /// receiving end. The child is a fresh process (`exec`), never a fork of this one, so this is safe
-/// after CUDA is initialised.
+/// after CUDA is initialised. The first `send` waits for the child to call `from_parent`; see
+/// [`spawn_timeout`] to bound that wait.
 pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> {
-    let (ours, theirs) = Connection::pair()?;
-    // Above the standard streams, which the child's stdio set-up may replace before our hook runs.
-    let theirs = fcntl_dupfd_cloexec(&theirs, 3).map_err(|e| Error::Invalid(format!("duplicating a socket: {e}")))?;
-    let raw = theirs.as_raw_fd();
+    let (child, mut ours) = start(command, 1)?;
+    let sender = Sender::from_connection(ours.remove(0))?;
+    Ok((child, sender))
+}
+
+/// [`spawn`], then waits up to `timeout` for the child to take its end ([`Sender::wait_ready`]).
+/// A child that exits first, or does not take it in time, is killed and reaped, and the error
+/// says which.
+pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> Result<(Child, Sender<T>)> {
+    let (mut child, sender) = spawn(command)?;
+    match sender.wait_ready(timeout) {
+        Ok(()) => Ok((child, sender)),
+        Err(error) => {
+            let _ = child.kill();
+            let status = child.wait().map_err(|e| Error::Invalid(format!("reaping the child: {e}")))?;
+            Err(match error {
+                Error::Timeout => Error::Timeout,
+                _ => Error::Invalid(format!("the child ended ({status}) before taking its channel")),
+            })
+        }
+    }
+}
+
+/// Starts `command` as a child with a channel each way: requests to it, answers from it (the
+/// child calls [`from_parent_duplex`]). Answers may come from any thread of the child, while
+/// requests are still being sent.
+pub fn spawn_duplex<Request: Serialize, Answer: DeserializeOwned>(
+    command: &mut Command,
+) -> Result<(Child, Sender<Request>, Receiver<Answer>)> {
+    let (child, mut ours) = start(command, 2)?;
+    let answers = Receiver::from_connection(ours.remove(1), DEFAULT_CAPACITY)?;
+    let requests = Sender::from_connection(ours.remove(0))?;
+    Ok((child, requests, answers))
+}
+
+/// Starts `command` with `count` socket pairs, the child's ends inherited; our ends, in order.
+fn start(command: &mut Command, count: usize) -> Result<(Child, Vec<Connection>)> {
+    let mut ours = Vec::with_capacity(count);
+    let mut theirs = Vec::with_capacity(count);
+    for _ in 0..count {
+        let (mine, child_end) = Connection::pair()?;
+        // Above the standard streams, which the child's stdio set-up may replace before our hook runs.
+        let child_end =
+            fcntl_dupfd_cloexec(&child_end, 3).map_err(|e| Error::Invalid(format!("duplicating a socket: {e}")))?;
+        ours.push(mine);
+        theirs.push(child_end);
+    }
+    let raws: Vec<RawFd> = theirs.iter().map(AsRawFd::as_raw_fd).collect();
+    let listed = raws.iter().map(RawFd::to_string).collect::<Vec<_>>().join(",");
     // The hook stays on `command` after this call; disarmed, it does nothing if `command` is
-    // spawned again (by then `raw` may name another descriptor).
+    // spawned again (by then the numbers may name other descriptors).
     let armed = Arc::new(AtomicBool::new(true));
     let hook_armed = armed.clone();
     let hook = move || {
         if hook_armed.load(Ordering::Relaxed) {
-            // SAFETY: `raw` is open in the child, a copy of this process's descriptor table at
-            // fork time, because `theirs` lives until `spawn` has started the child; it is
-            // borrowed only for this call.
-            let fd = unsafe { BorrowedFd::borrow_raw(raw) };
-            fcntl_setfd(fd, FdFlags::empty())?;
+            for &raw in &raws {
+                // SAFETY: `raw` is open in the child, a copy of this process's descriptor table
+                // at fork time, because `theirs` lives until the child has started; it is
+                // borrowed only for this call.
+                let fd = unsafe { BorrowedFd::borrow_raw(raw) };
+                fcntl_setfd(fd, FdFlags::empty())?;
+            }
         }
         Ok(())
     };
     // SAFETY: the hook runs in the child between `fork` and `exec`, where only async-signal-safe
-    // calls are allowed: it reads an atomic and makes one `fcntl` system call (rustix calls the
-    // kernel directly), and neither allocates nor takes a lock.
+    // calls are allowed: it reads an atomic and makes `fcntl` system calls (rustix calls the
+    // kernel directly), and neither allocates nor takes a lock (the list was made before).
     unsafe { command.pre_exec(hook) };
-    let started = command.env(ENDPOINT_ENV, raw.to_string()).spawn();
+    let started = command.env(ENDPOINT_ENV, listed).spawn();
     armed.store(false, Ordering::Relaxed);
-    // Our copy of the child's end goes, so that a child which exits without taking it hangs up.
+    // Our copies of the child's ends go, so that a child which exits without taking them hangs up.
     drop(theirs);
     let child = started.map_err(|e| Error::Invalid(format!("starting the child: {e}")))?;
-    Ok((child, Sender::from_connection(ours)?))
+    Ok((child, ours))
 }
 
 /// In a child started by [`spawn`]: the receiving end of the channel from the parent.
@@ -66,37 +115,61 @@ pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
 ///
 /// The descriptor can be taken once per process: a second call is an error.
 pub fn from_parent_with_capacity<T: DeserializeOwned>(capacity: u32) -> Result<Receiver<T>> {
-    Receiver::from_connection(Connection::from(take_parent_socket()?), capacity)
+    let mut sockets = take_parent_sockets()?;
+    Receiver::from_connection(Connection::from(sockets.remove(0)), capacity)
+}
+
+/// In a child started by [`spawn_duplex`]: the requests from the parent, and the answers to it.
+pub fn from_parent_duplex<Request: DeserializeOwned, Answer: Serialize>() -> Result<(Receiver<Request>, Sender<Answer>)>
+{
+    let mut sockets = take_parent_sockets()?;
+    if sockets.len() != 2 {
+        return Err(Error::Invalid("this process was started by spawn, not spawn_duplex: use from_parent".into()));
+    }
+    let answers = Sender::from_connection(Connection::from(sockets.remove(1)))?;
+    let requests = Receiver::from_connection(Connection::from(sockets.remove(0)), DEFAULT_CAPACITY)?;
+    Ok((requests, answers))
 }
 
 /// Whether this process has taken the descriptor from [`ENDPOINT_ENV`]: after that the number
 /// may name another file, so it must never be wrapped again.
 static TAKEN: AtomicBool = AtomicBool::new(false);
 
-/// Takes ownership of the socket that [`spawn`] left open in this process.
-fn take_parent_socket() -> Result<OwnedFd> {
+/// Takes ownership of the sockets that [`spawn`] or [`spawn_duplex`] left open in this process.
+fn take_parent_sockets() -> Result<Vec<OwnedFd>> {
     let value = std::env::var(ENDPOINT_ENV).map_err(|_| {
         Error::Invalid(format!("{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"))
     })?;
     if TAKEN.load(Ordering::Acquire) {
         return Err(already_taken());
     }
-    let raw: RawFd = value.parse().map_err(|_| {
-        Error::Invalid(format!("{ENDPOINT_ENV}={value:?} is not a descriptor number (set by tensor_queue::spawn)"))
-    })?;
-    ipc_core::fd_passing::check_open(raw)?;
-    // SAFETY: `raw` is open (checked above) and borrowed only for these two queries.
-    let borrowed = unsafe { BorrowedFd::borrow_raw(raw) };
-    check_parent_socket(borrowed, raw)?;
+    let raws =
+        value.split(',').map(|number| number.parse::<RawFd>()).collect::<std::result::Result<Vec<_>, _>>().map_err(
+            |_| {
+                Error::Invalid(format!(
+                    "{ENDPOINT_ENV}={value:?} is not a list of descriptors (set by tensor_queue::spawn)"
+                ))
+            },
+        )?;
+    for &raw in &raws {
+        ipc_core::fd_passing::check_open(raw)?;
+        // SAFETY: `raw` is open (checked above) and borrowed only for these two queries.
+        let borrowed = unsafe { BorrowedFd::borrow_raw(raw) };
+        check_parent_socket(borrowed, raw)?;
+    }
     if TAKEN.swap(true, Ordering::AcqRel) {
         return Err(already_taken());
     }
-    // SAFETY: `raw` is open and is a Unix `SOCK_SEQPACKET` socket (checked above), left open for
-    // this process by `spawn` and owned by nothing else here; `TAKEN` makes this the one
-    // `OwnedFd` ever made from it in this process.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    fcntl_setfd(&fd, FdFlags::CLOEXEC).map_err(|e| Error::Invalid(format!("setting close-on-exec: {e}")))?;
-    Ok(fd)
+    let mut fds = Vec::with_capacity(raws.len());
+    for raw in raws {
+        // SAFETY: `raw` is open and is a Unix `SOCK_SEQPACKET` socket (checked above), left open
+        // for this process by `spawn` and owned by nothing else here; `TAKEN` makes this the one
+        // `OwnedFd` ever made from it in this process.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        fcntl_setfd(&fd, FdFlags::CLOEXEC).map_err(|e| Error::Invalid(format!("setting close-on-exec: {e}")))?;
+        fds.push(fd);
+    }
+    Ok(fds)
 }
 
 fn already_taken() -> Error {
@@ -156,7 +229,7 @@ mod tests {
     }
 
     fn child_side() {
-        let raw: RawFd = std::env::var(ENDPOINT_ENV).unwrap().parse().expect("a descriptor number");
+        let raw: RawFd = std::env::var(ENDPOINT_ENV).unwrap().parse().expect("one descriptor number");
         // SAFETY: the descriptor is open (spawn left it) and borrowed only for this query.
         let inherited = fcntl_getfd(unsafe { BorrowedFd::borrow_raw(raw) }).unwrap();
         assert_eq!(inherited, FdFlags::empty(), "spawn cleared close-on-exec for the child");

@@ -47,6 +47,8 @@ pub(super) enum Progress {
     Idle,
     /// A frame was read and handled (an announcement, a part of a longer frame).
     Handled,
+    /// The sender's `Hello`: it has joined.
+    Greeted,
     /// A message.
     Arrived(Arrival),
     /// The sender hung up.
@@ -151,11 +153,6 @@ impl Connected {
         self.peer.link.peer_pid
     }
 
-    /// Whether the sender's `Hello` came.
-    pub fn greeted(&self) -> bool {
-        self.producer.is_some()
-    }
-
     /// Counts a message as taken by `recv` (or rejected), returning credits in batches of half
     /// the capacity, which keeps a frame off most hand-offs.
     pub fn took(&mut self, capacity: u32) {
@@ -180,7 +177,7 @@ impl Connected {
         let Some((instance, _)) = &self.producer else {
             let (_, instance) = Link::check_hello(&frame)?;
             self.producer = Some((instance, producer(self.pid(), instance)));
-            return Ok(Progress::Handled);
+            return Ok(Progress::Greeted);
         };
         let instance = *instance;
         match frame {

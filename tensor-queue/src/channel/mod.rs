@@ -92,7 +92,7 @@ pub(crate) mod switches;
 
 use std::sync::{Mutex, MutexGuard};
 
-pub use child::{from_parent, from_parent_with_capacity, spawn};
+pub use child::{from_parent, from_parent_duplex, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout};
 pub use connection::MessageInfo;
 pub use receiver::Receiver;
 pub(crate) use release::ReceivedLease;

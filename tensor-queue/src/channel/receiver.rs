@@ -98,8 +98,10 @@ pub struct Receiver<T> {
     devices: Devices,
     capacity: u32,
     errors: Vec<String>,
-    /// Whether any sender ever said hello.
-    joined: bool,
+    /// How many senders have said hello.
+    joined: usize,
+    /// After how many senders no more may join (see `expect_senders`).
+    expected: Option<usize>,
     /// How long `recv` polls without sleeping before it blocks (zero: it blocks at once).
     spin: Duration,
     buf: Vec<u8>,
@@ -136,7 +138,8 @@ impl<T: DeserializeOwned> Receiver<T> {
             devices: Devices::default(),
             capacity: capacity.max(1),
             errors: Vec::new(),
-            joined: false,
+            joined: 0,
+            expected: None,
             spin: Duration::ZERO,
             buf: vec![0; MAX_PACKET],
             _message: PhantomData,
@@ -162,7 +165,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     ///
     /// Returns [`Error::Disconnected`] when no sender is connected any more (after at least one
     /// was) and every message they sent has been received. For a bound receiver this describes
-    /// the moment: a new sender may still connect, and `recv` then waits for it again.
+    /// the moment: a new sender may still connect, and `recv` then waits for it again; make the
+    /// end definite with [`Receiver::expect_senders`] or [`Receiver::stop_accepting`].
     ///
     /// Two errors concern one message only, and the next call goes on with the next:
     /// [`Error::Rejected`] (the message could not be used here, for example a tensor on a GPU this
@@ -191,7 +195,8 @@ impl<T: DeserializeOwned> Receiver<T> {
                 Some(Arrival::Rejected { pid, seq, reason }) => return Err(Error::Rejected { pid, seq, reason }),
                 None => {}
             }
-            if self.connected.is_empty() && (self.joined || self.acceptor.is_none()) {
+            let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
+            if self.connected.is_empty() && (all_joined || self.acceptor.is_none()) {
                 // Connections the accept thread already took may be waiting at the doorbell.
                 if self.acceptor.is_some() && self.pump(Some(Duration::ZERO))? {
                     continue;
@@ -219,6 +224,25 @@ impl<T: DeserializeOwned> Receiver<T> {
         let message = side_table::decode(&payload, tensors)?;
         info.decoded_ns = monotonic_ns();
         Ok((message, info))
+    }
+
+    /// Makes this (bound) receiver's end of stream definite when several independent senders
+    /// feed it: once `count` senders have connected, no more may join, and `recv` returns
+    /// [`Error::Disconnected`](crate::Error::Disconnected) only when all of them have left and
+    /// every message they sent is received (not in a moment between two senders).
+    pub fn expect_senders(&mut self, count: usize) {
+        self.expected = Some(count);
+    }
+
+    /// Lets no more senders join (the socket file goes): `recv` returns
+    /// [`Error::Disconnected`](crate::Error::Disconnected) once the senders connected now have
+    /// left and every message they sent is received.
+    pub fn stop_accepting(&mut self) -> Result<()> {
+        // Connections already accepted are taken first; those still waiting at the doorbell
+        // would otherwise be dropped.
+        while self.accept_waiting()? {}
+        self.acceptor = None;
+        Ok(())
     }
 
     /// Errors of connections that were closed (bad frames, refused peers) and of messages that
@@ -307,9 +331,10 @@ impl<T: DeserializeOwned> Receiver<T> {
             let connected = &mut self.connected[index];
             match connected.read(&mut self.buf, &self.devices, self.capacity) {
                 Ok(Progress::Idle) => {}
-                Ok(Progress::Handled) => {
+                Ok(Progress::Handled) => read = true,
+                Ok(Progress::Greeted) => {
                     read = true;
-                    self.joined |= connected.greeted();
+                    self.joined += 1;
                 }
                 Ok(Progress::Arrived(arrival)) => {
                     read = true;
@@ -332,6 +357,10 @@ impl<T: DeserializeOwned> Receiver<T> {
         for index in closed.into_iter().rev() {
             // Tensors received from it keep its socket open for their releases.
             self.connected.remove(index);
+        }
+        if self.expected.is_some_and(|n| self.joined >= n) && self.acceptor.is_some() {
+            // Every expected sender is here: no more join (and the socket file goes).
+            self.acceptor = None;
         }
         read
     }

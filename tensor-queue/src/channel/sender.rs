@@ -218,6 +218,31 @@ impl<T> Sender<T> {
         state.leases.len() + state.dropping
     }
 
+    /// Waits up to `timeout` for the receiver's greeting (it has taken the connection and said how
+    /// many messages may be in flight): [`Error::Timeout`] if it did not come, the refusal or
+    /// [`Error::Disconnected`] if the receiver refused or left first.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let inner = self.inner();
+        let mut state = lock(&inner.state);
+        loop {
+            if let Some(refused) = &state.refused {
+                return Err(Error::PeerRefused(refused.clone()));
+            }
+            if state.greeted {
+                return Ok(());
+            }
+            if state.closed.is_some() {
+                return Err(Error::Disconnected);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Timeout);
+            }
+            state = inner.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
     /// Waits up to `timeout` until the receiver holds nothing of this sender's; whether it did.
     pub fn wait_released(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
@@ -483,7 +508,9 @@ impl SenderInner {
             }
             Err(error) => {
                 tracing::warn!(%error, "the receiver's greeting failed");
-                lock(&self.state).refused = Some(error.to_string());
+                if let Error::PeerRefused(reason) = &error {
+                    lock(&self.state).refused = Some(reason.clone());
+                }
                 return self.hang_up("the receiver's greeting failed");
             }
         }

@@ -6,6 +6,8 @@
 //! - `hold --reply P`: the same, but keep every tensor and never exit (to be killed);
 //! - `send --to P --count N --seed S [--gpu] [--die]`: connect to a receiver at `P` and send `N`
 //!   probes; with `--die`, abort right after the last one, without any clean-up;
+//! - `double`: started with `spawn_duplex`: answer each number with twice it, until the parent
+//!   hangs up;
 //! - `soak`: receive `SoakItem`s and check every byte on the GPU, then print the count;
 //! - `echo --reply P`: answer each `BenchItem` once its tensors are usable on the stream (round trips);
 //! - `usable --reply P`: answer each `BenchItem` once its tensors are usable, synchronising the
@@ -57,6 +59,7 @@ fn run() -> Result<()> {
             send_probes(&to, count, seed, args.iter().any(|a| a == "--gpu"), args.iter().any(|a| a == "--die"))
         }
         "soak" => soak(),
+        "double" => double(),
         "echo" | "usable" | "drain" => bench_peer(role, &args),
         other => bail!("unknown role {other}"),
     }
@@ -304,4 +307,15 @@ fn drain(
     // Stay until the producer hangs up, so its last leases come back through a live peer.
     while !matches!(items.recv(), Err(Error::Disconnected)) {}
     Ok(())
+}
+
+fn double() -> Result<()> {
+    let (mut numbers, answers) = tensor_queue::from_parent_duplex::<u64, u64>()?;
+    loop {
+        match numbers.recv() {
+            Ok(n) => answers.send(&(n * 2))?,
+            Err(Error::Disconnected) => return Ok(()),
+            Err(error) => return Err(error.into()),
+        }
+    }
 }
