@@ -71,6 +71,16 @@ pub enum Error {
     /// The payload did not decode as the receiver's message type.
     #[error("decoding the message failed (do both sides use the same message type?): {0}")]
     Decode(String),
+    /// A receiver closed the connection from one sender because of `cause` (a frame that broke
+    /// the protocol, a failed read); its other connections go on (see `Receiver::take_errors`).
+    #[error("closed the connection from pid {pid}: {cause}")]
+    ConnectionClosed {
+        /// The sender's process id.
+        pid: u32,
+        /// Why.
+        #[source]
+        cause: Box<Error>,
+    },
     /// A peer was refused at the handshake.
     #[error("peer refused: {0}")]
     PeerRefused(String),

@@ -244,7 +244,10 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     let mut errors = Vec::new();
     wait_until("the closed connection", || {
         errors.extend(receiver.take_errors());
-        errors.iter().any(|e| e.contains("bad frame"))
+        // Typed, to match on: which connection, and why.
+        errors
+            .iter()
+            .any(|e| matches!(e, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Frame { .. })))
     });
     let mut buf = [0u8; 256];
     let mut said = |client: &Connection| {
@@ -325,8 +328,9 @@ fn another_user_cannot_connect() {
     assert!(stderr.contains("peer refused") && stderr.contains("runs as uid"), "a typed refusal: {stderr}");
     let mut errors = Vec::new();
     wait_until("the refusal in the receiver's errors", || {
-        errors.extend(receiver.take_errors());
-        errors.iter().any(|e| e.contains("refused a connection") && e.contains("uid 65534"))
+        let refused = receiver.take_errors().into_iter().filter(|e| matches!(e, Error::PeerRefused(_)));
+        errors.extend(refused.map(|e| e.to_string()));
+        errors.iter().any(|e| e.contains("uid 65534"))
     });
     assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "nothing arrived");
 }

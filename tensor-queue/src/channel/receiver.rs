@@ -97,7 +97,7 @@ pub struct Receiver<T> {
     arrivals: VecDeque<Arrival>,
     devices: Devices,
     capacity: u32,
-    errors: Vec<String>,
+    errors: Vec<Error>,
     /// How many senders have said hello.
     joined: usize,
     /// After how many senders no more may join (see `expect_senders`).
@@ -245,9 +245,12 @@ impl<T: DeserializeOwned> Receiver<T> {
         Ok(())
     }
 
-    /// Errors of connections that were closed (bad frames, refused peers) and of messages that
-    /// were rejected, oldest first.
-    pub fn take_errors(&mut self) -> Vec<String> {
+    /// What went wrong since the last call, oldest first, as errors to match on: connections
+    /// closed ([`Error::ConnectionClosed`](crate::Error::ConnectionClosed), with the cause),
+    /// peers refused ([`Error::PeerRefused`](crate::Error::PeerRefused)) and messages rejected
+    /// ([`Error::Rejected`](crate::Error::Rejected), also returned by `recv`). Other senders were
+    /// not affected by any of them.
+    pub fn take_errors(&mut self) -> Vec<Error> {
         if self.arrivals.is_empty() {
             // Read what is waiting, so errors of frames already sent are seen.
             let _ = self.pump(Some(Duration::ZERO));
@@ -339,16 +342,15 @@ impl<T: DeserializeOwned> Receiver<T> {
                 Ok(Progress::Arrived(arrival)) => {
                     read = true;
                     if let Arrival::Rejected { pid, seq, reason } = &arrival {
-                        self.errors.push(format!("rejected message {seq} from pid {pid}: {reason}"));
+                        self.errors.push(Error::Rejected { pid: *pid, seq: *seq, reason: reason.clone() });
                     }
                     self.arrivals.push_back(arrival);
                 }
                 Ok(Progress::HungUp) => closed.push(index),
                 Err(error) => {
-                    let message = format!("closed the connection from pid {}: {error}", connected.pid());
-                    tracing::warn!("{message}");
-                    self.errors.push(message);
+                    tracing::warn!(pid = connected.pid(), %error, "closing a connection");
                     connected.close(format!("the receiver closed the connection: {error}"));
+                    self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(error) });
                     closed.push(index);
                 }
             }
@@ -372,12 +374,12 @@ impl<T: DeserializeOwned> Receiver<T> {
         let mut note = [0u8; 1024];
         let Some((n, fds)) = acceptor.doorbell.try_recv(&mut note)? else { return Ok(false) };
         if let Some(refusal) = note[..n].strip_prefix(b"r") {
-            self.errors.push(format!("refused a connection: {}", String::from_utf8_lossy(refusal)));
+            self.errors.push(Error::PeerRefused(String::from_utf8_lossy(refusal).into_owned()));
         }
         for fd in fds {
             match Link::new(Connection::from(fd)) {
                 Ok(link) => self.connected.push(Connected::new(link)),
-                Err(error) => self.errors.push(format!("refused a connection: {error}")),
+                Err(error) => self.errors.push(error),
             }
         }
         Ok(true)

@@ -136,7 +136,12 @@ impl<T: Serialize> Sender<T> {
     /// A sender over an already connected socket (see [`spawn`](super::spawn)).
     pub fn from_connection(connection: Connection) -> Result<Sender<T>> {
         let link = Link::new(connection)?;
-        link.hello(0)?;
+        match link.hello(0) {
+            // A receiver already gone (a child that exited at once): the reader thread sees the
+            // hang-up, and `send` says `Disconnected`.
+            Ok(()) | Err(Error::Disconnected) => {}
+            Err(error) => return Err(error),
+        }
         let inner = Arc::new_cyclic(|me| SenderInner {
             link,
             // No credits until the receiver's Hello says how many: until then the receiver is
