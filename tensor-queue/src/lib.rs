@@ -56,3 +56,8 @@ pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
 pub fn is_gpu_available() -> bool {
     cuda_sys::is_available()
 }
+
+/// The README's program, run as a doctest so that it stays true.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
