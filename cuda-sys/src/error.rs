@@ -43,6 +43,7 @@ fn describe(code: CUresult, describer: Describer) -> Option<String> {
 
 /// A driver call that could not be made or that failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The library or the function could not be loaded.
     #[error(transparent)]

@@ -8,6 +8,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What can go wrong using the driver through this crate.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// The driver could not be loaded, or a call failed.
     #[error(transparent)]

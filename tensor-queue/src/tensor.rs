@@ -21,6 +21,7 @@ pub enum TensorDevice {
 
 /// How a tensor reached this process: every received tensor reports its path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum TransferPath {
     /// Allocated here, not received.
     Local,

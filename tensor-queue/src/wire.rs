@@ -38,6 +38,7 @@ const HEADER_LEN: usize = 12;
 
 /// A frame that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum FrameError {
     /// Fewer bytes than a field needs.
     #[error("the frame ends early (needed {needed} more bytes at offset {at})")]
