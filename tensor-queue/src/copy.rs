@@ -144,6 +144,18 @@ impl Tensor {
     /// once that work is done. Needed when work on a stream other than the one the tensor is
     /// ordered on reads or writes it and the tensor may be dropped before that work is done; the
     /// helpers of this module call it themselves. Host tensors need nothing.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind("/tmp/q.sock")?;
+    /// # let mine = tensor_queue::Stream::new(&tensor_queue::Context::on_ordinal(0)?)?;
+    /// let x = receiver.recv()?;                 // ordered on x.stream()
+    /// let y = x.copy_on(&mine)?;                // `mine` waits for x's stream first
+    /// // ... your own kernels read x on `mine` ...
+    /// x.record_stream(&mine)?;                  // so dropping x now cannot hand it back early
+    /// drop(x);
+    /// # drop(y); Ok(()) }
+    /// ```
     pub fn record_stream(&self, stream: &Stream) -> Result<()> {
         if self.device() == TensorDevice::Host {
             return Ok(());

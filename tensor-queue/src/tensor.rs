@@ -77,6 +77,16 @@ impl Storage {
 }
 
 /// An n-dimensional view of typed memory that can be sent to other processes.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor};
+/// let t = Tensor::from_slice(&[0i32, 1, 2, 3, 4, 5], DType::I32, &[2, 3])?;
+/// let view = t.transpose(0, 1)?.flip(&[0])?; // no copy: strides and an offset
+/// assert_eq!(view.to_vec::<i32>()?, [2, 5, 1, 4, 0, 3]);
+/// assert_eq!(t.expand(&[4, 2, 3])?.numel(), 24); // broadcast with stride 0
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Tensor {
     pub(crate) storage: Arc<Storage>,

@@ -28,6 +28,19 @@ use crate::{Error, Result};
 /// receiving end. The child is a fresh process (`exec`), never a fork of this one, so this is safe
 /// after CUDA is initialised. The first `send` waits for the child to call `from_parent`; see
 /// [`spawn_timeout`] to bound that wait.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::process::Command;
+/// // In the parent:
+/// let (mut child, work) = tensor_queue::spawn::<String>(&mut Command::new("./worker"))?;
+/// work.send(&"hello".to_string())?;
+/// drop(work);
+/// // In ./worker:
+/// let mut work = tensor_queue::from_parent::<String>()?;
+/// println!("{}", work.recv()?);
+/// # Ok(()) }
+/// ```
 pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> {
     let (child, mut ours) = start(command, 1)?;
     let sender = Sender::from_connection(ours.remove(0))?;
@@ -55,6 +68,21 @@ pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> 
 /// Starts `command` as a child with a channel each way: requests to it, answers from it (the
 /// child calls [`from_parent_duplex`]). Answers may come from any thread of the child, while
 /// requests are still being sent.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::process::Command;
+/// // In the parent:
+/// let (_child, numbers, mut doubled) = tensor_queue::spawn_duplex::<u64, u64>(&mut Command::new("./doubler"))?;
+/// numbers.send(&21)?;
+/// assert_eq!(doubled.recv()?, 42);
+/// // In ./doubler:
+/// let (mut numbers, doubled) = tensor_queue::from_parent_duplex::<u64, u64>()?;
+/// while let Ok(n) = numbers.recv() {
+///     doubled.send(&(n * 2))?;
+/// }
+/// # Ok(()) }
+/// ```
 pub fn spawn_duplex<Request: Serialize, Answer: DeserializeOwned>(
     command: &mut Command,
 ) -> Result<(Child, Sender<Request>, Receiver<Answer>)> {

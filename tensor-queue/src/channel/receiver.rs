@@ -91,6 +91,23 @@ impl Drop for Acceptor {
 }
 
 /// The receiving end of a typed channel; any number of senders may connect.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{Error, Receiver, Tensor};
+/// let mut receiver = Receiver::<Vec<Tensor>>::bind("/tmp/queue.sock")?;
+/// receiver.expect_senders(4); // four independent producers: the stream ends when all four left
+/// loop {
+///     match receiver.recv() {
+///         Ok(tensors) => println!("{} tensors", tensors.len()),
+///         Err(Error::Rejected { pid, seq, reason }) => eprintln!("pid {pid} message {seq}: {reason}"),
+///         Err(Error::ProducerFailed { pid, .. }) => eprintln!("pid {pid} died before its data was done"),
+///         Err(Error::Disconnected) => break,
+///         Err(other) => return Err(other),
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 pub struct Receiver<T> {
     acceptor: Option<Acceptor>,
     connected: Vec<Connected>,

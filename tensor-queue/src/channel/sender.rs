@@ -103,6 +103,25 @@ impl RetireListener for SenderInner {
 /// `Sender` is cheap to clone: clones share the connection, and threads may share one. Dropping
 /// the last clone closes the sending direction; the connection stays open until the receiver has
 /// released every tensor it still holds.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::time::Duration;
+/// use tensor_queue::{DType, Error, Sender, Tensor};
+/// let sender = Sender::<Vec<Tensor>>::connect("/tmp/queue.sock")?;
+/// let worker = sender.clone(); // the same connection, from another thread
+/// std::thread::spawn(move || worker.send(&vec![]));
+/// match sender.send_timeout(&vec![Tensor::zeros(DType::U8, &[64])?], Duration::from_secs(1)) {
+///     Ok(()) => {}
+///     Err(Error::Timeout) => eprintln!("the receiver is not keeping up"),
+///     Err(other) => return Err(other),
+/// }
+/// for rejected in sender.take_rejected() {
+///     eprintln!("message {} was refused: {}", rejected.seq, rejected.reason);
+/// }
+/// assert!(sender.wait_released(Duration::from_secs(10)), "the receiver still holds tensors");
+/// # Ok(()) }
+/// ```
 pub struct Sender<T> {
     handle: Arc<Handle>,
     _message: PhantomData<fn(&T)>,
@@ -633,6 +652,17 @@ impl SenderInner {
 
 /// One message to several receivers, without copies: each gets the same memory under its own
 /// lease, and the memory is reused only when all have released it (the weight-sharing case).
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{Broadcast, Context, DType, Sender, Stream, Tensor};
+/// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+/// let senders = (0..3).map(|i| Sender::connect(format!("/tmp/worker-{i}.sock"))).collect::<Result<_, _>>()?;
+/// let weights = Broadcast::<Tensor>::new(senders);
+/// let w = Tensor::zeros_cuda(DType::BF16, &[4096, 4096], &stream)?;
+/// weights.send_on(&w, &stream)?; // one signal write orders all three
+/// # Ok(()) }
+/// ```
 pub struct Broadcast<T> {
     senders: Vec<Sender<T>>,
 }
