@@ -69,8 +69,6 @@ pub(super) struct Ready {
     pub tensors: Vec<Tensor>,
     pub payload: Vec<u8>,
     pub info: MessageInfo,
-    /// Whether its producer had died with its work on these tensors unfinished.
-    pub producer_failed: bool,
 }
 
 /// The contexts of the devices received tensors live on, and the streams the user chose for them.
@@ -257,7 +255,6 @@ impl Connected {
             }
             placed.push((chunk, path, stream));
         }
-        let producer_failed = fences.iter().any(FenceWait::failed);
         let mut streams: Vec<Arc<Stream>> = Vec::new();
         for (_, stream) in waits {
             if !streams.iter().any(|s| Arc::ptr_eq(s, &stream)) {
@@ -288,7 +285,7 @@ impl Connected {
             })
             .collect();
         info.imported_ns = monotonic_ns();
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, producer_failed })
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info })
     }
 
     /// The chunk a descriptor names, checked, with the path it came by and the stream its first

@@ -20,7 +20,7 @@ use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Read
 use super::link::Link;
 use super::{DEFAULT_CAPACITY, monotonic_ns};
 use crate::wire::{Frame, MAX_PACKET};
-use crate::{Error, Result, side_table};
+use crate::{Error, Result, Tensor, side_table};
 
 /// A bound receiver's accept thread, which sets up new connections (user check, `Hello`) so that
 /// senders can start before the first `recv`, and hands each to `recv` over `doorbell`.
@@ -231,11 +231,13 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     fn deliver(&mut self, ready: Ready) -> Result<(T, MessageInfo)> {
-        let Ready { peer, tensors, payload, mut info, producer_failed } = ready;
+        let Ready { peer, tensors, payload, mut info } = ready;
         if let Some(connected) = self.connected.iter_mut().find(|c| Arc::ptr_eq(&c.peer, &peer)) {
             connected.took(self.capacity);
         }
-        if producer_failed {
+        // Asked now, not when the message was read: the producer may have died since. The
+        // message's tensors share one lease, and with it the answer.
+        if tensors.first().is_some_and(Tensor::producer_failed) {
             return Err(Error::ProducerFailed { pid: info.sender_pid, seq: info.seq });
         }
         let message = side_table::decode(&payload, tensors)?;

@@ -421,9 +421,17 @@ impl SenderInner {
                 strides: tensor.strides().to_vec(),
             });
         }
-        if !outgoing.tensors.is_empty() {
-            let storages = outgoing.tensors.iter().map(|t| t.storage.clone()).collect();
-            lock(&self.state).leases.insert(seq, storages);
+        {
+            // Under the lock that handling a `Close` takes: either the closing is seen here, or
+            // it sees this lease (and gives it back if the message was never read).
+            let mut state = lock(&self.state);
+            if state.closed.is_some() {
+                drop(state);
+                return Err(give_back(Error::Disconnected, event));
+            }
+            if !outgoing.tensors.is_empty() {
+                state.leases.insert(seq, outgoing.tensors.iter().map(|t| t.storage.clone()).collect());
+            }
         }
         let frame = Frame::Message {
             seq,
