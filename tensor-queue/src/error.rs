@@ -81,15 +81,38 @@ pub enum Error {
         #[source]
         cause: Box<Error>,
     },
-    /// A peer was refused at the handshake.
+    /// A peer was refused at the handshake (by us, or by the peer: see [`Refusal`]).
     #[error("peer refused: {0}")]
-    PeerRefused(String),
+    PeerRefused(Refusal),
     /// A peer broke the protocol.
     #[error("protocol error: {0}")]
     Protocol(String),
     /// An argument that makes no sense.
     #[error("invalid: {0}")]
     Invalid(String),
+}
+
+/// Why a connection was refused at the handshake.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Refusal {
+    /// The peer runs as another user (`SO_PEERCRED`): CUDA IPC and shared memory are for
+    /// processes of one user.
+    #[error("pid {pid} runs as uid {uid}, not {ours}")]
+    OtherUser {
+        /// The peer's process id.
+        pid: u32,
+        /// The peer's user id.
+        uid: u32,
+        /// This process's user id.
+        ours: u32,
+    },
+    /// The peer runs on another machine (another boot id): CUDA IPC works only within one.
+    #[error("the peer runs on another machine")]
+    OtherMachine,
+    /// The peer refused this process, and said why.
+    #[error("{0}")]
+    ByPeer(String),
 }
 
 impl From<cuda_sys::Error> for Error {

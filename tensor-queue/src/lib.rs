@@ -44,7 +44,7 @@ pub use channel::{
 };
 pub use copy::HostCopy;
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, Refusal, Result};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};
 
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal

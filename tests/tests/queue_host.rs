@@ -12,7 +12,7 @@ use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
 use tensor_queue::wire::{ChunkKind, Fence, Frame, TensorDesc};
-use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
+use tensor_queue::{DType, Error, Receiver, Refusal, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
     spawn_tq_peer(role, &[], &[]).unwrap()
@@ -328,9 +328,9 @@ fn another_user_cannot_connect() {
     assert!(stderr.contains("peer refused") && stderr.contains("runs as uid"), "a typed refusal: {stderr}");
     let mut errors = Vec::new();
     wait_until("the refusal in the receiver's errors", || {
-        let refused = receiver.take_errors().into_iter().filter(|e| matches!(e, Error::PeerRefused(_)));
-        errors.extend(refused.map(|e| e.to_string()));
-        errors.iter().any(|e| e.contains("uid 65534"))
+        errors.extend(receiver.take_errors());
+        // Typed: who was refused, and why.
+        errors.iter().any(|e| matches!(e, Error::PeerRefused(Refusal::OtherUser { uid: 65534, .. })))
     });
     assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "nothing arrived");
 }

@@ -14,7 +14,7 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 
 use crate::wire::{self, Assembler, Frame, MAX_MESSAGE_BYTES, MAX_PACKET};
-use crate::{Error, Result};
+use crate::{Error, Refusal, Result};
 
 /// What a read found.
 pub(crate) enum Read {
@@ -55,10 +55,8 @@ impl Link {
         let credentials = connection.peer_credentials()?;
         let uid = rustix::process::getuid().as_raw();
         if credentials.uid != uid {
-            return Err(Error::PeerRefused(format!(
-                "pid {} runs as uid {}, not {uid}",
-                credentials.pid, credentials.uid
-            )));
+            let (pid, theirs) = (credentials.pid as u32, credentials.uid);
+            return Err(Error::PeerRefused(Refusal::OtherUser { pid, uid: theirs, ours: uid }));
         }
         Ok(credentials.pid as u32)
     }
@@ -158,7 +156,7 @@ impl Link {
             Frame::Hello { host, capacity, instance, .. } if *host == HostId::current()?.0 => {
                 Ok((*capacity, *instance))
             }
-            Frame::Hello { .. } => Err(Error::PeerRefused("the peer runs on another machine".into())),
+            Frame::Hello { .. } => Err(Error::PeerRefused(Refusal::OtherMachine)),
             other => Err(Error::Protocol(format!("the first frame was {other:?}, not a Hello"))),
         }
     }

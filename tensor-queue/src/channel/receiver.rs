@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::io::ErrorKind;
 use std::marker::PhantomData;
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -18,7 +18,7 @@ use serde::de::DeserializeOwned;
 
 use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
 use super::link::Link;
-use super::{DEFAULT_CAPACITY, monotonic_ns};
+use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
 use crate::wire::{Frame, MAX_PACKET};
 use crate::{Error, Result, Tensor, side_table};
 
@@ -28,6 +28,8 @@ struct Acceptor {
     listener: Arc<Listener>,
     doorbell: Connection,
     closed: Arc<AtomicBool>,
+    /// Connections the accept thread refused, for `take_errors`.
+    refused: Arc<Mutex<Vec<Error>>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -36,7 +38,8 @@ impl Acceptor {
         let (doorbell, bell) = Connection::pair()?;
         let closed = Arc::new(AtomicBool::new(false));
         let listener = Arc::new(listener);
-        let (stop, listening) = (closed.clone(), listener.clone());
+        let refused = Arc::new(Mutex::new(Vec::new()));
+        let (stop, listening, refusals) = (closed.clone(), listener.clone(), refused.clone());
         let thread = std::thread::Builder::new()
             .name("tq-accept".into())
             .spawn(move || {
@@ -65,7 +68,8 @@ impl Acceptor {
                             tracing::warn!(%error, "refused a connection");
                             let close = Frame::Close { read_up_to: 0, reason: error.to_string() };
                             let _ = connection.try_send(&close.encode(), &[]);
-                            bell.send(format!("r{error}").as_bytes(), &[])
+                            lock(&refusals).push(error);
+                            bell.send(b"r", &[])
                         }
                     };
                     if answer.is_err() {
@@ -74,7 +78,7 @@ impl Acceptor {
                 }
             })
             .map_err(|e| Error::Protocol(format!("spawning the accept thread: {e}")))?;
-        Ok(Acceptor { listener, doorbell, closed, thread: Some(thread) })
+        Ok(Acceptor { listener, doorbell, closed, refused, thread: Some(thread) })
     }
 }
 
@@ -390,11 +394,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// were any.
     fn accept_waiting(&mut self) -> Result<bool> {
         let Some(acceptor) = &self.acceptor else { return Ok(false) };
-        let mut note = [0u8; 1024];
-        let Some((n, fds)) = acceptor.doorbell.try_recv(&mut note)? else { return Ok(false) };
-        if let Some(refusal) = note[..n].strip_prefix(b"r") {
-            self.errors.push(Error::PeerRefused(String::from_utf8_lossy(refusal).into_owned()));
-        }
+        let Some((_, fds)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
+        self.errors.append(&mut lock(&acceptor.refused));
         for fd in fds {
             match Link::new(Connection::from(fd)) {
                 Ok(link) => self.connected.push(Connected::new(link)),

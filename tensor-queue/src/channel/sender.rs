@@ -24,7 +24,7 @@ use super::outgoing::{Fencing, Outgoing};
 use crate::arena::{Chunk, RetireListener, Shared};
 use crate::tensor::Storage;
 use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
-use crate::{Error, Result};
+use crate::{Error, Refusal, Result};
 
 /// A message the receiver refused (see [`Sender::take_rejected`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,7 +59,7 @@ struct SenderState {
     /// Why the receiver takes no more messages, once it does not.
     closed: Option<String>,
     /// Why the receiver refused this sender at the handshake, if it did.
-    refused: Option<String>,
+    refused: Option<Refusal>,
     rejected: Vec<Rejection>,
     /// Leases removed from `leases` whose storage is still being dropped (which may retire a
     /// chunk): still outstanding, so that nothing is announced before the retirement is sent.
@@ -523,7 +523,9 @@ impl SenderInner {
         let mut assembler = Assembler::default();
         let greeting = loop {
             match self.link.recv(&mut assembler, &mut buf) {
-                Ok(Read::Frame(Frame::Close { reason, .. }, _)) => break Err(Error::PeerRefused(reason)),
+                Ok(Read::Frame(Frame::Close { reason, .. }, _)) => {
+                    break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
+                }
                 Ok(Read::Frame(frame, _)) => break Link::check_hello(&frame),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
