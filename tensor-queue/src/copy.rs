@@ -23,12 +23,33 @@ use crate::{DType, Element, Error, Result, Tensor, TensorDevice};
 impl Tensor {
     /// A GPU tensor on `stream`'s device holding `data` (row-major), copied on `stream`; `data`
     /// may be reused as soon as this returns.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let mut data = vec![1.0f32; 1024];
+    /// let x = Tensor::from_slice_cuda(&data, DType::F32, &[32, 32], &stream)?;
+    /// data.fill(0.0); // already taken: `data` may change at once
+    /// assert_eq!(x.to_vec::<f32>()?, [1.0; 1024]);
+    /// # Ok(()) }
+    /// ```
     pub fn from_slice_cuda<T: Element>(data: &[T], dtype: DType, shape: &[u64], stream: &Stream) -> Result<Tensor> {
         check_element::<T>(dtype)?;
         Tensor::from_bytes_cuda(bytemuck::cast_slice(data), dtype, shape, stream)
     }
 
     /// A GPU tensor on `stream`'s device from its row-major bytes, copied on `stream`.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let one = 0x3f80u16.to_le_bytes(); // 1.0 in bf16, which has no Rust type
+    /// let x = Tensor::from_bytes_cuda(&one.repeat(4), DType::BF16, &[2, 2], &stream)?;
+    /// assert_eq!(x.to_vec::<u16>()?, [0x3f80; 4]);
+    /// # Ok(()) }
+    /// ```
     pub fn from_bytes_cuda(bytes: &[u8], dtype: DType, shape: &[u64], stream: &Stream) -> Result<Tensor> {
         let tensor = Tensor::empty_cuda(stream.context(), dtype, shape)?;
         if bytes.len() != tensor.nbytes() {
@@ -44,6 +65,17 @@ impl Tensor {
     }
 
     /// A zero-filled GPU tensor on `stream`'s device, zeroed on `stream`.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let sender = tensor_queue::Sender::<tensor_queue::Tensor>::connect("/tmp/sums.sock")?;
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let sums = Tensor::zeros_cuda(DType::F32, &[4096], &stream)?; // zeroed on `stream`: no CPU wait
+    /// // ... your kernels accumulate into `sums` on `stream` ...
+    /// sender.send_on(&sums, &stream)?;
+    /// # Ok(()) }
+    /// ```
     pub fn zeros_cuda(dtype: DType, shape: &[u64], stream: &Stream) -> Result<Tensor> {
         let tensor = Tensor::empty_cuda(stream.context(), dtype, shape)?;
         let (memory, start) = tensor.device_memory()?;
@@ -53,12 +85,32 @@ impl Tensor {
 
     /// Sets every element to `value` (any layout), waiting for it (see [`Tensor::to_bytes`] for
     /// the stream a GPU tensor's work goes on).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 3])?;
+    /// t.narrow(1, 1, 2)?.fill(1.5f32)?; // any layout: here the last two columns
+    /// assert_eq!(t.to_vec::<f32>()?, [0.0, 1.5, 1.5, 0.0, 1.5, 1.5]);
+    /// # Ok(()) }
+    /// ```
     pub fn fill<T: Element>(&self, value: T) -> Result<()> {
         self.blocking(|stream| self.fill_with(value, stream))
     }
 
     /// Sets every element to `value` (any layout): queued on `stream` for a GPU tensor, at once
     /// for a host tensor.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let sender = tensor_queue::Sender::<tensor_queue::Tensor>::connect("/tmp/masks.sock")?;
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let mask = Tensor::empty_cuda(stream.context(), DType::U8, &[512, 512])?;
+    /// mask.fill_on(1u8, &stream)?; // queued: returns at once
+    /// sender.send_on(&mask, &stream)?; // the receiver's use waits for the fill
+    /// # Ok(()) }
+    /// ```
     pub fn fill_on<T: Element>(&self, value: T, stream: &Stream) -> Result<()> {
         self.fill_with(value, Some(stream))
     }
@@ -66,6 +118,15 @@ impl Tensor {
     /// The elements in row-major order, as bytes, waiting for them: a received GPU tensor is read
     /// on its own stream (after its producer's work); a GPU tensor made here after all the work
     /// queued on its device (its producer's stream is not known). Any layout.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i16, 2, 3, 4], DType::I16, &[2, 2])?;
+    /// let bytes = t.transpose(0, 1)?.to_bytes()?;
+    /// assert_eq!(bytes, [1, 0, 3, 0, 2, 0, 4, 0]); // row-major order of the view, little-endian
+    /// # Ok(()) }
+    /// ```
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         if self.device() == TensorDevice::Host {
             return self.host_bytes();
@@ -81,6 +142,15 @@ impl Tensor {
     }
 
     /// The elements in row-major order, typed (see [`Tensor::to_bytes`]).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], DType::F32, &[2, 2])?;
+    /// assert_eq!(t.transpose(0, 1)?.to_vec::<f32>()?, [1.0, 3.0, 2.0, 4.0]);
+    /// assert!(t.to_vec::<f64>().is_err(), "the element type must match");
+    /// # Ok(()) }
+    /// ```
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         check_element::<T>(self.dtype())?;
         Ok(bytemuck::pod_collect_to_vec(&self.to_bytes()?))
@@ -88,6 +158,19 @@ impl Tensor {
 
     /// Starts copying the elements (row-major) to the host on `stream`, after the tensor's own
     /// stream; [`HostCopy::wait`] is the sync point. For a host tensor the copy is made at once.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind("/tmp/logits.sock")?;
+    /// use tensor_queue::{Context, Stream};
+    /// let copies = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let logits = receiver.recv()?;
+    /// let pending = logits.copy_to_host_async(&copies)?; // after the producer's work; no CPU wait
+    /// // ... other work meanwhile ...
+    /// let bytes = pending.wait()?;
+    /// assert_eq!(bytes.len(), logits.nbytes());
+    /// # Ok(()) }
+    /// ```
     pub fn copy_to_host_async(&self, stream: &Stream) -> Result<HostCopy> {
         if self.device() == TensorDevice::Host {
             return Ok(HostCopy(Pending::Ready(self.host_bytes()?)));
@@ -104,17 +187,56 @@ impl Tensor {
     }
 
     /// [`Tensor::contiguous_on`], waiting for the copy if one is made.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2])?;
+    /// let packed = t.transpose(0, 1)?.contiguous()?; // a copy: the view was strided
+    /// assert_eq!(packed.as_slice::<i32>()?, [1, 3, 2, 4]);
+    /// t.contiguous()?.set(&[0, 0], 9i32)?; // already contiguous: the same memory, no copy
+    /// assert_eq!(t.get::<i32>(&[0, 0])?, 9);
+    /// # Ok(()) }
+    /// ```
     pub fn contiguous(&self) -> Result<Tensor> {
         self.blocking(|stream| self.copy_with(stream, false))
     }
 
     /// This tensor if it is contiguous, else a contiguous copy in new memory of this process
     /// (packed on `stream` for a GPU tensor).
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let x = Tensor::from_slice_cuda(&[1.0f32, 2.0, 3.0, 4.0], DType::F32, &[2, 2], &stream)?;
+    /// let xt = x.transpose(0, 1)?.contiguous_on(&stream)?; // packed by a kernel on `stream`
+    /// assert!(xt.is_contiguous()); // ready for kernels that need packed rows, on `stream`
+    /// # Ok(()) }
+    /// ```
     pub fn contiguous_on(&self, stream: &Stream) -> Result<Tensor> {
         self.copy_with(Some(stream), false)
     }
 
     /// [`Tensor::copy_on`], waiting for the copy.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
+    /// # let path = |name: &str| std::env::temp_dir().join(format!("doc-{}-{name}.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<Tensor>::bind(path("copy-in"))?;
+    /// # let mut next = Receiver::<Tensor>::bind(path("copy-out"))?;
+    /// # let sender = Sender::<Tensor>::connect(path("copy-in"))?;
+    /// # let onward = Sender::<Tensor>::connect(path("copy-out"))?;
+    /// # sender.send(&Tensor::from_slice(&[1u8, 2, 3], DType::U8, &[3])?)?;
+    /// let received = receiver.recv()?;
+    /// assert!(matches!(onward.send(&received), Err(Error::NotSendable(_))), "it is the sender's memory");
+    /// let mine = received.copy()?;
+    /// drop(received); // goes back to its sender now
+    /// onward.send(&mine)?;
+    /// assert_eq!(next.recv()?.to_vec::<u8>()?, [1, 2, 3]);
+    /// # Ok(()) }
+    /// ```
     pub fn copy(&self) -> Result<Tensor> {
         self.blocking(|stream| self.copy_with(stream, true))
     }
@@ -123,11 +245,35 @@ impl Tensor {
     /// stage sends on after receiving a tensor (a received tensor is the sender's memory and
     /// cannot be sent on as it is). GPU tensors are copied on `stream`, after the tensor's own
     /// stream; use the copy on `stream` (`send_on(.., stream)`), or after it.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind("/tmp/stage-in.sock")?;
+    /// # let onward = tensor_queue::Sender::<tensor_queue::Tensor>::connect("/tmp/stage-out.sock")?;
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let x = receiver.recv()?;
+    /// let y = x.copy_on(&stream)?; // after x's producer, on the GPU; no CPU wait
+    /// drop(x); // y is ours: x may go back to its sender
+    /// onward.send_on(&y, &stream)?; // the next stage waits for the copy
+    /// # Ok(()) }
+    /// ```
     pub fn copy_on(&self, stream: &Stream) -> Result<Tensor> {
         self.copy_with(Some(stream), true)
     }
 
     /// [`Tensor::copy_into_on`], waiting for the copy.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let src = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2])?;
+    /// let out = Tensor::zeros(DType::I32, &[2, 2])?;
+    /// src.transpose(0, 1)?.copy_into(&out)?;
+    /// assert_eq!(out.to_vec::<i32>()?, [1, 3, 2, 4]);
+    /// assert!(src.copy_into(&Tensor::zeros(DType::I32, &[4])?).is_err(), "shapes must match");
+    /// # Ok(()) }
+    /// ```
     pub fn copy_into(&self, dst: &Tensor) -> Result<()> {
         self.blocking(|stream| self.copy_into_with(dst, stream))
     }
@@ -135,6 +281,17 @@ impl Tensor {
     /// Copies the elements into `dst`, which has the same dtype and shape (any layout of either;
     /// host to host, or GPU to GPU on one device). GPU copies are queued on `stream`, after both
     /// tensors' own streams, with the pack kernels for strided views.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind("/tmp/rows.sock")?;
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let batch = Tensor::zeros_cuda(DType::F32, &[8, 1024], &stream)?;
+    /// let row = receiver.recv()?; // a [1024] f32 tensor on the same GPU
+    /// row.copy_into_on(&batch.select(0, 3)?, &stream)?; // into row 3, after row's producer
+    /// # Ok(()) }
+    /// ```
     pub fn copy_into_on(&self, dst: &Tensor, stream: &Stream) -> Result<()> {
         self.copy_into_with(dst, Some(stream))
     }
@@ -162,7 +319,7 @@ impl Tensor {
         }
         let event = Event::new(stream.context())?;
         event.record(stream)?;
-        self.hold_until(event);
+        self.hold_until(stream, event);
         Ok(())
     }
 
@@ -297,6 +454,18 @@ impl Tensor {
 }
 
 /// A copy to the host on its way: [`HostCopy::wait`] gives the bytes.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{Context, DType, Stream, Tensor};
+/// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+/// let x = Tensor::from_slice_cuda(&[1.0f32, 2.0], DType::F32, &[2], &stream)?;
+/// let copy: tensor_queue::HostCopy = x.copy_to_host_async(&stream)?;
+/// let bytes = copy.wait()?;
+/// let values: Vec<f32> = bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+/// assert_eq!(values, [1.0, 2.0]);
+/// # Ok(()) }
+/// ```
 pub struct HostCopy(Pending);
 
 enum Pending {
@@ -306,6 +475,20 @@ enum Pending {
 
 impl HostCopy {
     /// Whether the bytes have arrived (never waits).
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let x = Tensor::zeros_cuda(DType::F32, &[1 << 20], &stream)?;
+    /// let pending = x.copy_to_host_async(&stream)?;
+    /// while !pending.is_ready()? {
+    ///     std::thread::yield_now(); // or CPU work of your own
+    /// }
+    /// let bytes = pending.wait()?; // the bytes are there: no wait
+    /// # drop(bytes);
+    /// # Ok(()) }
+    /// ```
     pub fn is_ready(&self) -> Result<bool> {
         match &self.0 {
             Pending::Ready(_) => Ok(true),
@@ -314,6 +497,16 @@ impl HostCopy {
     }
 
     /// Waits for the copy and returns the bytes, row-major.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let x = Tensor::from_slice_cuda(&[7u8; 16], DType::U8, &[4, 4], &stream)?;
+    /// let bytes = x.transpose(0, 1)?.copy_to_host_async(&stream)?.wait()?;
+    /// assert_eq!(bytes, [7; 16]);
+    /// # Ok(()) }
+    /// ```
     pub fn wait(self) -> Result<Vec<u8>> {
         match self.0 {
             Pending::Ready(bytes) => Ok(bytes),

@@ -3,9 +3,27 @@
 use crate::wire::FrameError;
 
 /// Result with this crate's [`Error`].
+///
+/// ```
+/// use tensor_queue::{DType, Result, Tensor};
+/// fn ones(n: u64) -> Result<Tensor> {
+///     let t = Tensor::zeros(DType::F32, &[n])?;
+///     t.fill(1.0f32)?;
+///     Ok(t)
+/// }
+/// assert_eq!(ones(3).unwrap().to_vec::<f32>().unwrap(), [1.0; 3]);
+/// ```
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What can go wrong sending or receiving.
+///
+/// ```
+/// use tensor_queue::{DType, Error, Tensor};
+/// match Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[3]) {
+///     Err(Error::Invalid(why)) => assert_eq!(why, "8 bytes of data for 12 bytes of tensor"),
+///     other => panic!("expected Error::Invalid, got {other:?}"),
+/// }
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -93,6 +111,21 @@ pub enum Error {
 }
 
 /// Why a connection was refused at the handshake.
+///
+/// ```
+/// use tensor_queue::{Error, Refusal};
+/// // What a sender's `wait_ready` or `send` returns when the receiver's handshake failed.
+/// fn advice(error: &Error) -> Option<String> {
+///     match error {
+///         Error::PeerRefused(Refusal::OtherUser { uid, .. }) => Some(format!("run both as one user, not uid {uid}")),
+///         Error::PeerRefused(Refusal::OtherMachine) => Some("CUDA IPC needs one machine".into()),
+///         _ => None,
+///     }
+/// }
+/// let refused = Error::PeerRefused(Refusal::OtherMachine);
+/// assert_eq!(refused.to_string(), "peer refused: the peer runs on another machine");
+/// assert!(advice(&refused).is_some());
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Refusal {

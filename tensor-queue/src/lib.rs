@@ -53,6 +53,20 @@ pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_stri
 pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
 
 /// Whether a CUDA driver and at least one GPU are usable here (without one, use host tensors).
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{Context, DType, Stream, Tensor, is_gpu_available};
+/// let data = [1.0f32, 2.0, 3.0];
+/// let x = if is_gpu_available() {
+///     let stream = Stream::new(&Context::on_ordinal(0)?)?;
+///     Tensor::from_slice_cuda(&data, DType::F32, &[3], &stream)?
+/// } else {
+///     Tensor::from_slice(&data, DType::F32, &[3])?
+/// };
+/// assert_eq!(x.to_vec::<f32>()?, data); // the same calls read either
+/// # Ok(()) }
+/// ```
 pub fn is_gpu_available() -> bool {
     cuda_sys::is_available()
 }

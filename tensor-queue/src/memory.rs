@@ -20,6 +20,17 @@
 use std::time::Duration;
 
 /// What this process's arenas hold.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, memory};
+/// let before = memory::usage();
+/// let t = Tensor::zeros(DType::U8, &[4096])?;
+/// assert!(memory::usage().in_use_bytes >= before.in_use_bytes + 4096);
+/// drop(t);
+/// assert_eq!(memory::usage().in_use_bytes, before.in_use_bytes, "nothing leaked");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MemoryUsage {
@@ -32,11 +43,31 @@ pub struct MemoryUsage {
 }
 
 /// What this process's arenas hold now.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, memory};
+/// let t = Tensor::zeros(DType::F32, &[1024])?;
+/// let held = memory::usage();
+/// assert!(held.in_use_bytes >= t.nbytes());
+/// assert!(held.host_bytes >= t.nbytes(), "host tensors are carved out of shared-memory chunks");
+/// # Ok(()) }
+/// ```
 pub fn usage() -> MemoryUsage {
     crate::arena::usage()
 }
 
 /// Gives back every chunk that holds no live tensor now; returns the bytes given back.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, memory};
+/// drop(Tensor::zeros(DType::U8, &[1 << 20])?);
+/// // The free chunk would be kept a while for reuse; give it back now.
+/// assert!(memory::trim() > 0);
+/// assert_eq!(memory::usage().host_bytes, 0);
+/// # Ok(()) }
+/// ```
 pub fn trim() -> usize {
     crate::arena::trim()
 }
@@ -44,6 +75,20 @@ pub fn trim() -> usize {
 /// How long a chunk with no live tensor is kept for reuse before it goes back (default one
 /// second; zero gives chunks back as soon as they are free, at the cost of exporting a new one,
 /// 0.7 ms per 64 MiB on an H200, when memory is needed again).
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::time::{Duration, Instant};
+/// use tensor_queue::{DType, Tensor, memory};
+/// memory::set_idle_release(Duration::ZERO); // allocates rarely: keep nothing idle
+/// drop(Tensor::zeros(DType::U8, &[1 << 20])?);
+/// let deadline = Instant::now() + Duration::from_secs(10);
+/// while memory::usage().host_bytes > 0 {
+///     assert!(Instant::now() < deadline, "the free chunk went back by itself");
+///     std::thread::sleep(Duration::from_millis(1));
+/// }
+/// # Ok(()) }
+/// ```
 pub fn set_idle_release(idle: Duration) {
     crate::arena::set_idle_release(idle)
 }

@@ -11,6 +11,17 @@ use crate::channel::ReceivedLease;
 use crate::{DType, Element, Error, Result};
 
 /// Where a tensor's bytes are.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, TensorDevice};
+/// let t = Tensor::zeros(DType::F32, &[4])?;
+/// match t.device() {
+///     TensorDevice::Host => assert_eq!(t.as_slice::<f32>()?, [0.0; 4]), // readable in place
+///     TensorDevice::Cuda(uuid) => println!("on GPU {uuid}: read it with to_vec"),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TensorDevice {
     /// Host memory (shared memory, reachable by other processes).
@@ -20,6 +31,21 @@ pub enum TensorDevice {
 }
 
 /// How a tensor reached this process: every received tensor reports its path.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, TransferPath};
+/// fn route(t: &Tensor) -> &'static str {
+///     match t.path() {
+///         TransferPath::Local => "made here",
+///         TransferPath::HostSharedMemory => "host memory of the sender",
+///         TransferPath::CudaVmm | TransferPath::CudaLegacyIpc => "GPU memory of the sender",
+///         _ => "a route added later", // the enum is non-exhaustive
+///     }
+/// }
+/// assert_eq!(route(&Tensor::zeros(DType::U8, &[1])?), "made here");
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum TransferPath {
@@ -40,14 +66,18 @@ pub(crate) struct Storage {
     pub len: usize,
     /// Held for its `Drop`: the allocation or the lease goes back when the storage dies.
     origin: Origin,
-    /// Events after GPU work on other streams that uses the storage (`Tensor::record_stream`):
-    /// the memory goes back only once they are complete.
-    uses: std::sync::Mutex<Vec<Event>>,
+    /// Events after GPU work on other streams that uses the storage (`Tensor::record_stream`),
+    /// at most one per stream (the latest covers the earlier ones): the memory goes back only
+    /// once they are complete.
+    uses: std::sync::Mutex<Vec<(usize, Event)>>,
 }
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        let uses = std::mem::take(self.uses.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let uses: Vec<Event> = std::mem::take(self.uses.get_mut().unwrap_or_else(|e| e.into_inner()))
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect();
         if uses.iter().all(|event| event.is_complete().unwrap_or(true)) {
             return;
         }
@@ -116,6 +146,12 @@ impl std::fmt::Debug for Tensor {
 ///
 /// Saturating: an empty tensor may have sizes whose product overflows (a peer can send
 /// `[0, 2^40, 2^40]`), and asking whether it is contiguous must not overflow then.
+///
+/// ```
+/// use tensor_queue::contiguous_strides;
+/// assert_eq!(contiguous_strides(&[2, 3, 4]), [12, 4, 1]);
+/// assert_eq!(contiguous_strides(&[0, 1 << 40, 1 << 40]), [i64::MAX, 1 << 40, 1]); // saturated
+/// ```
 pub fn contiguous_strides(shape: &[u64]) -> Vec<i64> {
     let mut strides = vec![1i64; shape.len()];
     for d in (0..shape.len().saturating_sub(1)).rev() {
@@ -170,6 +206,21 @@ impl Tensor {
 
     /// A zero-filled host tensor in shared memory. Receivers map it read-only: they can read it
     /// but neither write it nor map it writable (see [`Tensor::zeros_writable`]).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-zeros.sock", std::process::id()));
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind(&path)?;
+    /// # let sender = tensor_queue::Sender::<tensor_queue::Tensor>::connect(&path)?;
+    /// let t = Tensor::zeros(DType::I64, &[2, 2])?;
+    /// t.set(&[0, 1], 7i64)?; // writable here
+    /// sender.send(&t)?;
+    /// let received = receiver.recv()?;
+    /// assert_eq!(received.to_vec::<i64>()?, [0, 7, 0, 0]);
+    /// assert!(received.set(&[0, 0], 1i64).is_err(), "read-only for receivers");
+    /// # Ok(()) }
+    /// ```
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Tensor> {
         Tensor::zeros_in(&Arena::host(), dtype, shape)
     }
@@ -177,6 +228,20 @@ impl Tensor {
     /// A zero-filled host tensor in shared memory that receivers may write too (for example,
     /// workers that each fill a part of one result). Its chunk is shared writable with every
     /// receiver of any tensor in it: use it only for memory meant to be written by peers.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-zeros-writable.sock", std::process::id()));
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind(&path)?;
+    /// # let sender = tensor_queue::Sender::<tensor_queue::Tensor>::connect(&path)?;
+    /// let result = Tensor::zeros_writable(DType::F32, &[2])?;
+    /// sender.send(&result.narrow(0, 1, 1)?)?; // a worker's part of the result
+    /// let part = receiver.recv()?; // in the worker
+    /// part.set(&[0], 5.0f32)?;
+    /// assert_eq!(result.to_vec::<f32>()?, [0.0, 5.0]); // one memory: the sender sees the write
+    /// # Ok(()) }
+    /// ```
     pub fn zeros_writable(dtype: DType, shape: &[u64]) -> Result<Tensor> {
         Tensor::zeros_in(&Arena::host_writable(), dtype, shape)
     }
@@ -190,6 +255,15 @@ impl Tensor {
     }
 
     /// A host tensor holding `data`, shaped `shape`.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], DType::F32, &[2, 3])?;
+    /// assert_eq!(t.get::<f32>(&[1, 0])?, 4.0);
+    /// assert!(Tensor::from_slice(&[1.0f64], DType::F32, &[1]).is_err(), "the element type must match");
+    /// # Ok(()) }
+    /// ```
     pub fn from_slice<T: Element>(data: &[T], dtype: DType, shape: &[u64]) -> Result<Tensor> {
         if !T::matches(dtype) {
             return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
@@ -198,6 +272,17 @@ impl Tensor {
     }
 
     /// A host tensor of any dtype from its row-major bytes (little-endian, as the GPU has them).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// // bf16 has no Rust type: its bits are given as bytes.
+    /// let one = 0x3f80u16; // 1.0 in bf16
+    /// let bytes: Vec<u8> = [one, one].iter().flat_map(|x| x.to_le_bytes()).collect();
+    /// let t = Tensor::from_bytes(&bytes, DType::BF16, &[2])?;
+    /// assert_eq!(t.to_vec::<u16>()?, [one, one]);
+    /// # Ok(()) }
+    /// ```
     pub fn from_bytes(bytes: &[u8], dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
         if bytes.len() != tensor.nbytes() {
@@ -215,11 +300,34 @@ impl Tensor {
     }
 
     /// An uninitialised tensor in shareable memory on `context`'s device.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, Sender, Stream, Tensor};
+    /// let sender = Sender::<Tensor>::connect("/tmp/activations.sock")?;
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let out = Tensor::empty_cuda(stream.context(), DType::F32, &[1024, 1024])?;
+    /// out.fill_on(1.0f32, &stream)?; // or your own kernel, writing through `out.cuda_view()?`
+    /// sender.send_on(&out, &stream)?; // the receiver's use waits for the fill; this thread does not
+    /// # Ok(()) }
+    /// ```
     pub fn empty_cuda(context: &Arc<Context>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
         Tensor::from_arena(&Arena::device(context), dtype, shape)
     }
 
     /// Wraps a `cuMemAlloc` buffer made elsewhere; it is sent through a legacy IPC handle.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::sync::Arc;
+    /// use ipc_core::DeviceBuffer;
+    /// use tensor_queue::{Context, DType, Sender, Tensor};
+    /// let sender = Sender::<Tensor>::connect("/tmp/buffers.sock")?;
+    /// let buffer = Arc::new(DeviceBuffer::alloc(&Context::on_ordinal(0)?, 4096 * 4)?); // made by other code
+    /// let t = Tensor::from_device_buffer(buffer, DType::F32, &[4096])?;
+    /// sender.send(&t)?; // no copy: the receiver opens the buffer itself
+    /// # Ok(()) }
+    /// ```
     pub fn from_device_buffer(buffer: Arc<DeviceBuffer>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let len = byte_len(dtype, shape)?;
         if len > buffer.len() {
@@ -231,36 +339,101 @@ impl Tensor {
     }
 
     /// The element type.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F16, &[8])?;
+    /// assert_eq!(t.dtype(), DType::F16);
+    /// assert_eq!(t.nbytes(), 8 * t.dtype().size());
+    /// # Ok(()) }
+    /// ```
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
     /// Sizes of each dimension.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 3, 4])?;
+    /// assert_eq!(t.shape(), [2, 3, 4]);
+    /// assert_eq!(t.select(1, 0)?.shape(), [2, 4]);
+    /// # Ok(()) }
+    /// ```
     pub fn shape(&self) -> &[u64] {
         &self.shape
     }
 
     /// Strides of each dimension, in elements.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 3])?;
+    /// assert_eq!(t.strides(), [3, 1]); // in elements, not bytes
+    /// assert_eq!(t.transpose(0, 1)?.strides(), [1, 3]);
+    /// # Ok(()) }
+    /// ```
     pub fn strides(&self) -> &[i64] {
         &self.strides
     }
 
     /// Bytes from the storage's start to element 0.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[4, 4])?;
+    /// assert_eq!(t.offset(), 0);
+    /// assert_eq!(t.narrow(0, 1, 2)?.offset(), 16); // in bytes: one row of four f32
+    /// # Ok(()) }
+    /// ```
     pub fn offset(&self) -> usize {
         self.offset
     }
 
     /// Number of elements.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 3])?;
+    /// assert_eq!(t.numel(), 6);
+    /// assert_eq!(t.select(0, 1)?.select(0, 2)?.numel(), 1); // a 0-d tensor holds one element
+    /// # Ok(()) }
+    /// ```
     pub fn numel(&self) -> u64 {
         self.shape.iter().product()
     }
 
     /// Bytes of the elements (as if contiguous).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 3])?;
+    /// assert_eq!(t.nbytes(), 24);
+    /// assert_eq!(t.expand(&[10, 2, 3])?.nbytes(), 240); // as if contiguous, though it shares t's 24 bytes
+    /// # Ok(()) }
+    /// ```
     pub fn nbytes(&self) -> usize {
         self.numel() as usize * self.dtype.size()
     }
 
     /// Whether elements are laid out row-major without gaps.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 3])?;
+    /// assert!(t.is_contiguous());
+    /// let tt = t.transpose(0, 1)?;
+    /// assert!(!tt.is_contiguous());
+    /// assert!(tt.contiguous()?.is_contiguous()); // a packed copy
+    /// # Ok(()) }
+    /// ```
     pub fn is_contiguous(&self) -> bool {
         self.shape
             .iter()
@@ -269,6 +442,13 @@ impl Tensor {
     }
 
     /// Where the bytes are.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor, TensorDevice};
+    /// assert_eq!(Tensor::zeros(DType::U8, &[16])?.device(), TensorDevice::Host);
+    /// # Ok(()) }
+    /// ```
     pub fn device(&self) -> TensorDevice {
         match self.storage.chunk.device_uuid() {
             Some(uuid) => TensorDevice::Cuda(uuid),
@@ -277,6 +457,20 @@ impl Tensor {
     }
 
     /// How this tensor reached this process.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor, TransferPath};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-path.sock", std::process::id()));
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind(&path)?;
+    /// # let sender = tensor_queue::Sender::<tensor_queue::Tensor>::connect(&path)?;
+    /// let t = Tensor::from_slice(&[1u8, 2, 3], DType::U8, &[3])?;
+    /// assert_eq!(t.path(), TransferPath::Local);
+    /// sender.send(&t)?;
+    /// let received = receiver.recv()?;
+    /// assert_eq!(received.path(), TransferPath::HostSharedMemory); // the sender's pages, not a copy
+    /// # Ok(()) }
+    /// ```
     pub fn path(&self) -> TransferPath {
         self.path
     }
@@ -284,6 +478,16 @@ impl Tensor {
     /// For a received GPU tensor: the stream its first use is ordered on (its sender's stream in
     /// the receiver, or the one set with `Receiver::set_stream`). Work on another stream must be
     /// ordered after this one by the user.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind("/tmp/activations.sock")?;
+    /// let x = receiver.recv()?; // a GPU tensor
+    /// let stream = x.stream().expect("received GPU tensors are ordered on a stream").clone();
+    /// let y = x.copy_on(&stream)?; // your kernels go on `stream` too: after the producer's work
+    /// stream.synchronize()?;
+    /// # drop(y); Ok(()) }
+    /// ```
     pub fn stream(&self) -> Option<&Arc<Stream>> {
         self.stream.as_ref()
     }
@@ -293,6 +497,17 @@ impl Tensor {
     /// the death is known by then ([`Error::ProducerFailed`]); this tells about a death that came
     /// later. Work ordered after the tensor still runs (it is not left waiting forever) but reads
     /// whatever the memory held.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let mut receiver = tensor_queue::Receiver::<tensor_queue::Tensor>::bind("/tmp/activations.sock")?;
+    /// let x = receiver.recv()?;
+    /// let y = x.to_vec::<f32>()?; // waits for the producer's work, or for its death
+    /// if x.producer_failed() {
+    ///     eprintln!("the producer died before x was written: dropping the {} values", y.len());
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn producer_failed(&self) -> bool {
         match &self.storage.origin {
             Origin::Received(lease) => lease.producer_failed(),
@@ -327,6 +542,15 @@ impl Tensor {
     ///
     /// Host tensors are shared memory: a peer that holds the same tensor may write it. Who writes
     /// when is for the program to agree on, as with any shared buffer.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2])?;
+    /// assert_eq!(t.as_slice::<i32>()?, [1, 2, 3, 4]); // no copy
+    /// assert!(t.transpose(0, 1)?.as_slice::<i32>().is_err(), "strided: use to_vec");
+    /// # Ok(()) }
+    /// ```
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         if !T::matches(self.dtype) {
             return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
@@ -385,6 +609,15 @@ impl Tensor {
     }
 
     /// Reads one element of a host tensor.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], DType::I32, &[2, 3])?;
+    /// assert_eq!(t.get::<i32>(&[1, 2])?, 6);
+    /// assert!(t.get::<i32>(&[2, 0]).is_err(), "outside the shape");
+    /// # Ok(()) }
+    /// ```
     pub fn get<T: Element>(&self, index: &[u64]) -> Result<T> {
         let ptr = self.element_ptr::<T>(index)?;
         // SAFETY: `ptr` points at one element inside the live mapping.
@@ -393,6 +626,16 @@ impl Tensor {
 
     /// Writes one element of a host tensor (shared with every holder of the storage). A received
     /// tensor is read-only unless its sender made it with [`Tensor::zeros_writable`].
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 2])?;
+    /// let row = t.select(0, 1)?;
+    /// row.set(&[0], 3.0f32)?; // through a view: the same storage
+    /// assert_eq!(t.to_vec::<f32>()?, [0.0, 0.0, 3.0, 0.0]);
+    /// # Ok(()) }
+    /// ```
     pub fn set<T: Element>(&self, index: &[u64], value: T) -> Result<()> {
         self.check_writable()?;
         let ptr = self.element_ptr::<T>(index)?;
@@ -439,6 +682,17 @@ impl Tensor {
     /// (or after it), never on the legacy stream (`DeviceMemory::copy_to_host` runs there), or it
     /// may see the producer's unfinished data. [`Tensor::to_bytes`], [`Tensor::copy_to_host_async`],
     /// [`Tensor::copy_into`] and the other helpers order themselves.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, DeviceMemory, Stream, Tensor};
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let x = Tensor::zeros_cuda(DType::F32, &[256], &stream)?;
+    /// let view = x.cuda_view()?;
+    /// let (ptr, len) = (view.device_ptr(), view.len()); // arguments for your own kernel on `stream`
+    /// assert_eq!(len, x.nbytes());
+    /// # let _ = ptr; Ok(()) }
+    /// ```
     pub fn cuda_view(&self) -> Result<DeviceView<'_>> {
         let memory = self.storage.chunk.device().ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
         let (_, end) = self.touched_bytes()?;
@@ -458,14 +712,31 @@ impl Tensor {
     }
 
     /// Keeps the storage from going back (to the arena, or to the sender) until `event`, recorded
-    /// after work on another stream that uses the tensor, is complete.
-    pub(crate) fn hold_until(&self, event: Event) {
-        self.storage.uses.lock().unwrap_or_else(|e| e.into_inner()).push(event);
+    /// on `stream` after work that uses the tensor, is complete. It replaces an earlier event of
+    /// that stream, and events already complete are forgotten, so a tensor used again and again
+    /// holds few.
+    pub(crate) fn hold_until(&self, stream: &Stream, event: Event) {
+        let key = stream.raw() as usize;
+        let mut uses = self.storage.uses.lock().unwrap_or_else(|e| e.into_inner());
+        uses.retain(|(k, e)| *k != key && !e.is_complete().unwrap_or(true));
+        uses.push((key, event));
     }
 }
 
 /// A range of a GPU tensor's storage, usable wherever [`DeviceMemory`] is, for as long as the
 /// tensor it was taken from lives.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{Context, DType, DeviceMemory, Stream, Tensor};
+/// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+/// let x = Tensor::from_slice_cuda(&[1u8, 2, 3, 4], DType::U8, &[4], &stream)?;
+/// stream.synchronize()?; // raw memory carries no ordering
+/// let mut bytes = [0u8; 4];
+/// x.cuda_view()?.copy_to_host(0, &mut bytes)?; // any DeviceMemory method
+/// assert_eq!(bytes, [1, 2, 3, 4]);
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct DeviceView<'a> {
     ptr: u64,

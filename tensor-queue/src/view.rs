@@ -10,6 +10,16 @@ use crate::{Error, Result, Tensor};
 
 impl Tensor {
     /// A view with dimensions `a` and `b` swapped (no copy).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], DType::I32, &[2, 3])?;
+    /// let tt = t.transpose(0, 1)?;
+    /// assert_eq!(tt.shape(), [3, 2]);
+    /// assert_eq!(tt.to_vec::<i32>()?, [1, 4, 2, 5, 3, 6]);
+    /// # Ok(()) }
+    /// ```
     pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
         let call = format!("transpose({a}, {b})");
         let ndim = self.shape().len();
@@ -24,6 +34,16 @@ impl Tensor {
 
     /// A view with the dimensions reordered: dimension `i` of the result is dimension `dims[i]` of
     /// `self`, and `dims` names every dimension exactly once (no copy).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let nchw = Tensor::zeros(DType::F32, &[8, 3, 32, 32])?;
+    /// let nhwc = nchw.permute(&[0, 2, 3, 1])?;
+    /// assert_eq!(nhwc.shape(), [8, 32, 32, 3]);
+    /// assert_eq!(nhwc.strides(), [3072, 32, 1, 1024]);
+    /// # Ok(()) }
+    /// ```
     pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
         let call = format!("permute({dims:?})");
         let ndim = self.shape().len();
@@ -37,6 +57,16 @@ impl Tensor {
     }
 
     /// A view of `len` entries of dimension `dim` starting at `start` (no copy).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let batch = Tensor::from_slice(&(0..12).collect::<Vec<i64>>(), DType::I64, &[4, 3])?;
+    /// let rows = batch.narrow(0, 1, 2)?; // rows 1 and 2
+    /// assert_eq!(rows.to_vec::<i64>()?, [3, 4, 5, 6, 7, 8]);
+    /// assert!(rows.is_contiguous(), "a range of rows stays contiguous");
+    /// # Ok(()) }
+    /// ```
     pub fn narrow(&self, dim: usize, start: u64, len: u64) -> Result<Tensor> {
         let call = format!("narrow({dim}, {start}, {len})");
         let size = dim_size(self, &call, dim)?;
@@ -52,6 +82,15 @@ impl Tensor {
     /// A view of entries `start, start + step, ...` before `end` of dimension `dim` (no copy), like
     /// Python's `t[start:end:step]`: an `end` past the size means up to the size, `step` is at
     /// least 1, and `start == end` gives an empty view. `start` past the (clamped) end is an error.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[0i32, 1, 2, 3, 4, 5, 6], DType::I32, &[7])?;
+    /// assert_eq!(t.slice(0, 1, 6, 2)?.to_vec::<i32>()?, [1, 3, 5]); // t[1:6:2]
+    /// assert_eq!(t.slice(0, 4, u64::MAX, 1)?.to_vec::<i32>()?, [4, 5, 6]); // t[4:]
+    /// # Ok(()) }
+    /// ```
     pub fn slice(&self, dim: usize, start: u64, end: u64, step: u64) -> Result<Tensor> {
         let call = format!("slice({dim}, {start}, {end}, {step})");
         let size = dim_size(self, &call, dim)?;
@@ -84,6 +123,16 @@ impl Tensor {
     /// A view with the listed dimensions reversed (no copy): their strides are negated and element
     /// 0 becomes the last entry of each. Each dimension may be listed once; dimensions of size 0
     /// or 1 read the same either way and are left as they are.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2])?;
+    /// let mirrored = t.flip(&[1])?;
+    /// assert_eq!(mirrored.to_vec::<i32>()?, [2, 1, 4, 3]);
+    /// assert_eq!(mirrored.strides(), [2, -1]);
+    /// # Ok(()) }
+    /// ```
     pub fn flip(&self, dims: &[usize]) -> Result<Tensor> {
         let call = format!("flip({dims:?})");
         distinct_dims(self, &call, dims)?;
@@ -104,6 +153,16 @@ impl Tensor {
     /// dimensions may be added, and a dimension of size 1 may take any size; other sizes must stay
     /// as they are. Broadcast dimensions have stride 0, so all their entries are one element:
     /// a write through the view changes every entry that aliases it.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let bias = Tensor::from_slice(&[1.0f32, 2.0, 3.0], DType::F32, &[3])?;
+    /// let per_row = bias.expand(&[2, 3])?;
+    /// assert_eq!(per_row.strides(), [0, 1]);
+    /// assert_eq!(per_row.to_vec::<f32>()?, [1.0, 2.0, 3.0, 1.0, 2.0, 3.0]);
+    /// # Ok(()) }
+    /// ```
     pub fn expand(&self, shape: &[u64]) -> Result<Tensor> {
         let call = format!("expand({shape:?})");
         let ndim = self.shape().len();
@@ -128,6 +187,16 @@ impl Tensor {
 
     /// A view of entry `index` of dimension `dim`, with that dimension dropped (no copy), like
     /// PyTorch's `select`: selecting from a 1-d tensor gives a 0-d one (a single element).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], DType::I32, &[2, 3])?;
+    /// let column = t.select(1, 2)?;
+    /// assert_eq!(column.shape(), [2]);
+    /// assert_eq!(column.to_vec::<i32>()?, [3, 6]);
+    /// # Ok(()) }
+    /// ```
     pub fn select(&self, dim: usize, index: u64) -> Result<Tensor> {
         let call = format!("select({dim}, {index})");
         let size = dim_size(self, &call, dim)?;
@@ -142,6 +211,15 @@ impl Tensor {
     }
 
     /// The same elements with another shape; only for contiguous tensors (no copy).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], DType::I32, &[2, 3])?;
+    /// assert_eq!(t.reshape(&[3, 2])?.get::<i32>(&[2, 0])?, 5);
+    /// assert!(t.transpose(0, 1)?.reshape(&[6]).is_err(), "strided: reshape a contiguous() copy");
+    /// # Ok(()) }
+    /// ```
     pub fn reshape(&self, shape: &[u64]) -> Result<Tensor> {
         let call = format!("reshape({shape:?})");
         if !self.is_contiguous() {

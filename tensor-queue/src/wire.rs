@@ -13,30 +13,99 @@ use ipc_core::layout::strided_byte_span;
 use crate::DType;
 
 /// Frame magic.
+///
+/// ```
+/// use tensor_queue::wire::{Frame, MAGIC};
+/// let bytes = Frame::Credit { count: 1 }.encode();
+/// assert_eq!(bytes[..4], MAGIC); // every frame and every part starts with it
+/// ```
 pub const MAGIC: [u8; 4] = *b"TQF1";
 /// Protocol version; a peer with another version is refused at the handshake.
+///
+/// ```
+/// use tensor_queue::wire::{Frame, FrameError, VERSION};
+/// let mut bytes = Frame::Credit { count: 1 }.encode();
+/// assert_eq!(bytes[4..6], VERSION.to_le_bytes());
+/// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
+/// assert_eq!(Frame::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
+/// ```
 pub const VERSION: u16 = 3;
 
 const FENCE_NONE: u8 = 0;
 const FENCE_EVENT: u8 = 1;
 const FENCE_SIGNAL: u8 = 2;
 /// The largest packet: one SEQPACKET message must fit the socket's send buffer.
+///
+/// ```
+/// use tensor_queue::wire::{Frame, MAX_PACKET, packets};
+/// let message = |payload: usize| {
+///     Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload: vec![0; payload] }.encode()
+/// };
+/// assert_eq!(packets(&message(1000)).len(), 1);
+/// assert!(packets(&message(MAX_PACKET)).len() > 1, "longer than a packet: sent in parts");
+/// ```
 pub const MAX_PACKET: usize = 64 << 10;
 /// The largest frame, after its parts are joined: a message's encoded descriptors and payload
 /// (about 100 bytes per tensor plus the serde bytes). `send` refuses a larger message with
 /// [`Error::TooLarge`](crate::Error::TooLarge); bulk data belongs in tensors.
+///
+/// ```
+/// use tensor_queue::wire::MAX_MESSAGE_BYTES;
+/// // About 100 bytes per tensor: a message of a million tensors still fits, with room for its fields.
+/// assert!(1_000_000 * 100 < MAX_MESSAGE_BYTES);
+/// ```
 pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// The most dimensions of a tensor.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, wire::MAX_DIMS};
+/// assert_eq!(Tensor::zeros(DType::U8, &[1; MAX_DIMS])?.shape().len(), MAX_DIMS);
+/// assert!(Tensor::zeros(DType::U8, &[1; MAX_DIMS + 1]).is_err());
+/// # Ok(()) }
+/// ```
 pub const MAX_DIMS: usize = 32;
 /// The most message ids in one release frame (a receiver sends more as several frames).
+///
+/// ```
+/// use tensor_queue::wire::{Frame, FrameError, MAX_RELEASES};
+/// let too_many = Frame::Release { messages: vec![1; MAX_RELEASES + 1] }.encode();
+/// assert!(matches!(Frame::decode(&too_many), Err(FrameError::TooMany { what: "releases", .. })));
+/// ```
 pub const MAX_RELEASES: usize = 4096;
 /// The longest reason text in a `Rejected` or `Close` frame.
+///
+/// ```
+/// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
+/// use tensor_queue::wire::{Frame, MAX_REASON};
+/// let long = Frame::Rejected { seq: 1, reason: "x".repeat(2 * MAX_REASON) };
+/// let Frame::Rejected { reason, .. } = Frame::decode(&long.encode())? else { unreachable!() };
+/// assert_eq!(reason.len(), MAX_REASON); // cut when encoded, so that it always decodes
+/// # Ok(()) }
+/// ```
 pub const MAX_REASON: usize = 4096;
 /// Size of an encoded legacy IPC handle.
+///
+/// ```
+/// use tensor_queue::wire::{ChunkKind, Frame, LEGACY_HANDLE_LEN};
+/// let announce = |handle: Vec<u8>| {
+///     let kind = ChunkKind::Legacy;
+///     let chunk = Frame::Chunk { id: 1, len: 4096, kind, device: [0; 16], legacy: Some(handle), writable: false };
+///     Frame::decode(&chunk.encode())
+/// };
+/// assert!(announce(vec![0; LEGACY_HANDLE_LEN]).is_ok());
+/// assert!(announce(vec![0; 8]).is_err(), "a handle of another size");
+/// ```
 pub const LEGACY_HANDLE_LEN: usize = ipc_core::IpcMemHandle::ENCODED_LEN;
 const HEADER_LEN: usize = 12;
 
 /// A frame that cannot be used.
+///
+/// ```
+/// use tensor_queue::wire::{Frame, FrameError};
+/// assert!(matches!(Frame::decode(b"GET / HTTP/1.1\r\n"), Err(FrameError::BadMagic(_))));
+/// assert!(matches!(Frame::decode(&[]), Err(FrameError::Truncated { .. })));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum FrameError {
@@ -98,6 +167,14 @@ pub enum FrameError {
 }
 
 /// The kind of memory a chunk announcement maps.
+///
+/// ```
+/// use tensor_queue::wire::{ChunkKind, Frame};
+/// // A host chunk's announcement: its shared-memory descriptor travels beside the frame.
+/// let (kind, legacy) = (ChunkKind::Host, None);
+/// let announce = Frame::Chunk { id: 7, len: 64 << 20, kind, device: [0; 16], legacy, writable: false };
+/// assert_eq!(Frame::decode(&announce.encode()), Ok(announce));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum ChunkKind {
@@ -110,6 +187,21 @@ pub enum ChunkKind {
 }
 
 /// One tensor of a message.
+///
+/// ```
+/// use tensor_queue::DType;
+/// use tensor_queue::wire::{Fence, Frame, FrameError, TensorDesc};
+/// let message = |desc: TensorDesc| {
+///     Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] }.encode()
+/// };
+/// let desc = TensorDesc {
+///     chunk: 1, storage_offset: 512, storage_len: 48, view_offset: 0,
+///     dtype: DType::F32, fence: Fence::None, shape: vec![3, 4], strides: vec![4, 1],
+/// };
+/// assert!(Frame::decode(&message(desc.clone())).is_ok());
+/// let too_long = TensorDesc { shape: vec![3, 5], ..desc }; // 60 bytes of view in 48 of storage
+/// assert!(matches!(Frame::decode(&message(too_long)), Err(FrameError::OutOfBounds { index: 0, .. })));
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorDesc {
     /// The chunk holding the storage.
@@ -131,6 +223,20 @@ pub struct TensorDesc {
 }
 
 /// How a receiver orders its first use of a GPU tensor after the producer's work.
+///
+/// ```
+/// use tensor_queue::DType;
+/// use tensor_queue::wire::{Fence, Frame, TensorDesc};
+/// // The producer's stream writes 12 into the word at byte 64 of chunk 3 once the tensor is
+/// // written; the receiver's stream waits for that value before the tensor's first use.
+/// let fence = Fence::Signal { chunk: 3, offset: 64, value: 12 };
+/// let desc = TensorDesc {
+///     chunk: 3, storage_offset: 4096, storage_len: 16, view_offset: 0,
+///     dtype: DType::F32, fence, shape: vec![4], strides: vec![1],
+/// };
+/// let frame = Frame::Message { seq: 9, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] };
+/// assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fence {
     /// Nothing to wait for: a host tensor, or the sender synchronised its device.
@@ -149,6 +255,13 @@ pub enum Fence {
 }
 
 /// Everything that crosses a connection.
+///
+/// ```
+/// use tensor_queue::wire::Frame;
+/// // What a receiver sends once its caller took 8 messages: 8 more may come.
+/// let credit = Frame::Credit { count: 8 };
+/// assert_eq!(Frame::decode(&credit.encode()), Ok(credit));
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Frame {
     /// First frame each way: who is speaking, and (from a receiver) how many messages may be in flight.
@@ -326,6 +439,12 @@ impl<'a> Reader<'a> {
 
 impl Frame {
     /// The frame's bytes.
+    ///
+    /// ```
+    /// use tensor_queue::wire::Frame;
+    /// let bytes = Frame::Release { messages: vec![1, 2, 3] }.encode();
+    /// assert_eq!(bytes.len(), 12 + 4 + 3 * 8); // header, count, one u64 per message
+    /// ```
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer(Vec::with_capacity(64));
         w.bytes(&MAGIC);
@@ -419,6 +538,14 @@ impl Frame {
     }
 
     /// Decodes and validates one frame. Never panics, whatever the bytes.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
+    /// use tensor_queue::wire::Frame;
+    /// assert_eq!(Frame::decode(&Frame::Retire { chunk: 5 }.encode())?, Frame::Retire { chunk: 5 });
+    /// assert!(Frame::decode(&[0xff; 64]).is_err()); // an error, never a panic, whatever the bytes
+    /// # Ok(()) }
+    /// ```
     pub fn decode(bytes: &[u8]) -> Result<Frame, FrameError> {
         if bytes.len() > MAX_MESSAGE_BYTES {
             return Err(FrameError::TooMany { what: "bytes", count: bytes.len(), max: MAX_MESSAGE_BYTES });
@@ -531,11 +658,28 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
 /// The most bytes a view's elements may add up to (256 TiB, more than any machine's memory): a
 /// zero-stride view may have far more elements than its storage has bytes, but reading it whole
 /// must stay possible to count, allocate and loop over.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, wire::MAX_VIEW_BYTES};
+/// let one = Tensor::zeros(DType::F32, &[1])?;
+/// let huge = one.expand(&[MAX_VIEW_BYTES / 4])?; // still a view of 4 bytes
+/// assert_eq!(huge.nbytes() as u64, MAX_VIEW_BYTES);
+/// assert!(one.expand(&[MAX_VIEW_BYTES / 4 + 1]).is_err());
+/// # Ok(()) }
+/// ```
 pub const MAX_VIEW_BYTES: u64 = 1 << 48;
 
 /// What every view must satisfy, at the sender and the receiver alike: at most [`MAX_DIMS`]
 /// dimensions, elements adding up to at most [`MAX_VIEW_BYTES`], and element 0 at a multiple of
 /// the element size from the chunk's (page-aligned) start, so typed reads are aligned.
+///
+/// ```
+/// use tensor_queue::{DType, wire::check_layout};
+/// assert!(check_layout(&[2, 3], &[3, 1], DType::F32, 4096).is_ok());
+/// assert!(check_layout(&[2, 3], &[3, 1], DType::F32, 4098).is_err()); // element 0 unaligned
+/// assert!(check_layout(&[1 << 62], &[0], DType::F32, 0).is_err()); // too many bytes, even at stride 0
+/// ```
 pub fn check_layout(shape: &[u64], strides: &[i64], dtype: DType, byte_offset: u64) -> Result<(), String> {
     if shape.len() > MAX_DIMS || strides.len() != shape.len() {
         return Err(format!("{} dimensions and {} strides; at most {MAX_DIMS}", shape.len(), strides.len()));
@@ -551,6 +695,15 @@ pub fn check_layout(shape: &[u64], strides: &[i64], dtype: DType, byte_offset: u
 }
 
 /// The packets that carry `frame` (its encoded bytes): itself if it fits one, else parts.
+///
+/// ```
+/// use tensor_queue::wire::{Frame, MAX_PACKET, packets};
+/// let payload = vec![7; 200_000];
+/// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload }.encode();
+/// let parts = packets(&bytes);
+/// assert!(parts.len() > 1 && parts.iter().all(|part| part.len() <= MAX_PACKET));
+/// assert_eq!(packets(&Frame::Credit { count: 1 }.encode()).len(), 1); // a short frame goes whole
+/// ```
 pub fn packets(frame: &[u8]) -> Vec<std::borrow::Cow<'_, [u8]>> {
     use std::borrow::Cow;
     if frame.len() <= MAX_PACKET {
@@ -575,6 +728,20 @@ pub fn packets(frame: &[u8]) -> Vec<std::borrow::Cow<'_, [u8]>> {
 }
 
 /// Joins the packets of one connection into frames.
+///
+/// ```
+/// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
+/// use tensor_queue::wire::{Assembler, Frame, packets};
+/// let frame = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload: vec![7; 200_000] };
+/// let bytes = frame.encode();
+/// let mut assembler = Assembler::default(); // one per connection
+/// let mut joined = None;
+/// for packet in packets(&bytes) {
+///     joined = assembler.push(&packet, Vec::new())?; // as read from the socket, in order
+/// }
+/// assert_eq!(joined.map(|(frame, _fds)| frame), Some(frame));
+/// # Ok(()) }
+/// ```
 #[derive(Default)]
 pub struct Assembler {
     parts: Vec<u8>,
@@ -584,11 +751,36 @@ pub struct Assembler {
 
 impl Assembler {
     /// Whether a frame's parts have begun and not ended.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
+    /// use tensor_queue::wire::{Assembler, Frame, packets};
+    /// let payload = vec![7; 200_000];
+    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload }.encode();
+    /// let mut assembler = Assembler::default();
+    /// assert!(assembler.push(&packets(&bytes)[0], Vec::new())?.is_none());
+    /// assert!(assembler.is_joining()); // the rest of the frame is still to come
+    /// # Ok(()) }
+    /// ```
     pub fn is_joining(&self) -> bool {
         !self.parts.is_empty()
     }
 
     /// Takes one packet (and the descriptors that came with it): the frame it completes, if any.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
+    /// use tensor_queue::wire::{Assembler, Frame, FrameError, packets};
+    /// let payload = vec![7; 200_000];
+    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload }.encode();
+    /// let mut assembler = Assembler::default();
+    /// let credit = Frame::Credit { count: 1 }.encode();
+    /// assert_eq!(assembler.push(&credit, Vec::new())?.map(|(frame, _)| frame), Some(Frame::Credit { count: 1 }));
+    /// assembler.push(&packets(&bytes)[0], Vec::new())?;
+    /// // A whole frame in the middle of another's parts is a broken peer.
+    /// assert_eq!(assembler.push(&credit, Vec::new()).err(), Some(FrameError::Parts));
+    /// # Ok(()) }
+    /// ```
     pub fn push(
         &mut self,
         packet: &[u8],

@@ -50,6 +50,19 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 /// [`spawn`], then waits up to `timeout` for the child to take its end ([`Sender::wait_ready`]).
 /// A child that exits first, or does not take it in time, is killed and reaped, and the error
 /// says which.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::process::Command;
+/// use std::time::Duration;
+/// let mut worker = Command::new("./worker");
+/// // A worker that fails before it takes its end is an error here, not a hang at the first send.
+/// let (mut child, jobs) = tensor_queue::spawn_timeout::<String>(&mut worker, Duration::from_secs(30))?;
+/// jobs.send(&"job 1".to_string())?;
+/// drop(jobs); // the worker's `recv` then says Disconnected
+/// assert!(child.wait().expect("reaping the worker").success());
+/// # Ok(()) }
+/// ```
 pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> Result<(Child, Sender<T>)> {
     let (mut child, sender) = spawn(command)?;
     match sender.wait_ready(timeout) {
@@ -135,6 +148,21 @@ fn start(command: &mut Command, count: usize) -> Result<(Child, Vec<Connection>)
 }
 
 /// In a child started by [`spawn`]: the receiving end of the channel from the parent.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// // In ./worker, started by `tensor_queue::spawn::<Tensor>`:
+/// use tensor_queue::{Error, Tensor};
+/// let mut jobs = tensor_queue::from_parent::<Tensor>()?;
+/// loop {
+///     match jobs.recv() {
+///         Ok(t) => println!("{} elements", t.numel()),
+///         Err(Error::Disconnected) => break, // the parent dropped its sender
+///         Err(other) => return Err(other),
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
     from_parent_with_capacity(DEFAULT_CAPACITY)
 }
@@ -142,12 +170,31 @@ pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
 /// [`from_parent`], letting the parent have `capacity` messages in flight.
 ///
 /// The descriptor can be taken once per process: a second call is an error.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// // In a worker that takes its jobs 64 at a time: the parent may send that far ahead.
+/// let mut jobs = tensor_queue::from_parent_with_capacity::<Vec<u8>>(64)?;
+/// let batch: Vec<Vec<u8>> = (0..64).map_while(|_| jobs.recv().ok()).collect();
+/// println!("{} jobs", batch.len());
+/// # Ok(()) }
+/// ```
 pub fn from_parent_with_capacity<T: DeserializeOwned>(capacity: u32) -> Result<Receiver<T>> {
     let mut sockets = take_parent_sockets()?;
     Receiver::from_connection(Connection::from(sockets.remove(0)), capacity)
 }
 
 /// In a child started by [`spawn_duplex`]: the requests from the parent, and the answers to it.
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// // In ./tokenizer, started by `tensor_queue::spawn_duplex::<String, Vec<u32>>`:
+/// let (mut texts, tokens) = tensor_queue::from_parent_duplex::<String, Vec<u32>>()?;
+/// while let Ok(text) = texts.recv() {
+///     tokens.send(&text.bytes().map(u32::from).collect())?;
+/// }
+/// # Ok(()) }
+/// ```
 pub fn from_parent_duplex<Request: DeserializeOwned, Answer: Serialize>() -> Result<(Receiver<Request>, Sender<Answer>)>
 {
     let mut sockets = take_parent_sockets()?;

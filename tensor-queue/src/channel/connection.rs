@@ -23,6 +23,21 @@ use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
 use crate::{Error, Result, Tensor, TransferPath};
 
 /// When and how a message arrived, on the machine's monotonic clock (nanoseconds).
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{Receiver, Sender};
+/// # let path = std::env::temp_dir().join(format!("doc-{}-message-info.sock", std::process::id()));
+/// # let mut receiver = Receiver::<u32>::bind(&path)?;
+/// # let sender = Sender::<u32>::connect(&path)?;
+/// sender.send(&1)?;
+/// let (_, info) = receiver.recv_with_info(None)?;
+/// // One clock for every process of the machine: the stages are in order, whoever sent.
+/// assert!(info.sent_ns <= info.encoded_ns && info.encoded_ns <= info.arrived_ns);
+/// assert!(info.arrived_ns <= info.imported_ns && info.imported_ns <= info.decoded_ns);
+/// println!("in the socket: {} ns", info.arrived_ns - info.encoded_ns);
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MessageInfo {
     /// The sender's process id.

@@ -99,13 +99,57 @@ pub(crate) use release::ReceivedLease;
 pub use sender::{Broadcast, Rejection, Sender};
 
 /// Messages a sender may have in flight to a receiver unless the receiver says otherwise.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::time::Duration;
+/// use tensor_queue::{DEFAULT_CAPACITY, Error, Receiver, Sender};
+/// # let path = std::env::temp_dir().join(format!("doc-{}-default-capacity.sock", std::process::id()));
+/// let _receiver = Receiver::<u32>::bind(&path)?; // never receives
+/// let sender = Sender::<u32>::connect(&path)?;
+/// sender.wait_ready(Duration::from_secs(10))?;
+/// for i in 0..DEFAULT_CAPACITY {
+///     sender.try_send(&i)?;
+/// }
+/// assert!(matches!(sender.try_send(&0), Err(Error::Full)));
+/// # Ok(()) }
+/// ```
 pub const DEFAULT_CAPACITY: u32 = 16;
 
 /// The environment variable through which [`spawn`] tells a child the number of the inherited
 /// descriptor that is its end of the channel.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{channel::ENDPOINT_ENV, from_parent};
+/// // A worker that can also be started by hand, without a parent's channel:
+/// if std::env::var_os(ENDPOINT_ENV).is_some() {
+///     let mut jobs = from_parent::<String>()?;
+///     while let Ok(job) = jobs.recv() {
+///         println!("{job}");
+///     }
+/// } else {
+///     println!("started by hand: no channel from a parent");
+/// }
+/// # Ok(()) }
+/// ```
 pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
 
 /// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::time::Duration;
+/// use tensor_queue::{Receiver, Sender, monotonic_ns};
+/// # let path = std::env::temp_dir().join(format!("doc-{}-monotonic.sock", std::process::id()));
+/// let mut receiver = Receiver::<u64>::bind(&path)?;
+/// let sender = Sender::<u64>::connect(&path)?; // usually in another process: the clock is the same
+/// sender.send(&monotonic_ns())?;
+/// let sent = receiver.recv()?;
+/// let latency = Duration::from_nanos(monotonic_ns() - sent);
+/// assert!(latency < Duration::from_secs(10));
+/// # Ok(()) }
+/// ```
 pub fn monotonic_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64

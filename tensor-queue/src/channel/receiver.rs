@@ -82,15 +82,22 @@ impl Acceptor {
     }
 }
 
-impl Drop for Acceptor {
-    fn drop(&mut self) {
-        // Stopped and joined, so the listener (and with it the socket file) goes now, not when
-        // the thread next wakes: a receiver that exits cleanly leaves no socket file behind.
+impl Acceptor {
+    /// Stops and joins the accept thread: after this, everything it accepted is at the doorbell.
+    fn stop(&mut self) {
         self.closed.store(true, Ordering::Release);
         self.listener.wake();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+    }
+}
+
+impl Drop for Acceptor {
+    fn drop(&mut self) {
+        // Stopped and joined, so the listener (and with it the socket file) goes now, not when
+        // the thread next wakes: a receiver that exits cleanly leaves no socket file behind.
+        self.stop();
     }
 }
 
@@ -131,11 +138,37 @@ pub struct Receiver<T> {
 
 impl<T: DeserializeOwned> Receiver<T> {
     /// Listens at `path` with the default capacity per sender.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Receiver, Sender};
+    /// let path = std::env::temp_dir().join(format!("doc-{}-bind.sock", std::process::id()));
+    /// let mut receiver = Receiver::<Vec<f32>>::bind(&path)?;
+    /// let sender = Sender::<Vec<f32>>::connect(&path)?; // any process of this user on this machine
+    /// sender.send(&vec![1.0, 2.0])?;
+    /// assert_eq!(receiver.recv()?, [1.0, 2.0]);
+    /// # Ok(()) }
+    /// ```
     pub fn bind(path: impl AsRef<Path>) -> Result<Receiver<T>> {
         Receiver::bind_with_capacity(path, DEFAULT_CAPACITY)
     }
 
     /// Listens at `path`; each sender may have `capacity` messages not yet received.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-bind-capacity.sock", std::process::id()));
+    /// let mut receiver = Receiver::<u32>::bind_with_capacity(&path, 2)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// sender.wait_ready(Duration::from_secs(10))?;
+    /// sender.try_send(&1)?;
+    /// sender.try_send(&2)?;
+    /// assert!(matches!(sender.try_send(&3), Err(Error::Full)), "a third waits for the receiver");
+    /// assert_eq!(receiver.recv()?, 1);
+    /// # Ok(()) }
+    /// ```
     pub fn bind_with_capacity(path: impl AsRef<Path>, capacity: u32) -> Result<Receiver<T>> {
         let mut receiver = Receiver::new(capacity);
         receiver.acceptor = Some(Acceptor::start(Listener::bind(path)?, receiver.capacity)?);
@@ -143,6 +176,20 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     /// A receiver over an already connected socket (see [`super::from_parent`]).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use ipc_core::seqpacket::Connection;
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// let (ours, theirs) = Connection::pair()?;
+    /// let mut receiver = Receiver::<String>::from_connection(ours, 4)?;
+    /// let sender = Sender::<String>::from_connection(theirs)?; // usually in a process you started
+    /// sender.send(&"ping".to_string())?;
+    /// assert_eq!(receiver.recv()?, "ping");
+    /// drop(sender);
+    /// assert!(matches!(receiver.recv(), Err(Error::Disconnected)), "its one sender left");
+    /// # Ok(()) }
+    /// ```
     pub fn from_connection(connection: Connection, capacity: u32) -> Result<Receiver<T>> {
         let mut receiver = Receiver::new(capacity);
         let link = Link::new(connection)?;
@@ -168,6 +215,16 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     /// Where senders connect, for a bound receiver.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::Receiver;
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-path.sock", std::process::id()));
+    /// let receiver = Receiver::<u32>::bind(&path)?;
+    /// let address = receiver.path().expect("a bound receiver has a path"); // what senders connect to
+    /// assert_eq!(address, path);
+    /// # Ok(()) }
+    /// ```
     pub fn path(&self) -> Option<&Path> {
         self.acceptor.as_ref().map(|acceptor| acceptor.listener.path())
     }
@@ -178,6 +235,21 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// socket floor in `BENCHMARKS.md`); spinning takes that off the hand-off's latency at the
     /// price of a busy CPU core while waiting, as iceoryx2's busy-wait mode does. Zero (the
     /// default) never spins.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-receiver-spin.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<u64>::bind(&path)?;
+    /// # let sender = Sender::<u64>::connect(&path)?;
+    /// receiver.set_spin(Duration::from_micros(20)); // latency first: spend a core while waiting
+    /// for i in 0..100 {
+    ///     sender.send(&i)?;
+    ///     assert_eq!(receiver.recv()?, i);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn set_spin(&mut self, spin: Duration) {
         self.spin = spin;
     }
@@ -193,21 +265,88 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// [`Error::Rejected`] (the message could not be used here, for example a tensor on a GPU this
     /// process cannot see; its sender is told) and [`Error::ProducerFailed`] (its producer died
     /// before its GPU work on the message was done, so the data is not what it sent).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-recv.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<String>::bind(&path)?;
+    /// # let sender = Sender::<String>::connect(&path)?;
+    /// sender.send(&"first".to_string())?;
+    /// sender.send(&"second".to_string())?;
+    /// drop(sender);
+    /// let mut received = Vec::new();
+    /// loop {
+    ///     match receiver.recv() {
+    ///         Ok(message) => received.push(message),
+    ///         Err(Error::Disconnected) => break, // after everything it sent
+    ///         Err(other) => return Err(other),
+    ///     }
+    /// }
+    /// assert_eq!(received, ["first", "second"]);
+    /// # Ok(()) }
+    /// ```
     pub fn recv(&mut self) -> Result<T> {
         self.recv_with_info(None).map(|(message, _)| message)
     }
 
     /// Waits up to `timeout` for the next message.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-recv-timeout.sock", std::process::id()));
+    /// let mut receiver = Receiver::<u32>::bind(&path)?;
+    /// let _sender = Sender::<u32>::connect(&path)?; // connected, but sends nothing
+    /// let waited = receiver.recv_timeout(Duration::from_millis(10));
+    /// assert!(matches!(waited, Err(Error::Timeout)));
+    /// # Ok(()) }
+    /// ```
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<T> {
         self.recv_with_info(Some(timeout)).map(|(message, _)| message)
     }
 
     /// The next message if one is waiting.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::{Duration, Instant};
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-try-recv.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<u32>::bind(&path)?;
+    /// # let sender = Sender::<u32>::connect(&path)?;
+    /// assert!(matches!(receiver.try_recv(), Err(Error::Empty)));
+    /// sender.send(&5)?;
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    /// let n = loop {
+    ///     match receiver.try_recv() {
+    ///         Ok(n) => break n,
+    ///         Err(Error::Empty) => assert!(Instant::now() < deadline), // other work of the loop here
+    ///         Err(other) => return Err(other),
+    ///     }
+    /// };
+    /// assert_eq!(n, 5);
+    /// # Ok(()) }
+    /// ```
     pub fn try_recv(&mut self) -> Result<T> {
         self.recv_with_info(Some(Duration::ZERO)).map(|(message, _)| message)
     }
 
     /// The next message and when each stage of its hand-off happened.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-recv-info.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<u32>::bind(&path)?;
+    /// # let sender = Sender::<u32>::connect(&path)?;
+    /// sender.send(&42)?;
+    /// let (n, info) = receiver.recv_with_info(None)?;
+    /// assert_eq!((n, info.seq, info.sender_pid), (42, 1, std::process::id()));
+    /// println!("from send to decoded: {} ns", info.decoded_ns - info.sent_ns);
+    /// # Ok(()) }
+    /// ```
     pub fn recv_with_info(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
@@ -253,6 +392,28 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// feed it: once `count` senders have connected, no more may join, and `recv` returns
     /// [`Error::Disconnected`](crate::Error::Disconnected) only when all of them have left and
     /// every message they sent is received (not in a moment between two senders).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-expect-senders.sock", std::process::id()));
+    /// let mut receiver = Receiver::<u32>::bind(&path)?;
+    /// receiver.expect_senders(2);
+    /// for worker in 0..2 {
+    ///     Sender::<u32>::connect(&path)?.send(&worker)?; // connects, sends and leaves
+    /// }
+    /// let mut received = Vec::new();
+    /// loop {
+    ///     match receiver.recv() {
+    ///         Ok(worker) => received.push(worker),
+    ///         Err(Error::Disconnected) => break, // both came and went: a definite end
+    ///         Err(other) => return Err(other),
+    ///     }
+    /// }
+    /// received.sort();
+    /// assert_eq!(received, [0, 1]);
+    /// # Ok(()) }
+    /// ```
     pub fn expect_senders(&mut self, count: usize) {
         self.expected = Some(count);
     }
@@ -260,9 +421,27 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// Lets no more senders join (the socket file goes): `recv` returns
     /// [`Error::Disconnected`](crate::Error::Disconnected) once the senders connected now have
     /// left and every message they sent is received.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-stop-accepting.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<u32>::bind(&path)?;
+    /// # let sender = Sender::<u32>::connect(&path)?;
+    /// sender.send(&1)?;
+    /// assert_eq!(receiver.recv()?, 1); // this sender has joined
+    /// receiver.stop_accepting()?;
+    /// assert!(Sender::<u32>::connect(&path).is_err(), "the socket file is gone");
+    /// drop(sender);
+    /// assert!(matches!(receiver.recv(), Err(Error::Disconnected)));
+    /// # Ok(()) }
+    /// ```
     pub fn stop_accepting(&mut self) -> Result<()> {
-        // Connections already accepted are taken first; those still waiting at the doorbell
-        // would otherwise be dropped.
+        // The thread stops first, then every connection it accepted (and greeted: their senders
+        // may already be sending) is taken from the doorbell; dropped, they would be lost.
+        if let Some(acceptor) = &mut self.acceptor {
+            acceptor.stop();
+        }
         while self.accept_waiting()? {}
         self.acceptor = None;
         Ok(())
@@ -273,6 +452,27 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// peers refused ([`Error::PeerRefused`](crate::Error::PeerRefused)) and messages rejected
     /// ([`Error::Rejected`](crate::Error::Rejected), also returned by `recv`). Other senders were
     /// not affected by any of them.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::{Duration, Instant};
+    /// use ipc_core::seqpacket::Connection;
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-take-errors.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<u32>::bind(&path)?;
+    /// # let sender = Sender::<u32>::connect(&path)?;
+    /// let rogue = Connection::connect(&path)?; // not a tensor-queue sender
+    /// rogue.send(b"not a frame", &[])?;
+    /// sender.send(&1)?;
+    /// assert_eq!(receiver.recv()?, 1); // other senders go on
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    /// let mut errors = receiver.take_errors();
+    /// while errors.is_empty() && Instant::now() < deadline {
+    ///     errors = receiver.take_errors();
+    /// }
+    /// assert!(matches!(errors[..], [Error::ConnectionClosed { .. }]), "{errors:?}");
+    /// # Ok(()) }
+    /// ```
     pub fn take_errors(&mut self) -> Vec<Error> {
         if self.arrivals.is_empty() {
             // Read what is waiting, so errors of frames already sent are seen.
@@ -285,6 +485,18 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// [`Receiver::set_stream`]. Otherwise each sender's tensors have a stream of their own
     /// ([`Tensor::stream`](crate::Tensor::stream)), so that one producer's slow work never holds
     /// up another's tensors; this returns a new stream of the device then, for the caller's use.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Receiver, Tensor, TensorDevice};
+    /// let mut receiver = Receiver::<Tensor>::bind("/tmp/activations.sock")?;
+    /// let x = receiver.recv()?;
+    /// let TensorDevice::Cuda(device) = x.device() else { panic!("a host tensor") };
+    /// let work = receiver.stream(&device)?; // a new stream of x's GPU: none was set
+    /// let y = x.copy_on(&work)?; // after x's producer, on `work`
+    /// # drop(y);
+    /// # Ok(()) }
+    /// ```
     pub fn stream(&self, device: &Uuid) -> Result<Arc<Stream>> {
         match self.devices.chosen(device) {
             Some(stream) => Ok(stream),
@@ -295,6 +507,19 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// Orders GPU tensors of `stream`'s device on `stream` from now on, whichever sender they
     /// come from: work queued on it waits for every producer's fences, so a slow producer then
     /// delays the others' tensors too.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::sync::Arc;
+    /// use tensor_queue::{Context, Receiver, Stream, Tensor};
+    /// let mut receiver = Receiver::<Tensor>::bind("/tmp/activations.sock")?;
+    /// let context = Context::on_ordinal(0)?;
+    /// let compute = Arc::new(Stream::new(&context)?);
+    /// receiver.set_stream(compute.clone())?; // every sender's tensors, ordered on our one stream
+    /// let x = receiver.recv()?;
+    /// assert!(Arc::ptr_eq(x.stream().expect("a GPU tensor"), &compute));
+    /// # Ok(()) }
+    /// ```
     pub fn set_stream(&self, stream: Arc<Stream>) -> Result<()> {
         self.devices.choose(stream)
     }
@@ -394,8 +619,11 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// were any.
     fn accept_waiting(&mut self) -> Result<bool> {
         let Some(acceptor) = &self.acceptor else { return Ok(false) };
-        let Some((_, fds)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
+        let Some((n, fds)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
         self.errors.append(&mut lock(&acceptor.refused));
+        if n == 0 {
+            return Ok(false); // the accept thread has ended (`stop_accepting`): nothing more comes
+        }
         for fd in fds {
             match Link::new(Connection::from(fd)) {
                 Ok(link) => self.connected.push(Connected::new(link)),

@@ -27,6 +27,22 @@ use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
 use crate::{Error, Refusal, Result};
 
 /// A message the receiver refused (see [`Sender::take_rejected`]).
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::time::Duration;
+/// use tensor_queue::{Context, DType, Sender, Stream, Tensor};
+/// let sender = Sender::<Tensor>::connect("/tmp/cpu-only-worker.sock")?; // a receiver without this GPU
+/// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+/// let x = Tensor::from_slice_cuda(&[1.0f32, 2.0], DType::F32, &[2], &stream)?;
+/// sender.send_on(&x, &stream)?;
+/// sender.wait_released(Duration::from_secs(10)); // a refused message is given back too
+/// for rejected in sender.take_rejected() {
+///     eprintln!("message {} refused ({}): sending a host copy", rejected.seq, rejected.reason);
+///     sender.send(&Tensor::from_bytes(&x.to_bytes()?, x.dtype(), x.shape())?)?;
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rejection {
     /// The message's sequence number on this connection: the first message sent is 1.
@@ -148,11 +164,34 @@ impl Drop for Handle {
 
 impl<T: Serialize> Sender<T> {
     /// Connects to the receiver listening at `path`.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Receiver, Sender};
+    /// let path = std::env::temp_dir().join(format!("doc-{}-connect.sock", std::process::id()));
+    /// let mut receiver = Receiver::<String>::bind(&path)?; // usually in another process
+    /// let sender = Sender::<String>::connect(&path)?;
+    /// sender.send(&"hello".to_string())?;
+    /// assert_eq!(receiver.recv()?, "hello");
+    /// # Ok(()) }
+    /// ```
     pub fn connect(path: impl AsRef<Path>) -> Result<Sender<T>> {
         Sender::from_connection(Connection::connect(path)?)
     }
 
     /// A sender over an already connected socket (see [`spawn`](super::spawn)).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use ipc_core::seqpacket::Connection;
+    /// use tensor_queue::{DEFAULT_CAPACITY, Receiver, Sender};
+    /// let (ours, theirs) = Connection::pair()?; // `theirs` would go to a process you start
+    /// let sender = Sender::<u32>::from_connection(ours)?;
+    /// let mut receiver = Receiver::<u32>::from_connection(theirs, DEFAULT_CAPACITY)?;
+    /// sender.send(&7)?;
+    /// assert_eq!(receiver.recv()?, 7);
+    /// # Ok(()) }
+    /// ```
     pub fn from_connection(connection: Connection) -> Result<Sender<T>> {
         let link = Link::new(connection)?;
         match link.hello(0) {
@@ -193,28 +232,103 @@ impl<T: Serialize> Sender<T> {
     /// that refuses the message after it was sent (for example a GPU it cannot see) reports it
     /// through [`Sender::take_rejected`]. [`Error::Disconnected`] means the receiver is gone or
     /// closed the channel.
+    ///
+    /// ```
+    /// use serde::{Deserialize, Serialize};
+    /// use tensor_queue::{DType, Receiver, Sender, Tensor};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Batch {
+    ///     images: Tensor,
+    ///     labels: Vec<u32>,
+    /// }
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-send.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<Batch>::bind(&path)?;
+    /// # let sender = Sender::<Batch>::connect(&path)?;
+    /// let images = Tensor::zeros(DType::U8, &[2, 28, 28])?;
+    /// sender.send(&Batch { images, labels: vec![3, 7] })?;
+    /// let batch = receiver.recv()?;
+    /// assert_eq!((batch.images.shape(), &batch.labels[..]), (&[2, 28, 28][..], &[3, 7][..]));
+    /// # Ok(()) }
+    /// ```
     pub fn send(&self, message: &T) -> Result<()> {
         self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Forever)
     }
 
     /// Sends `message` whose GPU tensors were produced by work queued on `stream`; the receiver's
     /// first use is ordered after that work, and no CPU waits. Limits as for [`Sender::send`].
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Context, DType, Sender, Stream, Tensor};
+    /// # let sender = Sender::<Tensor>::connect("/tmp/activations.sock")?;
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    ///
+    /// let x = Tensor::empty_cuda(stream.context(), DType::F32, &[1024])?;
+    /// x.fill_on(2.0f32, &stream)?; // the producer's work, queued
+    /// sender.send_on(&x, &stream)?; // returns at once: the receiver's stream waits for the fill
+    /// # Ok(()) }
+    /// ```
     pub fn send_on(&self, message: &T, stream: &Stream) -> Result<()> {
         self.inner().send_outgoing(&Outgoing::on_stream(message, stream)?, Wait::Forever)
     }
 
     /// [`Sender::send`], giving up with [`Error::Timeout`] (nothing sent) when the receiver has no
     /// room for the message within `timeout`.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-send-timeout.sock", std::process::id()));
+    /// let _receiver = Receiver::<u32>::bind_with_capacity(&path, 1)?; // never receives
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// sender.send_timeout(&1, Duration::from_secs(10))?;
+    /// let full = sender.send_timeout(&2, Duration::from_millis(10));
+    /// assert!(matches!(full, Err(Error::Timeout)), "nothing was sent");
+    /// # Ok(()) }
+    /// ```
     pub fn send_timeout(&self, message: &T, timeout: Duration) -> Result<()> {
         self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Until(Instant::now() + timeout))
     }
 
     /// [`Sender::send_on`] with a timeout, as [`Sender::send_timeout`].
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Context, DType, Error, Sender, Stream, Tensor};
+    /// # let sender = Sender::<Tensor>::connect("/tmp/frames.sock")?;
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    ///
+    /// let frame = Tensor::zeros_cuda(DType::U8, &[1080, 1920, 3], &stream)?;
+    /// match sender.send_on_timeout(&frame, &stream, Duration::from_millis(30)) {
+    ///     Ok(()) => {}
+    ///     Err(Error::Timeout) => eprintln!("the consumer is behind: this frame is dropped"),
+    ///     Err(other) => return Err(other),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn send_on_timeout(&self, message: &T, stream: &Stream, timeout: Duration) -> Result<()> {
         self.inner().send_outgoing(&Outgoing::on_stream(message, stream)?, Wait::Until(Instant::now() + timeout))
     }
 
     /// [`Sender::send`] if the receiver has room now, else [`Error::Full`] (nothing sent).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-try-send.sock", std::process::id()));
+    /// let mut receiver = Receiver::<u32>::bind_with_capacity(&path, 1)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// sender.wait_ready(Duration::from_secs(10))?; // the credits come with the receiver's greeting
+    /// sender.try_send(&1)?;
+    /// assert!(matches!(sender.try_send(&2), Err(Error::Full)), "nothing was sent");
+    /// assert_eq!(receiver.recv()?, 1);
+    /// # Ok(()) }
+    /// ```
     pub fn try_send(&self, message: &T) -> Result<()> {
         self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Never)
     }
@@ -232,11 +346,42 @@ impl<T> Sender<T> {
     /// sleeping sender is woken by that thread in turn: two wake-ups between the receiver taking
     /// messages and the sender going on, which bound a streaming producer's rate (`BENCHMARKS.md`).
     /// Spinning costs a busy core while the queue is full. Zero (the default) never spins.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-sender-spin.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<u64>::bind(&path)?;
+    /// # let sender = Sender::<u64>::connect(&path)?;
+    /// sender.set_spin(Duration::from_micros(50)); // a producer that streams flat out
+    /// for i in 0..100 {
+    ///     sender.send(&i)?;
+    ///     assert_eq!(receiver.recv()?, i);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn set_spin(&self, spin: Duration) {
         self.inner().spin_ns.store(spin.as_nanos().min(u64::MAX as u128) as u64, Atomic::Relaxed);
     }
 
     /// Messages whose tensors the receiver still holds (never waits, even while a send does).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{DType, Receiver, Sender, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-outstanding.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<Tensor>::bind(&path)?;
+    /// # let sender = Sender::<Tensor>::connect(&path)?;
+    /// sender.send(&Tensor::zeros(DType::F32, &[16])?)?;
+    /// let held = receiver.recv()?;
+    /// assert_eq!(sender.outstanding_leases(), 1);
+    /// drop(held);
+    /// assert!(sender.wait_released(Duration::from_secs(10)));
+    /// assert_eq!(sender.outstanding_leases(), 0);
+    /// # Ok(()) }
+    /// ```
     pub fn outstanding_leases(&self) -> usize {
         let state = lock(&self.inner().state);
         state.leases.len() + state.dropping
@@ -245,6 +390,18 @@ impl<T> Sender<T> {
     /// Waits up to `timeout` for the receiver's greeting (it has taken the connection and said how
     /// many messages may be in flight): [`Error::Timeout`] if it did not come, the refusal or
     /// [`Error::Disconnected`] if the receiver refused or left first.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-wait-ready.sock", std::process::id()));
+    /// let _receiver = Receiver::<u32>::bind(&path)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// sender.wait_ready(Duration::from_secs(10))?; // sends from now on find credits
+    /// assert!(sender.try_send(&1).is_ok());
+    /// # Ok(()) }
+    /// ```
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         let inner = self.inner();
@@ -268,6 +425,21 @@ impl<T> Sender<T> {
     }
 
     /// Waits up to `timeout` until the receiver holds nothing of this sender's; whether it did.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{DType, Receiver, Sender, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-wait-released.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<Tensor>::bind(&path)?;
+    /// # let sender = Sender::<Tensor>::connect(&path)?;
+    /// sender.send(&Tensor::zeros(DType::U8, &[1 << 20])?)?;
+    /// let t = receiver.recv()?;
+    /// assert!(!sender.wait_released(Duration::from_millis(10)), "the receiver still holds it");
+    /// drop(t);
+    /// assert!(sender.wait_released(Duration::from_secs(10)));
+    /// # Ok(()) }
+    /// ```
     pub fn wait_released(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         let inner = self.inner();
@@ -285,16 +457,63 @@ impl<T> Sender<T> {
     /// Whether the receiver still takes messages. It turns false when the receiver is dropped,
     /// dies or closes the connection, even while it still holds tensors: their memory comes back
     /// when it releases them or its process ends, never before.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::{Duration, Instant};
+    /// use tensor_queue::{Error, Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-is-connected.sock", std::process::id()));
+    /// let mut receiver = Receiver::<u32>::bind(&path)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// sender.send(&1)?;
+    /// assert_eq!(receiver.recv()?, 1);
+    /// drop(receiver);
+    /// let deadline = Instant::now() + Duration::from_secs(10);
+    /// while sender.is_connected() {
+    ///     assert!(Instant::now() < deadline, "the sender hears of it");
+    ///     std::thread::sleep(Duration::from_millis(1));
+    /// }
+    /// assert!(matches!(sender.send(&2), Err(Error::Disconnected)));
+    /// # Ok(()) }
+    /// ```
     pub fn is_connected(&self) -> bool {
         lock(&self.inner().state).closed.is_none()
     }
 
     /// Messages the receiver refused since the last call, oldest first. It held nothing of them.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{DType, Receiver, Sender, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-take-rejected.sock", std::process::id()));
+    /// # let mut receiver = Receiver::<Tensor>::bind(&path)?;
+    /// # let sender = Sender::<Tensor>::connect(&path)?;
+    /// sender.send(&Tensor::zeros(DType::U8, &[8])?)?;
+    /// drop(receiver.recv()?);
+    /// assert!(sender.wait_released(Duration::from_secs(10))); // taken and given back, or refused
+    /// let refused = sender.take_rejected();
+    /// for rejection in &refused {
+    ///     eprintln!("message {} was refused: {}", rejection.seq, rejection.reason);
+    /// }
+    /// assert!(refused.is_empty(), "this receiver took it");
+    /// # Ok(()) }
+    /// ```
     pub fn take_rejected(&self) -> Vec<Rejection> {
         std::mem::take(&mut lock(&self.inner().state).rejected)
     }
 
     /// The receiver's process id.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-peer-pid.sock", std::process::id()));
+    /// let _receiver = Receiver::<u32>::bind(&path)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// assert_eq!(sender.peer_pid(), std::process::id()); // the receiver is this process, here
+    /// # Ok(()) }
+    /// ```
     pub fn peer_pid(&self) -> u32 {
         self.inner().link.peer_pid
     }
@@ -679,17 +898,62 @@ pub struct Broadcast<T> {
 
 impl<T: Serialize> Broadcast<T> {
     /// A broadcast over these senders.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Broadcast, DType, Receiver, Sender, Tensor};
+    /// # let name = |i| format!("doc-{}-broadcast-{i}.sock", std::process::id());
+    /// let paths: Vec<_> = (0..3).map(|i| std::env::temp_dir().join(name(i))).collect();
+    /// let mut workers = paths.iter().map(Receiver::<Tensor>::bind).collect::<Result<Vec<_>, _>>()?;
+    /// let weights = Broadcast::new(paths.iter().map(Sender::connect).collect::<Result<_, _>>()?);
+    /// weights.send(&Tensor::from_slice(&[0.5f32; 4], DType::F32, &[4])?)?; // one memory, three leases
+    /// for worker in &mut workers {
+    ///     assert_eq!(worker.recv()?.to_vec::<f32>()?, [0.5; 4]);
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn new(senders: Vec<Sender<T>>) -> Broadcast<T> {
         Broadcast { senders }
     }
 
     /// The senders, one per receiver.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Broadcast, DType, Receiver, Sender, Tensor};
+    /// # let name = |i| format!("doc-{}-senders-{i}.sock", std::process::id());
+    /// # let paths: Vec<_> = (0..2).map(|i| std::env::temp_dir().join(name(i))).collect();
+    /// # let mut workers = paths.iter().map(Receiver::<Tensor>::bind).collect::<Result<Vec<_>, _>>()?;
+    /// # let weights = Broadcast::new(paths.iter().map(Sender::connect).collect::<Result<_, _>>()?);
+    /// weights.send(&Tensor::zeros(DType::F32, &[1024])?)?;
+    /// let held: Vec<Tensor> = workers.iter_mut().map(|w| w.recv()).collect::<Result<_, _>>()?;
+    /// drop(held);
+    /// for sender in weights.senders() {
+    ///     assert!(sender.wait_released(Duration::from_secs(10)), "pid {} still holds it", sender.peer_pid());
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn senders(&self) -> &[Sender<T>] {
         &self.senders
     }
 
     /// Sends to every receiver; see [`Sender::send`]. Every receiver is tried; the first error is
     /// returned.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Broadcast, Receiver, Sender};
+    /// # let dir = std::env::temp_dir();
+    /// # let a = dir.join(format!("doc-{}-bc-a.sock", std::process::id()));
+    /// # let b = dir.join(format!("doc-{}-bc-b.sock", std::process::id()));
+    /// # let (mut first, mut second) = (Receiver::<String>::bind(&a)?, Receiver::<String>::bind(&b)?);
+    /// let config = Broadcast::<String>::new(vec![Sender::connect(&a)?, Sender::connect(&b)?]);
+    /// config.send(&"lr=0.1".to_string())?; // encoded once, sent to each
+    /// assert_eq!(first.recv()?, "lr=0.1");
+    /// assert_eq!(second.recv()?, "lr=0.1");
+    /// # Ok(()) }
+    /// ```
     pub fn send(&self, message: &T) -> Result<()> {
         let outgoing = Outgoing::synchronized(message)?;
         first_error(self.senders.iter().map(|s| s.inner().send_outgoing(&outgoing, Wait::Forever)))
@@ -697,6 +961,17 @@ impl<T: Serialize> Broadcast<T> {
 
     /// Sends to every receiver; see [`Sender::send_on`]. The message is encoded once, and one
     /// signal-word write on `stream` orders every receiver.
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Broadcast, Context, DType, Sender, Stream, Tensor};
+    /// let workers = vec![Sender::connect("/tmp/worker-0.sock")?, Sender::connect("/tmp/worker-1.sock")?];
+    /// let weights = Broadcast::<Tensor>::new(workers);
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let w = Tensor::zeros_cuda(DType::BF16, &[4096, 4096], &stream)?;
+    /// weights.send_on(&w, &stream)?; // no CPU wait; both receivers wait for the zeroing on the GPU
+    /// # Ok(()) }
+    /// ```
     pub fn send_on(&self, message: &T, stream: &Stream) -> Result<()> {
         let outgoing = Outgoing::on_stream(message, stream)?;
         first_error(self.senders.iter().map(|s| s.inner().send_outgoing(&outgoing, Wait::Forever)))
