@@ -169,6 +169,16 @@ pub fn percentile(values: &mut [u64], p: f64) -> u64 {
     values[rank.min(values.len() - 1)]
 }
 
+/// The value after `name` in a helper binary's arguments.
+pub fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+}
+
+/// The number after `name` in a helper binary's arguments, or `default`.
+pub fn number(args: &[String], name: &str, default: u64) -> Result<u64> {
+    arg(args, name).map_or(Ok(default), |v| v.parse().with_context(|| format!("{name} {v}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

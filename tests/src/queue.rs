@@ -126,3 +126,37 @@ pub struct BenchAck {
     /// launch, completion event, drop (the release).
     pub stages_ns: Vec<u64>,
 }
+
+/// One message of the fault suite (`tq-fault` and `faults_gpu`).
+#[derive(Serialize, Deserialize)]
+pub struct FaultItem {
+    /// The producer's process id, as it knows it.
+    pub pid: u32,
+    /// The producing thread.
+    pub thread: u32,
+    /// The message's number on its thread (its sender's `seq` is `index + 1`).
+    pub index: u64,
+    /// The pattern's seed.
+    pub seed: u64,
+    /// A fresh GPU tensor of bytes filled with the pattern of `seed`.
+    pub tensor: Tensor,
+}
+
+/// The seed `tq-fault produce` gives message `index` of `thread` of the producer tagged `tag`.
+pub fn fault_seed(tag: u64, thread: u64, index: u64) -> u64 {
+    (tag << 40) | (thread << 32) | index
+}
+
+/// Polls `done` every 200 us for up to `timeout`: how long it took to hold, or `None`.
+pub fn wait_for(timeout: Duration, mut done: impl FnMut() -> bool) -> Option<Duration> {
+    let start = Instant::now();
+    loop {
+        if done() {
+            return Some(start.elapsed());
+        }
+        if start.elapsed() > timeout {
+            return None;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}

@@ -12,11 +12,11 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
-use integration_tests::queue::checksum;
+use integration_tests::queue::{FaultItem, checksum, fault_seed, wait_for};
 use integration_tests::{GpuTest, bin_path, run_gpu_tests, socket_path};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use tensor_queue::{DType, Error, Receiver, Tensor, memory};
 
 fn main() {
@@ -33,27 +33,7 @@ const MIB: usize = 1 << 20;
 /// How long a received tensor's stream may take to become usable before the test calls it stuck.
 const USABLE_WITHIN: Duration = Duration::from_secs(5);
 
-/// One message of these tests; `tq-fault` has the same type.
-#[derive(Serialize, Deserialize)]
-struct Item {
-    /// The producer's process id, as it knows it.
-    pid: u32,
-    /// The producing thread.
-    thread: u32,
-    /// The message's number on its thread (its sender's `seq` is `index + 1`).
-    index: u64,
-    /// The pattern's seed.
-    seed: u64,
-    /// A fresh GPU tensor of bytes filled with the pattern of `seed`.
-    tensor: Tensor,
-}
-
-/// The seed `tq-fault produce` gives message `index` of `thread` of the producer tagged `tag`.
-fn seed_of(tag: u64, thread: u64, index: u64) -> u64 {
-    (tag << 40) | (thread << 32) | index
-}
-
-/// `(tag, thread, index)` of a seed made by [`seed_of`].
+/// `(tag, thread, index)` of a seed made by [`fault_seed`].
 fn decode_seed(seed: u64) -> (u64, u64, u64) {
     (seed >> 40, (seed >> 32) & 0xff, seed & 0xffff_ffff)
 }
@@ -75,20 +55,6 @@ fn within<R: Send + 'static>(
         let _ = tx.send(work());
     });
     rx.recv_timeout(timeout).map_err(|_| anyhow!("{what} did not finish within {timeout:?}"))?
-}
-
-/// Polls `done` every millisecond for up to `timeout`; how long it took, or `None`.
-fn wait_for(timeout: Duration, mut done: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    loop {
-        if done() {
-            return Some(start.elapsed());
-        }
-        if start.elapsed() > timeout {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
 }
 
 /// The context of GPU 0 with the kernels loaded.
@@ -326,7 +292,7 @@ fn eight_senders_in_one_process() -> Result<()> {
     const TAG: u64 = 1;
     let context = gpu()?;
     let path = socket_path("eight-senders");
-    let mut receiver = Receiver::<Item>::bind(&path)?;
+    let mut receiver = Receiver::<FaultItem>::bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?;
     let mut producer = Proc::start(
         "producer",
@@ -407,7 +373,7 @@ enum DoomedMessage {
     /// `recv` said `Error::ProducerFailed` for it.
     Refused,
     /// `recv` delivered it; `flagged` is when `producer_failed()` was first seen true.
-    Delivered { item: Item, flagged: Option<Instant> },
+    Delivered { item: FaultItem, flagged: Option<Instant> },
 }
 
 /// A producer is SIGKILLed right after `send_on` while a 3 s kernel that writes its tensor is
@@ -421,7 +387,7 @@ fn producer_killed_with_work_queued() -> Result<()> {
     const SPIN: Duration = Duration::from_secs(3);
     let context = gpu()?;
     let path = socket_path("killed-producer");
-    let mut receiver = Receiver::<Item>::bind(&path)?;
+    let mut receiver = Receiver::<FaultItem>::bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?;
     let mut healthy = Proc::start(
         "healthy producer",
@@ -429,7 +395,7 @@ fn producer_killed_with_work_queued() -> Result<()> {
     )?;
     let mut healthy_arrivals: Vec<Instant> = Vec::new();
     /// Checks a healthy message's bytes on the GPU and notes when it was usable.
-    fn check_healthy(item: &Item, arrivals: &mut Vec<Instant>) -> Result<()> {
+    fn check_healthy(item: &FaultItem, arrivals: &mut Vec<Instant>) -> Result<()> {
         let seen = bounded_checksum(&item.tensor).with_context(|| format!("healthy message {}", item.index))?;
         ensure!(seen == expected(HEALTHY_LEN, item.seed), "healthy message {}: wrong bytes", item.index);
         arrivals.push(Instant::now());
@@ -540,7 +506,7 @@ fn producer_killed_with_work_queued() -> Result<()> {
                 drop(item);
                 sum
             })?;
-            let intact = sum == expected(DOOMED_LEN, seed_of(3, 0, 0));
+            let intact = sum == expected(DOOMED_LEN, fault_seed(3, 0, 0));
             println!("a checksum of its tensor finished; the bytes are the intended ones: {intact}");
         }
     }
@@ -614,19 +580,19 @@ fn memory_goes_back_to_the_driver() -> Result<()> {
         usage0.device_bytes
     );
 
-    let (mut holder, sender) = Proc::spawn::<Item>("holder", &strings(&["hold"]))?;
-    let tensors = (0..3).map(|k| fill(seed_of(4, 0, k))).collect::<Result<Vec<_>>>()?;
+    let (mut holder, sender) = Proc::spawn::<FaultItem>("holder", &strings(&["hold"]))?;
+    let tensors = (0..3).map(|k| fill(fault_seed(4, 0, k))).collect::<Result<Vec<_>>>()?;
     let held = memory::usage();
     ensure!(
         held.device_bytes >= usage0.device_bytes + 3 * LEN && held.in_use_bytes >= usage0.in_use_bytes + 3 * LEN,
         "usage() does not show the 3 x 200 MiB tensors: {held:?} (before: {usage0:?})"
     );
     for (k, tensor) in tensors.iter().enumerate() {
-        let item = Item {
+        let item = FaultItem {
             pid: std::process::id(),
             thread: 0,
             index: k as u64,
-            seed: seed_of(4, 0, k as u64),
+            seed: fault_seed(4, 0, k as u64),
             tensor: tensor.clone(),
         };
         sender.send_on_timeout(&item, &stream, Duration::from_secs(10))?;
@@ -668,7 +634,7 @@ fn memory_goes_back_to_the_driver() -> Result<()> {
     println!("trim: free memory back at the baseline after {} ms", took.as_millis());
 
     // The automatic path: no trim, the idle release gives the chunks back by itself.
-    let tensors = (0..3).map(|k| fill(seed_of(5, 0, k))).collect::<Result<Vec<_>>>()?;
+    let tensors = (0..3).map(|k| fill(fault_seed(5, 0, k))).collect::<Result<Vec<_>>>()?;
     stream.synchronize()?;
     let low = free_bytes(&context)?;
     drop(tensors);
@@ -988,7 +954,7 @@ fn run_round(
                     problems.push(format!("{}: unreadable {line:?}", producer.name));
                     continue;
                 };
-                let seed = seed_of(suite_tag(round, k), thread, index);
+                let seed = fault_seed(suite_tag(round, k), thread, index);
                 if ok.contains(&(pid, seed)) || flagged.contains(&(pid, seed)) {
                     continue;
                 }

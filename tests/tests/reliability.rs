@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
-use integration_tests::queue::{Probe, checksum, probe};
+use integration_tests::queue::{Probe, checksum, probe, wait_for};
 use integration_tests::{bin_path, socket_path};
 use ipc_core::seqpacket::{Connection, Listener};
 use kernels::reference;
@@ -136,20 +136,6 @@ fn user_command(args: &[&str]) -> Command {
     let mut command = Command::new(bin_path("tq-user").expect("tq-user is built"));
     command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
     command
-}
-
-/// Polls `done` every 200 µs for up to `timeout`; how long it took, or `None` when it never held.
-fn wait_for(timeout: Duration, mut done: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    loop {
-        if done() {
-            return Some(start.elapsed());
-        }
-        if start.elapsed() > timeout {
-            return None;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
 }
 
 /// Runs `work` on a thread and gives its result within `timeout`, or `None` (the thread is left

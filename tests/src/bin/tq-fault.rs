@@ -2,12 +2,12 @@
 //!
 //! Every role reports on stdout, one line per event, and every wait has a deadline: a watchdog
 //! aborts the process after `--deadline-s` (default 120) seconds, so a helper never outlives its
-//! test for long. Messages are [`Item`]s: one fresh GPU tensor filled with the pattern of `seed`.
+//! test for long. Messages are [`FaultItem`](integration_tests::queue::FaultItem)s: one fresh GPU tensor filled with the pattern of `seed`.
 //!
 //! Roles:
 //! - `produce --to P --threads T --count N --len L --tag G [--spin-every E --spin-us U]
 //!   [--every-ms M] [--send-timeout-ms S]`: `T` threads, each with its own `Sender::connect(P)`
-//!   and its own stream, send `N` fresh `L`-byte tensors each (seed [`seed_of`]`(G, thread,
+//!   and its own stream, send `N` fresh `L`-byte tensors each (seed [`fault_seed`]`(G, thread,
 //!   index)`), filled by a kernel on that stream and sent with `send_on_timeout`; every `E`-th
 //!   fill (`index % E == 0`) first spins for `U` µs of GPU time; `M` ms pass between sends. Prints
 //!   `ready <thread>` once connected, `sent <thread> <index>` after each send returned, then
@@ -35,31 +35,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
-use integration_tests::queue::checksum;
+use integration_tests::queue::{FaultItem, checksum, fault_seed};
+use integration_tests::{arg, number};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
-use serde::{Deserialize, Serialize};
 use tensor_queue::{DType, Error, Receiver, Sender, Tensor, from_parent};
-
-/// One message of the fault tests; `tests/tests/faults_gpu.rs` has the same type.
-#[derive(Serialize, Deserialize)]
-struct Item {
-    /// The producer's process id, as it knows it.
-    pid: u32,
-    /// The producing thread.
-    thread: u32,
-    /// The message's number on its thread (its sender's `seq` is `index + 1`).
-    index: u64,
-    /// The pattern's seed.
-    seed: u64,
-    /// A fresh GPU tensor of bytes filled with the pattern of `seed`.
-    tensor: Tensor,
-}
-
-/// The seed of message `index` of `thread` of the producer tagged `tag` (the test decodes it).
-fn seed_of(tag: u64, thread: u64, index: u64) -> u64 {
-    (tag << 40) | (thread << 32) | index
-}
 
 /// How long a helper may live at most, unless `--deadline-s` says otherwise.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
@@ -72,14 +52,6 @@ fn main() {
         eprintln!("tq-fault: {error:#}");
         std::process::exit(1);
     }
-}
-
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
-}
-
-fn number(args: &[String], name: &str, default: u64) -> Result<u64> {
-    arg(args, name).map_or(Ok(default), |v| v.parse().with_context(|| format!("{name} {v}")))
 }
 
 fn run() -> Result<()> {
@@ -178,7 +150,7 @@ fn gpu() -> Result<Arc<Context>> {
 }
 
 fn produce_thread(plan: &Plan, context: Option<&Arc<Context>>, thread: u32) -> Result<()> {
-    let sender = match Sender::<Item>::connect(&plan.to) {
+    let sender = match Sender::<FaultItem>::connect(&plan.to) {
         Ok(sender) => sender,
         Err(error) => {
             // The receiver is gone already; nothing was leased.
@@ -197,7 +169,7 @@ fn produce_thread(plan: &Plan, context: Option<&Arc<Context>>, thread: u32) -> R
         if index > 0 && !plan.every.is_zero() {
             std::thread::sleep(plan.every);
         }
-        let seed = seed_of(plan.tag, u64::from(thread), index);
+        let seed = fault_seed(plan.tag, u64::from(thread), index);
         let sent = match &gpu {
             Some((context, stream, kernels)) => {
                 let tensor = Tensor::empty_cuda(context, DType::U8, &[plan.len as u64])?;
@@ -207,12 +179,12 @@ fn produce_thread(plan: &Plan, context: Option<&Arc<Context>>, thread: u32) -> R
                 } else {
                     kernels.fill(&view, 0, plan.len, seed, stream)?;
                 }
-                let item = Item { pid, thread, index, seed, tensor };
+                let item = FaultItem { pid, thread, index, seed, tensor };
                 sender.send_on_timeout(&item, stream, plan.send_timeout)
             }
             None => {
                 let tensor = Tensor::from_slice(&reference::pattern(plan.len, seed), DType::U8, &[plan.len as u64])?;
-                sender.send_timeout(&Item { pid, thread, index, seed, tensor }, plan.send_timeout)
+                sender.send_timeout(&FaultItem { pid, thread, index, seed, tensor }, plan.send_timeout)
             }
         };
         match sent {
@@ -265,7 +237,7 @@ fn consume(args: &[String]) -> Result<()> {
     let listen = arg(args, "--listen").context("--listen <path>")?;
     let len = number(args, "--len", 65536)? as usize;
     let context = if args.iter().any(|a| a == "--host") { None } else { Some(gpu()?) };
-    let mut items = Receiver::<Item>::bind(&listen)?;
+    let mut items = Receiver::<FaultItem>::bind(&listen)?;
     std::thread::spawn(|| {
         for line in std::io::stdin().lock().lines() {
             if line.is_err() {
@@ -363,7 +335,7 @@ fn wait_for_flag(tensor: &Tensor, timeout: Duration) -> bool {
 
 fn hold() -> Result<()> {
     let _context = gpu()?;
-    let mut items = from_parent::<Item>()?;
+    let mut items = from_parent::<FaultItem>()?;
     let mut kept = Vec::new();
     loop {
         match items.recv_timeout(Duration::from_millis(500)) {

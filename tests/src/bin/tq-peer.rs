@@ -22,6 +22,7 @@
 //! answering `u64::MAX` once it listens).
 
 use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::arg;
 use integration_tests::queue::{BenchAck, BenchItem, Probe, Report, SoakItem, checksum, probe};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
@@ -38,10 +39,6 @@ fn main() {
         eprintln!("tq-peer: {error:#}");
         std::process::exit(1);
     }
-}
-
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
 }
 
 fn run() -> Result<()> {

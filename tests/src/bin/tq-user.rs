@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::queue::{Probe, checksum, probe};
+use integration_tests::{arg, number};
 use ipc_core::seqpacket::Listener;
 use kernels::reference;
 use tensor_queue::wire::Frame;
@@ -61,14 +62,6 @@ fn say(line: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
-}
-
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
-}
-
-fn number(args: &[String], name: &str, default: u64) -> Result<u64> {
-    arg(args, name).map_or(Ok(default), |v| v.parse().with_context(|| format!("{name} {v}")))
 }
 
 fn run() -> Result<()> {
