@@ -301,13 +301,16 @@ fn another_user_cannot_connect() {
     }
     let path = socket_path("private");
     let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
-    let output = Command::new(bin_path("tq-peer").unwrap())
-        .args(["send", "--count", "1", "--to"])
-        .arg(&path)
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .unwrap();
+    let send_as_nobody = || {
+        Command::new(bin_path("tq-peer").unwrap())
+            .args(["send", "--count", "1", "--to"])
+            .arg(&path)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap()
+    };
+    let output = send_as_nobody();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "another user connected: {stderr}");
     assert!(stderr.contains("Permission denied"), "the socket's mode refused it: {stderr}");
@@ -316,13 +319,7 @@ fn another_user_cannot_connect() {
     // hear why: the sender a typed refusal, the receiver an entry in its errors.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-    let output = Command::new(bin_path("tq-peer").unwrap())
-        .args(["send", "--count", "1", "--to"])
-        .arg(&path)
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .unwrap();
+    let output = send_as_nobody();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "another user's message went through: {stderr}");
     assert!(stderr.contains("peer refused") && stderr.contains("runs as uid"), "a typed refusal: {stderr}");

@@ -270,12 +270,8 @@ impl Connected {
             }
             placed.push((chunk, path, stream));
         }
+        // Every stream a wait was queued on is some tensor's stream too.
         let mut streams: Vec<Arc<Stream>> = Vec::new();
-        for (_, stream) in waits {
-            if !streams.iter().any(|s| Arc::ptr_eq(s, &stream)) {
-                streams.push(stream);
-            }
-        }
         for stream in placed.iter().filter_map(|(_, _, s)| s.as_ref()) {
             if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
                 streams.push(stream.clone());

@@ -137,7 +137,7 @@ impl Releaser {
             }
         }
         let mut queue = lock(&self.queue);
-        queue.sleeping = true;
+        queue.sleeping = wait;
         while wait && queue.pending.is_empty() {
             if queue.stalled.is_empty() {
                 queue = self.wake.wait(queue).unwrap_or_else(|e| e.into_inner());
