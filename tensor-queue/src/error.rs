@@ -71,6 +71,10 @@ pub enum Error {
     /// A tensor that cannot be sent as it is (see the text); nothing was sent.
     #[error("{0}")]
     NotSendable(String),
+    /// The receiver's routing policy refuses the only route a tensor of the message could take
+    /// (see [`crate::route`]); nothing was sent, and the channel goes on.
+    #[error(transparent)]
+    RouteRefused(#[from] crate::route::Forbidden),
     /// `try_recv` found nothing waiting.
     #[error("no message is waiting")]
     Empty,

@@ -32,6 +32,7 @@ mod copy;
 mod dtype;
 mod error;
 pub mod memory;
+pub mod route;
 mod side_table;
 mod signal;
 mod tensor;
@@ -39,8 +40,8 @@ mod view;
 pub mod wire;
 
 pub use channel::{
-    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, Rejection, Sender, from_parent, from_parent_duplex,
-    from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex, spawn_timeout,
+    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender, from_parent,
+    from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex, spawn_timeout,
 };
 pub use copy::HostCopy;
 pub use dtype::{DType, Element};

@@ -57,6 +57,17 @@ pub enum TransferPath {
     CudaVmm,
     /// The sender's `cuMemAlloc` buffer on the same GPU, opened from a legacy IPC handle (zero-copy).
     CudaLegacyIpc,
+    /// The sender's memory on another GPU, mapped for the receiver's GPU over the peer link
+    /// (zero-copy; [`crate::route::Route::PeerMap`]).
+    PeerMapped,
+    /// Copied by the sender's stream over the peer link into memory on the receiver's GPU
+    /// ([`crate::route::Route::PeerCopy`]).
+    PeerCopied,
+    /// Staged through shared pinned host memory and copied onto the receiver's GPU
+    /// ([`crate::route::Route::Staged`]).
+    Staged,
+    /// A GPU tensor copied by the sender into shared host memory ([`crate::route::Route::Host`]).
+    StagedToHost,
 }
 
 /// A contiguous run of bytes in a chunk, kept alive while any view of it lives.

@@ -11,6 +11,10 @@
 use ipc_core::layout::strided_byte_span;
 
 use crate::DType;
+use crate::route::{
+    DeviceReach, Landing, LinkReach, MAX_DEVICES, MAX_SOURCES, PeerMode, Reach, Route, Routing, Strictness,
+};
+use ipc_core::Uuid;
 
 /// Frame magic.
 ///
@@ -29,7 +33,7 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
 /// assert_eq!(Frame::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 
 const FENCE_NONE: u8 = 0;
 const FENCE_EVENT: u8 = 1;
@@ -190,13 +194,14 @@ pub enum ChunkKind {
 ///
 /// ```
 /// use tensor_queue::DType;
+/// use tensor_queue::route::Route;
 /// use tensor_queue::wire::{Fence, Frame, FrameError, TensorDesc};
 /// let message = |desc: TensorDesc| {
 ///     Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] }.encode()
 /// };
 /// let desc = TensorDesc {
 ///     chunk: 1, storage_offset: 512, storage_len: 48, view_offset: 0,
-///     dtype: DType::F32, fence: Fence::None, shape: vec![3, 4], strides: vec![4, 1],
+///     dtype: DType::F32, fence: Fence::None, route: Route::SameDevice, shape: vec![3, 4], strides: vec![4, 1],
 /// };
 /// assert!(Frame::decode(&message(desc.clone())).is_ok());
 /// let too_long = TensorDesc { shape: vec![3, 5], ..desc }; // 60 bytes of view in 48 of storage
@@ -216,6 +221,8 @@ pub struct TensorDesc {
     pub dtype: DType,
     /// What the receiver's stream waits for before the tensor's first use.
     pub fence: Fence,
+    /// How the tensor travels (see [`crate::route`]).
+    pub route: Route,
     /// Sizes.
     pub shape: Vec<u64>,
     /// Strides in elements.
@@ -226,13 +233,14 @@ pub struct TensorDesc {
 ///
 /// ```
 /// use tensor_queue::DType;
+/// use tensor_queue::route::Route;
 /// use tensor_queue::wire::{Fence, Frame, TensorDesc};
 /// // The producer's stream writes 12 into the word at byte 64 of chunk 3 once the tensor is
 /// // written; the receiver's stream waits for that value before the tensor's first use.
 /// let fence = Fence::Signal { chunk: 3, offset: 64, value: 12 };
 /// let desc = TensorDesc {
 ///     chunk: 3, storage_offset: 4096, storage_len: 16, view_offset: 0,
-///     dtype: DType::F32, fence, shape: vec![4], strides: vec![1],
+///     dtype: DType::F32, fence, route: Route::SameDevice, shape: vec![4], strides: vec![1],
 /// };
 /// let frame = Frame::Message { seq: 9, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] };
 /// assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
@@ -275,6 +283,10 @@ pub enum Frame {
         /// A random number drawn once per process: with the pid, it names the process for good
         /// (a pid alone may be reused after the process dies).
         instance: u64,
+        /// From a receiver: its GPUs and what each can reach (empty from a sender).
+        reach: Reach,
+        /// From a receiver: where tensors should land, and what it refuses.
+        routing: Routing,
     },
     /// A chunk the following messages use; host and VMM chunks carry one descriptor.
     Chunk {
@@ -452,11 +464,13 @@ impl Frame {
         w.u16(self.kind());
         w.u32(0); // body length, patched below
         match self {
-            Frame::Hello { pid, host, capacity, instance } => {
+            Frame::Hello { pid, host, capacity, instance, reach, routing } => {
                 w.u32(*pid);
                 w.bytes(host);
                 w.u32(*capacity);
                 w.u64(*instance);
+                encode_reach(&mut w, reach);
+                encode_routing(&mut w, routing);
             }
             Frame::Chunk { id, len, kind, device, legacy, writable } => {
                 w.u64(*id);
@@ -484,6 +498,7 @@ impl Frame {
                     w.u64(t.view_offset);
                     w.u8(t.dtype as u8);
                     w.u8(t.shape.len() as u8);
+                    w.u8(t.route.code());
                     match t.fence {
                         Fence::None => w.u8(FENCE_NONE),
                         Fence::Event(id) => {
@@ -565,7 +580,14 @@ impl Frame {
             return Err(FrameError::Length { said: body, has: bytes.len() - HEADER_LEN });
         }
         let frame = match kind {
-            KIND_HELLO => Frame::Hello { pid: r.u32()?, host: r.array()?, capacity: r.u32()?, instance: r.u64()? },
+            KIND_HELLO => Frame::Hello {
+                pid: r.u32()?,
+                host: r.array()?,
+                capacity: r.u32()?,
+                instance: r.u64()?,
+                reach: decode_reach(&mut r)?,
+                routing: decode_routing(&mut r)?,
+            },
             KIND_CHUNK => {
                 let (id, len) = (r.u64()?, r.u64()?);
                 let kind = match r.u8()? {
@@ -620,7 +642,122 @@ impl Frame {
 }
 
 /// The fewest bytes a tensor descriptor takes (no dimensions, no fence).
-const MIN_DESC: usize = 4 * 8 + 3;
+const MIN_DESC: usize = 4 * 8 + 4;
+
+fn encode_reach(w: &mut Writer, reach: &Reach) {
+    let devices = &reach.devices[..reach.devices.len().min(MAX_DEVICES)];
+    w.u32(devices.len() as u32);
+    for device in devices {
+        w.bytes(&device.uuid.0);
+        w.u8(u8::from(device.stream_ops));
+    }
+    let links = &reach.links[..reach.links.len().min(MAX_DEVICES * MAX_DEVICES)];
+    w.u32(links.len() as u32);
+    for link in links {
+        w.bytes(&link.from.0);
+        w.bytes(&link.to.0);
+        w.u8(u8::from(link.peer_access) | u8::from(link.native_atomics) << 1);
+        w.u8(match link.nvlink {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        });
+        w.u32(link.rank as u32);
+    }
+}
+
+fn decode_reach(r: &mut Reader<'_>) -> Result<Reach, FrameError> {
+    let count = r.count("devices", MAX_DEVICES)?;
+    let mut devices = Vec::with_capacity(count);
+    for _ in 0..count {
+        let uuid = Uuid(r.array()?);
+        let stream_ops = decode_bool(r, "device flags")?;
+        devices.push(DeviceReach { uuid, stream_ops });
+    }
+    let count = r.count("links", MAX_DEVICES * MAX_DEVICES)?;
+    let mut links = Vec::with_capacity(count);
+    for _ in 0..count {
+        let (from, to) = (Uuid(r.array()?), Uuid(r.array()?));
+        let flags = r.u8()?;
+        if flags > 3 {
+            return Err(FrameError::Invalid("link flags"));
+        }
+        let nvlink = match r.u8()? {
+            0 => None,
+            1 => Some(false),
+            2 => Some(true),
+            _ => return Err(FrameError::Invalid("link kind")),
+        };
+        let rank = r.u32()? as i32;
+        links.push(LinkReach { from, to, peer_access: flags & 1 != 0, native_atomics: flags & 2 != 0, nvlink, rank });
+    }
+    Ok(Reach { devices, links })
+}
+
+fn encode_landing(w: &mut Writer, landing: Landing) {
+    match landing {
+        Landing::AsSent => w.u8(0),
+        Landing::Device(uuid) => {
+            w.u8(1);
+            w.bytes(&uuid.0);
+        }
+        Landing::Host => w.u8(2),
+    }
+}
+
+fn decode_landing(r: &mut Reader<'_>) -> Result<Landing, FrameError> {
+    Ok(match r.u8()? {
+        0 => Landing::AsSent,
+        1 => Landing::Device(Uuid(r.array()?)),
+        2 => Landing::Host,
+        _ => return Err(FrameError::Invalid("landing")),
+    })
+}
+
+fn encode_routing(w: &mut Writer, routing: &Routing) {
+    encode_landing(w, routing.landing);
+    let per_source = &routing.per_source[..routing.per_source.len().min(MAX_SOURCES)];
+    w.u32(per_source.len() as u32);
+    for (uuid, landing) in per_source {
+        w.bytes(&uuid.0);
+        encode_landing(w, *landing);
+    }
+    w.u8(match routing.peer {
+        PeerMode::Copy => 0,
+        PeerMode::Map => 1,
+    });
+    w.u8(match routing.strict {
+        Strictness::Any => 0,
+        Strictness::NoStaging => 1,
+        Strictness::ZeroCopy => 2,
+    });
+}
+
+fn decode_routing(r: &mut Reader<'_>) -> Result<Routing, FrameError> {
+    let landing = decode_landing(r)?;
+    let count = r.count("per-source landings", MAX_SOURCES)?;
+    let per_source = (0..count).map(|_| Ok((Uuid(r.array()?), decode_landing(r)?))).collect::<Result<_, _>>()?;
+    let peer = match r.u8()? {
+        0 => PeerMode::Copy,
+        1 => PeerMode::Map,
+        _ => return Err(FrameError::Invalid("peer mode")),
+    };
+    let strict = match r.u8()? {
+        0 => Strictness::Any,
+        1 => Strictness::NoStaging,
+        2 => Strictness::ZeroCopy,
+        _ => return Err(FrameError::Invalid("strictness")),
+    };
+    Ok(Routing { landing, per_source, peer, strict })
+}
+
+fn decode_bool(r: &mut Reader<'_>, what: &'static str) -> Result<bool, FrameError> {
+    match r.u8()? {
+        0 => Ok(false),
+        1 => Ok(true),
+        _ => Err(FrameError::Invalid(what)),
+    }
+}
 
 fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameError> {
     let (chunk, storage_offset, storage_len, view_offset) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
@@ -630,6 +767,9 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
     if ndim > MAX_DIMS {
         return Err(FrameError::TooMany { what: "dimensions", count: ndim, max: MAX_DIMS });
     }
+    let route_code = r.u8()?;
+    let route = Route::from_code(route_code)
+        .ok_or_else(|| FrameError::OutOfBounds { index, reason: format!("unknown route {route_code}") })?;
     let fence = match r.u8()? {
         FENCE_NONE => Fence::None,
         FENCE_EVENT => Fence::Event(r.u32()?),
@@ -652,7 +792,7 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
             "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside a {storage_len}-byte storage"
         )));
     }
-    Ok(TensorDesc { chunk, storage_offset, storage_len, view_offset, dtype, fence, shape, strides })
+    Ok(TensorDesc { chunk, storage_offset, storage_len, view_offset, dtype, fence, route, shape, strides })
 }
 
 /// The most bytes a view's elements may add up to (256 TiB, more than any machine's memory): a
@@ -839,6 +979,7 @@ mod tests {
                 view_offset: 0,
                 dtype: DType::F32,
                 fence: Fence::Signal { chunk: 1, offset: 64, value: 5 },
+                route: Route::Staged,
                 shape: vec![3, 4],
                 strides: vec![4, 1],
             }],
@@ -848,7 +989,39 @@ mod tests {
 
     fn samples() -> Vec<Frame> {
         vec![
-            Frame::Hello { pid: 7, host: [1; 16], capacity: 8, instance: 99 },
+            Frame::Hello {
+                pid: 7,
+                host: [1; 16],
+                capacity: 8,
+                instance: 99,
+                reach: Default::default(),
+                routing: Default::default(),
+            },
+            Frame::Hello {
+                pid: 8,
+                host: [1; 16],
+                capacity: 4,
+                instance: 5,
+                reach: Reach {
+                    devices: vec![
+                        DeviceReach { uuid: Uuid([1; 16]), stream_ops: true },
+                        DeviceReach { uuid: Uuid([2; 16]), stream_ops: false },
+                    ],
+                    links: vec![LinkReach {
+                        from: Uuid([1; 16]),
+                        to: Uuid([2; 16]),
+                        peer_access: true,
+                        nvlink: Some(true),
+                        rank: 3,
+                        native_atomics: true,
+                    }],
+                },
+                routing: Routing::default()
+                    .land(Landing::Device(Uuid([2; 16])))
+                    .land_from(Uuid([1; 16]), Landing::Host)
+                    .peer(PeerMode::Map)
+                    .strict(Strictness::ZeroCopy),
+            },
             Frame::Chunk { id: 1, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: true },
             Frame::Chunk {
                 id: 2,

@@ -181,7 +181,20 @@ fn a_killed_sender_disconnects_and_what_arrived_stays_readable() {
 fn raw_client(path: &std::path::Path) -> Connection {
     let connection = Connection::connect(path).unwrap();
     let host = ipc_core::HostId::current().unwrap().0;
-    connection.send(&Frame::Hello { pid: std::process::id(), host, capacity: 0, instance: 1 }.encode(), &[]).unwrap();
+    connection
+        .send(
+            &Frame::Hello {
+                pid: std::process::id(),
+                host,
+                capacity: 0,
+                instance: 1,
+                reach: Default::default(),
+                routing: Default::default(),
+            }
+            .encode(),
+            &[],
+        )
+        .unwrap();
     let mut buf = [0u8; 256];
     connection.recv(&mut buf).unwrap();
     connection
@@ -204,6 +217,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
         view_offset: 0,
         dtype: DType::U8,
         fence: Fence::None,
+        route: tensor_queue::route::Route::SameDevice,
         shape: vec![64],
         strides: vec![1],
     };

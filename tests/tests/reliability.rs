@@ -160,7 +160,18 @@ fn raw_client(path: &Path) -> Connection {
     let connection = Connection::connect(path).unwrap();
     let host = ipc_core::HostId::current().unwrap().0;
     connection
-        .send(&Frame::Hello { pid: std::process::id(), host, capacity: 0, instance: 0x7e57 }.encode(), &[])
+        .send(
+            &Frame::Hello {
+                pid: std::process::id(),
+                host,
+                capacity: 0,
+                instance: 0x7e57,
+                reach: Default::default(),
+                routing: Default::default(),
+            }
+            .encode(),
+            &[],
+        )
         .unwrap();
     connection.set_recv_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut buf = [0u8; 256];
@@ -185,7 +196,18 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     connection.recv(&mut buf).unwrap();
     let host = ipc_core::HostId::current().unwrap().0;
     connection
-        .send(&Frame::Hello { pid: std::process::id(), host, capacity: 4, instance: 0x7e57 }.encode(), &[])
+        .send(
+            &Frame::Hello {
+                pid: std::process::id(),
+                host,
+                capacity: 4,
+                instance: 0x7e57,
+                reach: Default::default(),
+                routing: Default::default(),
+            }
+            .encode(),
+            &[],
+        )
         .unwrap();
     loop {
         let (n, _fds) = connection.recv(&mut buf).unwrap();
@@ -206,6 +228,7 @@ fn desc(chunk: u64, len: u64, dtype: DType, view_offset: u64, shape: &[u64], str
         view_offset,
         dtype,
         fence: Fence::None,
+        route: tensor_queue::route::Route::SameDevice,
         shape: shape.to_vec(),
         strides: strides.to_vec(),
     }

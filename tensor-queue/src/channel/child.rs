@@ -21,7 +21,7 @@ use rustix::net::{AddressFamily, SocketType};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{DEFAULT_CAPACITY, ENDPOINT_ENV, Receiver, Sender};
+use super::{DEFAULT_CAPACITY, ENDPOINT_ENV, Receiver, ReceiverOptions, Sender};
 use crate::{Error, Result};
 
 /// Starts `command` as a child with a channel to it: the child calls [`from_parent`] for the
@@ -180,8 +180,24 @@ pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
 /// # Ok(()) }
 /// ```
 pub fn from_parent_with_capacity<T: DeserializeOwned>(capacity: u32) -> Result<Receiver<T>> {
+    from_parent_with(ReceiverOptions { capacity, ..ReceiverOptions::default() })
+}
+
+/// [`from_parent`] with `options` (the capacity per sender, and the routing policy).
+///
+/// ```no_run
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::route::{Landing, Routing};
+/// use tensor_queue::{ReceiverOptions, Tensor, from_parent_with};
+/// // A child that wants every tensor in host memory:
+/// let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..Default::default() };
+/// let mut inputs = from_parent_with::<Tensor>(options)?;
+/// let x = inputs.recv()?;
+/// # drop(x); Ok(()) }
+/// ```
+pub fn from_parent_with<T: DeserializeOwned>(options: ReceiverOptions) -> Result<Receiver<T>> {
     let mut sockets = take_parent_sockets()?;
-    Receiver::from_connection(Connection::from(sockets.remove(0)), capacity)
+    Receiver::from_connection_with(Connection::from(sockets.remove(0)), options)
 }
 
 /// In a child started by [`spawn_duplex`]: the requests from the parent, and the answers to it.

@@ -18,6 +18,7 @@ use super::peer::Peer;
 use super::release::ReceivedLease;
 use super::{lock, monotonic_ns};
 use crate::arena::{Chunk, ChunkMemory};
+use crate::route::Routing;
 use crate::tensor::Storage;
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
 use crate::{Error, Result, Tensor, TransferPath};
@@ -86,9 +87,10 @@ pub(super) struct Ready {
     pub info: MessageInfo,
 }
 
-/// The contexts of the devices received tensors live on, and the streams the user chose for them.
-#[derive(Default)]
+/// The contexts of the devices received tensors live on, the streams the user chose for them,
+/// and where they should land.
 pub(super) struct Devices {
+    pub routing: Routing,
     contexts: std::sync::Mutex<Vec<(Uuid, Arc<Context>)>>,
     /// Streams set with `Receiver::set_stream`: every connection orders that device's tensors
     /// on it (and so one slow producer delays the others there, the user's choice).
@@ -96,6 +98,10 @@ pub(super) struct Devices {
 }
 
 impl Devices {
+    pub fn new(routing: Routing) -> Devices {
+        Devices { routing, contexts: Default::default(), chosen: Default::default() }
+    }
+
     pub fn context(&self, uuid: &Uuid) -> Result<Arc<Context>> {
         let mut contexts = lock(&self.contexts);
         if let Some((_, context)) = contexts.iter().find(|(u, _)| u == uuid) {
@@ -188,7 +194,7 @@ impl Connected {
         };
         let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
-            let (_, instance) = Link::check_hello(&frame)?;
+            let instance = Link::check_hello(frame)?.instance;
             self.producer = Some((instance, producer(self.pid(), instance)));
             return Ok(Progress::Greeted);
         };

@@ -13,6 +13,7 @@ use ipc_core::seqpacket::Connection;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 
+use crate::route::{Reach, Routing};
 use crate::wire::{self, Assembler, Frame, MAX_MESSAGE_BYTES, MAX_PACKET};
 use crate::{Error, Refusal, Result};
 
@@ -142,24 +143,42 @@ impl Link {
         self.connection.as_fd()
     }
 
-    /// Says who we are (and, from a receiver, how many messages the sender may have in flight).
-    pub fn hello(&self, capacity: u32) -> Result<()> {
-        let hello =
-            Frame::Hello { pid: std::process::id(), host: HostId::current()?.0, capacity, instance: instance() };
+    /// Says who we are; a receiver adds how many messages a sender may have in flight, its GPUs
+    /// and its routing policy (see [`crate::route`]).
+    pub fn hello(&self, capacity: u32, reach: &Reach, routing: &Routing) -> Result<()> {
+        let hello = Frame::Hello {
+            pid: std::process::id(),
+            host: HostId::current()?.0,
+            capacity,
+            instance: instance(),
+            reach: reach.clone(),
+            routing: routing.clone(),
+        };
         self.send(&hello, &[], None)
     }
 
-    /// Checks the peer's `Hello` (same protocol, checked by decoding, and same machine): its
-    /// capacity and instance.
-    pub fn check_hello(frame: &Frame) -> Result<(u32, u64)> {
+    /// Checks the peer's `Hello` (same protocol, checked by decoding, and same machine).
+    pub fn check_hello(frame: Frame) -> Result<Greeting> {
         match frame {
-            Frame::Hello { host, capacity, instance, .. } if *host == HostId::current()?.0 => {
-                Ok((*capacity, *instance))
+            Frame::Hello { host, capacity, instance, reach, routing, .. } if host == HostId::current()?.0 => {
+                Ok(Greeting { capacity, instance, reach, routing })
             }
             Frame::Hello { .. } => Err(Error::PeerRefused(Refusal::OtherMachine)),
             other => Err(Error::Protocol(format!("the first frame was {other:?}, not a Hello"))),
         }
     }
+}
+
+/// What a peer's `Hello` said.
+pub(crate) struct Greeting {
+    /// From a receiver: messages a sender may have in flight.
+    pub capacity: u32,
+    /// With the pid, names the peer process for good.
+    pub instance: u64,
+    /// From a receiver: its GPUs.
+    pub reach: Reach,
+    /// From a receiver: its routing policy.
+    pub routing: Routing,
 }
 
 /// A write to a peer that is gone is [`Error::Disconnected`], whatever the socket said.

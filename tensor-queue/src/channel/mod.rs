@@ -92,9 +92,11 @@ pub(crate) mod switches;
 
 use std::sync::{Mutex, MutexGuard};
 
-pub use child::{from_parent, from_parent_duplex, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout};
+pub use child::{
+    from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout,
+};
 pub use connection::MessageInfo;
-pub use receiver::Receiver;
+pub use receiver::{Receiver, ReceiverOptions};
 pub(crate) use release::ReceivedLease;
 pub use sender::{Broadcast, Rejection, Sender};
 

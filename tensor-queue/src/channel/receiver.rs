@@ -19,6 +19,7 @@ use serde::de::DeserializeOwned;
 use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
 use super::link::Link;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
+use crate::route::{MAX_SOURCES, Reach, Routing};
 use crate::wire::{Frame, MAX_PACKET};
 use crate::{Error, Result, Tensor, side_table};
 
@@ -34,7 +35,7 @@ struct Acceptor {
 }
 
 impl Acceptor {
-    fn start(listener: Listener, capacity: u32) -> Result<Acceptor> {
+    fn start(listener: Listener, options: ReceiverOptions) -> Result<Acceptor> {
         let (doorbell, bell) = Connection::pair()?;
         let closed = Arc::new(AtomicBool::new(false));
         let listener = Arc::new(listener);
@@ -57,7 +58,7 @@ impl Acceptor {
                     // A refused peer is told why and dropped here, and `recv` hears of it
                     // (`take_errors`); `recv` re-checks the user of every socket it adopts.
                     let answer = match Link::check_peer(&connection) {
-                        Ok(_) => match Link::new(connection).and_then(|link| link.hello(capacity).map(|()| link)) {
+                        Ok(_) => match Link::new(connection).and_then(|link| options.greet(&link).map(|()| link)) {
                             Ok(link) => bell.send(b"c", &[link.fd()]),
                             Err(error) => {
                                 tracing::warn!(%error, "a new connection failed");
@@ -98,6 +99,48 @@ impl Drop for Acceptor {
         // Stopped and joined, so the listener (and with it the socket file) goes now, not when
         // the thread next wakes: a receiver that exits cleanly leaves no socket file behind.
         self.stop();
+    }
+}
+
+/// How a receiver is set up.
+///
+/// ```
+/// use tensor_queue::route::{Landing, Routing, Strictness};
+/// use tensor_queue::{DEFAULT_CAPACITY, ReceiverOptions};
+/// let options = ReceiverOptions::default();
+/// assert_eq!(options.capacity, DEFAULT_CAPACITY);
+/// assert_eq!(options.routing, Routing::default());
+/// // Refuse anything that is not zero-copy:
+/// let strict = ReceiverOptions { routing: Routing::default().strict(Strictness::ZeroCopy), ..options };
+/// assert_eq!(strict.routing.landing, Landing::AsSent);
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReceiverOptions {
+    /// Messages each sender may have sent and not yet received (at least 1).
+    pub capacity: u32,
+    /// Where GPU tensors land and which routes are refused (see [`crate::route`]).
+    pub routing: Routing,
+}
+
+impl Default for ReceiverOptions {
+    fn default() -> ReceiverOptions {
+        ReceiverOptions { capacity: DEFAULT_CAPACITY, routing: Routing::default() }
+    }
+}
+
+impl ReceiverOptions {
+    /// The options with a capacity of at least 1, or why they cannot be used.
+    fn checked(mut self) -> Result<ReceiverOptions> {
+        self.capacity = self.capacity.max(1);
+        if self.routing.per_source.len() > MAX_SOURCES {
+            return Err(Error::Invalid(format!("more than {MAX_SOURCES} per-source landings")));
+        }
+        Ok(self)
+    }
+
+    /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing.
+    fn greet(&self, link: &Link) -> Result<()> {
+        link.hello(self.capacity, Reach::local(), &self.routing)
     }
 }
 
@@ -170,8 +213,29 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn bind_with_capacity(path: impl AsRef<Path>, capacity: u32) -> Result<Receiver<T>> {
-        let mut receiver = Receiver::new(capacity);
-        receiver.acceptor = Some(Acceptor::start(Listener::bind(path)?, receiver.capacity)?);
+        Receiver::bind_with(path, ReceiverOptions { capacity, ..ReceiverOptions::default() })
+    }
+
+    /// Listens at `path` with `options`: the capacity per sender, and where GPU tensors land
+    /// (see [`crate::route`]).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::route::{Landing, Routing};
+    /// use tensor_queue::{DType, Receiver, ReceiverOptions, Sender, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-bind-with.sock", std::process::id()));
+    /// // A consumer that wants host tensors, whatever GPU they were made on.
+    /// let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..Default::default() };
+    /// let mut receiver = Receiver::<Tensor>::bind_with(&path, options)?;
+    /// let sender = Sender::<Tensor>::connect(&path)?;
+    /// sender.send(&Tensor::from_slice(&[1u8, 2], DType::U8, &[2])?)?;
+    /// assert_eq!(receiver.recv()?.to_vec::<u8>()?, [1, 2]);
+    /// # Ok(()) }
+    /// ```
+    pub fn bind_with(path: impl AsRef<Path>, options: ReceiverOptions) -> Result<Receiver<T>> {
+        let options = options.checked()?;
+        let mut receiver = Receiver::new(&options);
+        receiver.acceptor = Some(Acceptor::start(Listener::bind(path)?, options)?);
         Ok(receiver)
     }
 
@@ -191,20 +255,37 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn from_connection(connection: Connection, capacity: u32) -> Result<Receiver<T>> {
-        let mut receiver = Receiver::new(capacity);
+        Receiver::from_connection_with(connection, ReceiverOptions { capacity, ..ReceiverOptions::default() })
+    }
+
+    /// A receiver over an already connected socket, with `options`.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use ipc_core::seqpacket::Connection;
+    /// use tensor_queue::{Receiver, ReceiverOptions, Sender};
+    /// let (ours, theirs) = Connection::pair()?;
+    /// let mut receiver = Receiver::<u8>::from_connection_with(ours, ReceiverOptions::default())?;
+    /// Sender::<u8>::from_connection(theirs)?.send(&3)?;
+    /// assert_eq!(receiver.recv()?, 3);
+    /// # Ok(()) }
+    /// ```
+    pub fn from_connection_with(connection: Connection, options: ReceiverOptions) -> Result<Receiver<T>> {
+        let options = options.checked()?;
+        let mut receiver = Receiver::new(&options);
         let link = Link::new(connection)?;
-        link.hello(receiver.capacity)?;
+        options.greet(&link)?;
         receiver.connected.push(Connected::new(link));
         Ok(receiver)
     }
 
-    fn new(capacity: u32) -> Receiver<T> {
+    fn new(options: &ReceiverOptions) -> Receiver<T> {
         Receiver {
             acceptor: None,
             connected: Vec::new(),
             arrivals: VecDeque::new(),
-            devices: Devices::default(),
-            capacity: capacity.max(1),
+            devices: Devices::new(options.routing.clone()),
+            capacity: options.capacity,
             errors: Vec::new(),
             joined: 0,
             expected: None,

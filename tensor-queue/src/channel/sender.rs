@@ -15,13 +15,14 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::Connection;
-use ipc_core::{Event, Stream};
+use ipc_core::{Event, Stream, Uuid};
 use serde::Serialize;
 
 use super::link::{Link, Read};
 use super::lock;
 use super::outgoing::{Fencing, Outgoing};
 use crate::arena::{Chunk, RetireListener, Shared};
+use crate::route::{Choice, Reach, Route, Routing, choose};
 use crate::tensor::Storage;
 use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
 use crate::{Error, Refusal, Result};
@@ -72,6 +73,8 @@ struct SenderState {
     next_event: u32,
     /// Whether the receiver's `Hello` was read: until then only the reader thread reads.
     greeted: bool,
+    /// The receiver's GPUs and routing policy, from its `Hello`.
+    receiver: Option<Arc<(Reach, Routing)>>,
     /// Why the receiver takes no more messages, once it does not.
     closed: Option<String>,
     /// Why the receiver refused this sender at the handshake, if it did.
@@ -194,7 +197,7 @@ impl<T: Serialize> Sender<T> {
     /// ```
     pub fn from_connection(connection: Connection) -> Result<Sender<T>> {
         let link = Link::new(connection)?;
-        match link.hello(0) {
+        match link.hello(0, &Reach::default(), &Routing::default()) {
             // A receiver already gone (a child that exited at once): the reader thread sees the
             // hang-up, and `send` says `Disconnected`.
             Ok(()) | Err(Error::Disconnected) => {}
@@ -503,6 +506,30 @@ impl<T> Sender<T> {
         std::mem::take(&mut lock(&self.inner().state).rejected)
     }
 
+    /// The route a tensor on the GPU `source` would take to this receiver (see
+    /// [`crate::route`]), decided from the receiver's GPUs and policy as `send` decides it.
+    /// Waits up to `timeout` for the receiver's handshake.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Receiver, Sender, Uuid};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-route.sock", std::process::id()));
+    /// # let _receiver = Receiver::<u32>::bind(&path)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// match sender.route(&Uuid([7; 16]), Duration::from_secs(10)) {
+    ///     Ok(choice) => println!("{} (slower than possible: {:?})", choice.route, choice.slower_because),
+    ///     Err(error) => println!("refused: {error}"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn route(&self, source: &Uuid, timeout: Duration) -> Result<Choice> {
+        self.wait_ready(timeout)?;
+        let receiver = lock(&self.inner().state).receiver.clone();
+        let receiver = receiver.ok_or(Error::Disconnected)?;
+        Ok(choose(source, &receiver.1, &receiver.0, Reach::local())?)
+    }
+
     /// The receiver's process id.
     ///
     /// ```
@@ -636,6 +663,7 @@ impl SenderInner {
                 view_offset: tensor.offset() as u64,
                 dtype: tensor.dtype(),
                 fence: if storage.chunk.device().is_some() { fence } else { Fence::None },
+                route: Route::SameDevice,
                 shape: tensor.shape().to_vec(),
                 strides: tensor.strides().to_vec(),
             });
@@ -745,17 +773,18 @@ impl SenderInner {
                 Ok(Read::Frame(Frame::Close { reason, .. }, _)) => {
                     break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
                 }
-                Ok(Read::Frame(frame, _)) => break Link::check_hello(&frame),
+                Ok(Read::Frame(frame, _)) => break Link::check_hello(frame),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
                 Err(error) => break Err(error),
             }
         };
         match greeting {
-            Ok((capacity, _)) => {
+            Ok(greeting) => {
                 let mut state = lock(&self.state);
-                state.credits = capacity;
+                state.credits = greeting.capacity;
                 state.greeted = true;
+                state.receiver = Some(Arc::new((greeting.reach, greeting.routing)));
                 drop(state);
                 self.changed.notify_all();
             }

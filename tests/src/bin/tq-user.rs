@@ -229,7 +229,18 @@ fn hostile(listen: &str) -> Result<()> {
     let mut buf = vec![0u8; 16 << 20];
     connection.recv(&mut buf)?;
     let host = ipc_core::HostId::current()?.0;
-    connection.send(&Frame::Hello { pid: std::process::id(), host, capacity: 1, instance: 7 }.encode(), &[])?;
+    connection.send(
+        &Frame::Hello {
+            pid: std::process::id(),
+            host,
+            capacity: 1,
+            instance: 7,
+            reach: Default::default(),
+            routing: Default::default(),
+        }
+        .encode(),
+        &[],
+    )?;
     let reader = connection.clone();
     let (messages_tx, messages) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
