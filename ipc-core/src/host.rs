@@ -95,6 +95,36 @@ pub struct SharedMemory {
     ptr: *mut u8,
     len: usize,
     writable: bool,
+    /// Set by [`SharedMemory::registered`]: the pages are locked and mapped for the GPUs until drop.
+    registration: std::sync::OnceLock<Registration>,
+}
+
+/// A registration of a [`SharedMemory`] mapping with the driver.
+#[derive(Debug)]
+struct Registration {
+    device_ptr: CUdeviceptr,
+    context: Arc<Context>,
+}
+
+/// A [`SharedMemory`] mapping as the GPUs see it once registered: copies to and from it run at
+/// pinned speed, and stream memory operations can wait on and write its words.
+#[derive(Debug)]
+pub struct RegisteredMemory<'a> {
+    device_ptr: CUdeviceptr,
+    len: usize,
+    context: &'a Arc<Context>,
+}
+
+impl crate::DeviceMemory for RegisteredMemory<'_> {
+    fn device_ptr(&self) -> CUdeviceptr {
+        self.device_ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn context(&self) -> &Arc<Context> {
+        self.context
+    }
 }
 
 // SAFETY: the mapping is owned by this value and unmapped once; `&self` gives only reads, and
@@ -148,7 +178,66 @@ impl SharedMemory {
         // SAFETY: a fresh shared mapping at an address the kernel chooses aliases no Rust object.
         let ptr = unsafe { mmap(std::ptr::null_mut(), len, protection, MapFlags::SHARED, &fd, 0) }
             .map_err(|e| Error::os("mmap", e))?;
-        Ok(SharedMemory { fd, ptr: ptr.cast(), len, writable })
+        Ok(SharedMemory { fd, ptr: ptr.cast(), len, writable, registration: std::sync::OnceLock::new() })
+    }
+
+    /// The mapping as the GPUs see it: registered with the driver (page-locked, mapped for every
+    /// context, read-only if the mapping is) on the first call, in `context`; later calls return
+    /// the same registration whatever context they name. It lasts until the memory is dropped.
+    pub fn registered(&self, context: &Arc<Context>) -> Result<RegisteredMemory<'_>> {
+        if self.registration.get().is_none() {
+            context.bind()?;
+            let mut flags = cuda_sys::CU_MEMHOSTREGISTER_PORTABLE | cuda_sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+            if !self.writable {
+                flags |= cuda_sys::CU_MEMHOSTREGISTER_READ_ONLY;
+            }
+            // One registration per mapping: the lock is held across the driver call.
+            static REGISTERING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+            let _guard = REGISTERING.lock().unwrap_or_else(|e| e.into_inner());
+            if self.registration.get().is_none() {
+                // SAFETY: the range is a live mapping owned by `self`; `Drop` unregisters it
+                // before unmapping.
+                unsafe { driver!(cuMemHostRegister_v2(self.ptr.cast(), self.len, flags)) }?;
+                let registration = match device_pointer(context, self.ptr) {
+                    Ok(device_ptr) => Registration { device_ptr, context: context.clone() },
+                    Err(error) => {
+                        // SAFETY: registered just above, and not recorded: undone once, here.
+                        crate::release(unsafe { driver!(cuMemHostUnregister(self.ptr.cast())) });
+                        return Err(error);
+                    }
+                };
+                let _ = self.registration.set(registration);
+            }
+        }
+        let registration = self.registration.get().ok_or_else(|| Error::InvalidArgument("no registration".into()))?;
+        Ok(RegisteredMemory { device_ptr: registration.device_ptr, len: self.len, context: &registration.context })
+    }
+
+    /// Reads the 8-byte word at `offset` (a multiple of 8) atomically, with acquire ordering: a
+    /// flag that another process or a GPU writes.
+    pub fn load_u64(&self, offset: usize) -> Result<u64> {
+        Ok(self.word(offset)?.load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    /// Writes the 8-byte word at `offset` (a multiple of 8) atomically, with release ordering;
+    /// [`Error::ReadOnlyMemory`] if the mapping is read-only.
+    pub fn store_u64(&self, offset: usize, value: u64) -> Result<()> {
+        if !self.writable {
+            return Err(Error::ReadOnlyMemory);
+        }
+        self.word(offset)?.store(value, std::sync::atomic::Ordering::Release);
+        Ok(())
+    }
+
+    fn word(&self, offset: usize) -> Result<&std::sync::atomic::AtomicU64> {
+        crate::error::check_range(offset, 8, self.len)?;
+        if !offset.is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!("a word at byte {offset} is not 8-byte aligned")));
+        }
+        // SAFETY: the range was checked and is aligned (the mapping is page-aligned); the word is
+        // only ever accessed atomically (here, by other processes through this protocol, or by
+        // GPU stream memory operations), and it lives as long as `self`.
+        Ok(unsafe { std::sync::atomic::AtomicU64::from_ptr(self.ptr.add(offset).cast()) })
     }
 
     /// The descriptor, to send to another process.
@@ -225,6 +314,10 @@ impl SharedMemory {
 
 impl Drop for SharedMemory {
     fn drop(&mut self) {
+        if let Some(registration) = self.registration.get() {
+            // SAFETY: registered once in `registered`, unregistered once, before the unmap.
+            crate::release_in(&registration.context, || unsafe { driver!(cuMemHostUnregister(self.ptr.cast())) });
+        }
         // SAFETY: the mapping is owned and unmapped once; no slice borrowed from it outlives `self`.
         if let Err(error) = unsafe { munmap(self.ptr.cast(), self.len) } {
             tracing::warn!(%error, "munmap of shared memory failed");

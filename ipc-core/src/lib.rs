@@ -60,7 +60,7 @@ pub use device::{Device, Uuid};
 pub use error::{Error, Result};
 pub use event::{Event, IpcEventHandle};
 pub use handle::HostId;
-pub use host::{PinnedHostBuffer, PinnedSharedMemory, SharedMemory};
+pub use host::{PinnedHostBuffer, PinnedSharedMemory, RegisteredMemory, SharedMemory};
 pub use memory::{DeviceBuffer, DeviceMemory, ImportedIpcMemory, IpcMemHandle, copy_peer_async};
 pub use module::{Function, LaunchConfig, Module};
 pub use stream::Stream;

@@ -120,6 +120,18 @@ impl VmmAllocation {
         }
     }
 
+    /// Lets `peer`'s device read and write the mapping too (over NVLink or PCIe peer access):
+    /// kernels and copies on that device then use [`crate::DeviceMemory::device_ptr`] directly.
+    /// Fails where the two devices have no peer access.
+    pub fn grant_access(&self, peer: &Context) -> Result<()> {
+        self.context.bind()?;
+        let access =
+            CUmemAccessDesc { location: location(peer), flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE };
+        // SAFETY: the range is mapped by this value; `access` is one valid descriptor.
+        unsafe { driver!(cuMemSetAccess(self.ptr, self.len, &access, 1)) }?;
+        Ok(())
+    }
+
     /// Exports the allocation as a new file descriptor, to send with [`crate::fd_passing`].
     pub fn export(&self) -> Result<OwnedFd> {
         self.context.bind()?;

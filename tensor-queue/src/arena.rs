@@ -58,6 +58,8 @@ pub(crate) struct Chunk {
     exported: OnceLock<OwnedFd>,
     /// Peers this chunk was announced to, told to forget it when it is freed.
     announced_to: Mutex<Vec<std::sync::Weak<dyn RetireListener>>>,
+    /// Other devices (by ordinal) granted access to this device chunk (see [`Chunk::grant_access`]).
+    granted: Mutex<Vec<i32>>,
 }
 
 /// A connection that must hear when a chunk it announced is freed.
@@ -79,6 +81,11 @@ impl Chunk {
         Chunk::with_access(memory, false)
     }
 
+    /// A chunk peers may write (host chunks: they get a writable descriptor).
+    pub fn writable(memory: ChunkMemory) -> Result<Arc<Chunk>> {
+        Chunk::with_access(memory, true)
+    }
+
     fn with_access(memory: ChunkMemory, writable: bool) -> Result<Arc<Chunk>> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
@@ -89,6 +96,7 @@ impl Chunk {
             device_uuid: None,
             exported: OnceLock::new(),
             announced_to: Mutex::new(Vec::new()),
+            granted: Mutex::new(Vec::new()),
         };
         if let Some(memory) = chunk.device() {
             chunk.device_uuid = Some(memory.context().device().uuid()?);
@@ -126,6 +134,26 @@ impl Chunk {
             ChunkMemory::ImportedLegacy(m) => Some(m),
             ChunkMemory::Host(_) | ChunkMemory::ImportedHost(_) => None,
         }
+    }
+
+    /// Lets `peer`'s device read and write this device chunk over a peer link (once per device):
+    /// VMM memory by its access list, a legacy buffer by peer access between the contexts.
+    pub fn grant_access(&self, peer: &Arc<Context>) -> Result<()> {
+        let Some(memory) = self.device() else { return Err(Error::Invalid("host memory needs no peer access".into())) };
+        let ordinal = peer.device().ordinal();
+        if memory.context().device().ordinal() == ordinal {
+            return Ok(());
+        }
+        let mut granted = lock(&self.granted);
+        if granted.contains(&ordinal) {
+            return Ok(());
+        }
+        match &self.memory {
+            ChunkMemory::Vmm(m) | ChunkMemory::ImportedVmm(m) => m.grant_access(peer)?,
+            _ => peer.enable_peer_access(memory.context())?,
+        }
+        granted.push(ordinal);
+        Ok(())
     }
 
     /// The host mapping, for host chunks.

@@ -108,3 +108,56 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
 fn device_memory(block: &Chunk) -> Result<&dyn DeviceMemory> {
     block.device().ok_or_else(|| Error::Protocol("a signal block in host memory".into()))
 }
+
+/// Signal words in shared host memory, for receivers that cannot reach the producer's GPU (the
+/// staged and host routes): the producer's stream writes them through the registered mapping,
+/// a receiver's stream waits on them through its own registration, and a receiver without a GPU
+/// reads them on the CPU. One word per producer stream, as on a device.
+struct HostSignals {
+    blocks: Vec<Arc<Chunk>>,
+    /// Per producer stream: its handle and last value.
+    words: Vec<(usize, u64)>,
+}
+
+static HOST_SIGNALS: Mutex<HostSignals> = Mutex::new(HostSignals { blocks: Vec::new(), words: Vec::new() });
+
+/// Queues on `stream`, for each of `pieces` pieces of work, `enqueue(k)` then the write of the
+/// next value of the stream's host word, and returns the word and the value after piece 0: the
+/// value after piece `k` is that plus `k` (consecutive, since the lock is held throughout).
+pub(crate) fn host_signal_pieces(
+    stream: &Stream,
+    pieces: usize,
+    mut enqueue: impl FnMut(usize) -> Result<()>,
+) -> Result<Signal> {
+    let mut all = HOST_SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
+    let key = stream.raw() as usize;
+    let index = match all.words.iter().position(|w| w.0 == key) {
+        Some(index) => index,
+        None => {
+            let word = all.words.len();
+            if word.is_multiple_of(WORDS_PER_BLOCK) {
+                // Writable by peers: a receiver whose producer died writes the awaited value
+                // itself to release its stream (see `channel/fences.rs`).
+                let memory = ipc_core::SharedMemory::create("tensor-queue-signals", WORDS_PER_BLOCK * 8)?;
+                let block = Chunk::writable(ChunkMemory::Host(memory))?;
+                all.blocks.push(block);
+            }
+            all.words.push((key, 0));
+            word
+        }
+    };
+    let block = all.blocks[index / WORDS_PER_BLOCK].clone();
+    let offset = index % WORDS_PER_BLOCK * 8;
+    let memory = block.host().ok_or_else(|| Error::Protocol("a host signal block on a device".into()))?;
+    let registered = memory.registered(stream.context())?;
+    let first = all.words[index].1 + 1;
+    for piece in 0..pieces.max(1) {
+        if piece < pieces {
+            enqueue(piece)?;
+        }
+        let value = first + piece as u64;
+        stream.write_value64(&registered, offset, value)?;
+        all.words[index].1 = value;
+    }
+    Ok(Signal { chunk: block.clone(), offset, value: first })
+}

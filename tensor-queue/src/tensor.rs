@@ -7,7 +7,7 @@ use ipc_core::layout::strided_byte_span;
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream, Uuid};
 
 use crate::arena::{Allocation, Arena, Chunk, ChunkMemory};
-use crate::channel::ReceivedLease;
+use crate::channel::{Fences, ReceivedLease};
 use crate::{DType, Element, Error, Result};
 
 /// Where a tensor's bytes are.
@@ -105,9 +105,30 @@ enum Origin {
     User,
     /// The sender, through a release message.
     Received(Arc<ReceivedLease>),
+    /// This process's arena: a received tensor copied here (the sender's memory went back when
+    /// the copy was done); the producer's fences say whether the copy read finished data.
+    Landed(#[expect(dead_code, reason = "held for its Drop")] Allocation, Fences),
 }
 
 impl Storage {
+    /// Storage that owns an arena allocation.
+    pub fn from_allocation(allocation: Allocation) -> Storage {
+        Storage::new(allocation.chunk.clone(), allocation.offset, allocation.len, Origin::Arena(allocation))
+    }
+
+    /// Storage received by a copy into this process's arena, queued on `stream` and done when
+    /// `copied` (recorded after it) is complete: the memory is not reused before.
+    pub fn landed(allocation: Allocation, fences: Fences, stream: &Stream, copied: Event) -> Storage {
+        let storage = Storage::new(
+            allocation.chunk.clone(),
+            allocation.offset,
+            allocation.len,
+            Origin::Landed(allocation, fences),
+        );
+        storage.uses.lock().unwrap_or_else(|e| e.into_inner()).push((stream.raw() as usize, copied));
+        storage
+    }
+
     pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: Arc<ReceivedLease>) -> Storage {
         Storage::new(chunk, offset, len, Origin::Received(lease))
     }
@@ -522,6 +543,7 @@ impl Tensor {
     pub fn producer_failed(&self) -> bool {
         match &self.storage.origin {
             Origin::Received(lease) => lease.producer_failed(),
+            Origin::Landed(_, fences) => crate::channel::failed(fences),
             _ => false,
         }
     }

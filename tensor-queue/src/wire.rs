@@ -201,7 +201,7 @@ pub enum ChunkKind {
 /// };
 /// let desc = TensorDesc {
 ///     chunk: 1, storage_offset: 512, storage_len: 48, view_offset: 0,
-///     dtype: DType::F32, fence: Fence::None, route: Route::SameDevice, shape: vec![3, 4], strides: vec![4, 1],
+///     dtype: DType::F32, fence: Fence::None, route: Route::SameDevice, target: None, shape: vec![3, 4], strides: vec![4, 1],
 /// };
 /// assert!(Frame::decode(&message(desc.clone())).is_ok());
 /// let too_long = TensorDesc { shape: vec![3, 5], ..desc }; // 60 bytes of view in 48 of storage
@@ -223,6 +223,9 @@ pub struct TensorDesc {
     pub fence: Fence,
     /// How the tensor travels (see [`crate::route`]).
     pub route: Route,
+    /// For [`Route::Staged`]: the receiver's GPU the tensor lands on (the sender chose it from
+    /// the receiver's policy); `None` for every other route.
+    pub target: Option<Uuid>,
     /// Sizes.
     pub shape: Vec<u64>,
     /// Strides in elements.
@@ -240,7 +243,7 @@ pub struct TensorDesc {
 /// let fence = Fence::Signal { chunk: 3, offset: 64, value: 12 };
 /// let desc = TensorDesc {
 ///     chunk: 3, storage_offset: 4096, storage_len: 16, view_offset: 0,
-///     dtype: DType::F32, fence, route: Route::SameDevice, shape: vec![4], strides: vec![1],
+///     dtype: DType::F32, fence, route: Route::SameDevice, target: None, shape: vec![4], strides: vec![1],
 /// };
 /// let frame = Frame::Message { seq: 9, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] };
 /// assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
@@ -499,6 +502,9 @@ impl Frame {
                     w.u8(t.dtype as u8);
                     w.u8(t.shape.len() as u8);
                     w.u8(t.route.code());
+                    if let Some(target) = t.target {
+                        w.bytes(&target.0);
+                    }
                     match t.fence {
                         Fence::None => w.u8(FENCE_NONE),
                         Fence::Event(id) => {
@@ -725,6 +731,7 @@ fn encode_routing(w: &mut Writer, routing: &Routing) {
     w.u8(match routing.peer {
         PeerMode::Copy => 0,
         PeerMode::Map => 1,
+        PeerMode::Stage => 2,
     });
     w.u8(match routing.strict {
         Strictness::Any => 0,
@@ -740,6 +747,7 @@ fn decode_routing(r: &mut Reader<'_>) -> Result<Routing, FrameError> {
     let peer = match r.u8()? {
         0 => PeerMode::Copy,
         1 => PeerMode::Map,
+        2 => PeerMode::Stage,
         _ => return Err(FrameError::Invalid("peer mode")),
     };
     let strict = match r.u8()? {
@@ -770,6 +778,7 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
     let route_code = r.u8()?;
     let route = Route::from_code(route_code)
         .ok_or_else(|| FrameError::OutOfBounds { index, reason: format!("unknown route {route_code}") })?;
+    let target = if route == Route::Staged { Some(Uuid(r.array()?)) } else { None };
     let fence = match r.u8()? {
         FENCE_NONE => Fence::None,
         FENCE_EVENT => Fence::Event(r.u32()?),
@@ -792,7 +801,7 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
             "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside a {storage_len}-byte storage"
         )));
     }
-    Ok(TensorDesc { chunk, storage_offset, storage_len, view_offset, dtype, fence, route, shape, strides })
+    Ok(TensorDesc { chunk, storage_offset, storage_len, view_offset, dtype, fence, route, target, shape, strides })
 }
 
 /// The most bytes a view's elements may add up to (256 TiB, more than any machine's memory): a
@@ -980,6 +989,7 @@ mod tests {
                 dtype: DType::F32,
                 fence: Fence::Signal { chunk: 1, offset: 64, value: 5 },
                 route: Route::Staged,
+                target: Some(Uuid([4; 16])),
                 shape: vec![3, 4],
                 strides: vec![4, 1],
             }],

@@ -218,6 +218,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
         dtype: DType::U8,
         fence: Fence::None,
         route: tensor_queue::route::Route::SameDevice,
+        target: None,
         shape: vec![64],
         strides: vec![1],
     };

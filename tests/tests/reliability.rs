@@ -229,6 +229,7 @@ fn desc(chunk: u64, len: u64, dtype: DType, view_offset: u64, shape: &[u64], str
         dtype,
         fence: Fence::None,
         route: tensor_queue::route::Route::SameDevice,
+        target: None,
         shape: shape.to_vec(),
         strides: strides.to_vec(),
     }

@@ -15,10 +15,10 @@ use super::fences::{FenceWait, Producer, producer};
 use super::imports::{Announced, import};
 use super::link::{Link, Read};
 use super::peer::Peer;
-use super::release::ReceivedLease;
+use super::release::{Fences, ReceivedLease};
 use super::{lock, monotonic_ns};
-use crate::arena::{Chunk, ChunkMemory};
-use crate::route::Routing;
+use crate::arena::{Allocation, Arena, Chunk, ChunkMemory};
+use crate::route::{self, Reach, Route, Routing};
 use crate::tensor::Storage;
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
 use crate::{Error, Result, Tensor, TransferPath};
@@ -85,6 +85,28 @@ pub(super) struct Ready {
     pub tensors: Vec<Tensor>,
     pub payload: Vec<u8>,
     pub info: MessageInfo,
+    /// Fences `recv` waits for on the CPU before delivering (host-route tensors).
+    pub on_cpu: Option<Fences>,
+}
+
+/// A sender's storage: (chunk, offset, length).
+type StorageKey = (u64, u64, u64);
+
+/// Where a tensor of a message was put.
+enum Placed {
+    /// The sender's memory, mapped.
+    Mapped(Arc<Chunk>, TransferPath, Option<Arc<Stream>>),
+    /// Copied into the message's `n`th landed storage, on the stream.
+    Landed(usize, TransferPath, Arc<Stream>),
+}
+
+impl Placed {
+    fn stream(&self) -> Option<&Arc<Stream>> {
+        match self {
+            Placed::Mapped(_, _, stream) => stream.as_ref(),
+            Placed::Landed(_, _, stream) => Some(stream),
+        }
+    }
 }
 
 /// The contexts of the devices received tensors live on, the streams the user chose for them,
@@ -253,7 +275,8 @@ impl Connected {
     }
 
     /// Checks every descriptor of a message against this connection's chunks and events, and
-    /// orders the tensors' first use after the producer's work.
+    /// orders the tensors' first use after the producer's work: mapped in place, or copied here
+    /// (the staged route) after each piece's fence.
     fn place(
         &mut self,
         devices: &Devices,
@@ -264,49 +287,93 @@ impl Connected {
         let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
         let mut fences: Vec<FenceWait> = Vec::new();
         let mut placed = Vec::with_capacity(descs.len());
+        // Storage copied here, by the sender's (chunk, offset, length): tensors that share the
+        // sender's storage share the copy too.
+        let mut landed: Vec<(StorageKey, Allocation, Arc<Stream>)> = Vec::new();
+        let mut on_cpu = false;
         for (index, desc) in descs.iter().enumerate() {
+            self.check_route(devices, index, desc)?;
             let (chunk, path, stream) = self.locate(devices, index, desc)?;
-            if let Some(stream) = &stream
-                && desc.fence != Fence::None
-                && !super::switches::skip_ordering()
-                && !waits.iter().any(|(fence, s)| *fence == desc.fence && Arc::ptr_eq(s, stream))
-            {
-                fences.extend(self.order(index, desc, &chunk, stream)?);
-                waits.push((desc.fence, stream.clone()));
+            match desc.route {
+                Route::Staged => {
+                    let stream = stream.ok_or_else(|| Error::Protocol("a staged tensor without a stream".into()))?;
+                    let key = (desc.chunk, desc.storage_offset, desc.storage_len);
+                    let at = match landed.iter().position(|(k, _, _)| *k == key) {
+                        Some(at) => at,
+                        None => {
+                            let allocation = self.copy_in(index, desc, &chunk, &stream, &mut fences)?;
+                            landed.push((key, allocation, stream.clone()));
+                            landed.len() - 1
+                        }
+                    };
+                    placed.push(Placed::Landed(at, path, stream));
+                }
+                Route::Host => {
+                    fences.extend(self.fence_on_cpu(index, desc)?);
+                    on_cpu = true;
+                    placed.push(Placed::Mapped(chunk, path, None));
+                }
+                _ => {
+                    if let Some(stream) = &stream
+                        && desc.fence != Fence::None
+                        && !super::switches::skip_ordering()
+                        && !waits.iter().any(|(fence, s)| *fence == desc.fence && Arc::ptr_eq(s, stream))
+                    {
+                        fences.extend(self.order_for(devices, index, desc, &chunk, stream)?);
+                        waits.push((desc.fence, stream.clone()));
+                    }
+                    placed.push(Placed::Mapped(chunk, path, stream));
+                }
             }
-            placed.push((chunk, path, stream));
         }
-        // Every stream a wait was queued on is some tensor's stream too.
+        // Every stream a wait or a copy was queued on is some tensor's stream too.
         let mut streams: Vec<Arc<Stream>> = Vec::new();
-        for stream in placed.iter().filter_map(|(_, _, s)| s.as_ref()) {
+        for stream in placed.iter().filter_map(Placed::stream) {
             if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
                 streams.push(stream.clone());
             }
         }
-        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences });
-        let tensors = placed
-            .into_iter()
-            .zip(descs)
-            .map(|((chunk, path, stream), desc)| {
-                let storage =
-                    Storage::received(chunk, desc.storage_offset as usize, desc.storage_len as usize, lease.clone());
-                Tensor::from_parts(
-                    Arc::new(storage),
-                    desc.dtype,
-                    desc.shape.clone(),
-                    desc.strides.clone(),
-                    desc.view_offset as usize,
-                    path,
-                    stream,
-                )
-            })
-            .collect();
+        let fences: Fences = Arc::new(fences);
+        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
+        // The memory a copy lands in is not reused before the copy is done, even if the tensor
+        // is dropped at once: each landed storage holds an event recorded after its copies.
+        let mut storages = Vec::with_capacity(landed.len());
+        for (_, allocation, stream) in landed {
+            let done = Event::new(stream.context())?;
+            done.record(&stream)?;
+            storages.push(Arc::new(Storage::landed(allocation, fences.clone(), &stream, done)));
+        }
+        let mut tensors = Vec::with_capacity(placed.len());
+        for (placed, desc) in placed.into_iter().zip(descs) {
+            let (storage, path, stream) = match placed {
+                Placed::Mapped(chunk, path, stream) => {
+                    let (offset, len) = (desc.storage_offset as usize, desc.storage_len as usize);
+                    (Arc::new(Storage::received(chunk, offset, len, lease.clone())), path, stream)
+                }
+                Placed::Landed(at, path, stream) => (storages[at].clone(), path, Some(stream)),
+            };
+            let (shape, strides) = (desc.shape.clone(), desc.strides.clone());
+            let offset = desc.view_offset as usize;
+            tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
+        }
         info.imported_ns = monotonic_ns();
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info })
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, on_cpu: on_cpu.then_some(fences) })
+    }
+
+    /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
+    /// asks [`crate::route::choose`] first).
+    fn check_route(&self, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<()> {
+        let strict = devices.routing.strict;
+        // Whether the landing was a fallback is the sender's knowledge: the lenient reading here.
+        if !route::allowed(desc.route, strict, false) {
+            let reason = format!("route {} is refused by this receiver's policy ({strict:?})", desc.route);
+            return Err(Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } });
+        }
+        Ok(())
     }
 
     /// The chunk a descriptor names, checked, with the path it came by and the stream its first
-    /// use is ordered on.
+    /// use is ordered on (on the GPU it lands on).
     fn locate(
         &mut self,
         devices: &Devices,
@@ -328,15 +395,132 @@ impl Connected {
                 chunk.len()
             )));
         }
-        let path = match &chunk.memory {
-            ChunkMemory::ImportedHost(_) => return Ok((chunk, TransferPath::HostSharedMemory, None)),
-            ChunkMemory::ImportedVmm(_) => TransferPath::CudaVmm,
-            ChunkMemory::ImportedLegacy(_) => TransferPath::CudaLegacyIpc,
+        let host = matches!(chunk.memory, ChunkMemory::ImportedHost(_));
+        match (desc.route, host) {
+            (Route::SameDevice, true) => return Ok((chunk, TransferPath::HostSharedMemory, None)),
+            (Route::Host, true) => return Ok((chunk, TransferPath::StagedToHost, None)),
+            (Route::Staged, true) => {
+                let target = desc.target.ok_or_else(|| bad("a staged tensor without a target GPU".into()))?;
+                if !Reach::local().sees(&target) {
+                    return Err(bad(format!("the staged tensor's target GPU {target} is not one of this process's")));
+                }
+                let stream = self.stream(devices, &target)?;
+                return Ok((chunk, TransferPath::Staged, Some(stream)));
+            }
+            (Route::SameDevice | Route::PeerMap | Route::PeerCopy, false) => {}
+            (route, _) => {
+                let kind = if host { "host" } else { "device" };
+                return Err(bad(format!("route {route} with a {kind} chunk")));
+            }
+        }
+        let path = match (&chunk.memory, desc.route) {
+            (_, Route::PeerCopy) => TransferPath::PeerCopied,
+            (_, Route::PeerMap) => TransferPath::PeerMapped,
+            (ChunkMemory::ImportedVmm(_), _) => TransferPath::CudaVmm,
+            (ChunkMemory::ImportedLegacy(_), _) => TransferPath::CudaLegacyIpc,
             _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
         };
         let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
-        let stream = self.stream(devices, &uuid)?;
+        let landing = match desc.route {
+            Route::PeerMap => {
+                let (target, _) = route::target(&uuid, &devices.routing, Reach::local());
+                let target = target.filter(|t| *t != uuid).ok_or_else(|| {
+                    bad(format!("mapped over a peer link, but tensors from GPU {uuid} do not land on another GPU here"))
+                })?;
+                chunk.grant_access(&devices.context(&target)?)?;
+                target
+            }
+            _ => uuid,
+        };
+        let stream = self.stream(devices, &landing)?;
         Ok((chunk, path, Some(stream)))
+    }
+
+    /// Queues the wait for the producer's fence of tensor `index` on `stream`; for a tensor
+    /// mapped over a peer link, on this connection's stream for the sender's GPU first (where the
+    /// fence lives), which `stream` then waits for.
+    fn order_for(
+        &mut self,
+        devices: &Devices,
+        index: usize,
+        desc: &TensorDesc,
+        chunk: &Arc<Chunk>,
+        stream: &Arc<Stream>,
+    ) -> Result<Option<FenceWait>> {
+        if desc.route != Route::PeerMap {
+            return self.order(index, desc, chunk, stream);
+        }
+        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
+        let home = self.stream(devices, &uuid)?;
+        let fence = self.order(index, desc, chunk, &home)?;
+        let done = Event::new(home.context())?;
+        done.record(&home)?;
+        stream.wait_event(&done)?;
+        Ok(fence)
+    }
+
+    /// Allocates staged tensor `index`'s storage on `stream`'s GPU and queues, per piece, the
+    /// wait for the producer's host word and the copy out of the staging memory.
+    fn copy_in(
+        &mut self,
+        index: usize,
+        desc: &TensorDesc,
+        staging: &Arc<Chunk>,
+        stream: &Arc<Stream>,
+        fences: &mut Vec<FenceWait>,
+    ) -> Result<Allocation> {
+        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        let (signal, offset, value) = self.host_signal(index, desc)?;
+        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+        let producer = producer.clone();
+        let len = desc.storage_len as usize;
+        let allocation = Arena::device(stream.context()).allocate(len)?;
+        let destination =
+            allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
+        let host = staging.host().ok_or_else(|| bad("staged from device memory".into()))?;
+        let source = host.registered(stream.context())?;
+        let piece = route::staging_piece(len);
+        for k in 0..len.div_ceil(piece) {
+            if !super::switches::skip_ordering() {
+                fences.push(producer.wait(stream, &signal, offset, value + k as u64).map_err(|e| match e {
+                    Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
+                        bad(format!("signal word {offset}: {e}"))
+                    }
+                    other => other,
+                })?);
+            }
+            let at = k * piece;
+            let n = piece.min(len - at);
+            stream.copy_async(destination, allocation.offset + at, &source, desc.storage_offset as usize + at, n)?;
+        }
+        Ok(allocation)
+    }
+
+    /// Notes the host word a host-route tensor's data waits for; `recv` waits for it on the CPU.
+    fn fence_on_cpu(&self, index: usize, desc: &TensorDesc) -> Result<Option<FenceWait>> {
+        let (signal, offset, value) = self.host_signal(index, desc)?;
+        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+        producer.wait_on_cpu(&signal, offset, value).map(Some).map_err(|e| match e {
+            Error::Core(_) => Error::Frame {
+                pid: self.pid(),
+                source: FrameError::OutOfBounds { index, reason: format!("signal word {offset}: {e}") },
+            },
+            other => other,
+        })
+    }
+
+    /// The host word, offset and first value a copied tensor's fence names.
+    fn host_signal(&self, index: usize, desc: &TensorDesc) -> Result<(Arc<Chunk>, usize, u64)> {
+        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        let Fence::Signal { chunk, offset, value } = desc.fence else {
+            return Err(bad(format!("a {} tensor without a host signal", desc.route)));
+        };
+        let signal = self.chunks.get(&chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {chunk}")))?;
+        if signal.host().is_none() {
+            return Err(bad(format!("signal chunk {chunk} is not host memory")));
+        }
+        let offset = usize::try_from(offset).map_err(|_| bad(format!("signal offset {offset}")))?;
+        Ok((signal, offset, value))
     }
 
     /// This connection's stream for `uuid`'s device (the user's, if one was chosen).

@@ -38,6 +38,8 @@ pub(crate) struct FenceWait {
     _producer: Arc<Producer>,
     fate: Arc<WordFate>,
     value: u64,
+    /// The word, for a wait on the CPU.
+    word: Option<(Arc<Chunk>, usize)>,
 }
 
 impl FenceWait {
@@ -45,6 +47,27 @@ impl FenceWait {
     pub fn failed(&self) -> bool {
         self.value > self.fate.0.load(Ordering::Acquire)
     }
+
+    /// Waits on the CPU until a host word reaches its value or its producer is found dead
+    /// (then [`FenceWait::failed`] says so). Polls, backing off to a millisecond: the producer's
+    /// copy of a host tensor usually finishes within microseconds of the message.
+    pub fn wait_on_cpu(&self) -> Result<()> {
+        let Some((chunk, offset)) = &self.word else { return Ok(()) };
+        let memory = host(chunk)?;
+        let mut pause = Duration::from_micros(1);
+        while memory.load_u64(*offset)? < self.value {
+            if self._producer.is_dead() {
+                return Ok(()); // rescued: the fate says how far it got
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+}
+
+fn host(chunk: &Chunk) -> Result<&ipc_core::SharedMemory> {
+    chunk.host().ok_or_else(|| crate::Error::Protocol("a host word in device memory".into()))
 }
 
 /// A word of a producer's this process waits on.
@@ -91,7 +114,25 @@ impl Producer {
     /// Makes `stream` wait until the word at `offset` of `chunk` reaches `value`, unless the
     /// producer already died (then nothing is queued: the word will never move again).
     pub fn wait(self: &Arc<Self>, stream: &Stream, chunk: &Arc<Chunk>, offset: usize, value: u64) -> Result<FenceWait> {
-        let memory = chunk.device().ok_or_else(|| crate::Error::Protocol("a signal word in host memory".into()))?;
+        self.fence(Some(stream), chunk, offset, value)
+    }
+
+    /// Notes that this process waits on the CPU (see [`FenceWait::wait_on_cpu`]) until the word at
+    /// `offset` of the host chunk `chunk` reaches `value`.
+    pub fn wait_on_cpu(self: &Arc<Self>, chunk: &Arc<Chunk>, offset: usize, value: u64) -> Result<FenceWait> {
+        if chunk.host().is_none() {
+            return Err(crate::Error::Protocol("a CPU wait on device memory".into()));
+        }
+        self.fence(None, chunk, offset, value)
+    }
+
+    fn fence(
+        self: &Arc<Self>,
+        stream: Option<&Stream>,
+        chunk: &Arc<Chunk>,
+        offset: usize,
+        value: u64,
+    ) -> Result<FenceWait> {
         let mut state = lock(&self.state);
         let at = match state.words.iter().position(|w| w.chunk.id == chunk.id && w.offset == offset) {
             Some(at) => at,
@@ -104,14 +145,23 @@ impl Producer {
         };
         let fate = state.words[at].fate.clone();
         if !state.dead {
-            stream.wait_value64(memory, offset, value)?;
+            if let Some(stream) = stream {
+                match chunk.device() {
+                    Some(memory) => stream.wait_value64(memory, offset, value)?,
+                    None => stream.wait_value64(&host(chunk)?.registered(stream.context())?, offset, value)?,
+                }
+            }
             let word = &mut state.words[at];
             word.awaited = word.awaited.max(value);
         } else if fate.0.load(Ordering::Acquire) == u64::MAX {
             // A word first named after the producer died: how far did it get?
             rescue_word(&state.words[at])?;
         }
-        Ok(FenceWait { _producer: self.clone(), fate, value })
+        Ok(FenceWait { _producer: self.clone(), fate, value, word: stream.is_none().then(|| (chunk.clone(), offset)) })
+    }
+
+    fn is_dead(&self) -> bool {
+        lock(&self.state).dead
     }
 
     /// Opens the producer's pidfd (once) and makes sure the watcher runs.
@@ -155,7 +205,18 @@ impl Producer {
 /// Reads `word`, records it, and writes the highest awaited value if the word is short of it.
 /// Whether it was short (some message's work never completed).
 fn rescue_word(word: &Word) -> Result<bool> {
-    let memory = word.chunk.device().ok_or_else(|| crate::Error::Protocol("a signal word in host memory".into()))?;
+    if let Some(memory) = word.chunk.host() {
+        // Host memory (the staged and host routes): the CPU reads and writes it; streams waiting
+        // on it through a registration see the write.
+        let reached = memory.load_u64(word.offset)?;
+        word.fate.0.store(reached, Ordering::Release);
+        if reached >= word.awaited {
+            return Ok(false);
+        }
+        memory.store_u64(word.offset, word.awaited)?;
+        return Ok(true);
+    }
+    let memory = word.chunk.device().ok_or_else(|| crate::Error::Protocol("a signal word nowhere".into()))?;
     // A stream of its own: the receiving streams are blocked on this very word.
     let stream = Stream::new(memory.context())?;
     let reached = stream.read_value64(memory, word.offset)?;

@@ -97,7 +97,7 @@ pub use child::{
 };
 pub use connection::MessageInfo;
 pub use receiver::{Receiver, ReceiverOptions};
-pub(crate) use release::ReceivedLease;
+pub(crate) use release::{Fences, ReceivedLease, failed};
 pub use sender::{Broadcast, Rejection, Sender};
 
 /// Messages a sender may have in flight to a receiver unless the receiver says otherwise.

@@ -16,6 +16,8 @@ pub(super) struct Outgoing<'a> {
     pub payload: Vec<u8>,
     pub tensors: Vec<Tensor>,
     pub fencing: Fencing<'a>,
+    /// The producer's stream, for `send_on`: copies a route needs are queued on it.
+    pub stream: Option<&'a Stream>,
 }
 
 /// How the receivers' first use of the GPU tensors is ordered after the producer's work.
@@ -51,7 +53,7 @@ impl<'a> Outgoing<'a> {
                 done.push(context.device().ordinal());
             }
         }
-        Ok(Outgoing { sent_ns, payload, tensors, fencing: Fencing::Done })
+        Ok(Outgoing { sent_ns, payload, tensors, fencing: Fencing::Done, stream: None })
     }
 
     /// `message` whose GPU tensors were produced by work queued on `stream`: a signal word where
@@ -70,7 +72,7 @@ impl<'a> Outgoing<'a> {
         } else {
             Fencing::Event(stream)
         };
-        Ok(Outgoing { sent_ns, payload, tensors, fencing })
+        Ok(Outgoing { sent_ns, payload, tensors, fencing, stream: Some(stream) })
     }
 }
 

@@ -455,13 +455,18 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     fn deliver(&mut self, ready: Ready) -> Result<(T, MessageInfo)> {
-        let Ready { peer, tensors, payload, mut info } = ready;
+        let Ready { peer, tensors, payload, mut info, on_cpu } = ready;
         if let Some(connected) = self.connected.iter_mut().find(|c| Arc::ptr_eq(&c.peer, &peer)) {
             connected.took(self.capacity);
         }
+        // Host-route tensors: the producer's copy into host memory must be done (or the
+        // producer dead) before the bytes are handed out.
+        for fence in on_cpu.iter().flat_map(|fences| fences.iter()) {
+            fence.wait_on_cpu()?;
+        }
         // Asked now, not when the message was read: the producer may have died since. The
-        // message's tensors share one lease, and with it the answer.
-        if tensors.first().is_some_and(Tensor::producer_failed) {
+        // message's tensors share the answer.
+        if tensors.iter().any(Tensor::producer_failed) {
             return Err(Error::ProducerFailed { pid: info.sender_pid, seq: info.seq });
         }
         let message = side_table::decode(&payload, tensors)?;

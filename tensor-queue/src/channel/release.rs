@@ -27,15 +27,23 @@ pub(crate) struct ReceivedLease {
     pub(super) seq: u64,
     /// The streams the message's GPU tensors were ordered on.
     pub(super) streams: Vec<Arc<Stream>>,
-    /// The producer's fences the message waited for.
-    pub(super) fences: Vec<FenceWait>,
+    /// The producer's fences the message waited for (shared with tensors copied out of it).
+    pub(super) fences: Fences,
 }
 
 impl ReceivedLease {
     /// Whether the producer died before its work on these tensors was done.
     pub(crate) fn producer_failed(&self) -> bool {
-        self.fences.iter().any(FenceWait::failed)
+        failed(&self.fences)
     }
+}
+
+/// The fences of one message.
+pub(crate) type Fences = Arc<Vec<FenceWait>>;
+
+/// Whether the producer died before its work reached any of `fences`.
+pub(crate) fn failed(fences: &Fences) -> bool {
+    fences.iter().any(FenceWait::failed)
 }
 
 impl Drop for ReceivedLease {
@@ -45,7 +53,7 @@ impl Drop for ReceivedLease {
             return self.peer.release([self.seq]);
         }
         let streams = std::mem::take(&mut self.streams);
-        let fences = std::mem::take(&mut self.fences);
+        let fences = self.fences.clone();
         Releaser::get().push(PendingRelease { peer: self.peer.clone(), seq: self.seq, streams, _fences: fences });
     }
 }
@@ -57,7 +65,7 @@ struct PendingRelease {
     streams: Vec<Arc<Stream>>,
     /// Kept so their producers stay watched: if one dies, its fences are released, and so the
     /// streams this release waits for.
-    _fences: Vec<FenceWait>,
+    _fences: Fences,
 }
 
 /// How often the release thread retries writing to senders whose sockets were full.

@@ -22,7 +22,7 @@ use super::link::{Link, Read};
 use super::lock;
 use super::outgoing::{Fencing, Outgoing};
 use crate::arena::{Chunk, RetireListener, Shared};
-use crate::route::{Choice, Reach, Route, Routing, choose};
+use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::tensor::Storage;
 use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
 use crate::{Error, Refusal, Result};
@@ -650,9 +650,29 @@ impl SenderInner {
             lock(&self.state).free_events.extend(event);
             error
         };
-        let mut descriptors = Vec::with_capacity(outgoing.tensors.len());
-        for tensor in &outgoing.tensors {
-            let storage = &tensor.storage;
+        // What each tensor becomes for this receiver (its route; copies queued now).
+        let receiver = lock(&self.state).receiver.clone();
+        let receiver = match receiver {
+            Some(receiver) => receiver,
+            None => return Err(give_back(Error::Disconnected, event)),
+        };
+        let sent = match route::send::prepare(&outgoing.tensors, outgoing.stream, &receiver, self.link.peer_pid) {
+            Ok(sent) => sent,
+            Err(error) => return Err(give_back(error, event)),
+        };
+        let mut descriptors = Vec::with_capacity(sent.len());
+        for (tensor, sent) in outgoing.tensors.iter().zip(&sent) {
+            let storage = &sent.storage;
+            let tensor_fence = match &sent.fence {
+                Some(signal) => {
+                    if let Err(error) = self.announce(writer, &signal.chunk, deadline) {
+                        return Err(give_back(error, event));
+                    }
+                    Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }
+                }
+                None if storage.chunk.device().is_some() => fence,
+                None => Fence::None,
+            };
             if let Err(error) = self.announce(writer, &storage.chunk, deadline) {
                 return Err(give_back(error, event));
             }
@@ -660,10 +680,11 @@ impl SenderInner {
                 chunk: storage.chunk.id,
                 storage_offset: storage.offset as u64,
                 storage_len: storage.len as u64,
-                view_offset: tensor.offset() as u64,
+                view_offset: sent.view_offset as u64,
                 dtype: tensor.dtype(),
-                fence: if storage.chunk.device().is_some() { fence } else { Fence::None },
-                route: Route::SameDevice,
+                fence: tensor_fence,
+                route: sent.route,
+                target: sent.target,
                 shape: tensor.shape().to_vec(),
                 strides: tensor.strides().to_vec(),
             });
@@ -676,8 +697,8 @@ impl SenderInner {
                 drop(state);
                 return Err(give_back(Error::Disconnected, event));
             }
-            if !outgoing.tensors.is_empty() {
-                state.leases.insert(seq, outgoing.tensors.iter().map(|t| t.storage.clone()).collect());
+            if !sent.is_empty() {
+                state.leases.insert(seq, sent.into_iter().map(|s| s.storage).collect());
             }
         }
         let frame = Frame::Message {

@@ -117,18 +117,20 @@ pub struct Forbidden {
 /// assert!(choice.slower_because.is_some());
 /// ```
 pub fn choose(source: &Uuid, routing: &Routing, receiver: &Reach, sender: &Reach) -> Result<Choice, Forbidden> {
-    let first_gpu = receiver.devices.first().map(|d| d.uuid);
-    let (target, fallback) = match routing.landing_for(source) {
-        Landing::Host => (None, false),
-        Landing::Device(target) if receiver.sees(&target) => (Some(target), false),
-        Landing::Device(_) | Landing::AsSent if receiver.sees(source) => (Some(*source), false),
-        Landing::Device(_) | Landing::AsSent => (first_gpu, true),
-    };
+    let (target, fallback) = target(source, routing, receiver);
     let Some(target) = target else {
         let why = if fallback { "the receiver has no GPU" } else { "the receiver asked for host memory" };
         let choice = Choice { route: Route::Host, target: None, slower_because: Some(why.into()) };
         return check(choice, routing.strict, fallback);
     };
+    if routing.peer == PeerMode::Stage {
+        let why = "the receiver's policy asks for staging through host memory".to_string();
+        return check(
+            Choice { route: Route::Staged, target: Some(target), slower_because: Some(why) },
+            routing.strict,
+            false,
+        );
+    }
     if target == *source {
         return Ok(Choice { route: Route::SameDevice, target: Some(target), slower_because: None });
     }
@@ -155,15 +157,30 @@ pub fn choose(source: &Uuid, routing: &Routing, receiver: &Reach, sender: &Reach
     check(Choice { route, target: Some(target), slower_because }, routing.strict, fallback)
 }
 
+/// The receiver's GPU that tensors from `source` land on (`None`: host memory), and whether
+/// that is a fallback rather than the policy's own choice (the receiver cannot use `source`).
+pub(crate) fn target(source: &Uuid, routing: &Routing, receiver: &Reach) -> (Option<Uuid>, bool) {
+    match routing.landing_for(source) {
+        Landing::Host => (None, false),
+        Landing::Device(target) if receiver.sees(&target) => (Some(target), false),
+        Landing::Device(_) | Landing::AsSent if receiver.sees(source) => (Some(*source), false),
+        Landing::Device(_) | Landing::AsSent => (receiver.devices.first().map(|d| d.uuid), true),
+    }
+}
+
+/// Whether `strict` allows `route` (`fallback`: the landing was not the receiver's choice).
+pub(crate) fn allowed(route: Route, strict: Strictness, fallback: bool) -> bool {
+    match strict {
+        Strictness::Any => true,
+        Strictness::NoStaging => !(route == Route::Staged || (route == Route::Host && fallback)),
+        Strictness::ZeroCopy => route.is_zero_copy(),
+    }
+}
+
 /// The choice, unless the receiver's strictness refuses its route. `fallback`: the landing
 /// was not the receiver's own choice but what its GPUs left.
 fn check(choice: Choice, strict: Strictness, fallback: bool) -> Result<Choice, Forbidden> {
-    let refused = match strict {
-        Strictness::Any => false,
-        Strictness::NoStaging => choice.route == Route::Staged || (choice.route == Route::Host && fallback),
-        Strictness::ZeroCopy => !choice.route.is_zero_copy(),
-    };
-    if refused {
+    if !allowed(choice.route, strict, fallback) {
         let why = choice.slower_because.clone().unwrap_or_else(|| "the policy asks for this landing".into());
         return Err(Forbidden { route: choice.route, strict, why });
     }
@@ -231,8 +248,12 @@ mod tests {
         let nvlink = process(&[0, 1], |_, _| true);
         assert_eq!(route(0, &on_1.clone().strict(Strictness::NoStaging), &nvlink, &nvlink), Ok(Route::PeerCopy));
         assert!(route(0, &on_1.clone().strict(Strictness::ZeroCopy), &nvlink, &nvlink).is_err(), "a copy");
-        let map = on_1.peer(PeerMode::Map).strict(Strictness::ZeroCopy);
+        let map = on_1.clone().peer(PeerMode::Map).strict(Strictness::ZeroCopy);
         assert_eq!(route(0, &map, &nvlink, &nvlink), Ok(Route::PeerMap));
+        let staged = on_1.peer(PeerMode::Stage);
+        assert_eq!(route(0, &staged, &nvlink, &nvlink), Ok(Route::Staged), "forced, over a link");
+        assert_eq!(route(1, &staged, &nvlink, &nvlink), Ok(Route::Staged), "forced, on the same GPU");
+        assert!(route(1, &staged.strict(Strictness::NoStaging), &nvlink, &nvlink).is_err());
     }
 
     #[test]

@@ -37,8 +37,10 @@
 mod choose;
 mod policy;
 mod reach;
+pub(crate) mod send;
 
 pub use choose::{Choice, Forbidden, Route, choose};
+pub(crate) use choose::{allowed, target};
 pub use policy::{Landing, MAX_SOURCES, PeerMode, Routing, Strictness};
 pub use reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
 

@@ -25,7 +25,8 @@ pub enum Landing {
     Host,
 }
 
-/// How a tensor crosses to another GPU that can reach its memory directly (NVLink or PCIe P2P).
+/// How a tensor crosses to another GPU that can reach its memory directly (NVLink or PCIe P2P),
+/// or whether it is staged through host memory whatever the topology.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PeerMode {
@@ -36,6 +37,9 @@ pub enum PeerMode {
     /// The receiver maps the sender's memory for the landing GPU: zero-copy, every read crosses
     /// the link, and the sender's memory stays leased until the tensor is dropped.
     Map,
+    /// Staged through shared pinned host memory even where a link or the same GPU would do:
+    /// to keep a link free for other traffic, or to try the staged route on any machine.
+    Stage,
 }
 
 /// Fallbacks a receiver refuses: a message that would need one is refused at `send` with

@@ -1,0 +1,241 @@
+//! The sender's half of the routes: for one receiver, what each tensor of a message becomes.
+//! Mapped routes send the tensor's own storage; copy routes queue the copies on the producer's
+//! stream (after its work) and send the copies, whose storage is then what the receiver holds.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use ipc_core::{Context, Device, Event, Stream, Uuid};
+
+use super::choose::{Route, choose};
+use super::policy::Routing;
+use super::reach::Reach;
+use super::staging_piece;
+use crate::arena::{Arena, Chunk};
+use crate::signal::{Signal, host_signal_pieces, signal_after};
+use crate::tensor::Storage;
+use crate::{Error, Result, Tensor};
+
+/// A tensor as it goes to one receiver.
+pub(crate) struct Sent {
+    /// What the receiver maps: the tensor's own storage, or a copy of the bytes its view touches.
+    pub storage: Arc<Storage>,
+    /// Bytes from that storage's start to element 0.
+    pub view_offset: usize,
+    pub route: Route,
+    /// For the staged route: the receiver's GPU it lands on.
+    pub target: Option<Uuid>,
+    /// What the receiver waits for: the message's fence (`None` here) or the copy's own.
+    pub fence: Option<Arc<Signal>>,
+}
+
+/// Tensors must lie this close together in one chunk to move as one copy: a copy call costs
+/// about 2 us of enqueue, so a gap is worth copying when it moves in less time than that.
+const COALESCE_GAP: usize = 256 << 10;
+
+/// What the tensors of a message become for a receiver with `routing` and `reach`. Copies are
+/// queued on `stream` (the producer's), or on a stream of the sender's for a message whose
+/// devices were synchronised. The sources of copies are kept until the copies are done.
+pub(crate) fn prepare(
+    tensors: &[Tensor],
+    stream: Option<&Stream>,
+    receiver: &(Reach, Routing),
+    peer_pid: u32,
+) -> Result<Vec<Sent>> {
+    let (reach, routing) = receiver;
+    let mut sent: Vec<Option<Sent>> = Vec::with_capacity(tensors.len());
+    // Tensors to copy, by (route, source chunk, target): each group moves in few copies.
+    let mut groups: Vec<(GroupKey, Vec<usize>)> = Vec::new();
+    for (index, tensor) in tensors.iter().enumerate() {
+        let Some(source) = tensor.storage.chunk.device_uuid() else {
+            sent.push(Some(Sent::as_is(tensor, Route::SameDevice)));
+            continue;
+        };
+        let choice = choose(&source, routing, reach, Reach::local())?;
+        if let Some(why) = &choice.slower_because {
+            log_slower_once(peer_pid, source, choice.target, choice.route, why);
+        }
+        match choice.route {
+            Route::SameDevice | Route::PeerMap => sent.push(Some(Sent::as_is(tensor, choice.route))),
+            route => {
+                sent.push(None);
+                let key = (route, tensor.storage.chunk.id, choice.target);
+                match groups.iter_mut().find(|(k, _)| *k == key) {
+                    Some((_, members)) => members.push(index),
+                    None => groups.push((key, vec![index])),
+                }
+            }
+        }
+    }
+    for ((route, _, target), members) in groups {
+        let chunk = tensors[members[0]].storage.chunk.clone();
+        let memory = chunk.device().ok_or_else(|| Error::Protocol("a device route for host memory".into()))?;
+        let own_stream;
+        let stream = match stream {
+            Some(stream) if Arc::ptr_eq(stream.context(), memory.context()) => stream,
+            _ => {
+                own_stream = copy_stream(memory.context())?;
+                &own_stream.0
+            }
+        };
+        for span in spans(tensors, &members)? {
+            let copy = match route {
+                Route::PeerCopy => {
+                    let target = target.ok_or_else(|| Error::Protocol("a peer copy without a target".into()))?;
+                    peer_copy(&chunk, &span, stream, &target)?
+                }
+                _ => stage(&chunk, &span, stream)?,
+            };
+            for &(index, elem0) in &span.members {
+                sent[index] = Some(Sent {
+                    storage: copy.0.clone(),
+                    view_offset: elem0 - span.low,
+                    route,
+                    target: if route == Route::Staged { target } else { None },
+                    fence: Some(copy.1.clone()),
+                });
+            }
+        }
+        // The sources stay until the copies queued so far on the stream are done.
+        let done = Event::new(stream.context())?;
+        done.record(stream)?;
+        let sources: Vec<Arc<Storage>> = members.iter().map(|&i| tensors[i].storage.clone()).collect();
+        crate::arena::drop_after(vec![done], Box::new(sources));
+    }
+    sent.into_iter().map(|s| s.ok_or_else(|| Error::Protocol("a tensor was not routed".into()))).collect()
+}
+
+/// Tensors copied together: (route, source chunk, target GPU).
+type GroupKey = (Route, u64, Option<Uuid>);
+
+/// (device ordinal, stream) pairs.
+type Streams = Mutex<Vec<(i32, Arc<Stream>)>>;
+
+/// Receiver process, source GPU, target GPU.
+type PairKey = (u32, Uuid, Option<Uuid>);
+
+impl Sent {
+    fn as_is(tensor: &Tensor, route: Route) -> Sent {
+        Sent { storage: tensor.storage.clone(), view_offset: tensor.offset(), route, target: None, fence: None }
+    }
+}
+
+/// Bytes of one chunk that move as one copy, and the tensors in them (with the chunk offset of
+/// each one's element 0).
+struct Span {
+    low: usize,
+    high: usize,
+    members: Vec<(usize, usize)>,
+}
+
+/// The spans of the chunk bytes that `members` touch, merged where gaps are small.
+fn spans(tensors: &[Tensor], members: &[usize]) -> Result<Vec<Span>> {
+    let mut ranges = Vec::with_capacity(members.len());
+    for &index in members {
+        let tensor = &tensors[index];
+        let (start, end) = tensor.touched_bytes()?;
+        let base = tensor.storage.offset;
+        // Starts at a multiple of 16, so every element keeps its alignment in the copy.
+        ranges.push(((base + start) / 16 * 16, (base + end).max(base + start + 1), index, base + tensor.offset()));
+    }
+    ranges.sort_unstable();
+    let mut spans: Vec<Span> = Vec::new();
+    for (low, high, index, elem0) in ranges {
+        match spans.last_mut() {
+            Some(span) if low <= span.high + COALESCE_GAP => {
+                span.high = span.high.max(high);
+                span.members.push((index, elem0));
+            }
+            _ => spans.push(Span { low, high, members: vec![(index, elem0)] }),
+        }
+    }
+    Ok(spans)
+}
+
+/// Copies `span` of `chunk` into the sender's memory on `target` on `stream` (the copy engine,
+/// over the peer link), and fences it on that device.
+fn peer_copy(chunk: &Chunk, span: &Span, stream: &Stream, target: &Uuid) -> Result<(Arc<Storage>, Arc<Signal>)> {
+    let source = chunk.device().ok_or_else(|| Error::Protocol("a peer copy of host memory".into()))?;
+    let context = context_with_access(source.context(), target)?;
+    let allocation = Arena::device(&context).allocate(span.high - span.low)?;
+    // VMM memory is reached by its access list, not by context peer access.
+    allocation.chunk.grant_access(source.context())?;
+    let destination =
+        allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
+    stream.copy_async(destination, allocation.offset, source, span.low, span.high - span.low)?;
+    // The receiver waits on a word of the target device: a stream of that device waits for the
+    // copy, then writes it.
+    let copied = Event::new(stream.context())?;
+    copied.record(stream)?;
+    let relay = copy_stream(&context)?;
+    let signal = {
+        let relay = relay.0.clone();
+        relay.wait_event(&copied)?;
+        match signal_after(&relay)? {
+            Some(signal) => signal,
+            None => {
+                return Err(Error::Invalid(
+                    "the target GPU has no 64-bit stream memory operations; the peer copy route needs them".into(),
+                ));
+            }
+        }
+    };
+    Ok((Arc::new(Storage::from_allocation(allocation)), Arc::new(signal)))
+}
+
+/// Copies `span` of `chunk` into shared host memory on `stream`, in pieces, each followed by the
+/// write of the next value of the stream's host signal word.
+fn stage(chunk: &Chunk, span: &Span, stream: &Stream) -> Result<(Arc<Storage>, Arc<Signal>)> {
+    let source = chunk.device().ok_or_else(|| Error::Protocol("staging host memory".into()))?;
+    let len = span.high - span.low;
+    let allocation = Arena::host().allocate(len)?;
+    let host = allocation.chunk.host().ok_or_else(|| Error::Protocol("a host arena on a device".into()))?;
+    let registered = host.registered(stream.context())?;
+    let piece = staging_piece(len);
+    let pieces = len.div_ceil(piece);
+    let signal = host_signal_pieces(stream, pieces, |k| {
+        let at = k * piece;
+        let n = piece.min(len - at);
+        Ok(stream.copy_async(&registered, allocation.offset + at, source, span.low + at, n)?)
+    })?;
+    Ok((Arc::new(Storage::from_allocation(allocation)), Arc::new(signal)))
+}
+
+/// The primary context of `target`, with peer access from `source`'s context enabled (once).
+fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Context>> {
+    static ENABLED: Mutex<Vec<(i32, Uuid)>> = Mutex::new(Vec::new());
+    let context = Context::primary(Device::by_uuid(target)?)?;
+    let pair = (source.device().ordinal(), *target);
+    let mut enabled = ENABLED.lock().unwrap_or_else(|e| e.into_inner());
+    if !enabled.contains(&pair) {
+        source.enable_peer_access(&context)?;
+        enabled.push(pair);
+    }
+    Ok(context)
+}
+
+/// A stream of the sender's own per device: for copies of a message whose devices were
+/// synchronised (no producer stream), and for the relays of peer copies.
+struct CopyStream(Arc<Stream>);
+
+fn copy_stream(context: &Arc<Context>) -> Result<CopyStream> {
+    static STREAMS: OnceLock<Streams> = OnceLock::new();
+    let mut streams = STREAMS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let ordinal = context.device().ordinal();
+    if let Some((_, stream)) = streams.iter().find(|(o, _)| *o == ordinal) {
+        return Ok(CopyStream(stream.clone()));
+    }
+    let stream = Arc::new(Stream::new(context)?);
+    streams.push((ordinal, stream.clone()));
+    Ok(CopyStream(stream))
+}
+
+/// Logs, once per receiver process and GPU pair, a route slower than the pair allows.
+fn log_slower_once(peer_pid: u32, source: Uuid, target: Option<Uuid>, route: Route, why: &str) {
+    static LOGGED: Mutex<Option<HashSet<PairKey>>> = Mutex::new(None);
+    let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    if logged.get_or_insert_with(HashSet::new).insert((peer_pid, source, target)) {
+        let target = target.map_or_else(|| "host memory".to_string(), |t| t.to_string());
+        tracing::info!(peer_pid, %source, %target, %route, why, "a slower route than the GPUs' link allows");
+    }
+}
