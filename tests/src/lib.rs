@@ -2,6 +2,7 @@
 //! connected socket, small message encodings, and the GPU skip rule; [`queue`] holds the messages
 //! of the tensor-queue tests.
 
+pub mod cross;
 pub mod queue;
 
 use std::path::PathBuf;

@@ -1,0 +1,766 @@
+//! Cross-device routes with real processes (issue 11): a producer on one GPU, a consumer whose
+//! tensors land on another (or in host memory), each in a process of its own (`tq-cross`,
+//! `tests/src/bin/tq-cross.rs`). Every byte is checked by a checksum the consumer computes on
+//! the GPU, against the producer's own GPU checksum and the CPU's reference sent in the message.
+//! GPUs are matched by UUID, never by ordinal.
+//!
+//! Tests that need two GPUs report `ignored (needs 2 GPUs: found N)` elsewhere; those that need
+//! one (the host landing, the strict policies with a host landing) run with one. Every wait has
+//! a deadline and every helper is killed when its test ends, pass or fail. Tests run one at a
+//! time unless `--test-threads` says otherwise (they measure free device memory).
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::cross::{MsgReport, host_pattern_i32, views_of};
+use integration_tests::{bin_path, gpu_skip_reason, socket_path};
+use tensor_queue::Uuid;
+use tensor_queue::route::Route;
+
+/// A test and the GPUs it needs.
+struct CrossTest {
+    name: &'static str,
+    gpus: usize,
+    run: fn(&Gpus) -> Result<()>,
+}
+
+fn main() {
+    use libtest_mimic::{Arguments, Completion, Failed, Trial};
+    let tests = vec![
+        CrossTest { name: "peer_copy_lands_on_the_other_gpu", gpus: 2, run: peer_copy },
+        CrossTest { name: "peer_map_maps_the_senders_memory_for_the_other_gpu", gpus: 2, run: peer_map },
+        CrossTest { name: "staged_when_neither_process_sees_both_gpus", gpus: 2, run: staged },
+        CrossTest { name: "host_landing_delivers_gpu_tensors_as_host_tensors", gpus: 1, run: host_landing },
+        CrossTest { name: "seed_matmuls_ordered_over_peer_copy", gpus: 2, run: seed_peer_copy },
+        CrossTest { name: "seed_matmuls_ordered_over_staged", gpus: 2, run: seed_staged },
+        CrossTest { name: "seed_matmuls_ordered_into_host_memory", gpus: 1, run: seed_host },
+        CrossTest { name: "seed_without_ordering_fails_over_peer_copy", gpus: 2, run: seed_unordered_peer_copy },
+        CrossTest { name: "seed_without_ordering_fails_over_staged", gpus: 2, run: seed_unordered_staged },
+        CrossTest { name: "sender_killed_mid_staged_1gib_transfer", gpus: 2, run: killed_mid_staged },
+        CrossTest { name: "differing_visible_devices_land_by_uuid", gpus: 2, run: differing_visible_devices },
+        CrossTest { name: "zero_copy_receiver_refuses_peer_copy", gpus: 2, run: zero_copy_refuses_peer_copy },
+        CrossTest { name: "no_staging_receiver_refuses_staged", gpus: 2, run: no_staging_refuses_staged },
+        CrossTest { name: "strict_policies_with_a_host_landing", gpus: 1, run: strict_with_host_landing },
+        CrossTest { name: "several_senders_and_a_forwarding_stage", gpus: 2, run: forwarding_stage },
+    ];
+    let found = gpus_here();
+    let trials = tests
+        .into_iter()
+        .map(|CrossTest { name, gpus, run }| {
+            let found = found.clone();
+            Trial::ignorable_test(name, move || match found {
+                Ok(ref g) if g.uuids.len() >= gpus => {
+                    eprintln!("[starting {name}]");
+                    run(g).map(|()| Completion::Completed).map_err(|e| Failed::from(format!("{e:#}")))
+                }
+                Ok(ref g) => Ok(Completion::ignored_with(format!(
+                    "needs {gpus} GPU{}: found {}",
+                    if gpus == 1 { "" } else { "s" },
+                    g.uuids.len()
+                ))),
+                Err(ref why) => Ok(Completion::ignored_with(format!(
+                    "needs {gpus} GPU{}: found 0 ({why})",
+                    if gpus == 1 { "" } else { "s" }
+                ))),
+            })
+        })
+        .collect();
+    let mut args = Arguments::from_args();
+    // They measure free device memory and start processes on both GPUs: one at a time.
+    args.test_threads.get_or_insert(1);
+    libtest_mimic::run(&args, trials).exit()
+}
+
+/// The GPUs this test process sees (by UUID, in its ordinal order), and how to make a child see
+/// some of them.
+#[derive(Clone)]
+struct Gpus {
+    uuids: Vec<Uuid>,
+    /// Whether this process runs under `CUDA_VISIBLE_DEVICES` (then children are given UUIDs,
+    /// which mean the same GPUs whatever the list).
+    restricted: bool,
+}
+
+impl Gpus {
+    /// GPU `i` of this process.
+    fn uuid(&self, i: usize) -> Uuid {
+        self.uuids[i]
+    }
+
+    /// The `CUDA_VISIBLE_DEVICES` value for a child that sees this process's GPUs `ordinals`, in
+    /// that order: plain ordinals (`1,0`), or their UUIDs where this process is restricted.
+    fn visible(&self, ordinals: &[usize]) -> String {
+        let names: Vec<String> =
+            ordinals.iter().map(|&i| if self.restricted { self.uuids[i].to_string() } else { i.to_string() }).collect();
+        names.join(",")
+    }
+}
+
+fn gpus_here() -> std::result::Result<Gpus, String> {
+    if let Some(reason) = gpu_skip_reason() {
+        return Err(reason);
+    }
+    let count = tensor_queue::Device::count().map_err(|e| format!("no GPU here: {e}"))?;
+    let uuids = (0..count)
+        .map(|i| tensor_queue::Device::get(i).and_then(|d| d.uuid()))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| format!("GPU UUIDs: {e}"))?;
+    Ok(Gpus { uuids, restricted: std::env::var_os("CUDA_VISIBLE_DEVICES").is_some() })
+}
+
+/// The `tq-cross` binary: next to the tests (or where the GPU bundle says), else where cargo
+/// built it.
+fn tq_cross() -> std::path::PathBuf {
+    bin_path("tq-cross").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tq-cross").into())
+}
+
+// ---------------------------------------------------------------- processes
+
+/// A running `tq-cross`: its stdout lines, its stdin, and a SIGKILL when it goes out of scope.
+struct Proc {
+    name: String,
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    said: Vec<String>,
+    /// Lines before this index were matched by `expect` already.
+    cursor: usize,
+    stdin: Option<ChildStdin>,
+}
+
+impl Proc {
+    /// Starts `tq-cross <args>` with `CUDA_VISIBLE_DEVICES=visible` (inherited when `None`) and
+    /// the extra environment `env`.
+    fn start(name: &str, args: &[String], visible: Option<&str>, env: &[(&str, &str)]) -> Result<Proc> {
+        let mut command = Command::new(tq_cross());
+        command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        if let Some(visible) = visible {
+            command.env("CUDA_VISIBLE_DEVICES", visible);
+        }
+        command.envs(env.iter().copied());
+        let mut child = command.spawn().with_context(|| format!("starting tq-cross for {name}"))?;
+        let (tx, lines) = mpsc::channel();
+        if let Some(stdout) = child.stdout.take() {
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                    if tx.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        let stdin = child.stdin.take();
+        let name = format!("{name} (pid {}, CUDA_VISIBLE_DEVICES={})", child.id(), visible.unwrap_or("inherited"));
+        Ok(Proc { name, child, lines, said: Vec::new(), cursor: 0, stdin })
+    }
+
+    /// The next line (after the last one matched) starting with `prefix`, within `timeout`. A
+    /// line starting with `error` fails at once.
+    fn expect(&mut self, prefix: &str, timeout: Duration) -> Result<String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            while self.cursor < self.said.len() {
+                let line = self.said[self.cursor].clone();
+                self.cursor += 1;
+                if line.starts_with(prefix) {
+                    return Ok(line);
+                }
+                if line.starts_with("error") {
+                    bail!("{} failed while we waited for {prefix:?}: {line}\n{}", self.name, self.tail(30));
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    eprintln!("  [{}] {}", self.name.split(' ').next().unwrap_or(""), short(&line));
+                    self.said.push(line);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    bail!("{} did not say {prefix:?} within {timeout:?}\n{}", self.name, self.tail(30))
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    let status = self.child.try_wait().ok().flatten();
+                    bail!("{} ended ({status:?}) before saying {prefix:?}\n{}", self.name, self.tail(30))
+                }
+            }
+        }
+    }
+
+    /// The text after `prefix` of the next line starting with it.
+    fn value(&mut self, prefix: &str, timeout: Duration) -> Result<String> {
+        Ok(self.expect(prefix, timeout)?[prefix.len()..].trim().to_string())
+    }
+
+    /// The next `report` line, parsed.
+    fn report(&mut self, timeout: Duration) -> Result<MsgReport> {
+        let line = self.value("report ", timeout)?;
+        serde_json::from_str(&line).with_context(|| format!("a report line: {line}"))
+    }
+
+    /// Takes in what it said so far, without waiting.
+    fn poll(&mut self) {
+        while let Ok(line) = self.lines.try_recv() {
+            self.said.push(line);
+        }
+    }
+
+    /// Whether any line said so far (matched or not) starts with `prefix`.
+    fn has_said(&mut self, prefix: &str) -> bool {
+        self.poll();
+        self.said.iter().any(|l| l.starts_with(prefix))
+    }
+
+    fn say(&mut self, line: &str) -> Result<()> {
+        let stdin = self.stdin.as_mut().context("stdin already closed")?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+
+    /// Closes stdin and waits (bounded) for it to exit successfully.
+    fn finish(&mut self, timeout: Duration) -> Result<()> {
+        self.stdin = None;
+        let status = self.wait(timeout)?;
+        self.poll();
+        ensure!(status.success(), "{} exited with {status}\n{}", self.name, self.tail(30));
+        Ok(())
+    }
+
+    fn wait(&mut self, timeout: Duration) -> Result<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                bail!("{} did not exit within {timeout:?}\n{}", self.name, self.tail(30));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn kill(&mut self) -> Result<()> {
+        self.child.kill()?; // SIGKILL
+        self.wait(Duration::from_secs(10))?;
+        Ok(())
+    }
+
+    fn tail(&self, n: usize) -> String {
+        let start = self.said.len().saturating_sub(n);
+        format!("{} said {} lines, the last: {:#?}", self.name, self.said.len(), &self.said[start..])
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A line shortened for the log.
+fn short(line: &str) -> String {
+    if line.chars().count() > 300 {
+        format!("{}...", line.chars().take(300).collect::<String>())
+    } else {
+        line.to_string()
+    }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// Starts a consumer listening at a fresh path with `options` (see `tq-cross consume`); returns
+/// it and the path once it is ready.
+fn consumer(
+    name: &str,
+    options: &[String],
+    visible: Option<&str>,
+    env: &[(&str, &str)],
+) -> Result<(Proc, std::path::PathBuf)> {
+    let path = socket_path(name);
+    let mut args = strings(&["consume", "--listen"]);
+    args.push(path.display().to_string());
+    args.extend(options.iter().cloned());
+    let mut proc = Proc::start(name, &args, visible, env)?;
+    proc.expect("ready", Duration::from_secs(60))?;
+    Ok((proc, path))
+}
+
+/// Starts a producer of `case` to `to` with `options`.
+fn producer(
+    name: &str,
+    case: &str,
+    to: &std::path::Path,
+    options: &[String],
+    visible: Option<&str>,
+    env: &[(&str, &str)],
+) -> Result<Proc> {
+    let mut args = strings(&["produce", "--case", case, "--to"]);
+    args.push(to.display().to_string());
+    args.extend(options.iter().cloned());
+    Proc::start(name, &args, visible, env)
+}
+
+/// `--gpu <uuid>`.
+fn on_gpu(uuid: Uuid) -> Vec<String> {
+    vec!["--gpu".into(), uuid.to_string()]
+}
+
+/// A producer's `route` line, parsed: `(route, target)`; fails on `route-error`.
+fn route_line(producer: &mut Proc) -> Result<(String, String)> {
+    let line = producer.expect("route", Duration::from_secs(60))?;
+    let words: Vec<&str> = line.split_whitespace().collect();
+    ensure!(words.first() == Some(&"route") && words.len() >= 4, "{}: {line}", producer.name);
+    Ok((words[1].to_string(), words[3].to_string()))
+}
+
+/// What every tensor of a message must show at the consumer.
+struct Expect<'a> {
+    path: &'a str,
+    /// Where the bytes are (`host` or a UUID).
+    device: String,
+    /// The GPU its stream is on (`none` for host tensors).
+    stream_device: String,
+}
+
+fn check_report(report: &MsgReport, expect: &Expect<'_>, what: &str) -> Result<()> {
+    ensure!(!report.paths.is_empty(), "{what}: a message without tensors: {report:?}");
+    ensure!(
+        report.ok && !report.producer_failed,
+        "{what}: the data differ: seen {:?}, producer {:?}, reference {:?} ({})",
+        report.seen,
+        report.producer,
+        report.reference,
+        report.note
+    );
+    ensure!(
+        report.paths.iter().all(|p| p == expect.path),
+        "{what}: paths {:?}, expected all {}",
+        dedup(&report.paths),
+        expect.path
+    );
+    ensure!(
+        report.devices.iter().all(|d| *d == expect.device),
+        "{what}: tensors on {:?}, expected all on {}",
+        dedup(&report.devices),
+        expect.device
+    );
+    ensure!(
+        report.stream_devices.iter().all(|d| *d == expect.stream_device),
+        "{what}: streams on {:?}, expected all on {}",
+        dedup(&report.stream_devices),
+        expect.stream_device
+    );
+    Ok(())
+}
+
+fn dedup(values: &[String]) -> Vec<String> {
+    let mut v = values.to_vec();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// Runs the three route cases (strided views, 1,024 small tensors, sizes up to 256 MiB) from
+/// producers on GPU `source` (seeing `producer_visible`) to `consumer`, and checks each
+/// message's paths and bytes, and that `Sender::route` said `route` and `target` beforehand.
+#[allow(clippy::too_many_arguments)]
+fn route_cases(
+    consumer: &mut Proc,
+    path: &std::path::Path,
+    source: Uuid,
+    producer_visible: Option<&str>,
+    route: Route,
+    target: &str,
+    expect: &Expect<'_>,
+) -> Result<()> {
+    let host_views = views_of(&host_pattern_i32(256, 1024, 11)?)?;
+    for case in ["views", "many", "sizes"] {
+        let mut producer = producer(case, case, path, &on_gpu(source), producer_visible, &[])?;
+        let (said_route, said_target) = route_line(&mut producer)?;
+        ensure!(
+            said_route == format!("{route:?}") && said_target == target,
+            "Sender::route said {said_route} to {said_target}, expected {route:?} to {target}"
+        );
+        let messages = if case == "sizes" { 5 } else { 1 };
+        for _ in 0..messages {
+            let report = consumer.report(Duration::from_secs(120))?;
+            check_report(&report, expect, &format!("{case} message {} ({})", report.id, report.note))?;
+            if case == "views" {
+                ensure!(report.paths.len() == host_views.len(), "{} tensors arrived", report.paths.len());
+                for ((name, view), layout) in host_views.iter().zip(&report.layouts) {
+                    let shape = format!("{:?}/", view.shape());
+                    ensure!(layout.starts_with(&shape), "view {name} arrived as {layout}, shape {shape} expected");
+                }
+            }
+            if case == "many" {
+                ensure!(report.paths.len() == 1024, "{} of 1024 tensors arrived", report.paths.len());
+            }
+        }
+        producer.expect("released", Duration::from_secs(60))?;
+        producer.finish(Duration::from_secs(30))?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- 1. each route
+
+fn peer_copy(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0), g.uuid(1));
+    let (mut consumer, path) = consumer("peer-copy", &["--land".into(), gpu1.to_string()], None, &[])?;
+    let expect = Expect { path: "PeerCopied", device: gpu1.to_string(), stream_device: gpu1.to_string() };
+    route_cases(&mut consumer, &path, gpu0, None, Route::PeerCopy, &gpu1.to_string(), &expect)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+fn peer_map(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0), g.uuid(1));
+    let options = strings(&["--land", &gpu1.to_string(), "--peer", "map"]);
+    let (mut consumer, path) = consumer("peer-map", &options, None, &[])?;
+    // The bytes stay on the sender's GPU; the receiver's stream (its first use) is on GPU 1.
+    let expect = Expect { path: "PeerMapped", device: gpu0.to_string(), stream_device: gpu1.to_string() };
+    route_cases(&mut consumer, &path, gpu0, None, Route::PeerMap, &gpu1.to_string(), &expect)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+fn staged(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0), g.uuid(1));
+    // Neither process sees both GPUs: no link can be used, whatever the hardware has.
+    let (mut consumer, path) = consumer("staged", &[], Some(&g.visible(&[1])), &[])?;
+    let expect = Expect { path: "Staged", device: gpu1.to_string(), stream_device: gpu1.to_string() };
+    route_cases(&mut consumer, &path, gpu0, Some(&g.visible(&[0])), Route::Staged, &gpu1.to_string(), &expect)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+fn host_landing(g: &Gpus) -> Result<()> {
+    let gpu0 = g.uuid(0);
+    let (mut consumer, path) = consumer("host-landing", &strings(&["--land", "host"]), None, &[])?;
+    let expect = Expect { path: "StagedToHost", device: "host".into(), stream_device: "none".into() };
+    route_cases(&mut consumer, &path, gpu0, None, Route::Host, "host", &expect)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+// ---------------------------------------------------------------- 2. the seed's ordering
+
+/// The seed scenario from GPU 0 to a consumer set up by `options` and `consumer_visible`: the
+/// consumer's checksum of `x` as it arrived, and whether it equals the producer's own after it
+/// synchronised and the CPU's reference.
+#[allow(clippy::too_many_arguments)]
+fn seed_run(
+    g: &Gpus,
+    name: &str,
+    options: &[String],
+    consumer_visible: Option<&str>,
+    producer_visible: Option<&str>,
+    env: &[(&str, &str)],
+    expect: &Expect<'_>,
+    route: Route,
+) -> Result<bool> {
+    let (mut consumer, path) = consumer(name, options, consumer_visible, env)?;
+    let mut producer = producer(name, "seed", &path, &on_gpu(g.uuid(0)), producer_visible, env)?;
+    let (said_route, _) = route_line(&mut producer)?;
+    ensure!(said_route == format!("{route:?}"), "Sender::route said {said_route}, expected {route:?}");
+    let report = consumer.report(Duration::from_secs(120))?;
+    ensure!(report.paths.len() == 1, "one tensor: {report:?}");
+    ensure!(report.paths[0] == expect.path, "x arrived by {}, expected {}", report.paths[0], expect.path);
+    ensure!(report.devices[0] == expect.device, "x is on {}, expected {}", report.devices[0], expect.device);
+    let early: u64 = producer.value("early ", Duration::from_secs(60))?.split(' ').next().unwrap_or("").parse()?;
+    let fin = producer.value("final ", Duration::from_secs(120))?;
+    let words: Vec<&str> = fin.split_whitespace().collect();
+    let (last, reference): (u64, u64) = (words[0].parse()?, words[2].parse()?);
+    ensure!(last == reference, "the producer's own x after synchronising is {last:#x}, the CPU's {reference:#x}");
+    ensure!(
+        early != last,
+        "the race window is missing: an unordered read right after send_on already saw the final x, so \
+         this run cannot tell ordering from luck (make the matmuls longer)"
+    );
+    let verdict = consumer.expect("verdict 0 ", Duration::from_secs(120))?;
+    let matched = verdict.starts_with("verdict 0 match");
+    ensure!(
+        matched == (report.seen[0] == reference),
+        "the consumer's verdict ({verdict}) disagrees with its own report ({:#x} vs {reference:#x})",
+        report.seen[0]
+    );
+    producer.expect("released", Duration::from_secs(60))?;
+    producer.finish(Duration::from_secs(30))?;
+    consumer.finish(Duration::from_secs(30))?;
+    println!("{name}: the consumer saw {:#x}; final {last:#x}; an unordered early read {early:#x}", report.seen[0]);
+    Ok(matched)
+}
+
+const SKIP_ORDERING: (&str, &str) = ("TENSOR_QUEUE_TEST_SKIP_ORDERING", "1");
+
+fn seed_peer_copy(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let expect = Expect { path: "PeerCopied", device: gpu1.clone(), stream_device: gpu1.clone() };
+    let options = strings(&["--land", &gpu1]);
+    let ok = seed_run(g, "seed-peer-copy", &options, None, None, &[], &expect, Route::PeerCopy)?;
+    ensure!(ok, "over PeerCopy the consumer saw x before the 50 matmuls were done");
+    Ok(())
+}
+
+fn seed_staged(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let expect = Expect { path: "Staged", device: gpu1.clone(), stream_device: gpu1 };
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let ok = seed_run(g, "seed-staged", &[], Some(&cv), Some(&pv), &[], &expect, Route::Staged)?;
+    ensure!(ok, "over Staged the consumer saw x before the 50 matmuls were done");
+    Ok(())
+}
+
+fn seed_host(g: &Gpus) -> Result<()> {
+    let expect = Expect { path: "StagedToHost", device: "host".into(), stream_device: "none".into() };
+    let ok = seed_run(g, "seed-host", &strings(&["--land", "host"]), None, None, &[], &expect, Route::Host)?;
+    ensure!(ok, "with a host landing the consumer saw x before the 50 matmuls were done");
+    Ok(())
+}
+
+/// The negative control over PeerCopy: with the receivers' stream wait switched off (the
+/// `test-switches` feature, on in this crate), the consumer must see x unfinished.
+fn seed_unordered_peer_copy(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let expect = Expect { path: "PeerCopied", device: gpu1.clone(), stream_device: gpu1.clone() };
+    let options = strings(&["--land", &gpu1]);
+    let ok = seed_run(g, "seed-unordered-copy", &options, None, None, &[SKIP_ORDERING], &expect, Route::PeerCopy)?;
+    ensure!(
+        !ok,
+        "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over PeerCopy: either the switch \
+         does not reach the peer-copy wait, or the positive test proves nothing"
+    );
+    Ok(())
+}
+
+/// The negative control over Staged, as over PeerCopy. If this fails while the positive test
+/// passes and the race window exists (checked in `seed_run`), the switch does not reach the
+/// staged route's waits: the staged ordering is then unproven by a control.
+fn seed_unordered_staged(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let expect = Expect { path: "Staged", device: gpu1.clone(), stream_device: gpu1 };
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let ok = seed_run(g, "seed-unordered-staged", &[], Some(&cv), Some(&pv), &[SKIP_ORDERING], &expect, Route::Staged)?;
+    ensure!(
+        !ok,
+        "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over Staged: the switch does not \
+         reach the staged route's piece waits (the early-read control above shows the race window exists)"
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------- 3. a sender killed mid-transfer
+
+fn killed_mid_staged(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let (mut consumer, path) = consumer("killed-staged", &[], Some(&cv), &[])?;
+    let options = [on_gpu(g.uuid(0)), strings(&["--len", &(1u64 << 30).to_string(), "--spin-ms", "4000"])].concat();
+    let mut doomed = producer("doomed", "spin-big", &path, &options, Some(&pv), &[])?;
+    let (said_route, _) = route_line(&mut doomed)?;
+    ensure!(said_route == "Staged", "Sender::route said {said_route}");
+    doomed.expect("sent 0 0", Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_millis(500)); // the fill still spins; the staging is queued after it
+    let killed_at = Instant::now();
+    doomed.kill()?;
+    // The receiver must say, within a bound, that this message is lost: no hang, no wrong data.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let outcome = loop {
+        consumer.poll();
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("producer-failed ")) {
+            break line.clone();
+        }
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("report ")) {
+            let report: MsgReport = serde_json::from_str(&line["report ".len()..])?;
+            ensure!(
+                report.producer_failed,
+                "a message of a producer killed before its fill ran was delivered as complete: {report:?}"
+            );
+            break line.clone();
+        }
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("stuck ") || l.starts_with("error")) {
+            bail!("the receiver: {line}\n{}", consumer.tail(20));
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no word of the killed producer's message within 30 s\n{}",
+            consumer.tail(20)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    println!("the receiver reported the loss {:?} after the kill: {}", killed_at.elapsed(), short(&outcome));
+    consumer.cursor = consumer.said.len();
+    consumer.say("mem")?;
+    let mem = consumer.expect("mem ", Duration::from_secs(30))?;
+    ensure!(mem.starts_with("mem ok"), "the receiver's memory did not return to its baseline: {mem}");
+    // Another sender is received as usual.
+    let mut next = producer("next", "views", &path, &on_gpu(g.uuid(0)), Some(&pv), &[])?;
+    let report = consumer.report(Duration::from_secs(60))?;
+    let expect = Expect { path: "Staged", device: gpu1.clone(), stream_device: gpu1 };
+    check_report(&report, &expect, "the next sender's message")?;
+    next.expect("released", Duration::from_secs(60))?;
+    next.finish(Duration::from_secs(30))?;
+    consumer.say("mem")?;
+    let mem = consumer.expect("mem ", Duration::from_secs(30))?;
+    ensure!(mem.starts_with("mem ok"), "after the next sender: {mem}");
+    consumer.finish(Duration::from_secs(30))
+}
+
+// ---------------------------------------------------------------- 4. differing visible devices
+
+fn differing_visible_devices(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0), g.uuid(1));
+    // What comes from GPU 0 lands on GPU 1 and the other way round, named by UUID only.
+    let options = strings(&["--land-from", &format!("{gpu0}={gpu1}"), "--land-from", &format!("{gpu1}={gpu0}")]);
+    let (mut consumer, path) = consumer("differing", &options, Some(&g.visible(&[0, 1])), &[])?;
+    for (source, target) in [(gpu0, gpu1), (gpu1, gpu0)] {
+        // The producer sees the GPUs in the other order: its ordinal 0 is our GPU 1.
+        let mut producer = producer("differing", "views", &path, &on_gpu(source), Some(&g.visible(&[1, 0])), &[])?;
+        producer.expect(&format!("gpu {source}"), Duration::from_secs(60))?;
+        let (said_route, said_target) = route_line(&mut producer)?;
+        ensure!(
+            said_route == "PeerCopy" && said_target == target.to_string(),
+            "from {source}: Sender::route said {said_route} to {said_target}, expected PeerCopy to {target}"
+        );
+        let report = consumer.report(Duration::from_secs(60))?;
+        let expect = Expect { path: "PeerCopied", device: target.to_string(), stream_device: target.to_string() };
+        check_report(&report, &expect, &format!("from {source}"))?;
+        producer.expect("released", Duration::from_secs(60))?;
+        producer.finish(Duration::from_secs(30))?;
+    }
+    consumer.finish(Duration::from_secs(30))
+}
+
+// ---------------------------------------------------------------- 5. strict policies
+
+/// A producer of the `refused` case: `send_on` of a GPU tensor must be refused naming `route`
+/// and `strict`, `Sender::route` must have said so beforehand, the connection must stay up, and
+/// the host message after it must arrive intact.
+fn expect_refusal(
+    consumer: &mut Proc,
+    path: &std::path::Path,
+    source: Uuid,
+    producer_visible: Option<&str>,
+    route: Route,
+    strict: &str,
+) -> Result<()> {
+    let mut producer = producer("refused", "refused", path, &on_gpu(source), producer_visible, &[])?;
+    let said = producer.expect("route", Duration::from_secs(60))?;
+    ensure!(
+        said.starts_with(&format!("route-error RouteRefused {route:?} {strict}")),
+        "Sender::route should have said the route is refused: {said}"
+    );
+    let outcome = producer.value("outcome ", Duration::from_secs(60))?;
+    ensure!(outcome.starts_with(&format!("refused {route:?} {strict}")), "send_on: {outcome}");
+    let text = producer.value("refused-text ", Duration::from_secs(10))?;
+    ensure!(text.contains(&route.to_string()), "the error's text does not name the route ({route}): {text}");
+    ensure!(producer.value("connected ", Duration::from_secs(10))? == "true", "a refusal closed the connection");
+    let report = consumer.report(Duration::from_secs(60))?;
+    ensure!(report.id == 1, "the refused message arrived after all: {report:?}");
+    let expect = Expect { path: "HostSharedMemory", device: "host".into(), stream_device: "none".into() };
+    check_report(&report, &expect, "the allowed message after a refusal")?;
+    producer.expect("released", Duration::from_secs(60))?;
+    producer.finish(Duration::from_secs(30))?;
+    ensure!(!consumer.has_said("conn-error"), "the receiver closed a connection\n{}", consumer.tail(10));
+    Ok(())
+}
+
+fn zero_copy_refuses_peer_copy(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let options = strings(&["--land", &gpu1, "--strict", "zero-copy"]);
+    let (mut consumer, path) = consumer("zero-copy", &options, None, &[])?;
+    expect_refusal(&mut consumer, &path, g.uuid(0), None, Route::PeerCopy, "ZeroCopy")?;
+    // The same receiver takes a zero-copy route: a tensor already on GPU 1.
+    let mut same = producer("same-gpu", "views", &path, &on_gpu(g.uuid(1)), None, &[])?;
+    let (said_route, _) = route_line(&mut same)?;
+    ensure!(said_route == "SameDevice", "from GPU 1 to a receiver landing on GPU 1: {said_route}");
+    let report = consumer.report(Duration::from_secs(60))?;
+    ensure!(report.paths.iter().all(|p| p == "CudaVmm" || p == "CudaLegacyIpc"), "{:?}", dedup(&report.paths));
+    ensure!(report.ok, "{report:?}");
+    same.expect("released", Duration::from_secs(60))?;
+    same.finish(Duration::from_secs(30))?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+fn no_staging_refuses_staged(g: &Gpus) -> Result<()> {
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let (mut consumer, path) = consumer("no-staging", &strings(&["--strict", "no-staging"]), Some(&cv), &[])?;
+    expect_refusal(&mut consumer, &path, g.uuid(0), Some(&pv), Route::Staged, "NoStaging")?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+/// One GPU: `ZeroCopy` with a host landing refuses GPU tensors (a host copy is no zero-copy
+/// route); `NoStaging` with a host landing takes them (the docs allow what the receiver asked for).
+fn strict_with_host_landing(g: &Gpus) -> Result<()> {
+    let gpu0 = g.uuid(0);
+    let (mut strict, path) =
+        consumer("host-zero-copy", &strings(&["--land", "host", "--strict", "zero-copy"]), None, &[])?;
+    expect_refusal(&mut strict, &path, gpu0, None, Route::Host, "ZeroCopy")?;
+    strict.finish(Duration::from_secs(30))?;
+    let (mut lenient, path) =
+        consumer("host-no-staging", &strings(&["--land", "host", "--strict", "no-staging"]), None, &[])?;
+    let mut producer = producer("host-no-staging", "views", &path, &on_gpu(gpu0), None, &[])?;
+    let (said_route, said_target) = route_line(&mut producer)?;
+    ensure!(said_route == "Host" && said_target == "host", "Sender::route said {said_route} to {said_target}");
+    let report = lenient.report(Duration::from_secs(60))?;
+    let expect = Expect { path: "StagedToHost", device: "host".into(), stream_device: "none".into() };
+    check_report(&report, &expect, "NoStaging with a host landing")?;
+    producer.expect("released", Duration::from_secs(60))?;
+    producer.finish(Duration::from_secs(30))?;
+    lenient.finish(Duration::from_secs(30))
+}
+
+// ---------------------------------------------------------------- 6. a forwarding stage
+
+fn forwarding_stage(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0), g.uuid(1));
+    const THREADS: u64 = 3;
+    const PER_THREAD: u64 = 100;
+    let total = THREADS * PER_THREAD;
+    // The last stage: on GPU 0, holding all 300 messages before it drops any.
+    let options = strings(&["--land", &gpu0.to_string(), "--hold", &total.to_string()]);
+    let (mut last, last_path) = consumer("last", &options, None, &[])?;
+    // The middle stage: receives on GPU 1 (PeerCopy from GPU 0), forwards copies over two senders.
+    let middle_path = socket_path("middle");
+    let mut args = strings(&["forward", "--listen", &middle_path.display().to_string()]);
+    args.extend(strings(&["--to", &last_path.display().to_string(), "--land", &gpu1.to_string()]));
+    args.extend(strings(&["--senders", "2", "--count", &total.to_string()]));
+    let mut middle = Proc::start("middle", &args, None, &[])?;
+    middle.expect("ready", Duration::from_secs(60))?;
+    // The first stage: three senders in one process, each its own connection and stream.
+    let options = [
+        on_gpu(gpu0),
+        strings(&["--threads", &THREADS.to_string(), "--count", &PER_THREAD.to_string(), "--len", "262144"]),
+    ]
+    .concat();
+    let mut first = producer("first", "stream", &middle_path, &options, None, &[])?;
+    let (said_route, said_target) = route_line(&mut first)?;
+    ensure!(said_route == "PeerCopy" && said_target == gpu1.to_string(), "first stage: {said_route} to {said_target}");
+    let mut ids = std::collections::HashSet::new();
+    for n in 0..total {
+        let report = last.report(Duration::from_secs(60)).with_context(|| format!("message {n} of {total}"))?;
+        let expect = Expect { path: "PeerCopied", device: gpu0.to_string(), stream_device: gpu0.to_string() };
+        check_report(&report, &expect, &format!("forwarded message {} ({})", report.id, report.note))?;
+        ensure!(ids.insert(report.id), "message {} arrived twice", report.id);
+    }
+    last.expect(&format!("holding {total}"), Duration::from_secs(30))?;
+    let paths = middle.value("stage-paths ", Duration::from_secs(10))?;
+    ensure!(paths.contains("PeerCopied") && paths.contains(&gpu1.to_string()), "the middle stage got {paths}");
+    ensure!(!middle.has_said("stage-mismatch"), "the middle stage saw wrong data\n{}", middle.tail(10));
+    middle.expect("forwarded ", Duration::from_secs(30))?;
+    middle.expect("done", Duration::from_secs(60))?;
+    for _ in 0..THREADS {
+        first.expect("released", Duration::from_secs(60))?;
+    }
+    first.expect("done", Duration::from_secs(30))?;
+    first.finish(Duration::from_secs(30))?;
+    middle.finish(Duration::from_secs(30))?;
+    last.say("mem")?;
+    let mem = last.expect("mem ", Duration::from_secs(30))?;
+    ensure!(mem.starts_with("mem ok"), "the last stage's memory: {mem}");
+    last.finish(Duration::from_secs(30))?;
+    println!("{total} messages of 256 KiB from {THREADS} senders in one process through a forwarding stage");
+    Ok(())
+}
