@@ -125,7 +125,7 @@ mod tests {
     fn without_a_gpu_nothing_is_broken() {
         let facts = facts();
         if !facts.available {
-            assert!(facts.checks.iter().all(|c| c.verdict == Verdict::Skipped), "{:?}", facts.checks);
+            assert!(facts.checks.iter().all(|c| c.verdict != Verdict::Broken), "{:?}", facts.checks);
             assert!(facts.devices.is_empty());
         }
     }
