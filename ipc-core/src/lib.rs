@@ -41,6 +41,7 @@ macro_rules! device_memory_fields {
 
 mod context;
 mod device;
+pub mod driver_info;
 mod error;
 mod event;
 pub mod fd_passing;
