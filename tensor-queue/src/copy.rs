@@ -18,7 +18,7 @@ use std::sync::Arc;
 use ipc_core::{Event, PinnedHostBuffer, Stream};
 use kernels::{Kernels, StridedLayout};
 
-use crate::{DType, Element, Error, Result, Tensor, TensorDevice};
+use crate::{DType, Element, Error, Result, Tensor, TensorDevice, TransferPath};
 
 impl Tensor {
     /// A GPU tensor on `stream`'s device holding `data` (row-major), copied on `stream`; `data`
@@ -354,10 +354,7 @@ impl Tensor {
         }
         let copy = match self.device() {
             TensorDevice::Host => Tensor::zeros(self.dtype(), self.shape())?,
-            TensorDevice::Cuda(_) => {
-                let (memory, _) = self.device_memory()?;
-                Tensor::empty_cuda(memory.context(), self.dtype(), self.shape())?
-            }
+            TensorDevice::Cuda(_) => Tensor::empty_cuda(&self.working_context()?, self.dtype(), self.shape())?,
         };
         self.copy_into_with(&copy, stream)?;
         Ok(copy)
@@ -375,7 +372,7 @@ impl Tensor {
         }
         let stream = match (self.device(), dst.device(), stream) {
             (TensorDevice::Host, TensorDevice::Host, _) => return dst.write_host(&self.host_bytes()?),
-            (TensorDevice::Cuda(a), TensorDevice::Cuda(b), Some(stream)) if a == b => stream,
+            (TensorDevice::Cuda(a), TensorDevice::Cuda(b), Some(stream)) if a == b || self.mapped_for(dst)? => stream,
             (from, to, _) => {
                 return Err(Error::Invalid(format!(
                     "copy_into moves data within one device ({from:?} to {to:?}): use to_bytes and \
@@ -397,6 +394,22 @@ impl Tensor {
         }
         self.record_stream(stream)?;
         dst.record_stream(stream)
+    }
+
+    /// The context GPU work on this tensor runs in: its memory's, or for a tensor mapped over a
+    /// peer link, the context of the GPU it was mapped for (its stream's).
+    pub(crate) fn working_context(&self) -> Result<Arc<ipc_core::Context>> {
+        match (self.path(), self.stream()) {
+            (TransferPath::PeerMapped, Some(stream)) => Ok(stream.context().clone()),
+            _ => Ok(self.device_memory()?.0.context().clone()),
+        }
+    }
+
+    /// Whether this tensor was mapped over a peer link for `other`'s device (so a copy between
+    /// them stays on that device).
+    fn mapped_for(&self, other: &Tensor) -> Result<bool> {
+        Ok(self.path() == TransferPath::PeerMapped
+            && self.working_context()?.device().ordinal() == other.working_context()?.device().ordinal())
     }
 
     /// Runs `work` and waits for it: host tensors need no stream; a GPU tensor's work goes on its

@@ -473,7 +473,10 @@ impl Tensor {
             .all(|(&n, (&s, c))| n <= 1 || s == c)
     }
 
-    /// Where the bytes are.
+    /// Where the bytes are. A tensor mapped over a peer link ([`TransferPath::PeerMapped`]) is
+    /// on the sender's GPU but used from the receiver's: launch kernels on the device of
+    /// [`Tensor::stream`], where it is mapped (copies made with `copy_on` or `contiguous_on` land
+    /// there too).
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {
