@@ -10,7 +10,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 logs=$here/logs
 rm -rf "$logs"
 mkdir -p "$logs"
-export IPC_TESTS_BIN_DIR="$here/bin"
+export IPC_TESTS_BIN_DIR="$here/bin" TQ_BIN="$here/bin/tq"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 summary=()
 failed=0
