@@ -479,3 +479,115 @@ fn received_host_tensors_are_read_only_unless_shared_writable() {
     received[1].set(&[1], 7.0f32).unwrap();
     assert_eq!(shared.get::<f32>(&[1]).unwrap(), 7.0, "a writable one is shared both ways");
 }
+
+/// A sender that claims routes it may not take, or that cannot be, gets each message refused
+/// alone with the reason; its connection and the honest sender's go on.
+#[test]
+fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
+    use tensor_queue::route::{Route, Routing, Strictness};
+    use tensor_queue::{ReceiverOptions, Uuid};
+    let lies = |path: &std::path::Path, claims: &[(Route, Fence, Option<Uuid>)]| {
+        let client = raw_client(path);
+        let staging = SharedMemory::create("lying", 4096).unwrap();
+        let announce =
+            Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+        client.send(&announce.encode(), &[staging.fd().as_fd()]).unwrap();
+        for (seq, &(route, fence, target)) in claims.iter().enumerate() {
+            let desc = TensorDesc {
+                chunk: 5,
+                storage_offset: 0,
+                storage_len: 64,
+                view_offset: 0,
+                dtype: DType::U8,
+                fence,
+                route,
+                target,
+                shape: vec![64],
+                strides: vec![1],
+            };
+            let message =
+                Frame::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] };
+            client.send(&message.encode(), &[]).unwrap();
+        }
+        (client, staging)
+    };
+    let reasons = |receiver: &mut Receiver<Probe>, count: usize| -> String {
+        let mut reasons = Vec::new();
+        while reasons.len() < count {
+            match receiver.recv_timeout(Duration::from_secs(10)) {
+                Err(Error::Rejected { reason, .. }) => reasons.push(reason),
+                other => panic!("expected a rejection, got {:?}", other.map(|p| p.id)),
+            }
+        }
+        reasons.join("\n")
+    };
+
+    // A receiver that takes only zero-copy routes.
+    let path = socket_path("route-lies-strict");
+    let routing = Routing::default().strict(Strictness::ZeroCopy);
+    let mut strict = Receiver::<Probe>::bind_with(&path, ReceiverOptions { routing, ..Default::default() }).unwrap();
+    let signal = Fence::Signal { chunk: 5, offset: 0, value: 1 };
+    let _client = lies(&path, &[(Route::Staged, signal, Some(Uuid([3; 16]))), (Route::Host, signal, None)]);
+    let said = reasons(&mut strict, 2);
+    assert_eq!(said.matches("refused by this receiver's policy (ZeroCopy)").count(), 2, "{said}");
+
+    // A receiver with the default policy: routes that do not fit the memory or the fence.
+    let path = socket_path("route-lies");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let honest = Sender::<Probe>::connect(&path).unwrap();
+    let _client = lies(
+        &path,
+        &[
+            (Route::PeerMap, Fence::None, None),
+            (Route::Host, Fence::None, None),
+            (Route::Staged, signal, Some(Uuid([9; 16]))),
+        ],
+    );
+    let said = reasons(&mut receiver, 3);
+    assert!(said.contains("with a host chunk"), "{said}");
+    assert!(said.contains("without a host signal"), "{said}");
+    assert!(said.contains("is not one of this process's"), "{said}");
+    honest.send(&probe_again()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2, "the honest sender is unaffected");
+    assert!(receiver.take_errors().iter().all(|e| matches!(e, Error::Rejected { .. })), "no connection closed");
+}
+
+/// A host-route message waits for its producer's host word without holding up anyone: a sender
+/// that never writes it stalls only its own message, which is delivered once the word is written.
+#[test]
+fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
+    use tensor_queue::route::Route;
+    let path = socket_path("route-parked");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let honest = Sender::<Probe>::connect(&path).unwrap();
+    let stalled = raw_client(&path);
+    let (data, mut word) =
+        (SharedMemory::create("parked-data", 4096).unwrap(), SharedMemory::create("parked-word", 4096).unwrap());
+    let host =
+        |id, writable| Frame::Chunk { id, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable };
+    stalled.send(&host(5, false).encode(), &[data.fd().as_fd()]).unwrap();
+    stalled.send(&host(6, true).encode(), &[word.fd().as_fd()]).unwrap();
+    let desc = TensorDesc {
+        chunk: 5,
+        storage_offset: 0,
+        storage_len: 64,
+        view_offset: 0,
+        dtype: DType::U8,
+        fence: Fence::Signal { chunk: 6, offset: 0, value: 1 },
+        route: Route::Host,
+        target: None,
+        shape: vec![64],
+        strides: vec![1],
+    };
+    let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![1] };
+    stalled.send(&message.encode(), &[]).unwrap();
+    std::thread::sleep(Duration::from_millis(50)); // read, and parked, before the honest message
+    honest.send(&probe_again()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2, "the honest message is not held up");
+    assert!(matches!(receiver.recv_timeout(Duration::from_millis(100)), Err(Error::Timeout)), "still parked");
+    word.as_mut_slice().unwrap()[..8].copy_from_slice(&1u64.to_le_bytes()); // the producer's copy is done
+    match receiver.recv_timeout(Duration::from_secs(10)) {
+        Err(Error::Decode(_)) => {} // delivered: its one-byte payload is not a Probe
+        other => panic!("expected the parked message, got {:?}", other.map(|p| p.id)),
+    }
+}

@@ -48,21 +48,12 @@ impl FenceWait {
         self.value > self.fate.0.load(Ordering::Acquire)
     }
 
-    /// Waits on the CPU until a host word reaches its value or its producer is found dead
-    /// (then [`FenceWait::failed`] says so). Polls, backing off to a millisecond: the producer's
-    /// copy of a host tensor usually finishes within microseconds of the message.
-    pub fn wait_on_cpu(&self) -> Result<()> {
-        let Some((chunk, offset)) = &self.word else { return Ok(()) };
-        let memory = host(chunk)?;
-        let mut pause = Duration::from_micros(1);
-        while memory.load_u64(*offset)? < self.value {
-            if self._producer.is_dead() {
-                return Ok(()); // rescued: the fate says how far it got
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
-        }
-        Ok(())
+    /// For a wait on the CPU: whether the host word reached its value, or its producer was found
+    /// dead (then [`FenceWait::failed`] says how far it got). Never blocks: a producer that
+    /// never writes holds up only its own messages.
+    pub fn ready_on_cpu(&self) -> Result<bool> {
+        let Some((chunk, offset)) = &self.word else { return Ok(true) };
+        Ok(host(chunk)?.load_u64(*offset)? >= self.value || self._producer.is_dead())
     }
 }
 

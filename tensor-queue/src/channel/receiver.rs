@@ -166,6 +166,8 @@ pub struct Receiver<T> {
     acceptor: Option<Acceptor>,
     connected: Vec<Connected>,
     arrivals: VecDeque<Arrival>,
+    /// Messages whose host-route data is not there yet (see `must_park`).
+    parked: VecDeque<Ready>,
     devices: Devices,
     capacity: u32,
     errors: Vec<Error>,
@@ -284,6 +286,7 @@ impl<T: DeserializeOwned> Receiver<T> {
             acceptor: None,
             connected: Vec::new(),
             arrivals: VecDeque::new(),
+            parked: VecDeque::new(),
             devices: Devices::new(options.routing.clone()),
             capacity: options.capacity,
             errors: Vec::new(),
@@ -431,13 +434,20 @@ impl<T: DeserializeOwned> Receiver<T> {
     pub fn recv_with_info(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
+            if let Some(ready) = self.unpark()? {
+                return self.deliver(ready);
+            }
             match self.arrivals.pop_front() {
+                Some(Arrival::Ready(ready)) if self.must_park(&ready)? => {
+                    self.parked.push_back(ready);
+                    continue;
+                }
                 Some(Arrival::Ready(ready)) => return self.deliver(ready),
                 Some(Arrival::Rejected { pid, seq, reason }) => return Err(Error::Rejected { pid, seq, reason }),
                 None => {}
             }
             let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
-            if self.connected.is_empty() && (all_joined || self.acceptor.is_none()) {
+            if self.connected.is_empty() && self.parked.is_empty() && (all_joined || self.acceptor.is_none()) {
                 // Connections the accept thread already took may be waiting at the doorbell.
                 if self.acceptor.is_some() && self.pump(Some(Duration::ZERO))? {
                     continue;
@@ -447,22 +457,46 @@ impl<T: DeserializeOwned> Receiver<T> {
             if !self.spin.is_zero() && timeout != Some(Duration::ZERO) && self.spin_until_readable(deadline)? {
                 continue;
             }
-            let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if !self.pump(wait)? {
+            let mut wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !self.parked.is_empty() {
+                // Parked messages are looked at again soon: their words are written by GPUs,
+                // which wake nobody.
+                wait = Some(wait.map_or(PARKED_POLL, |w| w.min(PARKED_POLL)));
+            }
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            if !self.pump(wait)? && (self.parked.is_empty() || expired) {
                 return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
             }
         }
     }
 
+    /// Whether `ready` must wait: its host-route tensors' data is not there yet, or an earlier
+    /// message of its sender waits (each sender's messages are delivered in order).
+    fn must_park(&self, ready: &Ready) -> Result<bool> {
+        Ok(self.parked.iter().any(|p| Arc::ptr_eq(&p.peer, &ready.peer)) || !on_cpu_ready(ready)?)
+    }
+
+    /// The first parked message whose data is there, unless an earlier one of its sender waits.
+    fn unpark(&mut self) -> Result<Option<Ready>> {
+        let mut waiting: Vec<&Arc<super::peer::Peer>> = Vec::new();
+        let mut found = None;
+        for (at, ready) in self.parked.iter().enumerate() {
+            if waiting.iter().any(|p| Arc::ptr_eq(p, &ready.peer)) {
+                continue;
+            }
+            if on_cpu_ready(ready)? {
+                found = Some(at);
+                break;
+            }
+            waiting.push(&ready.peer);
+        }
+        Ok(found.and_then(|at| self.parked.remove(at)))
+    }
+
     fn deliver(&mut self, ready: Ready) -> Result<(T, MessageInfo)> {
-        let Ready { peer, tensors, payload, mut info, on_cpu } = ready;
+        let Ready { peer, tensors, payload, mut info, on_cpu: _ } = ready;
         if let Some(connected) = self.connected.iter_mut().find(|c| Arc::ptr_eq(&c.peer, &peer)) {
             connected.took(self.capacity);
-        }
-        // Host-route tensors: the producer's copy into host memory must be done (or the
-        // producer dead) before the bytes are handed out.
-        for fence in on_cpu.iter().flat_map(|fences| fences.iter()) {
-            fence.wait_on_cpu()?;
         }
         // Asked now, not when the message was read: the producer may have died since. The
         // message's tensors share the answer.
@@ -718,6 +752,19 @@ impl<T: DeserializeOwned> Receiver<T> {
         }
         Ok(true)
     }
+}
+
+/// How often `recv` looks at parked messages again while it waits.
+const PARKED_POLL: Duration = Duration::from_micros(200);
+
+/// Whether every host word `ready` waits for on the CPU was written (or its producer died).
+fn on_cpu_ready(ready: &Ready) -> Result<bool> {
+    for fence in ready.on_cpu.iter().flat_map(|fences| fences.iter()) {
+        if !fence.ready_on_cpu()? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 impl<T> Drop for Receiver<T> {
