@@ -17,7 +17,7 @@ use super::link::{Link, Read};
 use super::peer::Peer;
 use super::release::{Fences, ReceivedLease};
 use super::{lock, monotonic_ns};
-use crate::arena::{Allocation, Arena, Chunk, ChunkMemory};
+use crate::arena::{Allocation, Chunk, ChunkMemory};
 use crate::route::{self, Reach, Route, Routing};
 use crate::tensor::Storage;
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
@@ -152,9 +152,9 @@ pub(super) struct Connected {
     pub peer: Arc<Peer>,
     assembler: Assembler,
     /// The sender's process, known once its `Hello` came.
-    producer: Option<(u64, Arc<Producer>)>,
+    pub(super) producer: Option<(u64, Arc<Producer>)>,
     /// Chunks by the sender's id; those that could not be mapped, with why.
-    chunks: HashMap<u64, Arc<Chunk>>,
+    pub(super) chunks: HashMap<u64, Arc<Chunk>>,
     refused: HashMap<u64, String>,
     events: HashMap<u32, Arc<Event>>,
     /// This connection's stream per device: waits for one sender's work never hold up another's.
@@ -360,18 +360,6 @@ impl Connected {
         Ok(Ready { peer: self.peer.clone(), tensors, payload, info, on_cpu: on_cpu.then_some(fences) })
     }
 
-    /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
-    /// asks [`crate::route::choose`] first).
-    fn check_route(&self, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<()> {
-        let strict = devices.routing.strict;
-        // Whether the landing was a fallback is the sender's knowledge: the lenient reading here.
-        if !route::allowed(desc.route, strict, false) {
-            let reason = format!("route {} is refused by this receiver's policy ({strict:?})", desc.route);
-            return Err(Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } });
-        }
-        Ok(())
-    }
-
     /// The chunk a descriptor names, checked, with the path it came by and the stream its first
     /// use is ordered on (on the GPU it lands on).
     fn locate(
@@ -436,95 +424,8 @@ impl Connected {
         Ok((chunk, path, Some(stream)))
     }
 
-    /// Queues the wait for the producer's fence of tensor `index` on `stream`; for a tensor
-    /// mapped over a peer link, on this connection's stream for the sender's GPU first (where the
-    /// fence lives), which `stream` then waits for.
-    fn order_for(
-        &mut self,
-        devices: &Devices,
-        index: usize,
-        desc: &TensorDesc,
-        chunk: &Arc<Chunk>,
-        stream: &Arc<Stream>,
-    ) -> Result<Option<FenceWait>> {
-        if desc.route != Route::PeerMap {
-            return self.order(index, desc, chunk, stream);
-        }
-        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
-        let home = self.stream(devices, &uuid)?;
-        let fence = self.order(index, desc, chunk, &home)?;
-        let done = Event::new(home.context())?;
-        done.record(&home)?;
-        stream.wait_event(&done)?;
-        Ok(fence)
-    }
-
-    /// Allocates staged tensor `index`'s storage on `stream`'s GPU and queues, per piece, the
-    /// wait for the producer's host word and the copy out of the staging memory.
-    fn copy_in(
-        &mut self,
-        index: usize,
-        desc: &TensorDesc,
-        staging: &Arc<Chunk>,
-        stream: &Arc<Stream>,
-        fences: &mut Vec<FenceWait>,
-    ) -> Result<Allocation> {
-        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
-        let (signal, offset, value) = self.host_signal(index, desc)?;
-        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
-        let producer = producer.clone();
-        let len = desc.storage_len as usize;
-        let allocation = Arena::device(stream.context()).allocate(len)?;
-        let destination =
-            allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
-        let host = staging.host().ok_or_else(|| bad("staged from device memory".into()))?;
-        let source = host.registered(stream.context())?;
-        let piece = route::staging_piece(len);
-        for k in 0..len.div_ceil(piece) {
-            if !super::switches::skip_ordering() {
-                fences.push(producer.wait(stream, &signal, offset, value + k as u64).map_err(|e| match e {
-                    Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
-                        bad(format!("signal word {offset}: {e}"))
-                    }
-                    other => other,
-                })?);
-            }
-            let at = k * piece;
-            let n = piece.min(len - at);
-            stream.copy_async(destination, allocation.offset + at, &source, desc.storage_offset as usize + at, n)?;
-        }
-        Ok(allocation)
-    }
-
-    /// Notes the host word a host-route tensor's data waits for; `recv` waits for it on the CPU.
-    fn fence_on_cpu(&self, index: usize, desc: &TensorDesc) -> Result<Option<FenceWait>> {
-        let (signal, offset, value) = self.host_signal(index, desc)?;
-        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
-        producer.wait_on_cpu(&signal, offset, value).map(Some).map_err(|e| match e {
-            Error::Core(_) => Error::Frame {
-                pid: self.pid(),
-                source: FrameError::OutOfBounds { index, reason: format!("signal word {offset}: {e}") },
-            },
-            other => other,
-        })
-    }
-
-    /// The host word, offset and first value a copied tensor's fence names.
-    fn host_signal(&self, index: usize, desc: &TensorDesc) -> Result<(Arc<Chunk>, usize, u64)> {
-        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
-        let Fence::Signal { chunk, offset, value } = desc.fence else {
-            return Err(bad(format!("a {} tensor without a host signal", desc.route)));
-        };
-        let signal = self.chunks.get(&chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {chunk}")))?;
-        if signal.host().is_none() {
-            return Err(bad(format!("signal chunk {chunk} is not host memory")));
-        }
-        let offset = usize::try_from(offset).map_err(|_| bad(format!("signal offset {offset}")))?;
-        Ok((signal, offset, value))
-    }
-
     /// This connection's stream for `uuid`'s device (the user's, if one was chosen).
-    fn stream(&mut self, devices: &Devices, uuid: &Uuid) -> Result<Arc<Stream>> {
+    pub(super) fn stream(&mut self, devices: &Devices, uuid: &Uuid) -> Result<Arc<Stream>> {
         if let Some(chosen) = devices.chosen(uuid) {
             return Ok(chosen);
         }
@@ -537,7 +438,13 @@ impl Connected {
     }
 
     /// Queues `stream`'s wait for the producer's fence of tensor `index`.
-    fn order(&self, index: usize, desc: &TensorDesc, chunk: &Chunk, stream: &Stream) -> Result<Option<FenceWait>> {
+    pub(super) fn order(
+        &self,
+        index: usize,
+        desc: &TensorDesc,
+        chunk: &Chunk,
+        stream: &Stream,
+    ) -> Result<Option<FenceWait>> {
         let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
         match desc.fence {
             Fence::None => Ok(None),

@@ -78,10 +78,13 @@
 //! receiver's kernels may write a received tensor. Put data that one receiver must not see in a
 //! process of its own.
 
+mod acceptor;
+mod broadcast;
 mod child;
 mod connection;
 mod fences;
 mod imports;
+mod landing;
 mod link;
 mod outgoing;
 mod peer;
@@ -92,13 +95,14 @@ pub(crate) mod switches;
 
 use std::sync::{Mutex, MutexGuard};
 
+pub use broadcast::Broadcast;
 pub use child::{
     from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout,
 };
 pub use connection::MessageInfo;
 pub use receiver::{Receiver, ReceiverOptions};
 pub(crate) use release::{Fences, ReceivedLease, failed};
-pub use sender::{Broadcast, Rejection, Sender};
+pub use sender::{Rejection, Sender};
 
 /// Messages a sender may have in flight to a receiver unless the receiver says otherwise.
 ///

@@ -2,12 +2,9 @@
 //! goes from the socket to the caller with no hand-off between threads.
 
 use std::collections::VecDeque;
-use std::io::ErrorKind;
 use std::marker::PhantomData;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::{Connection, Listener};
@@ -16,91 +13,13 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
+use super::acceptor::Acceptor;
 use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
 use super::link::Link;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
 use crate::route::{MAX_SOURCES, Reach, Routing};
-use crate::wire::{Frame, MAX_PACKET};
+use crate::wire::MAX_PACKET;
 use crate::{Error, Result, Tensor, side_table};
-
-/// A bound receiver's accept thread, which sets up new connections (user check, `Hello`) so that
-/// senders can start before the first `recv`, and hands each to `recv` over `doorbell`.
-struct Acceptor {
-    listener: Arc<Listener>,
-    doorbell: Connection,
-    closed: Arc<AtomicBool>,
-    /// Connections the accept thread refused, for `take_errors`.
-    refused: Arc<Mutex<Vec<Error>>>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Acceptor {
-    fn start(listener: Listener, options: ReceiverOptions) -> Result<Acceptor> {
-        let (doorbell, bell) = Connection::pair()?;
-        let closed = Arc::new(AtomicBool::new(false));
-        let listener = Arc::new(listener);
-        let refused = Arc::new(Mutex::new(Vec::new()));
-        let (stop, listening, refusals) = (closed.clone(), listener.clone(), refused.clone());
-        let thread = std::thread::Builder::new()
-            .name("tq-accept".into())
-            .spawn(move || {
-                while !stop.load(Ordering::Acquire) {
-                    let connection = match listening.accept(Some(Duration::from_millis(100))) {
-                        Ok(connection) => connection,
-                        Err(ipc_core::Error::Os { source, .. }) if source.kind() == ErrorKind::TimedOut => continue,
-                        Err(_) if stop.load(Ordering::Acquire) => return,
-                        Err(error) => {
-                            tracing::warn!(%error, "accept failed");
-                            std::thread::sleep(Duration::from_millis(10));
-                            continue;
-                        }
-                    };
-                    // A refused peer is told why and dropped here, and `recv` hears of it
-                    // (`take_errors`); `recv` re-checks the user of every socket it adopts.
-                    let answer = match Link::check_peer(&connection) {
-                        Ok(_) => match Link::new(connection).and_then(|link| options.greet(&link).map(|()| link)) {
-                            Ok(link) => bell.send(b"c", &[link.fd()]),
-                            Err(error) => {
-                                tracing::warn!(%error, "a new connection failed");
-                                Ok(())
-                            }
-                        },
-                        Err(error) => {
-                            tracing::warn!(%error, "refused a connection");
-                            let close = Frame::Close { read_up_to: 0, reason: error.to_string() };
-                            let _ = connection.try_send(&close.encode(), &[]);
-                            lock(&refusals).push(error);
-                            bell.send(b"r", &[])
-                        }
-                    };
-                    if answer.is_err() {
-                        return; // the receiver is gone
-                    }
-                }
-            })
-            .map_err(|e| Error::Protocol(format!("spawning the accept thread: {e}")))?;
-        Ok(Acceptor { listener, doorbell, closed, refused, thread: Some(thread) })
-    }
-}
-
-impl Acceptor {
-    /// Stops and joins the accept thread: after this, everything it accepted is at the doorbell.
-    fn stop(&mut self) {
-        self.closed.store(true, Ordering::Release);
-        self.listener.wake();
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-impl Drop for Acceptor {
-    fn drop(&mut self) {
-        // Stopped and joined, so the listener (and with it the socket file) goes now, not when
-        // the thread next wakes: a receiver that exits cleanly leaves no socket file behind.
-        self.stop();
-    }
-}
 
 /// How a receiver is set up.
 ///
@@ -139,7 +58,7 @@ impl ReceiverOptions {
     }
 
     /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing.
-    fn greet(&self, link: &Link) -> Result<()> {
+    pub(super) fn greet(&self, link: &Link) -> Result<()> {
         link.hello(self.capacity, Reach::local(), &self.routing)
     }
 }
