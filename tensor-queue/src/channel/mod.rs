@@ -1,6 +1,10 @@
 //! Typed channels: [`Sender`], [`Receiver`], [`Broadcast`], and children started with a channel.
 //!
 //! # The hand-off
+//! This is the hand-off of a tensor that the receiver maps where it is; a tensor bound for
+//! another GPU, or for host memory, first takes its route ([`crate::route`]: the sender copies
+//! it, or the receiver maps it over a peer link or copies it in), and then travels the same way.
+//!
 //! 1. `send` serialises the message; tensors go to the side table. A chunk the peer has not seen
 //!    is announced first, with its descriptor (once per chunk and peer).
 //! 2. For GPU tensors sent with [`Sender::send_on`], the producer's stream gets a fence after
