@@ -108,8 +108,8 @@ pub(crate) fn prepare(
 /// Tensors copied together: (route, source chunk, target GPU).
 type GroupKey = (Route, u64, Option<Uuid>);
 
-/// (device ordinal, stream) pairs.
-type Streams = Mutex<Vec<(i32, Arc<Stream>)>>;
+/// Streams by (device ordinal, key).
+type Streams = Mutex<Vec<(i32, usize, Arc<Stream>)>>;
 
 /// Receiver process, source GPU, target GPU.
 type PairKey = (u32, Uuid, Option<Uuid>);
@@ -167,9 +167,8 @@ fn peer_copy(chunk: &Chunk, span: &Span, stream: &Stream, target: &Uuid) -> Resu
     // copy, then writes it.
     let copied = Event::new(stream.context())?;
     copied.record(stream)?;
-    let relay = copy_stream(&context)?;
+    let relay = relay_stream(&context, stream)?;
     let signal = {
-        let relay = relay.0.clone();
         relay.wait_event(&copied)?;
         match signal_after(&relay)? {
             Some(signal) => signal,
@@ -215,19 +214,32 @@ fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Conte
 }
 
 /// A stream of the sender's own per device: for copies of a message whose devices were
-/// synchronised (no producer stream), and for the relays of peer copies.
+/// synchronised (no producer stream).
 struct CopyStream(Arc<Stream>);
 
 fn copy_stream(context: &Arc<Context>) -> Result<CopyStream> {
     static STREAMS: OnceLock<Streams> = OnceLock::new();
-    let mut streams = STREAMS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    Ok(CopyStream(stream_for(&STREAMS, context, 0)?))
+}
+
+/// The stream of `context`'s device that relays `producer`'s peer copies to the target's
+/// signal word: one per producer stream, so one producer's long queued work never delays
+/// another's fences.
+fn relay_stream(context: &Arc<Context>, producer: &Stream) -> Result<Arc<Stream>> {
+    static RELAYS: OnceLock<Streams> = OnceLock::new();
+    stream_for(&RELAYS, context, producer.raw() as usize)
+}
+
+/// The stream of `context`'s device for `key` in `streams`, made on first use.
+fn stream_for(streams: &'static OnceLock<Streams>, context: &Arc<Context>, key: usize) -> Result<Arc<Stream>> {
+    let mut streams = streams.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     let ordinal = context.device().ordinal();
-    if let Some((_, stream)) = streams.iter().find(|(o, _)| *o == ordinal) {
-        return Ok(CopyStream(stream.clone()));
+    if let Some((_, _, stream)) = streams.iter().find(|(o, k, _)| *o == ordinal && *k == key) {
+        return Ok(stream.clone());
     }
     let stream = Arc::new(Stream::new(context)?);
-    streams.push((ordinal, stream.clone()));
-    Ok(CopyStream(stream))
+    streams.push((ordinal, key, stream.clone()));
+    Ok(stream)
 }
 
 /// Logs, once per receiver process and GPU pair, a route slower than the pair allows.
