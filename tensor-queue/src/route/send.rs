@@ -73,8 +73,14 @@ pub(crate) fn prepare(
         let own_stream;
         let stream = match stream {
             Some(stream) if Arc::ptr_eq(stream.context(), memory.context()) => stream,
-            _ => {
+            producer => {
                 own_stream = copy_stream(memory.context())?;
+                if let Some(producer) = producer {
+                    // The producer's stream is another device's: the copies wait for its work.
+                    let produced = Event::new(producer.context())?;
+                    produced.record(producer)?;
+                    own_stream.0.wait_event(&produced)?;
+                }
                 &own_stream.0
             }
         };
