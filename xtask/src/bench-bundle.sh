@@ -2,19 +2,31 @@
 # The benchmark suite on the GPU machine: primitive costs, then tq-bench with its anchors (the C
 # socket floor and PyTorch's torch.multiprocessing queues) in the same run. The table of ratios is
 # printed last; bench.json, latency.png and throughput.png go to $OUT (or ./results). Arguments
-# are passed on to tq-bench (for example `--only rtt,stream`).
+# are passed on to tq-bench (for example `--only rtt,stream`). `--only cross` runs the cross-device
+# table alone (2 GPUs; with its anchors, bench/cross_anchors.py among them) and skips the primitive
+# costs and the MPS run.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 results=${OUT:-$here/results}
 mkdir -p "$results"
 export IPC_TESTS_BIN_DIR="$here/bin"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-echo "[0] CUDA IPC primitive costs" >&2
-"$here/bin/primitive-costs" 2>&1 | tee "$results/primitive-costs.txt"
+only=""
+prev=""
+for arg in "$@"; do
+  [ "$prev" = "--only" ] && only=$arg
+  prev=$arg
+done
+primitives=()
+if [ "$only" != "cross" ]; then
+  echo "[0] CUDA IPC primitive costs" >&2
+  "$here/bin/primitive-costs" 2>&1 | tee "$results/primitive-costs.txt"
+  primitives=(--primitives "$results/primitive-costs.txt")
+fi
 # Streaming again under MPS (kernels of both processes share the GPU without time-slicing), with a
 # private MPS daemon that is stopped afterwards; NO_MPS=1 skips it.
 mps=()
-if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control > /dev/null; then
+if [ -z "${NO_MPS:-}" ] && [ "$only" != "cross" ] && command -v nvidia-cuda-mps-control > /dev/null; then
   echo "[mps] streaming under a private MPS daemon" >&2
   mkdir -p "$results/mps"
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
@@ -25,6 +37,7 @@ if [ -z "${NO_MPS:-}" ] && command -v nvidia-cuda-mps-control > /dev/null; then
   fi
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
-"$here/bin/tq-bench" "${mps[@]}" --out "$results" --floor "$here/bin/socket-floor" --primitives "$results/primitive-costs.txt" \
-  --torch "$here/bench/torch_anchor.py" --python "${PYTHON:-python3}" "$@" | tee "$results/table.md"
+"$here/bin/tq-bench" "${mps[@]}" "${primitives[@]}" --out "$results" --floor "$here/bin/socket-floor" \
+  --torch "$here/bench/torch_anchor.py" --cross-anchors "$here/bench/cross_anchors.py" --python "${PYTHON:-python3}" \
+  "$@" | tee "$results/table.md"
 exit "${PIPESTATUS[0]}"

@@ -48,14 +48,17 @@ pub fn build() -> Result<()> {
         std::fs::write(bundle.join(name), text)?;
         make_executable(&bundle.join(name))?;
     }
-    // The benchmark's anchors: the C socket floor (built here like the rest) and PyTorch's queues.
+    // The benchmark's anchors: the C socket floor (built here like the rest), PyTorch's queues, and
+    // the cross-device anchors (NCCL, torch.multiprocessing).
     let bench = root.join("tests/bench");
     run(Command::new("cc")
         .args(["-O2", "-Wall", "-o"])
         .arg(bundle.join("bin/socket-floor"))
         .arg(bench.join("socket_floor.c")))
     .context("compiling the socket floor needs a C compiler (cc)")?;
-    copy(&bench.join("torch_anchor.py"), &bundle.join("bench/torch_anchor.py"))?;
+    for script in ["torch_anchor.py", "cross_anchors.py"] {
+        copy(&bench.join(script), &bundle.join("bench").join(script))?;
+    }
 
     let size = folder_size(&bundle)?;
     println!("xtask gpu-bundle: {} ({:.1} MiB)", bundle.display(), size as f64 / (1 << 20) as f64);

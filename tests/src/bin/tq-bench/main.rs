@@ -4,12 +4,15 @@
 //! `tq-bench [--out DIR] [--floor BIN] [--primitives FILE] [--mps FILE] [--torch SCRIPT] [--python PYTHON] [--only a,b]
 //! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--no-fill] [--no-read]`; on the GPU
 //! machine, `bash target/gpu-bundle/bench.sh` (which `cargo xtask bench` runs). Sections:
-//! `setup`, `floor`, `torch`, `rtt`, `breakdown`, `stream`, `broadcast`.
+//! `setup`, `floor`, `torch`, `rtt`, `breakdown`, `stream`, `broadcast`, `cross` (GPU0 -> GPU1 by each
+//! route, with its own table printed last; `--cross-anchors SCRIPT` names `cross_anchors.py`, which is
+//! otherwise looked for beside `--torch`; see `cross.rs`).
 //!
 //! Every time is the machine's `CLOCK_MONOTONIC` (one clock for all processes), read on the side
 //! of the barrier where the data became usable. Without a GPU the same sections run with host
 //! tensors (shared memory), and the GPU-only parts say that they were skipped.
 
+mod cross;
 mod plot;
 
 use std::io::IsTerminal;
@@ -194,6 +197,10 @@ struct Bench {
 }
 
 fn main() -> Result<()> {
+    // A consumer process of the cross-device section, or its driver-copy anchor.
+    if let Some(result) = cross::child_role() {
+        return result;
+    }
     let options = Options::parse()?;
     std::fs::create_dir_all(&options.out).with_context(|| format!("creating {}", options.out.display()))?;
     let gpu = match integration_tests::gpu_skip_reason() {
@@ -208,7 +215,7 @@ fn main() -> Result<()> {
     };
     let machine = machine(gpu.as_ref())?;
     eprintln!("tq-bench on {machine}");
-    let sections = ["setup", "floor", "torch", "rtt", "breakdown", "stream", "broadcast"];
+    let sections = ["setup", "floor", "torch", "rtt", "breakdown", "stream", "broadcast", "cross"];
     let steps = sections.iter().filter(|s| options.wants(s)).count();
     let mut bench = Bench {
         gpu,
@@ -241,6 +248,7 @@ fn main() -> Result<()> {
             "breakdown" => bench.breakdown()?,
             "stream" => bench.streaming(torch.as_ref())?,
             "broadcast" => bench.broadcast()?,
+            "cross" => bench.cross()?,
             _ => unreachable!(),
         }
     }
@@ -852,6 +860,7 @@ impl Bench {
 
     fn finish(mut self, machine: &str) -> Result<()> {
         self.json.insert("rows".into(), json!(self.rows.iter().map(Row::json).collect::<Vec<_>>()));
+        let cross = self.json.get("cross").cloned();
         let out = &self.options.out;
         std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&Value::Object(self.json))?)?;
         let title = |what: &str| format!("{what} ({})", machine.split(" (").next().unwrap_or(machine));
@@ -861,6 +870,10 @@ impl Bench {
             "results: {}",
             ["bench.json", "latency.png", "throughput.png"].map(|f| out.join(f).display().to_string()).join(", ")
         );
+        if self.rows.is_empty() {
+            cross::print_table(cross.as_ref());
+            return Ok(());
+        }
         println!("\ntq-bench on {machine}");
         println!("| measure | tensor-queue | anchor | anchor value | ratio | target |");
         println!("| --- | --- | --- | --- | --- | --- |");
@@ -876,6 +889,7 @@ impl Bench {
             );
         }
         println!("ratio: anchor / ours for times, ours / anchor for rates; above 1 means tensor-queue is better");
+        cross::print_table(cross.as_ref());
         Ok(())
     }
 }
