@@ -373,17 +373,28 @@ impl<T: DeserializeOwned> Receiver<T> {
                 }
                 return Err(Error::Disconnected);
             }
+            let expired = deadline.is_some_and(|d| Instant::now() >= d);
+            if !self.parked.is_empty() {
+                // Parked messages wait for words that GPUs write, which wake nobody: read the
+                // sockets without sleeping, then spin (if asked to) or nap briefly, and look again.
+                if self.pump(Some(Duration::ZERO))? {
+                    continue;
+                }
+                if expired {
+                    return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
+                }
+                if self.spin.is_zero() {
+                    std::thread::sleep(PARKED_POLL);
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
             if !self.spin.is_zero() && timeout != Some(Duration::ZERO) && self.spin_until_readable(deadline)? {
                 continue;
             }
-            let mut wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if !self.parked.is_empty() {
-                // Parked messages are looked at again soon: their words are written by GPUs,
-                // which wake nobody.
-                wait = Some(wait.map_or(PARKED_POLL, |w| w.min(PARKED_POLL)));
-            }
-            let expired = deadline.is_some_and(|d| Instant::now() >= d);
-            if !self.pump(wait)? && (self.parked.is_empty() || expired) {
+            let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if !self.pump(wait)? {
                 return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
             }
         }
@@ -673,8 +684,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 }
 
-/// How often `recv` looks at parked messages again while it waits.
-const PARKED_POLL: Duration = Duration::from_micros(200);
+/// How long `recv` naps between looks at parked messages (without spinning).
+const PARKED_POLL: Duration = Duration::from_micros(20);
 
 /// Whether every host word `ready` waits for on the CPU was written (or its producer died).
 fn on_cpu_ready(ready: &Ready) -> Result<bool> {
