@@ -574,9 +574,12 @@ fn killed_mid_staged(g: &Gpus) -> Result<()> {
         }
         if let Some(line) = consumer.said.iter().find(|l| l.starts_with("report ")) {
             let report: MsgReport = serde_json::from_str(&line["report ".len()..])?;
+            // The driver may still run a killed process's queued work while it tears the
+            // context down (seen once in three runs on an H200): then the message is whole, and
+            // must be reported so only if its bytes are the producer's, checked on the GPU.
             ensure!(
-                report.producer_failed,
-                "a message of a producer killed before its fill ran was delivered as complete: {report:?}"
+                report.producer_failed || (report.ok && report.seen == report.reference),
+                "a message of a killed producer was delivered as complete, with other bytes: {report:?}"
             );
             break line.clone();
         }
@@ -590,7 +593,7 @@ fn killed_mid_staged(g: &Gpus) -> Result<()> {
         );
         std::thread::sleep(Duration::from_millis(10));
     };
-    println!("the receiver reported the loss {:?} after the kill: {}", killed_at.elapsed(), short(&outcome));
+    println!("the receiver reported the message {:?} after the kill: {}", killed_at.elapsed(), short(&outcome));
     consumer.cursor = consumer.said.len();
     consumer.say("mem")?;
     let mem = consumer.expect("mem ", Duration::from_secs(30))?;
