@@ -24,6 +24,10 @@
 //! - [`Sender`] / [`Receiver`]: messages are any serde type with tensors anywhere inside; bounded,
 //!   several senders per receiver; [`Broadcast`] for one message to many without copies;
 //!   [`spawn`] / [`from_parent`] for a child with a channel.
+//! - Across GPUs: a tensor for a receiver on another GPU is copied over NVLink or PCIe peer
+//!   access, mapped over the link, staged through pinned host memory, or delivered as a host
+//!   tensor, chosen by topology and the receiver's [`route::Routing`], and reported on every
+//!   received tensor ([`Tensor::path`]); see [`route`].
 //! - See [`channel`] for the hand-off protocol, the ordering mechanism and why it was chosen.
 
 mod arena;

@@ -42,7 +42,9 @@ pub struct MemoryUsage {
     pub in_use_bytes: usize,
 }
 
-/// What this process's arenas hold now.
+/// What this process's arenas hold now. Copies a route makes count where they live: a sender's
+/// peer copies (on the receiver's GPU) and staging (shared host memory) in the sender's arenas
+/// until the receiver releases them, a receiver's staged landings in its own.
 ///
 /// ```
 /// # fn main() -> tensor_queue::Result<()> {

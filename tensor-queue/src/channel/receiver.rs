@@ -232,6 +232,23 @@ impl<T: DeserializeOwned> Receiver<T> {
         self.acceptor.as_ref().map(|acceptor| acceptor.listener.path())
     }
 
+    /// Where this receiver's GPU tensors land, and which routes it refuses (the policy its
+    /// senders were told in the handshake).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::route::{Landing, Routing};
+    /// use tensor_queue::{Receiver, ReceiverOptions};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-routing.sock", std::process::id()));
+    /// let routing = Routing::default().land(Landing::Host);
+    /// let receiver = Receiver::<u8>::bind_with(&path, ReceiverOptions { routing: routing.clone(), ..Default::default() })?;
+    /// assert_eq!(receiver.routing(), &routing);
+    /// # Ok(()) }
+    /// ```
+    pub fn routing(&self) -> &Routing {
+        &self.devices.routing
+    }
+
     /// Makes `recv` poll its sockets without sleeping for up to `spin` before it blocks.
     ///
     /// A blocked `recv` is woken by the kernel, which costs a few microseconds per message (the

@@ -508,7 +508,8 @@ impl<T> Sender<T> {
 
     /// The route a tensor on the GPU `source` would take to this receiver (see
     /// [`crate::route`]), decided from the receiver's GPUs and policy as `send` decides it.
-    /// Waits up to `timeout` for the receiver's handshake.
+    /// Waits up to `timeout` for the receiver's handshake. For a `source` this process cannot
+    /// see, the answer assumes no link this process could use to it.
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {

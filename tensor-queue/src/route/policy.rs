@@ -52,7 +52,8 @@ pub enum Strictness {
     /// No staging through host memory between two GPUs (a GPU tensor may still land in host
     /// memory where the receiver asked for [`Landing::Host`]).
     NoStaging,
-    /// Only zero-copy routes: the same GPU, or a mapping over a peer link.
+    /// Only zero-copy routes: the same GPU, or a mapping over a peer link. A GPU tensor bound
+    /// for host memory is a copy too, and refused.
     ZeroCopy,
 }
 
