@@ -5,8 +5,8 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use cuda_sys::nccl::{
-    self, Candidate, HEADER_VERSION, LIBRARY_CANDIDATES, LIBRARY_ENV, MINIMUM_VERSION, NcclError, NcclLibrary,
-    Version, WHEEL_LIBRARY, ncclConfig_t, ncclResult_t,
+    self, Candidate, HEADER_VERSION, LIBRARY_CANDIDATES, LIBRARY_ENV, MINIMUM_VERSION, NcclError, NcclLibrary, Version,
+    WHEEL_LIBRARY, ncclConfig_t, ncclResult_t,
 };
 
 fn no_env(_: &str) -> Option<OsString> {
@@ -36,7 +36,11 @@ fn candidates_are_the_variable_then_the_loader_then_python() {
     assert_eq!(LIBRARY_ENV, "TQ_NCCL_LIBRARY");
     assert_eq!(
         &LIBRARY_CANDIDATES[..3],
-        &[Candidate::PathInEnv(LIBRARY_ENV), Candidate::LoaderName("libnccl.so.2"), Candidate::LoaderName("libnccl.so")]
+        &[
+            Candidate::PathInEnv(LIBRARY_ENV),
+            Candidate::LoaderName("libnccl.so.2"),
+            Candidate::LoaderName("libnccl.so")
+        ]
     );
     assert_eq!(LIBRARY_CANDIDATES[3], Candidate::PythonPrefix { variable: "VIRTUAL_ENV", relative: WHEEL_LIBRARY });
     assert_eq!(LIBRARY_CANDIDATES.last(), Some(&Candidate::SitePackages { relative: WHEEL_LIBRARY }));

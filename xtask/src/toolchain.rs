@@ -119,8 +119,15 @@ fn install_nccl_package() -> Result<()> {
     println!("xtask setup: installing {PINNED_NCCL_PACKAGE} into {}", venv_dir().display());
     // `python -m pip`, not the `pip` script: the script's first line names the interpreter of the
     // environment it was installed in, which is wrong for an environment that was moved or copied.
-    run(Command::new(venv_dir().join("bin/python"))
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", PINNED_NCCL_PACKAGE]))
+    run(Command::new(venv_dir().join("bin/python")).args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        PINNED_NCCL_PACKAGE,
+    ]))
 }
 
 /// bindgen loads libclang at run time; Debian's `libclang-dev` provides it.

@@ -94,7 +94,9 @@ impl Candidate {
         match self {
             Candidate::PathInEnv(variable) => format!("${variable}"),
             Candidate::LoaderName(name) => (*name).to_string(),
-            Candidate::PythonPrefix { variable, relative } => format!("${variable}/lib/python3*/site-packages/{relative}"),
+            Candidate::PythonPrefix { variable, relative } => {
+                format!("${variable}/lib/python3*/site-packages/{relative}")
+            }
             Candidate::SitePackages { relative } => format!("{relative} in python3's site-packages"),
         }
     }
@@ -102,7 +104,8 @@ impl Candidate {
 
 /// `relative` inside those of `folders` where it exists, or why there is none.
 fn existing(folders: &[PathBuf], relative: &str, where_: &str) -> Result<Vec<PathBuf>, String> {
-    let found: Vec<PathBuf> = folders.iter().map(|folder| folder.join(relative)).filter(|path| path.is_file()).collect();
+    let found: Vec<PathBuf> =
+        folders.iter().map(|folder| folder.join(relative)).filter(|path| path.is_file()).collect();
     if found.is_empty() {
         let searched: Vec<String> = folders.iter().map(|folder| folder.display().to_string()).collect();
         return Err(format!("no {relative} {where_} (searched: {})", searched.join(", ")));
@@ -117,8 +120,7 @@ fn python_site_packages() -> Result<&'static [PathBuf], String> {
 }
 
 fn ask_python() -> Result<Vec<PathBuf>, String> {
-    const SCRIPT: &str =
-        "import site,sys; print(\"\\n\".join(site.getsitepackages()+[site.getusersitepackages()]))";
+    const SCRIPT: &str = "import site,sys; print(\"\\n\".join(site.getsitepackages()+[site.getusersitepackages()]))";
     let mut child = Command::new("python3")
         .args(["-c", SCRIPT])
         .stdin(Stdio::null())

@@ -30,9 +30,7 @@ mod error;
 pub mod loader;
 
 pub use error::{NcclError, Progress, check, check_nonblocking, result_name};
-pub use loader::{
-    Candidate, LIBRARY_CANDIDATES, LIBRARY_ENV, NcclLibrary, PYTHON_TIMEOUT, WHEEL_LIBRARY, library,
-};
+pub use loader::{Candidate, LIBRARY_CANDIDATES, LIBRARY_ENV, NcclLibrary, PYTHON_TIMEOUT, WHEEL_LIBRARY, library};
 
 #[allow(
     non_camel_case_types,
