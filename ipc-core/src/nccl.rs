@@ -11,9 +11,10 @@
 //! wait is a poll of `ncclCommGetAsyncError` bounded by the communicator's timeout. When NCCL
 //! reports an error, or a wait runs out of time, the communicator is aborted at once
 //! (`ncclCommAbort` also stops its kernels, so the streams they occupy drain), and every later
-//! call returns [`Error::NcclAborted`]. `Drop` finalizes and destroys a healthy communicator,
-//! aborting it instead if finalizing fails or takes longer than the timeout; what fails there is
-//! logged, as for every type of this crate.
+//! call returns [`Error::NcclAborted`]. `Drop` finalizes a healthy communicator (bounded by the
+//! timeout) and then releases it with `ncclCommAbort`, which is local; `ncclCommDestroy` would
+//! wait for every other rank, forever if one died (see `Drop`). What fails there is logged, as
+//! for every type of this crate.
 
 use std::cell::Cell;
 use std::ffi::{c_int, c_void};
@@ -350,6 +351,11 @@ impl Communicator {
 }
 
 impl Drop for Communicator {
+    /// Finalizes (flushes queued operations, bounded by the timeout), then releases with
+    /// `ncclCommAbort`, not `ncclCommDestroy`: on NCCL 2.28.3 `ncclCommDestroy` waits until every
+    /// other rank destroys its communicator too, and forever when one has died (measured: two
+    /// processes on two H200s, `one_rank_releasing_alone_is_bounded` in `tests/tests/nccl_gpu.rs`).
+    /// Once finalized, nothing is left for an abort to cut short, and it releases locally.
     fn drop(&mut self) {
         let Ok(raw) = self.live() else { return };
         if let Err(error) = self.context.bind() {
@@ -357,16 +363,11 @@ impl Drop for Communicator {
         }
         // SAFETY: `raw` is live; finalizing flushes its queued operations in the background.
         let finalizing = unsafe { nccl_nonblocking!(ncclCommFinalize(raw)) };
-        // Any failure or timeout here aborts the communicator (and clears `raw`).
+        // Any failure or timeout here aborts the communicator already (and clears `raw`).
         if let Err(error) = self.after_call("ncclCommFinalize", finalizing) {
             tracing::warn!(%error, "finalizing an NCCL communicator failed; it was aborted");
-            return;
         }
-        let raw = self.raw.replace(std::ptr::null_mut());
-        // SAFETY: `raw` is live and finalized; it is cleared above and never used again.
-        if let Err(error) = unsafe { nccl!(ncclCommDestroy(raw)) } {
-            tracing::warn!(%error, "destroying an NCCL communicator failed");
-        }
+        self.abort_now();
     }
 }
 

@@ -29,7 +29,23 @@ fn main() {
             run: nccl_moves_64_mib_between_two_processes,
         },
         GpuTest { name: "a_killed_peer_is_noticed_and_aborted", gpus: 2, run: a_killed_peer_is_noticed_and_aborted },
+        GpuTest { name: "one_rank_releasing_alone_is_bounded", gpus: 2, run: one_rank_releasing_alone_is_bounded },
     ]);
+}
+
+/// Ends the process if the returned flag is not set within `bound`: a hang is the failure the
+/// tests that use it exist for, and must not stall the whole run.
+fn watchdog(test: &'static str, bound: Duration) -> Arc<AtomicBool> {
+    let done = Arc::new(AtomicBool::new(false));
+    let flag = done.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(bound);
+        if !flag.load(Ordering::SeqCst) {
+            eprintln!("{test}: hung for {bound:?}");
+            std::process::exit(3);
+        }
+    });
+    done
 }
 
 /// The other rank: its standard input takes commands, its standard output's lines come back here.
@@ -96,8 +112,8 @@ impl Peer {
         Ok(u64::from_str_radix(hex, 16)?)
     }
 
+    /// Waits for the `bye` that follows a `quit`, and for the peer to exit successfully.
     fn quit(mut self) -> Result<()> {
-        self.say("quit")?;
         self.expect("bye")?;
         let status = self.child.wait()?;
         ensure!(status.success(), "nccl-peer exited with {status}");
@@ -151,47 +167,56 @@ impl Rank0 {
         eprintln!("{len} bytes sent and checked ({elapsed:?} from the send call to the stream's end)");
         Ok(())
     }
+
+    /// Receives `len` bytes of the pattern `seed` from the peer; checks them against its checksum.
+    fn receive_checked(&mut self, len: usize, seed: u64) -> Result<()> {
+        let buffer = DeviceBuffer::alloc(&self.context, len)?;
+        self.peer.say(&format!("send {len} {seed}"))?;
+        self.communicator.recv(&buffer, 0, len, 1, &self.stream)?;
+        self.communicator.wait(&self.stream)?;
+        let received = self.kernels.checksum(&buffer, 0, len, &self.stream)?;
+        let sent = self.peer.checksum()?;
+        ensure!(received == sent, "{len} bytes: received checksum {received:#x}, rank 1 sent {sent:#x}");
+        Ok(())
+    }
 }
 
 fn nccl_moves_64_mib_between_two_processes() -> Result<()> {
     let mut rank0 = connect()?;
     rank0.send_checked(64 << 20, 7)?;
     rank0.send_checked(4099, 8)?;
-    let Rank0 { communicator, peer, .. } = rank0;
-    peer.quit()?;
+    // Both ranks release their communicators at once, as they would in use.
+    let Rank0 { communicator, mut peer, .. } = rank0;
+    peer.say("quit")?;
+    let started = Instant::now();
     drop(communicator);
-    Ok(())
+    eprintln!("rank 0 released its communicator in {:?}", started.elapsed());
+    peer.quit()
 }
 
 fn a_killed_peer_is_noticed_and_aborted() -> Result<()> {
     let mut rank0 = connect()?;
+    // Both directions connected and checked, so what follows waits on data, not on a connection.
     rank0.send_checked(1 << 20, 9)?;
+    rank0.receive_checked(1 << 20, 12)?;
 
-    // A send the peer never receives, then the peer dies.
+    // A receive the peer never sends to, its kernel running on the survivor's stream, then the
+    // peer dies. (Not a send: NCCL completes a send once its bytes are in the receiver's buffers,
+    // which hold tens of MiB over NVLink.)
     let len = 64 << 20;
     let buffer = DeviceBuffer::alloc(&rank0.context, len)?;
-    rank0.kernels.fill(&buffer, 0, len, 10, &rank0.stream)?;
-    rank0.communicator.send(&buffer, 0, len, 1, &rank0.stream)?;
+    rank0.communicator.recv(&buffer, 0, len, 1, &rank0.stream)?;
+    ensure!(!rank0.stream.is_idle()?, "a receive with no sender finished");
     rank0.peer.child.kill()?;
     let status = rank0.peer.child.wait()?;
     eprintln!("nccl-peer killed ({status})");
 
-    // A hang is the failure this test exists for: a watchdog ends the process if the survivor's
-    // wait, abort and recovery do not return within a generous bound.
-    let done = Arc::new(AtomicBool::new(false));
-    let watchdog = done.clone();
-    let bound = TIMEOUT + Duration::from_secs(90);
-    std::thread::spawn(move || {
-        std::thread::sleep(bound);
-        if !watchdog.load(Ordering::SeqCst) {
-            eprintln!("a_killed_peer_is_noticed_and_aborted: the survivor hung for {bound:?} after its peer died");
-            std::process::exit(3);
-        }
-    });
+    // The survivor's wait, abort and recovery must return within a generous bound.
+    let done = watchdog("a_killed_peer_is_noticed_and_aborted", TIMEOUT + Duration::from_secs(90));
     let started = Instant::now();
     let outcome = rank0.communicator.wait(&rank0.stream);
     let error = match outcome {
-        Ok(()) => bail!("the send to a dead peer completed"),
+        Ok(()) => bail!("a receive from a dead peer completed"),
         Err(error) => error,
     };
     eprintln!("the survivor saw, after {:?}: {error}", started.elapsed());
@@ -210,5 +235,21 @@ fn a_killed_peer_is_noticed_and_aborted() -> Result<()> {
     ensure!(checksum == reference::checksum(&reference::pattern(len, 11)), "the survivor's GPU computes wrongly");
     done.store(true, Ordering::SeqCst);
     eprintln!("survivor recovered {:?} after its peer died", started.elapsed());
+    Ok(())
+}
+
+/// Rank 0 releases its communicator while rank 1 still holds its own, then rank 1 releases alone:
+/// each release returns within its bound, by finalizing or, failing that, by aborting.
+fn one_rank_releasing_alone_is_bounded() -> Result<()> {
+    let mut rank0 = connect()?;
+    rank0.send_checked(1 << 20, 13)?;
+    let done = watchdog("one_rank_releasing_alone_is_bounded", TIMEOUT + Duration::from_secs(90));
+    let Rank0 { communicator, mut peer, .. } = rank0;
+    let started = Instant::now();
+    drop(communicator);
+    eprintln!("rank 0 released its communicator alone in {:?}", started.elapsed());
+    peer.say("quit")?;
+    peer.quit()?;
+    done.store(true, Ordering::SeqCst);
     Ok(())
 }

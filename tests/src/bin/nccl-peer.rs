@@ -3,7 +3,9 @@
 //! `nccl-peer --device <ordinal> [--timeout-s <seconds>]` reads the communicator's unique id (hex)
 //! as its first line of standard input, joins as rank 1 of 2 on that GPU, and prints `ready`.
 //! Then each line is a command: `recv <bytes>` receives that many bytes from rank 0 and prints
-//! `checksum <hex>` (the kernels crate's checksum of what arrived); `quit` releases the
+//! `checksum <hex>` (the kernels crate's checksum of what arrived); `send <bytes> <seed>` sends
+//! that many bytes of the kernels crate's pattern to rank 0 and prints the checksum of what it
+//! sent, the same way; `quit` releases the
 //! communicator, prints `bye` and exits. Errors go to standard error, with exit status 1.
 
 use std::io::{BufRead, Write};
@@ -47,8 +49,19 @@ fn run() -> Result<()> {
                 let checksum = kernels.checksum(&buffer, 0, len, &stream)?;
                 say(&format!("checksum {checksum:x}"))?;
             }
+            ["send", bytes, seed] => {
+                let len: usize = bytes.parse().with_context(|| format!("send {bytes}"))?;
+                let buffer = DeviceBuffer::alloc(&context, len)?;
+                kernels.fill(&buffer, 0, len, seed.parse()?, &stream)?;
+                let checksum = kernels.checksum(&buffer, 0, len, &stream)?;
+                communicator.send(&buffer, 0, len, 0, &stream)?;
+                communicator.wait(&stream)?;
+                say(&format!("checksum {checksum:x}"))?;
+            }
             ["quit"] => {
+                let started = std::time::Instant::now();
                 drop(communicator);
+                eprintln!("nccl-peer: released its communicator in {:?}", started.elapsed());
                 return say("bye");
             }
             _ => bail!("unknown command {line:?}"),
