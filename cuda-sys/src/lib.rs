@@ -15,10 +15,13 @@
 //! unsafe { cuda_sys::driver!(cuDeviceGetCount(&mut count)) }?;
 //! # Ok::<(), cuda_sys::Error>(())
 //! ```
+//!
+//! [`nccl`] does the same for NCCL (`libnccl.so.2`), the engine that moves GPU data between hosts.
 
 mod error;
 #[macro_use]
 mod loader;
+pub mod nccl;
 
 pub use error::{DriverError, Error, check};
 pub use loader::{Driver, LIBRARY_CANDIDATES, LIBRARY_ENV, LoadError, is_available, library};

@@ -102,6 +102,23 @@ pub enum Error {
         /// Why.
         reason: &'static str,
     },
+    /// NCCL could not be loaded, or an NCCL call failed (see [`crate::nccl`]).
+    #[error(transparent)]
+    Nccl(#[from] cuda_sys::nccl::NcclError),
+    /// An NCCL communicator did not finish an operation in time: its peer is gone, stalled, or
+    /// never came. The communicator has been aborted.
+    #[error(
+        "NCCL {operation} did not finish within {timeout:?} (is the peer alive and did it make the matching call?); the communicator was aborted"
+    )]
+    NcclTimeout {
+        /// What was waited for (`initialisation`, `ncclSend`, `transfer`).
+        operation: &'static str,
+        /// How long.
+        timeout: std::time::Duration,
+    },
+    /// A call on an NCCL communicator that was aborted after an earlier error or timeout.
+    #[error("the NCCL communicator was aborted after an earlier error or timeout; make a new one")]
+    NcclAborted,
     /// An operating-system call failed.
     #[error("{what} failed: {source}")]
     Os {

@@ -11,6 +11,7 @@
 //! | [`SharedMemory`] / [`PinnedHostBuffer`] | host memory two processes (and the GPU) can see |
 //! | [`Module`] / [`Function`] | a loaded shared library of GPU kernels |
 //! | [`Topology`] | `lstopo` for GPUs: which pairs reach each other, and how |
+//! | [`nccl::Communicator`] | a connected socket between GPUs of different processes or hosts (NCCL) |
 //! | [`process::ProcessHandle`] | `kill -0`, but for the process it was opened for, and pollable |
 //!
 //! Every type holds an `Arc<Context>`, binds it before each driver call, and releases what it
@@ -50,6 +51,7 @@ mod host;
 pub mod layout;
 mod memory;
 mod module;
+pub mod nccl;
 pub mod process;
 pub mod seqpacket;
 mod stream;

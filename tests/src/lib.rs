@@ -155,6 +155,23 @@ pub fn decode_u64s(bytes: &[u8]) -> Vec<u64> {
     bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())).collect()
 }
 
+/// Bytes as lowercase hexadecimal, for ids passed on a command line or a pipe.
+pub fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
+/// The bytes of lowercase or uppercase hexadecimal.
+pub fn from_hex(text: &str) -> Result<Vec<u8>> {
+    let text = text.trim();
+    if !text.len().is_multiple_of(2) {
+        bail!("odd-length hexadecimal");
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).with_context(|| format!("bad hexadecimal at {i}")))
+        .collect()
+}
+
 /// Nanoseconds as microseconds, for printing.
 pub fn micros(ns: u64) -> f64 {
     ns as f64 / 1000.0
@@ -191,5 +208,7 @@ mod tests {
         assert_eq!(percentile(&mut values, 50.0), 51);
         assert_eq!(percentile(&mut values, 99.0), 99);
         assert_eq!(percentile(&mut [], 50.0), 0);
+        assert_eq!(from_hex(&to_hex(&[0, 1, 0xab, 0xff])).unwrap(), vec![0, 1, 0xab, 0xff]);
+        assert!(from_hex("abc").is_err() && from_hex("zz").is_err());
     }
 }

@@ -18,7 +18,7 @@ const SIZE_LIMIT: u64 = 48 << 20;
 
 /// Binaries that tests start as second processes, and benchmarks.
 const BINARIES: &[&str] =
-    &["tq", "ipc-helper", "tq-peer", "tq-user", "tq-fault", "tq-cross", "primitive-costs", "tq-bench"];
+    &["tq", "ipc-helper", "tq-peer", "tq-user", "tq-fault", "tq-cross", "nccl-peer", "primitive-costs", "tq-bench"];
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
 const BENCH_SCRIPT: &str = include_str!("bench-bundle.sh");

@@ -1,7 +1,11 @@
-//! The pinned CUDA toolchain: nvcc and `cuda.h` from PyPI, libclang from Debian.
+//! The pinned CUDA toolchain: nvcc and `cuda.h` from PyPI, `nccl.h` from PyPI, libclang from Debian.
 //!
 //! nvcc 13.0.88 matches the GPU machine's 13.0 driver: a newer nvcc emits PTX that driver rejects,
 //! and `nvidia-nvvm` must be pinned too or pip pulls a newer one that ptxas refuses.
+//!
+//! NCCL 2.28.3 is the version torch ships on the GPU machine. Its wheel is installed into the same
+//! virtual environment with its own stamp, so changing one pin does not reinstall the other; the
+//! wheel also brings `libnccl.so.2`, which the loader tests use where it is present.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,6 +17,9 @@ use crate::{run, workspace_root};
 /// The PyPI packages that make up the compiler, pinned.
 const PINNED_PACKAGES: &[&str] =
     &["nvidia-cuda-nvcc==13.0.88", "nvidia-nvvm==13.0.88", "nvidia-cuda-crt==13.0.88", "nvidia-cuda-runtime==13.0.96"];
+
+/// The PyPI package whose `include/nccl.h` the NCCL bindings are generated from, pinned.
+const PINNED_NCCL_PACKAGE: &str = "nvidia-nccl-cu13==2.28.3";
 
 fn toolchain_dir() -> PathBuf {
     workspace_root().join(".toolchain")
@@ -50,7 +57,31 @@ pub fn cuda_include_dir() -> Result<PathBuf> {
     }
 }
 
-/// Installs the pinned compiler (skipped when the installed pins match) and libclang.
+/// `nvidia/nccl` inside the virtual environment, whatever its Python version.
+fn nccl_root() -> Result<Option<PathBuf>> {
+    let lib = venv_dir().join("lib");
+    if !lib.is_dir() {
+        return Ok(None);
+    }
+    for entry in std::fs::read_dir(&lib)? {
+        let candidate = entry?.path().join("site-packages/nvidia/nccl");
+        if candidate.join("include/nccl.h").is_file() {
+            return Ok(Some(candidate));
+        }
+    }
+    Ok(None)
+}
+
+/// The directory holding the pinned `nccl.h`.
+pub fn nccl_include_dir() -> Result<PathBuf> {
+    match nccl_root()? {
+        Some(root) => Ok(root.join("include")),
+        None => bail!("the pinned NCCL header is not installed: run `cargo xtask setup`"),
+    }
+}
+
+/// Installs the pinned compiler and NCCL header (each skipped when its installed pin matches) and
+/// libclang.
 pub fn setup() -> Result<()> {
     let stamp = toolchain_dir().join("pins");
     let wanted = PINNED_PACKAGES.join("\n");
@@ -61,6 +92,15 @@ pub fn setup() -> Result<()> {
     }
     let nvcc = installed_nvcc()?.context("nvcc missing after installation")?;
     println!("xtask setup: nvcc at {}", nvcc.display());
+    // Installing the compiler recreates the environment, which removes NCCL: the header check
+    // below sees that.
+    let nccl_stamp = toolchain_dir().join("nccl-pin");
+    let current = std::fs::read_to_string(&nccl_stamp).unwrap_or_default();
+    if current != PINNED_NCCL_PACKAGE || nccl_root()?.is_none() {
+        install_nccl_package()?;
+        std::fs::write(&nccl_stamp, PINNED_NCCL_PACKAGE)?;
+    }
+    println!("xtask setup: nccl.h in {}", nccl_include_dir()?.display());
     ensure_libclang()
 }
 
@@ -73,6 +113,21 @@ fn install_cuda_packages() -> Result<()> {
     run(Command::new(venv.join("bin/pip"))
         .args(["install", "--quiet", "--disable-pip-version-check"])
         .args(PINNED_PACKAGES))
+}
+
+fn install_nccl_package() -> Result<()> {
+    println!("xtask setup: installing {PINNED_NCCL_PACKAGE} into {}", venv_dir().display());
+    // `python -m pip`, not the `pip` script: the script's first line names the interpreter of the
+    // environment it was installed in, which is wrong for an environment that was moved or copied.
+    run(Command::new(venv_dir().join("bin/python")).args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        PINNED_NCCL_PACKAGE,
+    ]))
 }
 
 /// bindgen loads libclang at run time; Debian's `libclang-dev` provides it.
