@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
-use super::choose::{Route, choose};
+use super::choose::{Choice, Route, choose};
 use super::policy::Routing;
 use super::reach::Reach;
 use super::staging_piece;
@@ -46,15 +46,24 @@ pub(crate) fn prepare(
     let mut sent: Vec<Option<Sent>> = Vec::with_capacity(tensors.len());
     // Tensors to copy, by (route, source chunk, target): each group moves in few copies.
     let mut groups: Vec<(GroupKey, Vec<usize>)> = Vec::new();
+    let mut choices: Vec<(Uuid, Choice)> = Vec::new();
     for (index, tensor) in tensors.iter().enumerate() {
         let Some(source) = tensor.storage.chunk.device_uuid() else {
             sent.push(Some(Sent::as_is(tensor, Route::SameDevice)));
             continue;
         };
-        let choice = choose(&source, routing, reach, Reach::local())?;
-        if let Some(why) = &choice.slower_because {
-            log_slower_once(peer_pid, source, choice.target, choice.route, why);
-        }
+        // Decided once per source GPU of the message, not per tensor.
+        let choice = match choices.iter().find(|(uuid, _)| *uuid == source) {
+            Some((_, choice)) => choice,
+            None => {
+                let choice = choose(&source, routing, reach, Reach::local())?;
+                if let Some(why) = &choice.slower_because {
+                    log_slower_once(peer_pid, source, choice.target, choice.route, why);
+                }
+                choices.push((source, choice));
+                &choices[choices.len() - 1].1
+            }
+        };
         match choice.route {
             Route::SameDevice | Route::PeerMap => sent.push(Some(Sent::as_is(tensor, choice.route))),
             route => {
