@@ -119,6 +119,34 @@ pub enum Error {
     /// A call on an NCCL communicator that was aborted after an earlier error or timeout.
     #[error("the NCCL communicator was aborted after an earlier error or timeout; make a new one")]
     NcclAborted,
+    /// A TCP peer failed the challenge-response of [`crate::tcp`]: it holds another secret, spoke
+    /// another protocol, sent garbage or replayed an old handshake, or hung up during it. Only
+    /// that connection is refused; a listener goes on.
+    #[error("refused TCP peer {peer}: {why} (do both sides hold the same TQ_SECRET?)")]
+    AuthFailed {
+        /// The address at the other end.
+        peer: std::net::SocketAddr,
+        /// What was wrong.
+        why: &'static str,
+    },
+    /// A TCP peer did not finish the challenge-response of [`crate::tcp`] in time (a silent or
+    /// stalled connector, or a listener that is not ours). Only that connection is dropped.
+    #[error("TCP peer {peer} did not finish the authentication handshake within {timeout:?}")]
+    HandshakeTimeout {
+        /// The address at the other end.
+        peer: std::net::SocketAddr,
+        /// How long it was given.
+        timeout: std::time::Duration,
+    },
+    /// A message over [`crate::tcp::MAX_MESSAGE`], to send or announced by the peer (which then
+    /// is broken or hostile: the link is closed).
+    #[error("a message of {len} bytes is over the limit of {max} bytes")]
+    MessageTooLarge {
+        /// The message's length.
+        len: u64,
+        /// The limit.
+        max: usize,
+    },
     /// An operating-system call failed.
     #[error("{what} failed: {source}")]
     Os {

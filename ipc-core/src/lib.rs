@@ -12,6 +12,7 @@
 //! | [`Module`] / [`Function`] | a loaded shared library of GPU kernels |
 //! | [`Topology`] | `lstopo` for GPUs: which pairs reach each other, and how |
 //! | [`nccl::Communicator`] | a connected socket between GPUs of different processes or hosts (NCCL) |
+//! | [`tcp::TcpLink`] | a TCP connection whose peer proved it holds a shared secret (no encryption) |
 //! | [`process::ProcessHandle`] | `kill -0`, but for the process it was opened for, and pollable |
 //!
 //! Every type holds an `Arc<Context>`, binds it before each driver call, and releases what it
@@ -55,6 +56,7 @@ pub mod nccl;
 pub mod process;
 pub mod seqpacket;
 mod stream;
+pub mod tcp;
 pub mod topology;
 mod vmm;
 

@@ -1,0 +1,507 @@
+//! TCP links between hosts whose peers prove, by challenge-response, that they hold one shared
+//! [`Secret`], and then exchange length-prefixed messages.
+//!
+//! This is the control link for channels across hosts (design decision 10): tensors themselves
+//! travel through NCCL, bootstrapped over this link.
+//!
+//! # What is and is not protected
+//! - **Protected: who you talk to.** [`TcpListener::accept`] and [`TcpLink::connect`] return a
+//!   link only once the other side has proven that it holds the secret, and each side proves it
+//!   to the other (mutual). The secret never crosses the wire; only HMAC-SHA256 answers to fresh
+//!   random challenges do, compared in constant time.
+//! - **Protected: replay.** Each side's challenge is 32 fresh random bytes, so a recorded
+//!   handshake answers an old challenge and is refused.
+//! - **Not protected: secrecy and integrity of the traffic.** There is no encryption and no
+//!   per-message authentication. Anyone on the network path can read every message, and one who
+//!   can inject or rewrite packets can take over an authenticated connection. Use this on a
+//!   trusted network (a cluster's private fabric), or run it inside a VPN or an SSH tunnel.
+//! - The secret's strength is yours to choose: use at least 16 random bytes (`TQ_SECRET`, for
+//!   example `openssl rand -hex 32`). A guessable secret can be found offline from one recorded
+//!   handshake.
+//!
+//! # The handshake (`tq-auth-v1`)
+//! Both sides send a greeting `"tq-auth-v1" || role || nonce` (role `C` for the connecting side,
+//! `S` for the listener; nonce 32 random bytes). The client then sends
+//! `HMAC-SHA256(secret, "tq-auth-v1" || "C" || client nonce || server nonce)`. The listener checks
+//! it and only then answers with its own `HMAC-SHA256(secret, "tq-auth-v1" || "S" || server nonce
+//! || client nonce)`, which the client checks. So a listener gives an unauthenticated connector
+//! nothing computed from the secret; the role byte keeps one side's answer from being reflected
+//! as the other's.
+//!
+//! # Framing
+//! After the handshake each message is a `u32` little-endian length and that many bytes, at most
+//! [`MAX_MESSAGE`]. `TCP_NODELAY` is set.
+//!
+//! # Refused connections
+//! [`TcpListener::accept`] takes one connection and returns its outcome: a link, or the typed
+//! error for that connection alone ([`Error::AuthFailed`], [`Error::HandshakeTimeout`]), which it
+//! also logs. The failed connection is closed; the listener is unharmed and the caller calls
+//! `accept` again. (Looping inside `accept` would hide refusals from a caller that wants to count
+//! or rate-limit them, and would give `timeout` two meanings.) Handshakes run one at a time, so a
+//! connector that says nothing delays the next one by up to the handshake timeout
+//! ([`TcpListener::with_handshake_timeout`]).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::{Duration, Instant};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::seqpacket::wait_readable;
+use crate::{Error, Result};
+
+/// The largest message [`TcpLink::send`] sends and [`TcpLink::recv`] accepts: 16 MiB.
+pub const MAX_MESSAGE: usize = 16 << 20;
+/// The environment variable [`Secret::from_env`] reads.
+pub const SECRET_ENV: &str = "TQ_SECRET";
+/// The shortest secret accepted, in bytes.
+pub const MIN_SECRET_LEN: usize = 16;
+/// How long a listener gives a connection to complete the handshake, unless told otherwise.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long [`TcpLink::send`] waits for the peer to take a message, unless told otherwise.
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+const TAG: &[u8; 10] = b"tq-auth-v1";
+const NONCE_LEN: usize = 32;
+const HELLO_LEN: usize = TAG.len() + 1 + NONCE_LEN;
+const PROOF_LEN: usize = 32;
+/// Messages up to this size go out in one write with their length prefix.
+const COALESCE_LIMIT: usize = 64 << 10;
+
+/// A shared secret of at least [`MIN_SECRET_LEN`] bytes. Its `Debug` shows only its length, and
+/// its bytes are overwritten with zeros (best effort) when it drops.
+pub struct Secret {
+    bytes: Vec<u8>,
+}
+
+impl Secret {
+    /// A secret from bytes; [`Error::InvalidArgument`] if shorter than [`MIN_SECRET_LEN`].
+    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Secret> {
+        let secret = Secret { bytes: bytes.into() };
+        if secret.bytes.len() < MIN_SECRET_LEN {
+            return Err(Error::InvalidArgument(format!(
+                "a secret needs at least {MIN_SECRET_LEN} bytes; this one has {}",
+                secret.bytes.len()
+            )));
+        }
+        Ok(secret)
+    }
+
+    /// The secret in `TQ_SECRET` ([`SECRET_ENV`]), its bytes taken as they are.
+    pub fn from_env() -> Result<Secret> {
+        use std::os::unix::ffi::OsStringExt;
+        let value = std::env::var_os(SECRET_ENV).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{SECRET_ENV} is not set: give every process the same secret, for example `openssl rand -hex 32`"
+            ))
+        })?;
+        Secret::from_bytes(value.into_vec()).map_err(|_| {
+            Error::InvalidArgument(format!("{SECRET_ENV} holds fewer than {MIN_SECRET_LEN} bytes; use a longer secret"))
+        })
+    }
+
+    /// HMAC-SHA256 of `role || own nonce || peer nonce` under this secret, tagged with the
+    /// protocol version.
+    fn answer(&self, role: u8, own: &[u8; NONCE_LEN], peer: &[u8; NONCE_LEN]) -> Hmac<Sha256> {
+        let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(&self.bytes).expect("HMAC takes keys of any length");
+        mac.update(TAG);
+        mac.update(&[role]);
+        mac.update(own);
+        mac.update(peer);
+        mac
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Secret").field("len", &self.bytes.len()).finish_non_exhaustive()
+    }
+}
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        self.bytes.fill(0);
+        // Keeps the compiler from dropping the stores as dead: the zeros are "observed".
+        std::hint::black_box(&mut self.bytes);
+    }
+}
+
+/// A listening TCP socket that hands out authenticated [`TcpLink`]s.
+#[derive(Debug)]
+pub struct TcpListener {
+    inner: std::net::TcpListener,
+    handshake_timeout: Duration,
+}
+
+impl TcpListener {
+    /// Listens at `addr` (port 0: one the system picks; see [`TcpListener::local_addr`]).
+    pub fn bind(addr: impl ToSocketAddrs) -> Result<TcpListener> {
+        let inner = std::net::TcpListener::bind(addr).map_err(|e| Error::os("binding a TCP listener", e))?;
+        // Non-blocking, so a connection that vanishes between `poll` and `accept` cannot block it.
+        inner.set_nonblocking(true).map_err(|e| Error::os("O_NONBLOCK on a TCP listener", e))?;
+        Ok(TcpListener { inner, handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT })
+    }
+
+    /// How long each connection gets to complete the handshake ([`DEFAULT_HANDSHAKE_TIMEOUT`]
+    /// unless set here).
+    pub fn with_handshake_timeout(mut self, timeout: Duration) -> TcpListener {
+        self.handshake_timeout = timeout;
+        self
+    }
+
+    /// The address this listener is bound to.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.inner.local_addr().map_err(|e| Error::os("getsockname", e))
+    }
+
+    /// Waits up to `timeout` (forever with `None`) for the next connection, then runs the
+    /// handshake with it, for at most the handshake timeout.
+    ///
+    /// A connection that fails the handshake is closed and logged, and its error returned
+    /// ([`Error::AuthFailed`], [`Error::HandshakeTimeout`]); the listener is unharmed: call
+    /// `accept` again. No connection within `timeout` is an [`Error::Os`] of kind
+    /// [`ErrorKind::TimedOut`].
+    pub fn accept(&self, timeout: Option<Duration>, secret: &Secret) -> Result<TcpLink> {
+        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let (stream, peer) = loop {
+            match self.inner.accept() {
+                Ok(accepted) => break accepted,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    let wait = match remaining(deadline) {
+                        Ok(wait) => wait.unwrap_or(Duration::from_secs(3600)),
+                        Err(_) => {
+                            return Err(Error::os(
+                                "accept",
+                                std::io::Error::new(ErrorKind::TimedOut, "no peer connected in time"),
+                            ));
+                        }
+                    };
+                    wait_readable(self.inner.as_fd(), wait)?;
+                }
+                // A connector that gave up before we took it, or a signal: take the next one.
+                Err(e) if matches!(e.kind(), ErrorKind::ConnectionAborted | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(Error::os("accept", e)),
+            }
+        };
+        // Linux does not pass O_NONBLOCK on to accepted sockets; say so anyway.
+        stream.set_nonblocking(false).map_err(|e| Error::os("clearing O_NONBLOCK", e))?;
+        let deadline = Instant::now() + self.handshake_timeout;
+        handshake(stream, peer, Side::Listener, secret, deadline, self.handshake_timeout).inspect_err(|error| {
+            tracing::warn!(%peer, %error, "refused a TCP connection");
+        })
+    }
+}
+
+impl AsFd for TcpListener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.as_fd()
+    }
+}
+
+/// An authenticated TCP connection carrying length-prefixed messages.
+///
+/// `send` and `recv` take `&mut self`: two threads writing one stream would interleave frames.
+#[derive(Debug)]
+pub struct TcpLink {
+    stream: TcpStream,
+    peer: SocketAddr,
+    send_timeout: Option<Duration>,
+    /// A message being received across calls that timed out: its length prefix, its body, and
+    /// how much of each has arrived.
+    header: [u8; 4],
+    header_filled: usize,
+    body: Vec<u8>,
+    body_filled: usize,
+}
+
+impl TcpLink {
+    /// Connects to a listener at `addr` and runs the handshake; `timeout` bounds both together.
+    pub fn connect(addr: impl ToSocketAddrs, secret: &Secret, timeout: Duration) -> Result<TcpLink> {
+        let deadline = Instant::now() + timeout;
+        let mut last_error = std::io::Error::new(ErrorKind::NotFound, "the address resolved to nothing");
+        for peer in addr.to_socket_addrs().map_err(|e| Error::os("resolving a TCP address", e))? {
+            let Ok(Some(left)) = remaining(Some(deadline)) else {
+                last_error = std::io::Error::new(ErrorKind::TimedOut, "no listener answered in time");
+                break;
+            };
+            match TcpStream::connect_timeout(&peer, left) {
+                Ok(stream) => return handshake(stream, peer, Side::Connector, secret, deadline, timeout),
+                Err(e) => last_error = e,
+            }
+        }
+        Err(Error::os("connecting over TCP", last_error))
+    }
+
+    /// The address of the other end.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// The address of this end.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.stream.local_addr().map_err(|e| Error::os("getsockname", e))
+    }
+
+    /// How long [`TcpLink::send`] waits for the peer to take a message (`None`: forever);
+    /// [`DEFAULT_SEND_TIMEOUT`] until set.
+    pub fn set_send_timeout(&mut self, timeout: Option<Duration>) {
+        self.send_timeout = timeout;
+    }
+
+    /// Sends one message of at most [`MAX_MESSAGE`] bytes ([`Error::MessageTooLarge`] beyond,
+    /// with nothing sent). [`Error::PeerGone`] if the peer closed the connection.
+    ///
+    /// If the send timeout passes first, the stream may end inside a frame, so the link is shut
+    /// down: this call fails with an [`Error::Os`] of kind [`ErrorKind::TimedOut`], and later
+    /// calls with [`Error::PeerGone`].
+    pub fn send(&mut self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > MAX_MESSAGE {
+            return Err(Error::MessageTooLarge { len: bytes.len() as u64, max: MAX_MESSAGE });
+        }
+        let deadline = self.send_timeout.map(|timeout| Instant::now() + timeout);
+        let header = (bytes.len() as u32).to_le_bytes();
+        let sent = if bytes.len() <= COALESCE_LIMIT {
+            let frame = [&header[..], bytes].concat();
+            write_all_by(&self.stream, &frame, deadline)
+        } else {
+            write_all_by(&self.stream, &header, deadline).and_then(|()| write_all_by(&self.stream, bytes, deadline))
+        };
+        sent.map_err(|stop| {
+            let _ = self.stream.shutdown(Shutdown::Both);
+            match stop {
+                Stop::Timeout => Error::os(
+                    "sending over TCP",
+                    std::io::Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "the peer did not take the message within {:?}; the link is closed",
+                            self.send_timeout.unwrap_or_default()
+                        ),
+                    ),
+                ),
+                Stop::Gone => Error::PeerGone,
+                Stop::Os(e) => Error::os("sending over TCP", e),
+            }
+        })
+    }
+
+    /// Receives the next message into `buf` (its old contents are replaced), waiting up to
+    /// `timeout` (`None`: forever).
+    ///
+    /// [`Error::PeerGone`] when the peer closed the connection (also in the middle of a message).
+    /// A timeout is an [`Error::Os`] of kind [`ErrorKind::TimedOut`]; what arrived of a message
+    /// is kept, and the next call goes on with it. A length prefix over [`MAX_MESSAGE`] is
+    /// [`Error::MessageTooLarge`] and closes the link (the stream cannot be resynchronised).
+    pub fn recv(&mut self, buf: &mut Vec<u8>, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let timed_out = || {
+            Error::os(
+                "receiving over TCP",
+                std::io::Error::new(ErrorKind::TimedOut, format!("no whole message within {timeout:?}")),
+            )
+        };
+        let stopped = |stop| match stop {
+            Stop::Timeout => timed_out(),
+            Stop::Gone => Error::PeerGone,
+            Stop::Os(e) => Error::os("receiving over TCP", e),
+        };
+        while self.header_filled < self.header.len() {
+            let n = read_by(&self.stream, &mut self.header[self.header_filled..], deadline).map_err(stopped)?;
+            self.header_filled += n;
+        }
+        let len = u32::from_le_bytes(self.header) as usize;
+        if len > MAX_MESSAGE {
+            let _ = self.stream.shutdown(Shutdown::Both);
+            self.header_filled = 0; // later calls read the closed stream: PeerGone
+            return Err(Error::MessageTooLarge { len: len as u64, max: MAX_MESSAGE });
+        }
+        if self.body_filled == 0 {
+            self.body.clear();
+            self.body.resize(len, 0);
+        }
+        while self.body_filled < len {
+            let n = read_by(&self.stream, &mut self.body[self.body_filled..], deadline).map_err(stopped)?;
+            self.body_filled += n;
+        }
+        // The caller's old buffer becomes the next message's, so its allocation is reused.
+        std::mem::swap(buf, &mut self.body);
+        self.body.clear();
+        self.header_filled = 0;
+        self.body_filled = 0;
+        Ok(())
+    }
+}
+
+impl AsFd for TcpLink {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    Connector,
+    Listener,
+}
+
+impl Side {
+    fn role(self) -> u8 {
+        match self {
+            Side::Connector => b'C',
+            Side::Listener => b'S',
+        }
+    }
+
+    fn peer_role(self) -> u8 {
+        match self {
+            Side::Connector => b'S',
+            Side::Listener => b'C',
+        }
+    }
+}
+
+/// Runs `tq-auth-v1` (see the module's docs) on a fresh connection, by `deadline`.
+fn handshake(
+    stream: TcpStream,
+    peer: SocketAddr,
+    side: Side,
+    secret: &Secret,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<TcpLink> {
+    stream.set_nodelay(true).map_err(|e| Error::os("TCP_NODELAY", e))?;
+    let refused = |why| Error::AuthFailed { peer, why };
+    let stopped = |stop, hung_up| match stop {
+        Stop::Timeout => Error::HandshakeTimeout { peer, timeout },
+        Stop::Gone => refused(hung_up),
+        Stop::Os(e) => Error::os("the TCP handshake", e),
+    };
+    const HUNG_UP: &str = "it hung up during the handshake";
+    let deadline = Some(deadline);
+
+    let mut own = [0u8; NONCE_LEN];
+    getrandom::fill(&mut own).map_err(|e| Error::os("getrandom", std::io::Error::other(e.to_string())))?;
+    let hello = [&TAG[..], &[side.role()], &own].concat();
+    write_all_by(&stream, &hello, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+
+    let mut theirs = [0u8; HELLO_LEN];
+    read_exact_by(&stream, &mut theirs, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+    if &theirs[..TAG.len()] != TAG {
+        return Err(refused("its greeting is not tq-auth-v1 (another protocol, or garbage)"));
+    }
+    if theirs[TAG.len()] != side.peer_role() {
+        return Err(refused("its greeting claims the wrong role (both sides connecting, or both listening?)"));
+    }
+    let peer_nonce: [u8; NONCE_LEN] = theirs[TAG.len() + 1..].try_into().expect("HELLO_LEN holds a nonce");
+    if peer_nonce == own {
+        return Err(refused("it sent back our own challenge"));
+    }
+
+    let check = |answer: &[u8]| {
+        secret
+            .answer(side.peer_role(), &peer_nonce, &own)
+            .verify_slice(answer)
+            .map_err(|_| refused("its answer to our challenge is wrong (a different secret, or a replay)"))
+    };
+    let mut answer = [0u8; PROOF_LEN];
+    let ours = secret.answer(side.role(), &own, &peer_nonce).finalize().into_bytes();
+    match side {
+        Side::Connector => {
+            write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+            read_exact_by(&stream, &mut answer, deadline)
+                .map_err(|stop| stopped(stop, "the listener hung up instead of answering: it refused our answer"))?;
+            check(&answer)?;
+        }
+        Side::Listener => {
+            read_exact_by(&stream, &mut answer, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+            check(&answer)?;
+            write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+        }
+    }
+    Ok(TcpLink {
+        stream,
+        peer,
+        send_timeout: Some(DEFAULT_SEND_TIMEOUT),
+        header: [0; 4],
+        header_filled: 0,
+        body: Vec::new(),
+        body_filled: 0,
+    })
+}
+
+/// Why a read or write by a deadline stopped.
+enum Stop {
+    Timeout,
+    /// The peer closed the connection (end of stream, reset, broken pipe).
+    Gone,
+    Os(std::io::Error),
+}
+
+/// The time left until `deadline` (`None`: no deadline); [`Stop::Timeout`] when none is left.
+fn remaining(deadline: Option<Instant>) -> std::result::Result<Option<Duration>, Stop> {
+    match deadline {
+        None => Ok(None),
+        Some(deadline) => match deadline.saturating_duration_since(Instant::now()) {
+            left if left.is_zero() => Err(Stop::Timeout),
+            left => Ok(Some(left)),
+        },
+    }
+}
+
+/// Sorts an I/O error: `Ok` for those worth retrying (a signal, a socket timeout that the
+/// deadline check will judge).
+fn retry_or_stop(error: std::io::Error) -> std::result::Result<(), Stop> {
+    match error.kind() {
+        ErrorKind::Interrupted | ErrorKind::WouldBlock | ErrorKind::TimedOut => Ok(()),
+        ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted => Err(Stop::Gone),
+        _ => Err(Stop::Os(error)),
+    }
+}
+
+/// Reads at least one byte into `buf` by `deadline`.
+fn read_by(mut stream: &TcpStream, buf: &mut [u8], deadline: Option<Instant>) -> std::result::Result<usize, Stop> {
+    loop {
+        stream.set_read_timeout(remaining(deadline)?).map_err(Stop::Os)?;
+        match stream.read(buf) {
+            Ok(0) => return Err(Stop::Gone),
+            Ok(n) => return Ok(n),
+            Err(e) => retry_or_stop(e)?,
+        }
+    }
+}
+
+fn read_exact_by(stream: &TcpStream, buf: &mut [u8], deadline: Option<Instant>) -> std::result::Result<(), Stop> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        filled += read_by(stream, &mut buf[filled..], deadline)?;
+    }
+    Ok(())
+}
+
+fn write_all_by(mut stream: &TcpStream, mut bytes: &[u8], deadline: Option<Instant>) -> std::result::Result<(), Stop> {
+    while !bytes.is_empty() {
+        stream.set_write_timeout(remaining(deadline)?).map_err(Stop::Os)?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(Stop::Gone),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) => retry_or_stop(e)?,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_are_long_enough_and_never_printed() {
+        assert!(matches!(Secret::from_bytes(*b"short"), Err(Error::InvalidArgument(_))));
+        let secret = Secret::from_bytes(*b"correct horse battery staple").unwrap();
+        let shown = format!("{secret:?}");
+        assert!(!shown.contains("horse"), "{shown}");
+        assert!(shown.contains("28"), "{shown}");
+    }
+}

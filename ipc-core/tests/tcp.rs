@@ -1,0 +1,227 @@
+//! The authenticated TCP link over real sockets on 127.0.0.1, one peer in another process.
+//!
+//! `child_peer` is the other process's side: this binary starts itself with [`CHILD_ENV`] set and
+//! that one test selected; run normally, `child_peer` does nothing.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use ipc_core::Error;
+use ipc_core::tcp::{MAX_MESSAGE, SECRET_ENV, Secret, TcpLink, TcpListener};
+use sha2::Sha256;
+
+const KEY: &[u8] = b"0123456789abcdef-test-secret";
+const CHILD_ENV: &str = "TQ_TCP_TEST_CHILD_ADDR";
+/// Only a guard against hangs; nothing here is timed.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+fn secret(key: &[u8]) -> Secret {
+    Secret::from_bytes(key).unwrap()
+}
+
+fn listener() -> TcpListener {
+    TcpListener::bind("127.0.0.1:0").unwrap()
+}
+
+/// Accepts one connection on another thread; its result comes back through the receiver.
+fn accept_in_background(
+    listener: TcpListener,
+    key: &'static [u8],
+) -> mpsc::Receiver<(ipc_core::Result<TcpLink>, TcpListener)> {
+    let (done, result) = mpsc::channel();
+    std::thread::spawn(move || {
+        let accepted = listener.accept(Some(PATIENCE), &secret(key));
+        let _ = done.send((accepted, listener));
+    });
+    result
+}
+
+/// The client side of `tq-auth-v1` written out by hand from the module's docs, so the tests can
+/// send what `TcpLink` never would. Returns the bytes it sent.
+fn handshake_by_hand(stream: &mut TcpStream, key: &[u8]) -> Vec<u8> {
+    let nonce = [0x5a; 32];
+    let mut sent = b"tq-auth-v1C".to_vec();
+    sent.extend_from_slice(&nonce);
+    stream.write_all(&sent).unwrap();
+    let mut hello = [0u8; 43];
+    stream.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[..11], b"tq-auth-v1S");
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap();
+    mac.update(b"tq-auth-v1C");
+    mac.update(&nonce);
+    mac.update(&hello[11..]);
+    let answer = mac.finalize().into_bytes();
+    stream.write_all(&answer).unwrap();
+    sent.extend_from_slice(&answer);
+    let mut theirs = [0u8; 32];
+    stream.read_exact(&mut theirs).unwrap();
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap();
+    mac.update(b"tq-auth-v1S");
+    mac.update(&hello[11..]);
+    mac.update(&nonce);
+    mac.verify_slice(&theirs).expect("the listener's answer checks out");
+    sent
+}
+
+#[test]
+fn the_right_secret_connects_both_ways_and_messages_round_trip() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let mut client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
+    let (server, _listener) = accepted.recv_timeout(PATIENCE).unwrap();
+    let mut server = server.unwrap();
+    assert_eq!(server.peer_addr(), client.local_addr().unwrap());
+
+    let mut buf = Vec::new();
+    match server.recv(&mut buf, Some(Duration::from_millis(20))) {
+        Err(Error::Os { source, .. }) => assert_eq!(source.kind(), std::io::ErrorKind::TimedOut),
+        other => panic!("nothing was sent, yet {other:?}"),
+    }
+    client.send(b"ping").unwrap();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, b"ping");
+    let big: Vec<u8> = (0..3 << 20).map(|i: u32| i as u8).collect();
+    server.send(b"").unwrap();
+    server.send(&big).unwrap();
+    client.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert!(buf.is_empty());
+    client.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert!(buf == big, "the 3 MiB message came back altered");
+    assert!(matches!(client.send(&vec![0; MAX_MESSAGE + 1]), Err(Error::MessageTooLarge { max: MAX_MESSAGE, .. })));
+    client.send(b"still fine").unwrap();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, b"still fine", "a refused oversize send left nothing on the wire");
+    drop(client);
+    assert!(matches!(server.recv(&mut buf, Some(PATIENCE)), Err(Error::PeerGone)));
+}
+
+#[test]
+fn a_wrong_secret_is_refused_on_both_sides() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let client = TcpLink::connect(addr, &secret(b"another secret of enough bytes"), PATIENCE);
+    assert!(matches!(client, Err(Error::AuthFailed { .. })), "{client:?}");
+    let (server, listener) = accepted.recv_timeout(PATIENCE).unwrap();
+    assert!(matches!(server, Err(Error::AuthFailed { peer, .. }) if peer.ip().is_loopback()), "{server:?}");
+
+    let accepted = accept_in_background(listener, KEY);
+    TcpLink::connect(addr, &secret(KEY), PATIENCE).expect("the listener goes on after a refusal");
+    accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+}
+
+#[test]
+fn a_silent_connector_times_out_and_the_next_one_is_accepted() {
+    let listener = listener().with_handshake_timeout(Duration::from_millis(300));
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let mut silent = TcpStream::connect(addr).unwrap();
+    let (server, listener) = accepted.recv_timeout(PATIENCE).expect("accept is bounded by the handshake timeout");
+    match server {
+        Err(Error::HandshakeTimeout { timeout, .. }) => assert_eq!(timeout, Duration::from_millis(300)),
+        other => panic!("{other:?}"),
+    }
+    silent.set_read_timeout(Some(PATIENCE)).unwrap();
+    let mut rest = Vec::new();
+    silent.read_to_end(&mut rest).expect("the listener closed the silent connection");
+    assert_eq!(rest.len(), 43, "only the listener's greeting, nothing computed from the secret");
+
+    let accepted = accept_in_background(listener, KEY);
+    let mut client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
+    let mut server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+    client.send(b"after").unwrap();
+    let mut buf = Vec::new();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, b"after");
+}
+
+#[test]
+fn garbage_before_the_handshake_is_refused() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let mut garbage = TcpStream::connect(addr).unwrap();
+    garbage.write_all(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */*\r\n\r\n").unwrap();
+    let (server, _listener) = accepted.recv_timeout(PATIENCE).unwrap();
+    assert!(matches!(server, Err(Error::AuthFailed { .. })), "{server:?}");
+}
+
+#[test]
+fn a_replayed_handshake_is_refused() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let mut honest = TcpStream::connect(addr).unwrap();
+    let recorded = handshake_by_hand(&mut honest, KEY);
+    let (server, listener) = accepted.recv_timeout(PATIENCE).unwrap();
+    server.expect("the hand-written handshake follows the documented protocol");
+
+    let accepted = accept_in_background(listener, KEY);
+    let mut replay = TcpStream::connect(addr).unwrap();
+    replay.write_all(&recorded).unwrap();
+    let (server, _listener) = accepted.recv_timeout(PATIENCE).unwrap();
+    assert!(matches!(server, Err(Error::AuthFailed { .. })), "{server:?}");
+}
+
+#[test]
+fn an_oversize_length_prefix_is_refused() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let mut raw = TcpStream::connect(addr).unwrap();
+    handshake_by_hand(&mut raw, KEY);
+    let mut server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+    raw.write_all(&(MAX_MESSAGE as u32 + 1).to_le_bytes()).unwrap();
+    let mut buf = Vec::new();
+    match server.recv(&mut buf, Some(PATIENCE)) {
+        Err(Error::MessageTooLarge { len, max }) => assert_eq!((len, max), (MAX_MESSAGE as u64 + 1, MAX_MESSAGE)),
+        other => panic!("{other:?}"),
+    }
+    assert!(buf.is_empty());
+    assert!(matches!(server.recv(&mut buf, Some(PATIENCE)), Err(Error::PeerGone)), "the link was closed");
+}
+
+#[test]
+fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["child_peer", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, addr.to_string())
+        .env(SECRET_ENV, std::str::from_utf8(KEY).unwrap())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut link = listener.accept(Some(PATIENCE), &secret(KEY)).expect("the child authenticates");
+    let mut buf = Vec::new();
+    link.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, format!("hello from {}", child.id()).as_bytes());
+    // The child is now sending a 16 MiB message that the socket buffers cannot hold unread.
+    std::thread::sleep(Duration::from_millis(200));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let outcome = loop {
+        match link.recv(&mut buf, Some(PATIENCE)) {
+            Ok(()) => assert_eq!(buf.len(), MAX_MESSAGE, "only whole messages are returned"),
+            other => break other,
+        }
+    };
+    assert!(matches!(outcome, Err(Error::PeerGone)), "{outcome:?}");
+}
+
+/// The other process of the test above; does nothing unless started by it.
+#[test]
+fn child_peer() {
+    let Ok(addr) = std::env::var(CHILD_ENV) else { return };
+    let secret = Secret::from_env().expect("the parent set TQ_SECRET");
+    let mut link = TcpLink::connect(addr.as_str(), &secret, PATIENCE).unwrap();
+    link.set_send_timeout(None);
+    link.send(format!("hello from {}", std::process::id()).as_bytes()).unwrap();
+    let _ = link.send(&vec![7; MAX_MESSAGE]);
+    std::thread::sleep(PATIENCE);
+}
