@@ -298,17 +298,8 @@ impl SharedMemory {
     /// `CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED` (else the driver answers
     /// `CUDA_ERROR_NOT_SUPPORTED`).
     pub fn pin(self, context: &Arc<Context>) -> Result<PinnedSharedMemory> {
-        context.bind()?;
-        let mut flags = cuda_sys::CU_MEMHOSTREGISTER_PORTABLE | cuda_sys::CU_MEMHOSTREGISTER_DEVICEMAP;
-        if !self.writable {
-            // Without it the driver would pin the pages for writing, which the CPU mapping forbids.
-            flags |= cuda_sys::CU_MEMHOSTREGISTER_READ_ONLY;
-        }
-        // SAFETY: the range is a live mapping owned by `self`, which the result keeps alive.
-        unsafe { driver!(cuMemHostRegister_v2(self.ptr.cast(), self.len, flags)) }?;
-        let mut pinned = PinnedSharedMemory { memory: self, device_ptr: 0, context: context.clone() };
-        pinned.device_ptr = device_pointer(context, pinned.memory.ptr)?;
-        Ok(pinned)
+        let device_ptr = crate::DeviceMemory::device_ptr(&self.registered(context)?);
+        Ok(PinnedSharedMemory { memory: self, device_ptr, context: context.clone() })
     }
 }
 
@@ -325,7 +316,8 @@ impl Drop for SharedMemory {
     }
 }
 
-/// [`SharedMemory`] registered with the driver: copies to and from it run at pinned speed.
+/// [`SharedMemory`] registered with the driver: copies to and from it run at pinned speed. The
+/// registration ends when the memory is dropped (see [`SharedMemory::registered`]).
 #[derive(Debug)]
 pub struct PinnedSharedMemory {
     memory: SharedMemory,
@@ -347,13 +339,6 @@ impl PinnedSharedMemory {
 
 // Devices see this memory at `device_ptr`.
 device_memory_fields!(PinnedSharedMemory, ptr: device_ptr, len: memory.len);
-
-impl Drop for PinnedSharedMemory {
-    fn drop(&mut self) {
-        // SAFETY: the range was registered in `pin` and is unregistered once, before it is unmapped.
-        crate::release_in(&self.context, || unsafe { driver!(cuMemHostUnregister(self.memory.ptr.cast())) });
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -38,18 +38,50 @@ pub(crate) struct Signal {
     pub value: u64,
 }
 
+/// One word per producer stream, in blocks of [`WORDS_PER_BLOCK`].
+struct Words {
+    blocks: Vec<Arc<Chunk>>,
+    /// Per producer stream: its handle and last value. Word `i` is word `i % WORDS_PER_BLOCK`
+    /// of block `i / WORDS_PER_BLOCK`.
+    words: Vec<(usize, u64)>,
+}
+
+impl Words {
+    const fn new() -> Words {
+        Words { blocks: Vec::new(), words: Vec::new() }
+    }
+
+    /// The block, byte offset and index of `stream`'s word; `new_block` makes a block when
+    /// the last one is full.
+    fn word(
+        &mut self,
+        stream: &Stream,
+        new_block: impl FnOnce() -> Result<Arc<Chunk>>,
+    ) -> Result<(Arc<Chunk>, usize, usize)> {
+        let key = stream.raw() as usize;
+        let index = match self.words.iter().position(|w| w.0 == key) {
+            Some(index) => index,
+            None => {
+                if self.words.len().is_multiple_of(WORDS_PER_BLOCK) {
+                    self.blocks.push(new_block()?);
+                }
+                self.words.push((key, 0));
+                self.words.len() - 1
+            }
+        };
+        Ok((self.blocks[index / WORDS_PER_BLOCK].clone(), index % WORDS_PER_BLOCK * 8, index))
+    }
+}
+
 /// The signal words of one device.
 struct DeviceSignals {
     ordinal: i32,
     /// Whether the device has 64-bit stream memory operations.
     supported: bool,
-    blocks: Vec<Arc<Chunk>>,
     /// The stream that zeroes new blocks: its own, so that zeroing never waits for (or stalls the
     /// CPU behind) the work a producer has queued before its first send.
     zeroing: Option<Stream>,
-    /// Per producer stream: its handle and last value. Word `i` is word `i % WORDS_PER_BLOCK`
-    /// of block `i / WORDS_PER_BLOCK`.
-    words: Vec<(usize, u64)>,
+    words: Words,
 }
 
 static SIGNALS: Mutex<Vec<DeviceSignals>> = Mutex::new(Vec::new());
@@ -66,7 +98,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
         None => {
             let attribute = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
             let supported = context.device().attribute(attribute)? != 0;
-            all.push(DeviceSignals { ordinal, supported, blocks: Vec::new(), zeroing: None, words: Vec::new() });
+            all.push(DeviceSignals { ordinal, supported, zeroing: None, words: Words::new() });
             all.len() - 1
         }
     };
@@ -74,52 +106,36 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
     if !device.supported || crate::channel::switches::force_events() {
         return Ok(None);
     }
-    let key = stream.raw() as usize;
-    let index = match device.words.iter().position(|w| w.0 == key) {
-        Some(index) => index,
-        None => {
-            let word = device.words.len();
-            if word.is_multiple_of(WORDS_PER_BLOCK) {
-                let block = Chunk::new(ChunkMemory::Vmm(VmmAllocation::new(context, WORDS_PER_BLOCK * 8)?))?;
-                block.share()?; // exported once, now, like an arena chunk
-                // Zeroed, and the zeroing finished, before any stream can write to it (a copy from
-                // the host could land after a stream's first write and erase it). On the device's
-                // zeroing stream, not the producer's: its queued work must not delay the send.
-                let zeroing = match &mut device.zeroing {
-                    Some(zeroing) => zeroing,
-                    zeroing @ None => zeroing.insert(Stream::new(context)?),
-                };
-                device_memory(&block)?.memset_range_async(0, WORDS_PER_BLOCK * 8, 0, zeroing)?;
-                zeroing.synchronize()?;
-                device.blocks.push(block);
-            }
-            device.words.push((key, 0));
-            word
-        }
-    };
-    let block = &device.blocks[index / WORDS_PER_BLOCK];
-    let offset = index % WORDS_PER_BLOCK * 8;
-    let value = device.words[index].1 + 1;
-    stream.write_value64(device_memory(block)?, offset, value)?;
-    device.words[index].1 = value;
-    Ok(Some(Signal { chunk: block.clone(), offset, value }))
+    let zeroing = &mut device.zeroing;
+    let (block, offset, index) = device.words.word(stream, || {
+        let block = Chunk::new(ChunkMemory::Vmm(VmmAllocation::new(context, WORDS_PER_BLOCK * 8)?))?;
+        block.share()?; // exported once, now, like an arena chunk
+        // Zeroed, and the zeroing finished, before any stream can write to it (a copy from the
+        // host could land after a stream's first write and erase it). On the device's zeroing
+        // stream, not the producer's: its queued work must not delay the send.
+        let zeroing = match zeroing {
+            Some(zeroing) => zeroing,
+            zeroing @ None => zeroing.insert(Stream::new(context)?),
+        };
+        device_memory(&block)?.memset_range_async(0, WORDS_PER_BLOCK * 8, 0, zeroing)?;
+        zeroing.synchronize()?;
+        Ok(block)
+    })?;
+    let value = device.words.words[index].1 + 1;
+    stream.write_value64(device_memory(&block)?, offset, value)?;
+    device.words.words[index].1 = value;
+    Ok(Some(Signal { chunk: block, offset, value }))
 }
 
 fn device_memory(block: &Chunk) -> Result<&dyn DeviceMemory> {
     block.device().ok_or_else(|| Error::Protocol("a signal block in host memory".into()))
 }
 
-/// Signal words in shared host memory, for receivers that cannot reach the producer's GPU (the
-/// staged and host routes): the producer's stream writes them through the registered mapping,
-/// a receiver's stream waits on them through its own registration, and a receiver without a GPU
-/// reads them on the CPU. One word per producer stream, as on a device.
-struct HostSignals {
-    blocks: Vec<Arc<Chunk>>,
-    /// Per producer stream: its handle and last value.
-    words: Vec<(usize, u64)>,
-}
-
-static HOST_SIGNALS: Mutex<HostSignals> = Mutex::new(HostSignals { blocks: Vec::new(), words: Vec::new() });
+// Signal words in shared host memory, for receivers that cannot reach the producer's GPU (the
+// staged and host routes): the producer's stream writes them through the registered mapping,
+// a receiver's stream waits on them through its own registration, and a receiver without a GPU
+// reads them on the CPU. One word per producer stream, as on a device.
+static HOST_SIGNALS: Mutex<Words> = Mutex::new(Words::new());
 
 /// Queues on `stream`, for each of `pieces` pieces of work, `enqueue(k)` then the write of the
 /// next value of the stream's host word, and returns the word and the value after piece 0: the
@@ -130,24 +146,12 @@ pub(crate) fn host_signal_pieces(
     mut enqueue: impl FnMut(usize) -> Result<()>,
 ) -> Result<Signal> {
     let mut all = HOST_SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
-    let key = stream.raw() as usize;
-    let index = match all.words.iter().position(|w| w.0 == key) {
-        Some(index) => index,
-        None => {
-            let word = all.words.len();
-            if word.is_multiple_of(WORDS_PER_BLOCK) {
-                // Writable by peers: a receiver whose producer died writes the awaited value
-                // itself to release its stream (see `channel/fences.rs`).
-                let memory = ipc_core::SharedMemory::create("tensor-queue-signals", WORDS_PER_BLOCK * 8)?;
-                let block = Chunk::writable(ChunkMemory::Host(memory))?;
-                all.blocks.push(block);
-            }
-            all.words.push((key, 0));
-            word
-        }
-    };
-    let block = all.blocks[index / WORDS_PER_BLOCK].clone();
-    let offset = index % WORDS_PER_BLOCK * 8;
+    let (block, offset, index) = all.word(stream, || {
+        // Writable by peers: a receiver whose producer died writes the awaited value itself to
+        // release its stream (see `channel/fences.rs`).
+        let memory = ipc_core::SharedMemory::create("tensor-queue-signals", WORDS_PER_BLOCK * 8)?;
+        Chunk::writable(ChunkMemory::Host(memory))
+    })?;
     let memory = block.host().ok_or_else(|| Error::Protocol("a host signal block on a device".into()))?;
     let registered = memory.registered(stream.context())?;
     let first = all.words[index].1 + 1;
@@ -159,5 +163,5 @@ pub(crate) fn host_signal_pieces(
         stream.write_value64(&registered, offset, value)?;
         all.words[index].1 = value;
     }
-    Ok(Signal { chunk: block.clone(), offset, value: first })
+    Ok(Signal { chunk: block, offset, value: first })
 }

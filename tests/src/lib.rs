@@ -197,6 +197,26 @@ pub fn number(args: &[String], name: &str, default: u64) -> Result<u64> {
     arg(args, name).map_or(Ok(default), |v| v.parse().with_context(|| format!("{name} {v}")))
 }
 
+/// The lines a child prints on its (piped) standard output, read by a thread of their own so
+/// that a test can wait for one with a timeout; each is echoed to stderr with `tag` when given.
+pub fn stdout_lines(child: &mut Child, tag: Option<String>) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, lines) = std::sync::mpsc::channel();
+    if let Some(stdout) = child.stdout.take() {
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines().map_while(std::result::Result::ok) {
+                if let Some(tag) = &tag {
+                    eprintln!("[{tag}] {line}");
+                }
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    lines
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

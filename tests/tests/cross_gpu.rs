@@ -9,7 +9,7 @@
 //! a deadline and every helper is killed when its test ends, pass or fail. Tests run one at a
 //! time unless `--test-threads` says otherwise (they measure free device memory).
 
-use std::io::{BufRead as _, BufReader, Write as _};
+use std::io::Write as _;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -141,16 +141,7 @@ impl Proc {
         }
         command.envs(env.iter().copied());
         let mut child = command.spawn().with_context(|| format!("starting tq-cross for {name}"))?;
-        let (tx, lines) = mpsc::channel();
-        if let Some(stdout) = child.stdout.take() {
-            std::thread::spawn(move || {
-                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                    if tx.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        let lines = integration_tests::stdout_lines(&mut child, None);
         let stdin = child.stdin.take();
         let name = format!("{name} (pid {}, CUDA_VISIBLE_DEVICES={})", child.id(), visible.unwrap_or("inherited"));
         Ok(Proc { name, child, lines, said: Vec::new(), cursor: 0, stdin })

@@ -5,7 +5,7 @@
 //! Where there is no GPU each test is reported as ignored with the reason.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{BufRead as _, BufReader};
+
 use std::os::unix::process::ExitStatusExt as _;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::{Arc, mpsc};
@@ -141,16 +141,7 @@ impl Proc {
     }
 
     fn adopt(name: &str, mut child: Child) -> Proc {
-        let (tx, lines) = mpsc::channel();
-        if let Some(stdout) = child.stdout.take() {
-            std::thread::spawn(move || {
-                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                    if tx.send(line).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+        let lines = integration_tests::stdout_lines(&mut child, None);
         let stdin = child.stdin.take();
         let name = format!("{name} ({})", child.id());
         Proc { name, child, lines, said: Vec::new(), sent: 0, stdin, status: None, exited_at: None }

@@ -3,7 +3,7 @@
 //! started as its own program; every wait has a deadline, and every child is killed at the end.
 
 use std::ffi::{c_char, c_int, c_uint};
-use std::io::{BufRead as _, BufReader, Write as _};
+use std::io::Write as _;
 use std::os::fd::{AsFd, FromRawFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
@@ -45,18 +45,9 @@ impl User {
     }
 
     fn adopt(mut child: Child) -> User {
-        let stdout = child.stdout.take().expect("piped stdout");
         let stdin = child.stdin.take();
-        let (tx, lines) = mpsc::channel();
-        let pid = child.id();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                eprintln!("[tq-user {pid}] {line}");
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let tag = format!("tq-user {}", child.id());
+        let lines = integration_tests::stdout_lines(&mut child, Some(tag));
         User { child, lines, stdin, seen: Vec::new() }
     }
 

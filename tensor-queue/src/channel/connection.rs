@@ -85,8 +85,11 @@ pub(super) struct Ready {
     pub tensors: Vec<Tensor>,
     pub payload: Vec<u8>,
     pub info: MessageInfo,
-    /// Fences `recv` waits for on the CPU before delivering (host-route tensors).
-    pub on_cpu: Option<Fences>,
+    /// The producer's fences the message waits for: whether its producer failed.
+    pub fences: Fences,
+    /// Whether some are host words `recv` waits for on the CPU before delivering (host-route
+    /// tensors; see `Receiver::must_park`).
+    pub on_cpu: bool,
 }
 
 /// A sender's storage: (chunk, offset, length).
@@ -192,6 +195,11 @@ impl Connected {
 
     pub fn pid(&self) -> u32 {
         self.peer.link.peer_pid
+    }
+
+    /// Why tensor `index` of a message cannot be used here: the message is rejected alone.
+    pub fn refusal(&self, index: usize, reason: String) -> Error {
+        Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } }
     }
 
     /// Counts a message as taken by `recv` (or rejected), returning credits in batches of half
@@ -357,7 +365,7 @@ impl Connected {
             tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
         }
         info.imported_ns = monotonic_ns();
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, on_cpu: on_cpu.then_some(fences) })
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
     }
 
     /// The chunk a descriptor names, checked, with the path it came by and the stream its first
@@ -368,7 +376,7 @@ impl Connected {
         index: usize,
         desc: &TensorDesc,
     ) -> Result<(Arc<Chunk>, TransferPath, Option<Arc<Stream>>)> {
-        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        let bad = |reason: String| self.refusal(index, reason);
         if let Some(why) = self.refused.get(&desc.chunk) {
             return Err(bad(format!("chunk {} could not be mapped here: {why}", desc.chunk)));
         }
@@ -445,7 +453,7 @@ impl Connected {
         chunk: &Chunk,
         stream: &Stream,
     ) -> Result<Option<FenceWait>> {
-        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        let bad = |reason: String| self.refusal(index, reason);
         match desc.fence {
             Fence::None => Ok(None),
             Fence::Event(id) => {

@@ -10,7 +10,7 @@ use super::connection::{Connected, Devices};
 use super::fences::FenceWait;
 use crate::arena::{Allocation, Arena, Chunk};
 use crate::route::{self, Route};
-use crate::wire::{Fence, FrameError, TensorDesc};
+use crate::wire::{Fence, TensorDesc};
 use crate::{Error, Result};
 
 impl Connected {
@@ -21,7 +21,7 @@ impl Connected {
         // Whether the landing was a fallback is the sender's knowledge: the lenient reading here.
         if !route::allowed(desc.route, strict, false) {
             let reason = format!("route {} is refused by this receiver's policy ({strict:?})", desc.route);
-            return Err(Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } });
+            return Err(self.refusal(index, reason));
         }
         Ok(())
     }
@@ -59,7 +59,7 @@ impl Connected {
         stream: &Arc<Stream>,
         fences: &mut Vec<FenceWait>,
     ) -> Result<Allocation> {
-        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        let bad = |reason: String| self.refusal(index, reason);
         let (signal, offset, value) = self.host_signal(index, desc)?;
         let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
         let producer = producer.clone();
@@ -91,17 +91,14 @@ impl Connected {
         let (signal, offset, value) = self.host_signal(index, desc)?;
         let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
         producer.wait_on_cpu(&signal, offset, value).map(Some).map_err(|e| match e {
-            Error::Core(_) => Error::Frame {
-                pid: self.pid(),
-                source: FrameError::OutOfBounds { index, reason: format!("signal word {offset}: {e}") },
-            },
+            Error::Core(_) => self.refusal(index, format!("signal word {offset}: {e}")),
             other => other,
         })
     }
 
     /// The host word, offset and first value a copied tensor's fence names.
     pub(super) fn host_signal(&self, index: usize, desc: &TensorDesc) -> Result<(Arc<Chunk>, usize, u64)> {
-        let bad = |reason: String| Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } };
+        let bad = |reason: String| self.refusal(index, reason);
         let Fence::Signal { chunk, offset, value } = desc.fence else {
             return Err(bad(format!("a {} tensor without a host signal", desc.route)));
         };

@@ -19,7 +19,7 @@ use super::link::Link;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
 use crate::route::{MAX_SOURCES, Reach, Routing};
 use crate::wire::MAX_PACKET;
-use crate::{Error, Result, Tensor, side_table};
+use crate::{Error, Result, side_table};
 
 /// How a receiver is set up.
 ///
@@ -441,13 +441,13 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     fn deliver(&mut self, ready: Ready) -> Result<(T, MessageInfo)> {
-        let Ready { peer, tensors, payload, mut info, on_cpu: _ } = ready;
+        let Ready { peer, tensors, payload, mut info, fences, .. } = ready;
         if let Some(connected) = self.connected.iter_mut().find(|c| Arc::ptr_eq(&c.peer, &peer)) {
             connected.took(self.capacity);
         }
         // Asked now, not when the message was read: the producer may have died since. The
-        // message's tensors share the answer.
-        if tensors.iter().any(Tensor::producer_failed) {
+        // message's tensors share these fences, and with them the answer.
+        if super::failed(&fences) {
             return Err(Error::ProducerFailed { pid: info.sender_pid, seq: info.seq });
         }
         let message = side_table::decode(&payload, tensors)?;
@@ -706,7 +706,10 @@ const PARKED_POLL: Duration = Duration::from_micros(20);
 
 /// Whether every host word `ready` waits for on the CPU was written (or its producer died).
 fn on_cpu_ready(ready: &Ready) -> Result<bool> {
-    for fence in ready.on_cpu.iter().flat_map(|fences| fences.iter()) {
+    if !ready.on_cpu {
+        return Ok(true);
+    }
+    for fence in ready.fences.iter() {
         if !fence.ready_on_cpu()? {
             return Ok(false);
         }

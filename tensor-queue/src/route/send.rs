@@ -88,9 +88,9 @@ pub(crate) fn prepare(
                     // The producer's stream is another device's: the copies wait for its work.
                     let produced = Event::new(producer.context())?;
                     produced.record(producer)?;
-                    own_stream.0.wait_event(&produced)?;
+                    own_stream.wait_event(&produced)?;
                 }
-                &own_stream.0
+                &own_stream
             }
         };
         for span in spans(tensors, &members)? {
@@ -229,12 +229,10 @@ fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Conte
 }
 
 /// A stream of the sender's own per device: for copies of a message whose devices were
-/// synchronised (no producer stream).
-struct CopyStream(Arc<Stream>);
-
-fn copy_stream(context: &Arc<Context>) -> Result<CopyStream> {
+/// synchronised (no producer stream), or whose producer stream is another device's.
+fn copy_stream(context: &Arc<Context>) -> Result<Arc<Stream>> {
     static STREAMS: OnceLock<Streams> = OnceLock::new();
-    Ok(CopyStream(stream_for(&STREAMS, context, 0)?))
+    stream_for(&STREAMS, context, 0)
 }
 
 /// The stream of `context`'s device that relays `producer`'s peer copies to the target's
