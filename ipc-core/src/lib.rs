@@ -57,6 +57,7 @@ pub mod process;
 pub mod seqpacket;
 mod stream;
 pub mod tcp;
+pub mod transport;
 pub mod topology;
 mod vmm;
 

@@ -41,10 +41,13 @@
 //! connector that says nothing delays the next one by up to the handshake timeout
 //! ([`TcpListener::with_handshake_timeout`]).
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
@@ -67,8 +70,6 @@ const TAG: &[u8; 10] = b"tq-auth-v1";
 const NONCE_LEN: usize = 32;
 const HELLO_LEN: usize = TAG.len() + 1 + NONCE_LEN;
 const PROOF_LEN: usize = 32;
-/// Messages up to this size go out in one write with their length prefix.
-const COALESCE_LIMIT: usize = 64 << 10;
 
 /// A shared secret of at least [`MIN_SECRET_LEN`] bytes. Its `Debug` shows only its length, and
 /// its bytes are overwritten with zeros (best effort) when it drops.
@@ -164,6 +165,13 @@ impl TcpListener {
     /// `accept` again. No connection within `timeout` is an [`Error::Os`] of kind
     /// [`ErrorKind::TimedOut`].
     pub fn accept(&self, timeout: Option<Duration>, secret: &Secret) -> Result<TcpLink> {
+        self.accept_unverified(timeout)?.verify(secret)
+    }
+
+    /// Takes the next connection without authenticating it, for a caller that runs each
+    /// handshake on a thread of its own ([`Unverified::verify`]), so that a silent connector
+    /// delays nobody else.
+    pub fn accept_unverified(&self, timeout: Option<Duration>) -> Result<Unverified> {
         let deadline = timeout.map(|timeout| Instant::now() + timeout);
         let (stream, peer) = loop {
             match self.inner.accept() {
@@ -187,8 +195,30 @@ impl TcpListener {
         };
         // Linux does not pass O_NONBLOCK on to accepted sockets; say so anyway.
         stream.set_nonblocking(false).map_err(|e| Error::os("clearing O_NONBLOCK", e))?;
-        let deadline = Instant::now() + self.handshake_timeout;
-        handshake(stream, peer, Side::Listener, secret, deadline, self.handshake_timeout).inspect_err(|error| {
+        Ok(Unverified { stream, peer, timeout: self.handshake_timeout })
+    }
+}
+
+/// A connection taken by [`TcpListener::accept_unverified`] whose peer has not proven anything
+/// yet: nothing can be read from or sent to it but the handshake.
+#[derive(Debug)]
+pub struct Unverified {
+    stream: TcpStream,
+    peer: SocketAddr,
+    timeout: Duration,
+}
+
+impl Unverified {
+    /// The address at the other end (as it claims).
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// Runs the listener's side of the handshake, bounded by the listener's handshake timeout:
+    /// the link, or the typed error for this connection (logged, and the connection closed).
+    pub fn verify(self, secret: &Secret) -> Result<TcpLink> {
+        let Unverified { stream, peer, timeout } = self;
+        handshake(stream, peer, Side::Listener, secret, Instant::now() + timeout, timeout).inspect_err(|error| {
             tracing::warn!(%peer, %error, "refused a TCP connection");
         })
     }
@@ -202,18 +232,51 @@ impl AsFd for TcpListener {
 
 /// An authenticated TCP connection carrying length-prefixed messages.
 ///
-/// `send` and `recv` take `&mut self`: two threads writing one stream would interleave frames.
+/// Every method takes `&self`: threads may share a link. A message is written whole or not at
+/// all as far as callers can tell: [`TcpLink::try_send`] either takes it (and the link finishes
+/// writing it, from a short-lived thread if the socket fills up halfway) or sends nothing, so
+/// two threads' messages never interleave and a caller that must not block never does.
 #[derive(Debug)]
 pub struct TcpLink {
-    stream: TcpStream,
+    shared: Arc<Shared>,
     peer: SocketAddr,
-    send_timeout: Option<Duration>,
-    /// A message being received across calls that timed out: its length prefix, its body, and
-    /// how much of each has arrived.
-    header: [u8; 4],
-    header_filled: usize,
-    body: Vec<u8>,
-    body_filled: usize,
+    send_timeout: Mutex<Option<Duration>>,
+}
+
+/// What the link and its flusher thread share.
+#[derive(Debug)]
+struct Shared {
+    /// Non-blocking after the handshake.
+    stream: TcpStream,
+    inbox: Mutex<Inbox>,
+    outbox: Mutex<Outbox>,
+    /// Signalled when the outbox empties or breaks.
+    drained: Condvar,
+}
+
+/// Bytes read from the socket and not yet returned as messages.
+#[derive(Debug, Default)]
+struct Inbox {
+    data: Vec<u8>,
+    start: usize,
+}
+
+/// Bytes of messages already taken that the socket had no room for yet.
+#[derive(Debug, Default)]
+struct Outbox {
+    pending: Vec<u8>,
+    /// Whether a flusher thread is writing `pending`.
+    flushing: bool,
+    /// Why writing failed for good: later sends fail with it.
+    broken: Option<Broken>,
+    /// Whether the writing direction closes once `pending` is out.
+    close_after: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Broken {
+    Gone,
+    Stalled,
 }
 
 impl TcpLink {
@@ -241,103 +304,301 @@ impl TcpLink {
 
     /// The address of this end.
     pub fn local_addr(&self) -> Result<SocketAddr> {
-        self.stream.local_addr().map_err(|e| Error::os("getsockname", e))
+        self.shared.stream.local_addr().map_err(|e| Error::os("getsockname", e))
     }
 
-    /// How long [`TcpLink::send`] waits for the peer to take a message (`None`: forever);
-    /// [`DEFAULT_SEND_TIMEOUT`] until set.
-    pub fn set_send_timeout(&mut self, timeout: Option<Duration>) {
-        self.send_timeout = timeout;
+    /// How long [`TcpLink::send`] waits for the peer to take a message (`None`: forever), and how
+    /// long a message begun is given to finish; [`DEFAULT_SEND_TIMEOUT`] until set.
+    pub fn set_send_timeout(&self, timeout: Option<Duration>) {
+        *lock(&self.send_timeout) = timeout;
     }
 
     /// Sends one message of at most [`MAX_MESSAGE`] bytes ([`Error::MessageTooLarge`] beyond,
-    /// with nothing sent). [`Error::PeerGone`] if the peer closed the connection.
+    /// with nothing sent), waiting until the socket took all of it. [`Error::PeerGone`] if the
+    /// peer closed the connection.
     ///
     /// If the send timeout passes first, the stream may end inside a frame, so the link is shut
     /// down: this call fails with an [`Error::Os`] of kind [`ErrorKind::TimedOut`], and later
     /// calls with [`Error::PeerGone`].
-    pub fn send(&mut self, bytes: &[u8]) -> Result<()> {
+    pub fn send(&self, bytes: &[u8]) -> Result<()> {
+        let timeout = *lock(&self.send_timeout);
+        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let timed_out = || {
+            self.shutdown();
+            Error::os(
+                "sending over TCP",
+                std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    format!("the peer did not take the message within {timeout:?}; the link is closed"),
+                ),
+            )
+        };
+        while !self.try_send(bytes)? {
+            let Ok(left) = remaining(deadline) else { return Err(timed_out()) };
+            wait_for(self.shared.stream.as_fd(), PollFlags::OUT, left)?;
+        }
+        let mut outbox = lock(&self.shared.outbox);
+        while !outbox.pending.is_empty() && outbox.broken.is_none() {
+            let Ok(left) = remaining(deadline) else { return Err(timed_out()) };
+            let left = left.unwrap_or(Duration::from_secs(3600));
+            outbox = self.shared.drained.wait_timeout(outbox, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        match outbox.broken {
+            Some(Broken::Gone | Broken::Stalled) => Err(Error::PeerGone),
+            None => Ok(()),
+        }
+    }
+
+    /// Takes one message if the socket has room to start it now, else `Ok(false)` with nothing
+    /// sent. A message taken is written whole: what the socket cannot take yet is written by a
+    /// short-lived thread of this link, in order, before any later message.
+    pub fn try_send(&self, bytes: &[u8]) -> Result<bool> {
         if bytes.len() > MAX_MESSAGE {
             return Err(Error::MessageTooLarge { len: bytes.len() as u64, max: MAX_MESSAGE });
         }
-        let deadline = self.send_timeout.map(|timeout| Instant::now() + timeout);
-        let header = (bytes.len() as u32).to_le_bytes();
-        let sent = if bytes.len() <= COALESCE_LIMIT {
-            let frame = [&header[..], bytes].concat();
-            write_all_by(&self.stream, &frame, deadline)
-        } else {
-            write_all_by(&self.stream, &header, deadline).and_then(|()| write_all_by(&self.stream, bytes, deadline))
-        };
-        sent.map_err(|stop| {
-            let _ = self.stream.shutdown(Shutdown::Both);
-            match stop {
-                Stop::Timeout => Error::os(
-                    "sending over TCP",
-                    std::io::Error::new(
-                        ErrorKind::TimedOut,
-                        format!(
-                            "the peer did not take the message within {:?}; the link is closed",
-                            self.send_timeout.unwrap_or_default()
-                        ),
-                    ),
-                ),
-                Stop::Gone => Error::PeerGone,
-                Stop::Os(e) => Error::os("sending over TCP", e),
+        let mut outbox = lock(&self.shared.outbox);
+        if let Some(broken) = outbox.broken {
+            return Err(broken.into());
+        }
+        if !outbox.pending.is_empty() {
+            if outbox.flushing {
+                return Ok(false);
             }
-        })
+            self.shared.write_pending(&mut outbox)?;
+            if !outbox.pending.is_empty() {
+                return Ok(false);
+            }
+        }
+        let header = (bytes.len() as u32).to_le_bytes();
+        let written = match (&self.shared.stream).write_vectored(&[IoSlice::new(&header), IoSlice::new(bytes)]) {
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => 0,
+            Err(e) => return Err(self.shared.broke(&mut outbox, e)),
+        };
+        if written == 0 {
+            return Ok(false);
+        }
+        if written < header.len() + bytes.len() {
+            let rest = written.saturating_sub(header.len());
+            outbox.pending.extend_from_slice(&header[written.min(header.len())..]);
+            outbox.pending.extend_from_slice(&bytes[rest..]);
+            if !outbox.flushing {
+                outbox.flushing = true;
+                let shared = self.shared.clone();
+                let stall = lock(&self.send_timeout).unwrap_or(DEFAULT_SEND_TIMEOUT);
+                std::thread::Builder::new()
+                    .name("tq-tcp-flush".into())
+                    .spawn(move || shared.flush(stall))
+                    .map_err(|e| Error::os("spawning a TCP flusher", e))?;
+            }
+        }
+        Ok(true)
     }
 
-    /// Receives the next message into `buf` (its old contents are replaced), waiting up to
-    /// `timeout` (`None`: forever).
-    ///
-    /// [`Error::PeerGone`] when the peer closed the connection (also in the middle of a message).
-    /// A timeout is an [`Error::Os`] of kind [`ErrorKind::TimedOut`]; what arrived of a message
-    /// is kept, and the next call goes on with it. A length prefix over [`MAX_MESSAGE`] is
-    /// [`Error::MessageTooLarge`] and closes the link (the stream cannot be resynchronised).
-    pub fn recv(&mut self, buf: &mut Vec<u8>, timeout: Option<Duration>) -> Result<()> {
+    /// Receives one message into `buf` (replacing its contents), waiting up to `timeout` (`None`:
+    /// forever). [`Error::PeerGone`] once the peer closed the connection; an [`Error::Os`] of
+    /// kind [`ErrorKind::TimedOut`] if no whole message came in time (a message begun stays
+    /// buffered for the next call). A length over [`MAX_MESSAGE`] closes the link
+    /// ([`Error::MessageTooLarge`]).
+    pub fn recv(&self, buf: &mut Vec<u8>, timeout: Option<Duration>) -> Result<()> {
         let deadline = timeout.map(|timeout| Instant::now() + timeout);
-        let timed_out = || {
-            Error::os(
-                "receiving over TCP",
-                std::io::Error::new(ErrorKind::TimedOut, format!("no whole message within {timeout:?}")),
-            )
-        };
-        let stopped = |stop| match stop {
-            Stop::Timeout => timed_out(),
-            Stop::Gone => Error::PeerGone,
-            Stop::Os(e) => Error::os("receiving over TCP", e),
-        };
-        while self.header_filled < self.header.len() {
-            let n = read_by(&self.stream, &mut self.header[self.header_filled..], deadline).map_err(stopped)?;
-            self.header_filled += n;
+        loop {
+            if self.try_recv_with(|message| {
+                buf.clear();
+                buf.extend_from_slice(message);
+            })?
+            .is_some()
+            {
+                return Ok(());
+            }
+            let Ok(left) = remaining(deadline) else {
+                return Err(Error::os(
+                    "receiving over TCP",
+                    std::io::Error::new(ErrorKind::TimedOut, format!("no whole message within {timeout:?}")),
+                ));
+            };
+            wait_for(self.shared.stream.as_fd(), PollFlags::IN, left)?;
         }
-        let len = u32::from_le_bytes(self.header) as usize;
+    }
+
+    /// Hands the next whole message to `take` if one has arrived, without waiting: `Ok(None)`
+    /// when none is whole yet. [`Error::PeerGone`] once the peer closed the connection.
+    pub fn try_recv_with<R>(&self, take: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
+        let mut inbox = lock(&self.shared.inbox);
+        loop {
+            let whole = inbox.whole().inspect_err(|_| {
+                // A lying length: the stream cannot be trusted past it.
+                self.shutdown();
+                *inbox = Inbox::default();
+            })?;
+            if let Some(len) = whole {
+                let at = inbox.start + 4;
+                let value = take(&inbox.data[at..at + len]);
+                inbox.start = at + len;
+                return Ok(Some(value));
+            }
+            if inbox.start > 0 {
+                let start = inbox.start;
+                inbox.data.drain(..start);
+                inbox.start = 0;
+            }
+            let filled = inbox.data.len();
+            let want = inbox.needed().max(READ_SIZE);
+            inbox.data.resize(filled + want, 0);
+            let read = (&self.shared.stream).read(&mut inbox.data[filled..]);
+            inbox.data.truncate(filled + *read.as_ref().unwrap_or(&0));
+            match read {
+                Ok(0) => return Err(Error::PeerGone),
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(None),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => {
+                    return Err(Error::PeerGone);
+                }
+                Err(e) => return Err(Error::os("receiving over TCP", e)),
+            }
+        }
+    }
+
+    /// Whether a whole message was already read from the socket and waits here, where `poll`
+    /// on the socket cannot see it.
+    pub fn has_buffered(&self) -> bool {
+        lock(&self.shared.inbox).whole().is_ok_and(|len| len.is_some())
+    }
+
+    /// Closes both directions: the peer reads the end, and calls here fail.
+    pub fn shutdown(&self) {
+        let _ = self.shared.stream.shutdown(Shutdown::Both);
+    }
+
+    /// Closes the writing direction only: the peer reads the end of what was sent once any
+    /// message still being written is out.
+    pub fn shutdown_write(&self) {
+        let mut outbox = lock(&self.shared.outbox);
+        if outbox.pending.is_empty() {
+            let _ = self.shared.stream.shutdown(Shutdown::Write);
+        } else {
+            outbox.close_after = true; // the flusher closes it once the rest is out
+        }
+    }
+}
+
+/// Reads are made at least this large, so small messages cost one system call for many.
+const READ_SIZE: usize = 64 << 10;
+
+impl Inbox {
+    /// The length of the whole message at the front, if one is there.
+    fn whole(&self) -> Result<Option<usize>> {
+        let data = &self.data[self.start..];
+        let Some(header) = data.get(..4) else { return Ok(None) };
+        let len = u32::from_le_bytes(header.try_into().expect("4 bytes")) as usize;
         if len > MAX_MESSAGE {
-            let _ = self.stream.shutdown(Shutdown::Both);
-            self.header_filled = 0; // later calls read the closed stream: PeerGone
             return Err(Error::MessageTooLarge { len: len as u64, max: MAX_MESSAGE });
         }
-        if self.body_filled == 0 {
-            self.body.clear();
-            self.body.resize(len, 0);
+        Ok((data.len() >= 4 + len).then_some(len))
+    }
+
+    /// Bytes still missing for the message at the front.
+    fn needed(&self) -> usize {
+        let data = &self.data[self.start..];
+        match data.get(..4) {
+            Some(header) => (4 + u32::from_le_bytes(header.try_into().expect("4 bytes")) as usize).saturating_sub(data.len()),
+            None => 4 - data.len(),
         }
-        while self.body_filled < len {
-            let n = read_by(&self.stream, &mut self.body[self.body_filled..], deadline).map_err(stopped)?;
-            self.body_filled += n;
+    }
+}
+
+impl Shared {
+    /// Writes what the socket takes of the pending bytes now.
+    fn write_pending(&self, outbox: &mut Outbox) -> Result<()> {
+        while !outbox.pending.is_empty() {
+            match (&self.stream).write(&outbox.pending) {
+                Ok(0) => return Err(self.broke(outbox, std::io::ErrorKind::WriteZero.into())),
+                Ok(n) => drop(outbox.pending.drain(..n)),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.broke(outbox, e)),
+            }
         }
-        // The caller's old buffer becomes the next message's, so its allocation is reused.
-        std::mem::swap(buf, &mut self.body);
-        self.body.clear();
-        self.header_filled = 0;
-        self.body_filled = 0;
+        if outbox.pending.is_empty() {
+            self.drained.notify_all();
+        }
         Ok(())
+    }
+
+    /// The flusher thread: writes the pending bytes as the socket takes them. A peer that takes
+    /// nothing for `stall` has the link shut down.
+    fn flush(&self, stall: Duration) {
+        let mut last_progress = Instant::now();
+        loop {
+            let mut outbox = lock(&self.outbox);
+            let before = outbox.pending.len();
+            if self.write_pending(&mut outbox).is_err() || outbox.pending.is_empty() {
+                if outbox.close_after {
+                    let _ = self.stream.shutdown(Shutdown::Write);
+                }
+                outbox.flushing = false;
+                self.drained.notify_all();
+                return;
+            }
+            if outbox.pending.len() < before {
+                last_progress = Instant::now();
+            } else if last_progress.elapsed() > stall {
+                outbox.broken = Some(Broken::Stalled);
+                outbox.flushing = false;
+                let _ = self.stream.shutdown(Shutdown::Both);
+                self.drained.notify_all();
+                return;
+            }
+            drop(outbox);
+            let _ = wait_for(self.stream.as_fd(), PollFlags::OUT, Some(Duration::from_millis(100)));
+        }
+    }
+
+    /// Marks the outbox broken by `error`, which is returned in this crate's terms.
+    fn broke(&self, outbox: &mut Outbox, error: std::io::Error) -> Error {
+        let gone = matches!(
+            error.kind(),
+            ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::NotConnected
+        );
+        outbox.pending.clear();
+        self.drained.notify_all();
+        if gone {
+            outbox.broken = Some(Broken::Gone);
+            Error::PeerGone
+        } else {
+            Error::os("sending over TCP", error)
+        }
+    }
+}
+
+impl From<Broken> for Error {
+    fn from(broken: Broken) -> Error {
+        match broken {
+            Broken::Gone | Broken::Stalled => Error::PeerGone,
+        }
     }
 }
 
 impl AsFd for TcpLink {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.stream.as_fd()
+        self.shared.stream.as_fd()
     }
+}
+
+/// Waits until `fd` is ready for `flags` or `timeout` passes (`None`: forever); an error or
+/// hang-up counts as ready (the next call reports it).
+fn wait_for(fd: BorrowedFd<'_>, flags: PollFlags, timeout: Option<Duration>) -> Result<()> {
+    let timespec = timeout.map(|t| Timespec::try_from(t).unwrap_or(Timespec { tv_sec: 3600, tv_nsec: 0 }));
+    let mut fds = [PollFd::new(&fd, flags)];
+    match poll(&mut fds, timespec.as_ref()) {
+        Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
+        Err(e) => Err(Error::os("poll", std::io::Error::from(e))),
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[derive(Clone, Copy)]
@@ -420,15 +681,9 @@ fn handshake(
             write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
         }
     }
-    Ok(TcpLink {
-        stream,
-        peer,
-        send_timeout: Some(DEFAULT_SEND_TIMEOUT),
-        header: [0; 4],
-        header_filled: 0,
-        body: Vec::new(),
-        body_filled: 0,
-    })
+    stream.set_nonblocking(true).map_err(|e| Error::os("O_NONBLOCK on a TCP link", e))?;
+    let shared = Shared { stream, inbox: Mutex::default(), outbox: Mutex::default(), drained: Condvar::new() };
+    Ok(TcpLink { shared: Arc::new(shared), peer, send_timeout: Mutex::new(Some(DEFAULT_SEND_TIMEOUT)) })
 }
 
 /// Why a read or write by a deadline stopped.

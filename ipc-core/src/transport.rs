@@ -1,0 +1,148 @@
+//! The seam under a channel: a connected socket that carries whole packets in order. A channel's
+//! protocol is written once against [`Packets`]; two things implement it:
+//!
+//! | implementation | where | descriptors | who is at the other end |
+//! | --- | --- | --- | --- |
+//! | [`Connection`] (Unix `SOCK_SEQPACKET`) | one machine | passed (`SCM_RIGHTS`) | [`Peer::Local`]: pid and uid from `SO_PEERCRED` |
+//! | [`TcpLink`] (authenticated TCP) | across hosts | never | [`Peer::Remote`]: it proved the shared secret |
+//!
+//! A packet is at most the caller's buffer long (the channel uses 64 KiB); an empty packet
+//! never travels, so a read of length 0 means the peer hung up.
+
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use crate::seqpacket::Connection;
+use crate::tcp::TcpLink;
+use crate::{Error, Result};
+
+/// Who is at the other end of a [`Packets`] link.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    /// A process of this machine, as the kernel recorded it at connect time.
+    Local {
+        /// Its process id.
+        pid: u32,
+        /// Its user id.
+        uid: u32,
+    },
+    /// A process elsewhere that proved it holds the shared secret.
+    Remote(SocketAddr),
+}
+
+/// A connected socket carrying whole packets in order (see the module docs).
+pub trait Packets: AsFd + Send + Sync + 'static {
+    /// Sends one packet (with `fds` attached, where the link passes descriptors) if there is room
+    /// now; `Ok(false)` with nothing sent if not. A packet taken arrives whole.
+    /// [`Error::PeerGone`] once the peer has closed the connection.
+    fn try_send(&self, packet: &[u8], fds: &[BorrowedFd<'_>]) -> Result<bool>;
+
+    /// The next packet into `buf`, if one is whole, without waiting: `Some((0, _))` when the
+    /// peer hung up.
+    fn try_recv(&self, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>>;
+
+    /// Waits for the next packet; `(0, _)` when the peer hung up.
+    fn recv(&self, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
+        loop {
+            if let Some(read) = self.try_recv(buf)? {
+                return Ok(read);
+            }
+            crate::seqpacket::wait_readable(self.as_fd(), std::time::Duration::from_secs(3600))?;
+        }
+    }
+
+    /// Whether a whole packet waits in this process already, where `poll` on the socket cannot
+    /// see it (a byte stream reads ahead).
+    fn has_buffered(&self) -> bool;
+
+    /// Closes one or both directions.
+    fn shutdown(&self, how: rustix::net::Shutdown);
+
+    /// Who is at the other end.
+    fn peer(&self) -> Result<Peer>;
+
+    /// Whether descriptors travel with packets.
+    fn passes_descriptors(&self) -> bool;
+}
+
+impl Packets for Connection {
+    fn try_send(&self, packet: &[u8], fds: &[BorrowedFd<'_>]) -> Result<bool> {
+        Connection::try_send(self, packet, fds)
+    }
+
+    fn try_recv(&self, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+        Connection::try_recv(self, buf)
+    }
+
+    fn recv(&self, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
+        Connection::recv(self, buf)
+    }
+
+    fn has_buffered(&self) -> bool {
+        false // the kernel keeps packets whole: poll sees every one
+    }
+
+    fn shutdown(&self, how: rustix::net::Shutdown) {
+        let _ = rustix::net::shutdown(self, how);
+    }
+
+    fn peer(&self) -> Result<Peer> {
+        let credentials = self.peer_credentials()?;
+        Ok(Peer::Local { pid: credentials.pid as u32, uid: credentials.uid })
+    }
+
+    fn passes_descriptors(&self) -> bool {
+        true
+    }
+}
+
+impl Packets for TcpLink {
+    fn try_send(&self, packet: &[u8], fds: &[BorrowedFd<'_>]) -> Result<bool> {
+        if !fds.is_empty() {
+            return Err(Error::InvalidArgument("file descriptors cannot cross a TCP link".into()));
+        }
+        TcpLink::try_send(self, packet)
+    }
+
+    fn try_recv(&self, buf: &mut [u8]) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+        let copied = self.try_recv_with(|packet| {
+            let fits = packet.len() <= buf.len() && !packet.is_empty();
+            if fits {
+                buf[..packet.len()].copy_from_slice(packet);
+            }
+            (fits, packet.len())
+        });
+        match copied {
+            Ok(Some((true, len))) => Ok(Some((len, Vec::new()))),
+            Ok(Some((false, 0))) => Err(Error::EmptyMessage),
+            Ok(Some((false, len))) => {
+                TcpLink::shutdown(self);
+                Err(Error::MessageTooLarge { len: len as u64, max: buf.len() })
+            }
+            Ok(None) => Ok(None),
+            Err(Error::PeerGone) => Ok(Some((0, Vec::new()))),
+            Err(error) => Err(error),
+        }
+    }
+
+    fn has_buffered(&self) -> bool {
+        TcpLink::has_buffered(self)
+    }
+
+    fn shutdown(&self, how: rustix::net::Shutdown) {
+        match how {
+            rustix::net::Shutdown::Write => self.shutdown_write(),
+            // Reading stops by not reading: a TCP read shutdown would not tell the peer.
+            rustix::net::Shutdown::Read => {}
+            _ => TcpLink::shutdown(self),
+        }
+    }
+
+    fn peer(&self) -> Result<Peer> {
+        Ok(Peer::Remote(self.peer_addr()))
+    }
+
+    fn passes_descriptors(&self) -> bool {
+        false
+    }
+}
