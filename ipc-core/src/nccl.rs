@@ -27,6 +27,10 @@ use cuda_sys::{nccl, nccl_nonblocking};
 use crate::error::check_range;
 use crate::{Context, DeviceMemory, Error, Result, Stream};
 
+/// How long a wait runs before it asks the watch (see [`Communicator::watch`]): a peer that
+/// closed its connection cleanly right after its last call has usually let NCCL finish by then.
+const WATCH_GRACE: Duration = Duration::from_secs(1);
+
 /// The rendezvous of a communicator: made by one rank ([`UniqueId::new`]) and sent to the others
 /// over a channel of the caller's choice; it holds the first rank's bootstrap address.
 #[derive(Clone, Copy)]
@@ -92,6 +96,8 @@ pub struct Communicator {
     timeout: Duration,
     /// How many [`Communicator::group`] calls are open on this thread for this communicator.
     group_depth: Cell<u32>,
+    /// Whether the other ranks still look alive (see [`Communicator::watch`]).
+    alive: Option<Box<dyn Fn() -> bool + Send>>,
 }
 
 // SAFETY: an NCCL communicator is not tied to the thread that made it; NCCL lets any thread use
@@ -149,11 +155,24 @@ impl Communicator {
             size,
             timeout,
             group_depth: Cell::new(0),
+            alive: None,
         };
         if let Err(error) = started {
             return Err(communicator.fail(error.into()));
         }
         Ok(communicator)
+    }
+
+    /// Makes every wait of this communicator also ask `alive` (say, whether the control
+    /// connection to the other rank is still open): once it says no, the communicator is aborted
+    /// and the wait returns [`Error::PeerGone`], long before the timeout.
+    pub fn watch(&mut self, alive: impl Fn() -> bool + Send + 'static) {
+        self.alive = Some(Box::new(alive));
+    }
+
+    /// Whether the watch (if any) still sees the other ranks.
+    pub fn peers_alive(&self) -> bool {
+        self.alive.as_ref().is_none_or(|alive| alive())
     }
 
     /// This process's rank.
@@ -258,13 +277,17 @@ impl Communicator {
     /// an error it reports, or the timeout passing first, aborts it (which also ends its kernels
     /// on the stream) and is returned.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let start = Instant::now();
+        let deadline = start + self.timeout;
         let mut pause = Duration::from_micros(20);
         loop {
             if stream.is_idle()? {
                 return Ok(());
             }
             self.check_async()?;
+            if start.elapsed() > WATCH_GRACE && !self.peers_alive() {
+                return Err(self.fail(Error::PeerGone));
+            }
             if Instant::now() >= deadline {
                 return Err(self.fail(Error::NcclTimeout { operation: "transfer", timeout: self.timeout }));
             }
@@ -330,11 +353,15 @@ impl Communicator {
 
     /// Polls until the background work of the communicator is done, within the timeout.
     fn wait_ready(&self, operation: &'static str) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let start = Instant::now();
+        let deadline = start + self.timeout;
         let mut pause = Duration::from_micros(20);
         loop {
             if self.check_async()? == Progress::Done {
                 return Ok(());
+            }
+            if start.elapsed() > WATCH_GRACE && !self.peers_alive() {
+                return Err(self.fail(Error::PeerGone));
             }
             if Instant::now() >= deadline {
                 return Err(self.fail(Error::NcclTimeout { operation, timeout: self.timeout }));

@@ -463,8 +463,9 @@ impl TcpLink {
 
     /// Whether a whole message was already read from the socket and waits here, where `poll`
     /// on the socket cannot see it.
+    /// A length over the limit counts too: the next read reports it.
     pub fn has_buffered(&self) -> bool {
-        lock(&self.shared.inbox).whole().is_ok_and(|len| len.is_some())
+        !matches!(lock(&self.shared.inbox).whole(), Ok(None))
     }
 
     /// Closes both directions: the peer reads the end, and calls here fail.

@@ -243,7 +243,7 @@ impl Connected {
         match frame {
             Frame::Bytes { data } if remote => self.remote.bytes(data)?,
             Frame::Communicator { id, unique_id, target } if remote => {
-                self.remote.join(devices, id, &unique_id, Uuid(target))?;
+                self.remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
             }
             Frame::Chunk { .. } | Frame::Event { .. } | Frame::Retire { .. } if remote => {
                 return Err(Error::Protocol("a sender on another host announced local memory".into()));

@@ -163,6 +163,18 @@ impl Link {
         self.connection.as_fd()
     }
 
+    /// Whether the peer has closed the connection (or its process is gone) and nothing it sent
+    /// is left to read, without reading: for waits on another engine (NCCL) that would
+    /// otherwise wait out their timeout.
+    pub fn peer_closed(&self) -> bool {
+        let mut fds = [PollFd::from_borrowed_fd(self.connection.as_fd(), PollFlags::RDHUP)];
+        let closed = match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
+            Ok(_) => fds[0].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR),
+            Err(_) => false,
+        };
+        closed && !self.has_buffered() && rustix::io::ioctl_fionread(self.connection.as_fd()).is_ok_and(|n| n == 0)
+    }
+
     /// Whether a whole packet was read ahead and waits in this process, where `poll` on the
     /// socket cannot see it.
     pub fn has_buffered(&self) -> bool {

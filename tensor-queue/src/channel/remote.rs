@@ -17,7 +17,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cuda_sys::nccl::Progress;
 use ipc_core::nccl::{Communicator, UniqueId};
 use ipc_core::{Event, Stream, Uuid};
 
@@ -78,7 +77,15 @@ impl Remote {
     }
 
     /// Joins the sender's communicator `id` on this process's GPU `target`.
-    pub fn join(&mut self, devices: &Devices, id: u32, unique_id: &[u8], target: Uuid) -> Result<()> {
+    /// Its waits give up once `peer`'s connection is closed.
+    pub fn join(
+        &mut self,
+        devices: &Devices,
+        id: u32,
+        unique_id: &[u8],
+        target: Uuid,
+        peer: std::sync::Weak<Peer>,
+    ) -> Result<()> {
         if self.communicators.contains_key(&id) {
             return Err(Error::Protocol(format!("communicator {id} was set up twice")));
         }
@@ -89,7 +96,8 @@ impl Remote {
             return Err(Error::Protocol(format!("a communicator for GPU {target}, which this process does not have")));
         }
         let unique_id = UniqueId::try_from(unique_id)?;
-        let communicator = Communicator::start(&devices.context(&target)?, &unique_id, 2, 1, JOIN_TIMEOUT)?;
+        let mut communicator = Communicator::start(&devices.context(&target)?, &unique_id, 2, 1, JOIN_TIMEOUT)?;
+        communicator.watch(move || peer.upgrade().is_some_and(|peer| !peer.link.peer_closed()));
         self.communicators.insert(id, Joined { target, communicator, ready: false, running: Vec::new() });
         Ok(())
     }
@@ -206,16 +214,7 @@ impl Remote {
     fn ready(&mut self, id: u32) -> Result<&mut Joined> {
         let joined = self.communicators.get_mut(&id).ok_or_else(|| Error::Protocol(format!("unknown communicator {id}")))?;
         if !joined.ready {
-            let deadline = Instant::now() + JOIN_TIMEOUT;
-            loop {
-                match joined.communicator.check_async()? {
-                    Progress::Done => break,
-                    Progress::InProgress if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(200)),
-                    Progress::InProgress => {
-                        return Err(ipc_core::Error::NcclTimeout { operation: "initialisation", timeout: JOIN_TIMEOUT }.into());
-                    }
-                }
-            }
+            joined.communicator.wait_until_ready()?;
             joined.ready = true;
         }
         Ok(joined)

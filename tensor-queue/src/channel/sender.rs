@@ -162,6 +162,11 @@ struct Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
+        if self.inner.link.remote {
+            // NCCL sends still in flight finish first (bounded): the receiver may be setting up
+            // the connection they need, which must not look like a sender gone.
+            self.inner.wait_released(network::NCCL_TIMEOUT);
+        }
         // Close our direction only: the receiver may still hold tensors, and their releases
         // must still reach the reader thread before the memory can be reused.
         self.inner.link.shutdown(rustix::net::Shutdown::Write);
@@ -472,17 +477,7 @@ impl<T> Sender<T> {
     /// # Ok(()) }
     /// ```
     pub fn wait_released(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let inner = self.inner();
-        let mut state = lock(&inner.state);
-        while !state.leases.is_empty() || state.dropping > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            state = inner.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
-        }
-        true
+        self.inner().wait_released(timeout)
     }
 
     /// Whether the receiver still takes messages. It turns false when the receiver is dropped,
@@ -578,6 +573,22 @@ impl<T> Sender<T> {
     }
 }
 
+/// A message's lease at a sender to another host, held by its NCCL transfers: it ends when the
+/// last of them is done (or given up).
+struct RemoteLease {
+    sender: std::sync::Weak<SenderInner>,
+    seq: u64,
+}
+
+impl Drop for RemoteLease {
+    fn drop(&mut self) {
+        if let Some(sender) = self.sender.upgrade() {
+            lock(&sender.state).leases.remove(&self.seq);
+            sender.changed.notify_all();
+        }
+    }
+}
+
 /// How long a send waits for room.
 #[derive(Clone, Copy)]
 pub(super) enum Wait {
@@ -597,6 +608,20 @@ impl Wait {
 }
 
 impl SenderInner {
+    /// See [`Sender::wait_released`].
+    fn wait_released(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut state = lock(&self.state);
+        while !state.leases.is_empty() || state.dropping > 0 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            state = self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+
     /// Sends an encoded message to this receiver: takes a credit, then announces what the
     /// receiver has not seen yet and writes the message, leasing its tensors' storage.
     pub(super) fn send_outgoing(&self, outgoing: &Outgoing, wait: Wait) -> Result<()> {
@@ -757,10 +782,17 @@ impl SenderInner {
     fn write_remote(&self, outgoing: &Outgoing, seq: u64, deadline: Option<Instant>) -> Result<()> {
         let receiver = lock(&self.state).receiver.clone().ok_or(Error::Disconnected)?;
         let mut frames = Vec::new();
-        let message = {
+        // The message is leased until its NCCL sends are done (nothing else is held: host bytes
+        // are copied), so `wait_released` means the data has left this process.
+        lock(&self.state).leases.insert(seq, Vec::new());
+        let lease: Arc<dyn Send + Sync> = Arc::new(RemoteLease { sender: self.me.clone(), seq });
+        let prepared = {
             let mut comms = lock(&self.comms);
-            network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut comms, &mut frames)?
+            let me = self.me.clone();
+            let alive = move || me.upgrade().is_some_and(|inner| !inner.link.peer_closed());
+            network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut comms, &mut frames, lease, &alive)
         };
+        let message = prepared?;
         frames.extend(message.bytes);
         for frame in &frames {
             self.link.send(frame, &[], deadline)?;

@@ -5,23 +5,25 @@
 //! # NCCL
 //! Each (sender GPU, receiver GPU) pair of a connection gets a communicator of two ranks, the
 //! sender rank 0. The sender makes the unique id and sends it in a `Communicator` frame; both
-//! sides start NCCL's non-blocking initialisation, and a thread of the sender waits for it, so
-//! `send` never waits for the receiver to come to `recv` (two processes that each send first
-//! and then receive cannot deadlock). Until the communicator is ready, transfers wait in order
-//! in its queue, holding their sources.
+//! sides start NCCL's non-blocking initialisation, and the communicator's worker thread waits for
+//! it, so `send` never waits for the receiver to come to `recv` (two processes that each send
+//! first and then receive cannot deadlock). Transfers wait in order in its queue, holding their
+//! sources.
 //!
 //! A message's tensors on one GPU move as one NCCL group: tensors that lie within 256 KiB of
 //! each other in one chunk move as one span (`send::spans`), so a message of many small tensors
-//! is a few transfers, not one each. The sends run on a stream of the communicator's, which
+//! is a few transfers, not one each. A worker thread per communicator issues them (NCCL may wait
+//! inside a call for the receiver to take part, which it can only do once it has read the
+//! message frame: `send` must have written that frame already). The sends run on a stream of
+//! the communicator's, which
 //! first waits (an event) for the producer's work: the producer's stream never blocks on the
 //! receiver, as with `torch.distributed`, which does the same. The sources go back to the
 //! sender once the sends are done on the GPU.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
-use cuda_sys::nccl::Progress;
 use ipc_core::nccl::{Communicator, UniqueId};
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
@@ -53,24 +55,25 @@ pub(crate) struct SendComms {
     pairs: Vec<(Uuid, Uuid, Arc<SendComm>)>,
 }
 
-/// One communicator of a connection: rank 0 on the sender's GPU.
+/// One communicator of a connection (rank 0 on the sender's GPU), driven by a worker thread
+/// that owns it: `send` only queues transfers, so it never waits for NCCL, and NCCL's waits for
+/// the receiver (the set-up, a connection a transfer needs) never hold up the message frame the
+/// receiver needs to take part.
 pub(crate) struct SendComm {
     pub id: u32,
-    state: Mutex<CommState>,
-    /// The stream its sends run on (of the sender's GPU).
-    stream: Arc<Stream>,
+    queue: Mutex<Queue>,
+    wake: Condvar,
 }
 
-struct CommState {
-    communicator: Option<Communicator>,
-    phase: Phase,
-}
-
-enum Phase {
-    /// Still being set up: transfers wait here, in order.
-    Joining(VecDeque<Transfer>),
-    Ready,
-    Failed(String),
+#[derive(Default)]
+struct Queue {
+    transfers: VecDeque<Transfer>,
+    /// No more transfers come: the worker sends what is queued and lets the communicator go.
+    closed: bool,
+    /// The receiver is gone: the worker aborts the communicator.
+    aborted: bool,
+    /// Why the communicator failed, once it did.
+    failed: Option<String>,
 }
 
 /// One message's spans on one communicator.
@@ -79,12 +82,21 @@ struct Transfer {
     after: Option<Event>,
     /// (source storage, byte offset in its chunk memory, length).
     spans: Vec<(Arc<Storage>, usize, usize)>,
+    /// The message's lease at the sender: it ends when every transfer of the message has been
+    /// sent (or given up).
+    lease: Arc<dyn Send + Sync>,
 }
 
 impl SendComms {
     /// The communicator for tensors from `source` landing on `target`: made on first use, its
     /// `Communicator` frame given to `announce` (which sends it before the message).
-    fn get(&mut self, source: Uuid, target: Uuid, announce: &mut Vec<Frame>) -> Result<Arc<SendComm>> {
+    fn get(
+        &mut self,
+        source: Uuid,
+        target: Uuid,
+        announce: &mut Vec<Frame>,
+        alive: &(impl Fn() -> bool + Clone + Send + 'static),
+    ) -> Result<Arc<SendComm>> {
         if let Some((_, _, comm)) = self.pairs.iter().find(|(s, t, _)| *s == source && *t == target) {
             return Ok(comm.clone());
         }
@@ -92,127 +104,133 @@ impl SendComms {
         let unique_id = UniqueId::new()?;
         self.next_id += 1;
         let id = self.next_id;
-        let communicator = Communicator::start(&context, &unique_id, 2, 0, NCCL_TIMEOUT)?;
-        let comm = Arc::new(SendComm {
-            id,
-            state: Mutex::new(CommState { communicator: Some(communicator), phase: Phase::Joining(VecDeque::new()) }),
-            stream: Arc::new(Stream::new(&context)?),
-        });
+        let mut communicator = Communicator::start(&context, &unique_id, 2, 0, NCCL_TIMEOUT)?;
+        communicator.watch(alive.clone());
+        let stream = Stream::new(&context)?;
+        let comm = Arc::new(SendComm { id, queue: Mutex::new(Queue::default()), wake: Condvar::new() });
         announce.push(Frame::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
-        let joining = comm.clone();
+        let worker = comm.clone();
         std::thread::Builder::new()
-            .name("tq-nccl-join".into())
-            .spawn(move || joining.join())
-            .map_err(|e| Error::Protocol(format!("spawning an NCCL set-up thread: {e}")))?;
+            .name("tq-nccl-send".into())
+            .spawn(move || worker.work(communicator, stream))
+            .map_err(|e| Error::Protocol(format!("spawning an NCCL thread: {e}")))?;
         self.pairs.push((source, target, comm.clone()));
         Ok(comm)
     }
 
-    /// Aborts every communicator (the receiver is gone): queued sends stop, and their sources
-    /// come back once the streams drain.
+    /// Aborts every communicator (the receiver is gone): queued sends are dropped, and the
+    /// sources of those sent come back once the streams drain.
     pub fn abort(&mut self) {
         for (_, _, comm) in self.pairs.drain(..) {
-            comm.abort("the receiver is gone");
+            comm.stop(true);
+        }
+    }
+}
+
+impl Drop for SendComms {
+    fn drop(&mut self) {
+        for (_, _, comm) in &self.pairs {
+            comm.stop(false);
         }
     }
 }
 
 impl SendComm {
-    /// Waits for the set-up, then sends what queued meanwhile (the set-up thread). The lock is
-    /// taken only to poll, so `send` queues meanwhile without waiting.
-    fn join(&self) {
-        let deadline = Instant::now() + NCCL_TIMEOUT;
-        let ready = loop {
-            let progress = match &lock(&self.state).communicator {
-                Some(communicator) => communicator.check_async().map_err(Error::from),
-                None => Err(Error::Disconnected),
-            };
-            match progress {
-                Ok(Progress::Done) => break Ok(()),
-                Ok(Progress::InProgress) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
-                Ok(Progress::InProgress) => {
-                    break Err(Error::Core(ipc_core::Error::NcclTimeout { operation: "initialisation", timeout: NCCL_TIMEOUT }));
-                }
-                Err(error) => break Err(error),
-            }
-        };
-        let mut state = lock(&self.state);
-        match ready {
-            Ok(()) => {
-                let Phase::Joining(queued) = std::mem::replace(&mut state.phase, Phase::Ready) else { return };
-                for transfer in queued {
-                    if let Err(error) = self.issue(&state, transfer) {
-                        tracing::warn!(%error, "an NCCL send failed");
-                        state.phase = Phase::Failed(error.to_string());
-                        break;
+    /// The worker: waits for the set-up, then sends each queued transfer in order.
+    fn work(&self, communicator: Communicator, stream: Stream) {
+        if let Err(error) = communicator.wait_until_ready() {
+            tracing::warn!(%error, comm = self.id, "an NCCL communicator to a receiver failed to set up");
+            return self.fail(communicator, error.to_string());
+        }
+        loop {
+            let transfer = {
+                let mut queue = lock(&self.queue);
+                loop {
+                    if queue.aborted {
+                        drop(queue);
+                        return self.fail(communicator, "the receiver is gone".into());
                     }
+                    if let Some(transfer) = queue.transfers.pop_front() {
+                        break transfer;
+                    }
+                    if queue.closed {
+                        return; // the communicator finalizes as it drops
+                    }
+                    queue = self.wake.wait(queue).unwrap_or_else(|e| e.into_inner());
                 }
-            }
-            Err(error) => {
-                tracing::warn!(%error, comm = self.id, "an NCCL communicator to a receiver failed to set up");
-                state.phase = Phase::Failed(error.to_string());
-                if let Some(communicator) = state.communicator.take() {
-                    communicator.abort();
-                }
+            };
+            if let Err(error) = issue(&communicator, &stream, transfer) {
+                tracing::warn!(%error, comm = self.id, "an NCCL send failed");
+                return self.fail(communicator, error.to_string());
             }
         }
     }
 
-    /// Sends the transfer now, or queues it while the communicator is set up.
+    /// Gives up: later sends fail with `why`, queued ones are dropped (their leases end).
+    fn fail(&self, communicator: Communicator, why: String) {
+        communicator.abort();
+        let mut queue = lock(&self.queue);
+        queue.failed = Some(why);
+        queue.transfers.clear();
+    }
+
+    /// Queues a transfer for the worker.
     fn submit(&self, transfer: Transfer) -> Result<()> {
-        let mut state = lock(&self.state);
-        match &mut state.phase {
-            Phase::Joining(queued) => {
-                queued.push_back(transfer);
-                Ok(())
-            }
-            Phase::Ready => self.issue(&state, transfer),
-            Phase::Failed(why) => Err(Error::Invalid(format!("the NCCL communicator to the receiver failed: {why}"))),
+        let mut queue = lock(&self.queue);
+        if let Some(why) = &queue.failed {
+            return Err(Error::Invalid(format!("the NCCL communicator to the receiver failed: {why}")));
         }
-    }
-
-    /// Queues the transfer's sends as one group on the communicator's stream, after the
-    /// producer's work; its sources go back once they are done.
-    fn issue(&self, state: &CommState, transfer: Transfer) -> Result<()> {
-        let communicator = state.communicator.as_ref().ok_or(Error::Disconnected)?;
-        if let Some(after) = &transfer.after {
-            self.stream.wait_event(after)?;
-        }
-        let mut sends = Vec::with_capacity(transfer.spans.len());
-        for (storage, offset, len) in &transfer.spans {
-            let memory = storage.chunk.device().ok_or_else(|| Error::Protocol("an NCCL send of host memory".into()))?;
-            sends.push((memory, *offset, *len));
-        }
-        communicator.group(|c| {
-            for &(memory, offset, len) in &sends {
-                c.send(memory, offset, len, 1, &self.stream)?;
-            }
-            Ok(())
-        })?;
-        let done = Event::new(self.stream.context())?;
-        done.record(&self.stream)?;
-        crate::arena::drop_after(vec![done], Box::new(transfer.spans));
+        queue.transfers.push_back(transfer);
+        drop(queue);
+        self.wake.notify_one();
         Ok(())
     }
 
-    fn abort(&self, why: &str) {
-        let mut state = lock(&self.state);
-        state.phase = Phase::Failed(why.to_string());
-        if let Some(communicator) = state.communicator.take() {
-            communicator.abort();
-        }
+    fn stop(&self, abort: bool) {
+        let mut queue = lock(&self.queue);
+        queue.closed = true;
+        queue.aborted |= abort;
+        drop(queue);
+        self.wake.notify_one();
     }
+}
+
+/// Queues the transfer's sends as one group on `stream`, after the producer's work; its sources
+/// go back once they are done.
+fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Result<()> {
+    if let Some(after) = &transfer.after {
+        stream.wait_event(after)?;
+    }
+    let mut sends = Vec::with_capacity(transfer.spans.len());
+    for (storage, offset, len) in &transfer.spans {
+        let memory = storage.chunk.device().ok_or_else(|| Error::Protocol("an NCCL send of host memory".into()))?;
+        sends.push((memory, *offset, *len));
+    }
+    communicator.group(|c| {
+        for &(memory, offset, len) in &sends {
+            c.send(memory, offset, len, 1, stream)?;
+        }
+        Ok(())
+    })?;
+    let done = Event::new(stream.context())?;
+    done.record(stream)?;
+    crate::arena::drop_after(vec![done], Box::new((transfer.spans, transfer.lease)));
+    Ok(())
 }
 
 /// What the tensors of a message become for a receiver on another host with `receiver`'s GPUs
 /// and policy: descriptors, host bytes, and NCCL transfers queued (or waiting for their
-/// communicator) on the sender's GPUs. New communicators' frames go to `announce`.
+/// communicator) on the sender's GPUs, which hold `lease` until they are done. New
+/// communicators' frames go to `announce`; their waits give up once `alive` says the receiver
+/// is gone.
 pub(crate) fn prepare(
     tensors: &[Tensor],
     stream: Option<&Stream>,
     receiver: &(Reach, Routing),
     comms: &mut SendComms,
     announce: &mut Vec<Frame>,
+    lease: Arc<dyn Send + Sync>,
+    alive: &(impl Fn() -> bool + Clone + Send + 'static),
 ) -> Result<RemoteMessage> {
     let (reach, routing) = receiver;
     let mut descriptors: Vec<Option<TensorDesc>> = vec![None; tensors.len()];
@@ -237,7 +255,7 @@ pub(crate) fn prepare(
         return Err(Error::TooLarge { size: bytes.len(), limit: MAX_INLINE_BYTES as usize });
     }
     for ((source, target), members) in groups {
-        let comm = comms.get(source, target, announce)?;
+        let comm = comms.get(source, target, announce, alive)?;
         let memory_context = tensors[members[0]].storage.chunk.device().map(|m| m.context().clone());
         let after = match (stream, memory_context) {
             // The tests' negative control: sends that do not wait for the producer's work.
@@ -258,7 +276,7 @@ pub(crate) fn prepare(
                 None => by_chunk.push((chunk, vec![index])),
             }
         }
-        let mut transfer = Transfer { after, spans: Vec::new() };
+        let mut transfer = Transfer { after, spans: Vec::new(), lease: lease.clone() };
         for (_, chunk_members) in by_chunk {
             for span in spans(tensors, &chunk_members)? {
                 let index = transfer.spans.len() as u32;

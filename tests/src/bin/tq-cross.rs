@@ -39,7 +39,8 @@
 //!   keeps the first N messages and prints `holding <N>` before it drops them all. On stdin:
 //!   `mem` drops what it holds, trims and waits (15 s at most) for its arenas and each GPU's free
 //!   memory to return to the baseline, then prints `mem ok <json>` or `mem leak <json>`; `quit`
-//!   or the end of stdin ends it (`done`).
+//!   or the end of stdin ends it (`done`); `rebase` takes the baseline anew (`rebased <json>`),
+//!   after one-time set-up such as NCCL's. Messages of kind `warm` are not checked (`warm`).
 //! - `forward --listen P --to Q [--land ..] [--senders S] [--count N]`: receives on its GPU
 //!   (the landing), checks each message on the GPU, copies each tensor with `Tensor::copy_on`
 //!   onto a stream of its own and sends the copies on to `Q` with `send_on`, round robin over
@@ -289,6 +290,21 @@ fn produce_seed(
     let n = number(args, "--n", 4096)?;
     let steps = number(args, "--steps", 50)?;
     ensure!(steps % 2 == 0, "an even number of steps leaves the result in x");
+    if args.iter().any(|a| a == "--warm-up") {
+        // A small message first, so that what the route sets up once (an NCCL communicator) is
+        // ready before the race: the negative control must see the send run at once.
+        let warm = Tensor::zeros_cuda(DType::U8, &[16], stream)?;
+        let item = CrossItem {
+            id: 999,
+            kind: "warm".into(),
+            tensors: vec![warm],
+            checksums: vec![],
+            reference: vec![],
+            note: "warm-up".into(),
+        };
+        sender.send_on(&item, stream)?;
+        ensure!(sender.wait_released(Duration::from_secs(60)), "the warm-up message was not taken");
+    }
     let x = Tensor::empty_cuda(context, DType::F32, &[n, n])?;
     let (a, tmp) = (DeviceBuffer::alloc(context, x.nbytes())?, DeviceBuffer::alloc(context, x.nbytes())?);
     a.copy_from_host(0, bytemuck::cast_slice(&seed::shift_matrix(n)))?;
@@ -424,6 +440,10 @@ struct MemorySnapshot {
     in_use_bytes: usize,
     /// Per visible GPU (by UUID): free bytes as the driver says.
     free: Vec<(String, usize)>,
+    /// Open file descriptors.
+    fds: usize,
+    /// Taken by `rebase`.
+    rebased: bool,
 }
 
 fn snapshot(contexts: &[Arc<Context>]) -> Result<MemorySnapshot> {
@@ -437,6 +457,8 @@ fn snapshot(contexts: &[Arc<Context>]) -> Result<MemorySnapshot> {
         device_bytes: usage.device_bytes,
         in_use_bytes: usage.in_use_bytes,
         free,
+        fds: std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0),
+        rebased: false,
     })
 }
 
@@ -448,6 +470,8 @@ fn back_to(now: &MemorySnapshot, base: &MemorySnapshot) -> bool {
         && now.device_bytes <= base.device_bytes
         && now.in_use_bytes <= base.in_use_bytes
         && now.free.iter().zip(&base.free).all(|((_, n), (_, b))| n + FREE_SLACK >= *b)
+        // Descriptors are compared from a `rebase` on: before it, one-time set-up opens some.
+        && (!base.rebased || now.fds <= base.fds)
 }
 
 fn consume(args: &[String]) -> Result<()> {
@@ -464,7 +488,7 @@ fn consume(args: &[String]) -> Result<()> {
         Kernels::get(context)?;
     }
     memory::trim();
-    let baseline = snapshot(&contexts)?;
+    let mut baseline = snapshot(&contexts)?;
     println!("baseline {}", json(&baseline));
     let mut receiver = Receiver::<CrossItem>::bind_with(&listen, ReceiverOptions { capacity, routing, secret: None })?;
     let (commands, stdin_lines) = mpsc::channel::<String>();
@@ -484,6 +508,13 @@ fn consume(args: &[String]) -> Result<()> {
     loop {
         match stdin_lines.try_recv() {
             Ok(line) if line == "quit" => break,
+            Ok(line) if line == "rebase" => {
+                held.clear();
+                memory::trim();
+                std::thread::sleep(Duration::from_secs(1)); // what is being retired settles
+                baseline = MemorySnapshot { rebased: true, ..snapshot(&contexts)? };
+                println!("rebased {}", json(&baseline));
+            }
             Ok(line) if line == "mem" => {
                 held.clear();
                 let mut now = snapshot(&contexts)?;
@@ -509,6 +540,10 @@ fn consume(args: &[String]) -> Result<()> {
         }
         match receiver.recv_with_info(Some(Duration::from_millis(50))) {
             Ok((item, info)) => {
+                if item.kind == "warm" {
+                    println!("warm");
+                    continue;
+                }
                 if item.kind == "verdict" {
                     let seen = seen_by_id.get(&item.id).cloned().unwrap_or_default();
                     let verdict = if !seen.is_empty() && seen == item.checksums { "match" } else { "mismatch" };
