@@ -119,6 +119,16 @@ impl Communicator {
     /// or `timeout` passes; on failure or timeout it is aborted. Later waits on this
     /// communicator are bounded by the same `timeout`.
     pub fn init(context: &Arc<Context>, id: &UniqueId, size: usize, rank: usize, timeout: Duration) -> Result<Self> {
+        let communicator = Communicator::start(context, id, size, rank, timeout)?;
+        communicator.wait_ready("initialisation")?;
+        Ok(communicator)
+    }
+
+    /// [`Communicator::init`] without the wait: the communicator is returned while NCCL still
+    /// sets it up in the background. Nothing may be queued on it before
+    /// [`Communicator::check_async`] says [`Progress::Done`] (or [`Communicator::wait_until_ready`]
+    /// returned).
+    pub fn start(context: &Arc<Context>, id: &UniqueId, size: usize, rank: usize, timeout: Duration) -> Result<Self> {
         if rank >= size {
             return Err(Error::InvalidArgument(format!("NCCL rank {rank} of a communicator of {size}")));
         }
@@ -143,7 +153,6 @@ impl Communicator {
         if let Err(error) = started {
             return Err(communicator.fail(error.into()));
         }
-        communicator.wait_ready("initialisation")?;
         Ok(communicator)
     }
 
@@ -311,6 +320,12 @@ impl Communicator {
             Ok(Progress::InProgress) if self.group_depth.get() == 0 => self.wait_ready(call),
             Ok(_) => Ok(()),
         }
+    }
+
+    /// Waits until a communicator made by [`Communicator::start`] is set up, within its timeout
+    /// (then it is aborted, [`Error::NcclTimeout`]).
+    pub fn wait_until_ready(&self) -> Result<()> {
+        self.wait_ready("initialisation")
     }
 
     /// Polls until the background work of the communicator is done, within the timeout.

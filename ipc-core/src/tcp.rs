@@ -73,6 +73,7 @@ const PROOF_LEN: usize = 32;
 
 /// A shared secret of at least [`MIN_SECRET_LEN`] bytes. Its `Debug` shows only its length, and
 /// its bytes are overwritten with zeros (best effort) when it drops.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Secret {
     bytes: Vec<u8>,
 }

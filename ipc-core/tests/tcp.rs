@@ -72,9 +72,9 @@ fn the_right_secret_connects_both_ways_and_messages_round_trip() {
     let listener = listener();
     let addr = listener.local_addr().unwrap();
     let accepted = accept_in_background(listener, KEY);
-    let mut client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
+    let client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
     let (server, _listener) = accepted.recv_timeout(PATIENCE).unwrap();
-    let mut server = server.unwrap();
+    let server = server.unwrap();
     assert_eq!(server.peer_addr(), client.local_addr().unwrap());
 
     let mut buf = Vec::new();
@@ -132,8 +132,8 @@ fn a_silent_connector_times_out_and_the_next_one_is_accepted() {
     assert_eq!(rest.len(), 43, "only the listener's greeting, nothing computed from the secret");
 
     let accepted = accept_in_background(listener, KEY);
-    let mut client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
-    let mut server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+    let client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
+    let server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
     client.send(b"after").unwrap();
     let mut buf = Vec::new();
     server.recv(&mut buf, Some(PATIENCE)).unwrap();
@@ -175,7 +175,7 @@ fn an_oversize_length_prefix_is_refused() {
     let accepted = accept_in_background(listener, KEY);
     let mut raw = TcpStream::connect(addr).unwrap();
     handshake_by_hand(&mut raw, KEY);
-    let mut server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+    let server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
     raw.write_all(&(MAX_MESSAGE as u32 + 1).to_le_bytes()).unwrap();
     let mut buf = Vec::new();
     match server.recv(&mut buf, Some(PATIENCE)) {
@@ -197,7 +197,7 @@ fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
         .stdout(Stdio::null())
         .spawn()
         .unwrap();
-    let mut link = listener.accept(Some(PATIENCE), &secret(KEY)).expect("the child authenticates");
+    let link = listener.accept(Some(PATIENCE), &secret(KEY)).expect("the child authenticates");
     let mut buf = Vec::new();
     link.recv(&mut buf, Some(PATIENCE)).unwrap();
     assert_eq!(buf, format!("hello from {}", child.id()).as_bytes());
@@ -219,7 +219,7 @@ fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
 fn child_peer() {
     let Ok(addr) = std::env::var(CHILD_ENV) else { return };
     let secret = Secret::from_env().expect("the parent set TQ_SECRET");
-    let mut link = TcpLink::connect(addr.as_str(), &secret, PATIENCE).unwrap();
+    let link = TcpLink::connect(addr.as_str(), &secret, PATIENCE).unwrap();
     link.set_send_timeout(None);
     link.send(format!("hello from {}", std::process::id()).as_bytes()).unwrap();
     let _ = link.send(&vec![7; MAX_MESSAGE]);

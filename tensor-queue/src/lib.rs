@@ -44,7 +44,7 @@ mod view;
 pub mod wire;
 
 pub use channel::{
-    Broadcast, DEFAULT_CAPACITY, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender, from_parent,
+    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender, from_parent,
     from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex, spawn_timeout,
 };
 pub use copy::HostCopy;
@@ -55,6 +55,7 @@ pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_stri
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal
 /// or UUID, their primary contexts, streams, and the [`DeviceMemory`] methods of
 /// [`Tensor::cuda_view`].
+pub use ipc_core::tcp::Secret;
 pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
 
 /// Whether a CUDA driver and at least one GPU are usable here (without one, use host tensors).

@@ -68,6 +68,12 @@ pub enum TransferPath {
     Staged,
     /// A GPU tensor copied by the sender into shared host memory ([`crate::route::Route::Host`]).
     StagedToHost,
+    /// Moved by NCCL from a sender on another host into memory on this process's GPU
+    /// ([`crate::route::Route::Nccl`]).
+    Nccl,
+    /// Bytes sent over the TCP link by a sender on another host, into this process's host
+    /// memory ([`crate::route::Route::Tcp`]).
+    Tcp,
 }
 
 /// A contiguous run of bytes in a chunk, kept alive while any view of it lives.

@@ -33,7 +33,7 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
 /// assert_eq!(Frame::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 
 const FENCE_NONE: u8 = 0;
 const FENCE_EVENT: u8 = 1;
@@ -201,7 +201,7 @@ pub enum ChunkKind {
 /// };
 /// let desc = TensorDesc {
 ///     chunk: 1, storage_offset: 512, storage_len: 48, view_offset: 0,
-///     dtype: DType::F32, fence: Fence::None, route: Route::SameDevice, target: None, shape: vec![3, 4], strides: vec![4, 1],
+///     dtype: DType::F32, fence: Fence::None, route: Route::SameDevice, target: None, span: 0, shape: vec![3, 4], strides: vec![4, 1],
 /// };
 /// assert!(Frame::decode(&message(desc.clone())).is_ok());
 /// let too_long = TensorDesc { shape: vec![3, 5], ..desc }; // 60 bytes of view in 48 of storage
@@ -226,6 +226,10 @@ pub struct TensorDesc {
     /// For [`Route::Staged`]: the receiver's GPU the tensor lands on (the sender chose it from
     /// the receiver's policy); `None` for every other route.
     pub target: Option<Uuid>,
+    /// For [`Route::Nccl`]: which of the message's NCCL transfers on the communicator `chunk`
+    /// holds the storage (they are numbered from 0 in the order both sides queue them), with
+    /// `storage_offset` counted from that transfer's start. 0 for every other route.
+    pub span: u32,
     /// Sizes.
     pub shape: Vec<u64>,
     /// Strides in elements.
@@ -243,7 +247,7 @@ pub struct TensorDesc {
 /// let fence = Fence::Signal { chunk: 3, offset: 64, value: 12 };
 /// let desc = TensorDesc {
 ///     chunk: 3, storage_offset: 4096, storage_len: 16, view_offset: 0,
-///     dtype: DType::F32, fence, route: Route::SameDevice, target: None, shape: vec![4], strides: vec![1],
+///     dtype: DType::F32, fence, route: Route::SameDevice, target: None, span: 0, shape: vec![4], strides: vec![1],
 /// };
 /// let frame = Frame::Message { seq: 9, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] };
 /// assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
@@ -357,7 +361,30 @@ pub enum Frame {
         /// Why, for people.
         reason: String,
     },
+    /// Over TCP: bytes of the host tensors of the next message ([`Route::Tcp`]), appended to
+    /// what came before; the message's descriptors say where each tensor lies in them.
+    Bytes {
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Over TCP: the sender set up an NCCL communicator of two ranks (itself rank 0) for tensors
+    /// landing on the receiver's GPU `target`; the receiver joins as rank 1. Messages name it by
+    /// `id` ([`Route::Nccl`]).
+    Communicator {
+        /// The sender's id for it.
+        id: u32,
+        /// `ncclGetUniqueId`'s bytes.
+        unique_id: Vec<u8>,
+        /// The receiver's GPU.
+        target: [u8; 16],
+    },
 }
+
+/// The most bytes of host tensors one message may carry over TCP (as [`Frame::Bytes`]).
+pub const MAX_INLINE_BYTES: u64 = 4 << 30;
+
+/// The largest [`Frame::Bytes`] a sender writes: the receiver joins its packets in memory.
+pub const BYTES_FRAME: usize = 4 << 20;
 
 const KIND_HELLO: u16 = 1;
 const KIND_CHUNK: u16 = 2;
@@ -370,6 +397,8 @@ const KIND_REJECTED: u16 = 8;
 const KIND_CLOSE: u16 = 9;
 /// A part of a frame longer than [`MAX_PACKET`]: a byte saying whether it is the last, then bytes.
 const KIND_PART: u16 = 10;
+const KIND_BYTES: u16 = 11;
+const KIND_COMMUNICATOR: u16 = 12;
 
 struct Writer(Vec<u8>);
 
@@ -505,6 +534,9 @@ impl Frame {
                     if let Some(target) = t.target {
                         w.bytes(&target.0);
                     }
+                    if t.route == Route::Nccl {
+                        w.u32(t.span);
+                    }
                     match t.fence {
                         Fence::None => w.u8(FENCE_NONE),
                         Fence::Event(id) => {
@@ -538,6 +570,16 @@ impl Frame {
                 w.u64(*read_up_to);
                 w.text(reason);
             }
+            Frame::Bytes { data } => {
+                w.u32(data.len() as u32);
+                w.bytes(data);
+            }
+            Frame::Communicator { id, unique_id, target } => {
+                w.u32(*id);
+                w.u32(unique_id.len() as u32);
+                w.bytes(unique_id);
+                w.bytes(target);
+            }
         }
         let body = (w.0.len() - HEADER_LEN) as u32;
         w.0[8..12].copy_from_slice(&body.to_le_bytes());
@@ -555,6 +597,8 @@ impl Frame {
             Frame::Retire { .. } => KIND_RETIRE,
             Frame::Rejected { .. } => KIND_REJECTED,
             Frame::Close { .. } => KIND_CLOSE,
+            Frame::Bytes { .. } => KIND_BYTES,
+            Frame::Communicator { .. } => KIND_COMMUNICATOR,
         }
     }
 
@@ -640,6 +684,18 @@ impl Frame {
             KIND_RETIRE => Frame::Retire { chunk: r.u64()? },
             KIND_REJECTED => Frame::Rejected { seq: r.u64()?, reason: r.text()? },
             KIND_CLOSE => Frame::Close { read_up_to: r.u64()?, reason: r.text()? },
+            KIND_BYTES => {
+                let len = r.count("bytes", MAX_MESSAGE_BYTES)?;
+                Frame::Bytes { data: r.take(len)?.to_vec() }
+            }
+            KIND_COMMUNICATOR => {
+                let id = r.u32()?;
+                let len = r.count("unique id bytes", ipc_core::nccl::UniqueId::LEN)?;
+                if len != ipc_core::nccl::UniqueId::LEN {
+                    return Err(FrameError::Invalid("an NCCL unique id of the wrong length"));
+                }
+                Frame::Communicator { id, unique_id: r.take(len)?.to_vec(), target: r.array()? }
+            }
             other => return Err(FrameError::UnknownKind(other)),
         };
         r.finish()?;
@@ -779,6 +835,7 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
     let route = Route::from_code(route_code)
         .ok_or_else(|| FrameError::OutOfBounds { index, reason: format!("unknown route {route_code}") })?;
     let target = if route == Route::Staged { Some(Uuid(r.array()?)) } else { None };
+    let span = if route == Route::Nccl { r.u32()? } else { 0 };
     let fence = match r.u8()? {
         FENCE_NONE => Fence::None,
         FENCE_EVENT => Fence::Event(r.u32()?),
@@ -801,7 +858,7 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
             "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside a {storage_len}-byte storage"
         )));
     }
-    Ok(TensorDesc { chunk, storage_offset, storage_len, view_offset, dtype, fence, route, target, shape, strides })
+    Ok(TensorDesc { chunk, storage_offset, storage_len, view_offset, dtype, fence, route, target, span, shape, strides })
 }
 
 /// The most bytes a view's elements may add up to (256 TiB, more than any machine's memory): a
@@ -990,6 +1047,7 @@ mod tests {
                 fence: Fence::Signal { chunk: 1, offset: 64, value: 5 },
                 route: Route::Staged,
                 target: Some(Uuid([4; 16])),
+                span: 0,
                 shape: vec![3, 4],
                 strides: vec![4, 1],
             }],

@@ -219,6 +219,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
         fence: Fence::None,
         route: tensor_queue::route::Route::SameDevice,
         target: None,
+        span: 0,
         shape: vec![64],
         strides: vec![1],
     };
@@ -502,6 +503,7 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
                 fence,
                 route,
                 target,
+                span: 0,
                 shape: vec![64],
                 strides: vec![1],
             };
@@ -576,6 +578,7 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
         fence: Fence::Signal { chunk: 6, offset: 0, value: 1 },
         route: Route::Host,
         target: None,
+        span: 0,
         shape: vec![64],
         strides: vec![1],
     };

@@ -221,6 +221,7 @@ fn desc(chunk: u64, len: u64, dtype: DType, view_offset: u64, shape: &[u64], str
         fence: Fence::None,
         route: tensor_queue::route::Route::SameDevice,
         target: None,
+        span: 0,
         shape: shape.to_vec(),
         strides: strides.to_vec(),
     }

@@ -25,7 +25,7 @@ const NOWHERE: Uuid = Uuid([7; 16]);
 /// checks every tensor's bytes and path; returns what the producer printed.
 fn host_messages_through(routing: Routing, count: u64) -> Result<String> {
     let path = socket_path("routes-host");
-    let options = ReceiverOptions { capacity: 4, routing };
+    let options = ReceiverOptions { capacity: 4, routing, secret: None };
     let mut receiver = Receiver::<CrossItem>::bind_with(&path, options)?;
     let child = Command::new(tq_cross())
         .args(["produce", "--case", "host", "--deadline-s", "60", "--count", &count.to_string(), "--to"])
@@ -131,7 +131,7 @@ fn receiver_options_round_trip_through_bind_with() -> Result<()> {
         Routing::default().land_from(NOWHERE, Landing::Device(other)).strict(Strictness::NoStaging),
     ];
     for (n, routing) in policies.into_iter().enumerate() {
-        let options = ReceiverOptions { capacity: 3, routing: routing.clone() };
+        let options = ReceiverOptions { capacity: 3, routing: routing.clone(), secret: None };
         ensure!(options.clone() == options, "ReceiverOptions compare");
         let path = socket_path("options");
         let mut receiver = Receiver::<Tensor>::bind_with(&path, options)?;

@@ -16,6 +16,7 @@ use super::imports::{Announced, import};
 use super::link::{Link, Read};
 use super::peer::Peer;
 use super::release::{Fences, ReceivedLease};
+use super::remote::Remote;
 use super::{lock, monotonic_ns};
 use crate::arena::{Allocation, Chunk, ChunkMemory};
 use crate::route::{self, Reach, Route, Routing};
@@ -168,6 +169,14 @@ pub(super) struct Connected {
     taken: u32,
     /// The sequence number of the last message read.
     last_seq: u64,
+    /// For a sender on another host: its bytes and communicators.
+    remote: Remote,
+}
+
+impl Drop for Connected {
+    fn drop(&mut self) {
+        self.remote.retire(self.peer.clone());
+    }
 }
 
 impl Connected {
@@ -183,6 +192,7 @@ impl Connected {
             uncredited: 0,
             taken: 0,
             last_seq: 0,
+            remote: Remote::default(),
         }
     }
 
@@ -194,7 +204,7 @@ impl Connected {
     }
 
     pub fn pid(&self) -> u32 {
-        self.peer.link.peer_pid
+        self.peer.link.peer_pid()
     }
 
     /// Why tensor `index` of a message cannot be used here: the message is rejected alone.
@@ -224,12 +234,20 @@ impl Connected {
         };
         let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
-            let instance = Link::check_hello(frame)?.instance;
+            let instance = self.peer.link.check_hello(frame)?.instance;
             self.producer = Some((instance, producer(self.pid(), instance)));
             return Ok(Progress::Greeted);
         };
         let instance = *instance;
+        let remote = self.peer.link.remote;
         match frame {
+            Frame::Bytes { data } if remote => self.remote.bytes(data)?,
+            Frame::Communicator { id, unique_id, target } if remote => {
+                self.remote.join(devices, id, &unique_id, Uuid(target))?;
+            }
+            Frame::Chunk { .. } | Frame::Event { .. } | Frame::Retire { .. } if remote => {
+                return Err(Error::Protocol("a sender on another host announced local memory".into()));
+            }
             Frame::Chunk { id, len, kind, device, legacy, .. } => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
                 match import(self.pid(), instance, announced, |uuid| devices.context(uuid)) {
@@ -267,7 +285,12 @@ impl Connected {
                     imported_ns: 0,
                     decoded_ns: 0,
                 };
-                return Ok(Progress::Arrived(match self.place(devices, &tensors, payload, info) {
+                let placed = if remote {
+                    self.place_remote(devices, &tensors, payload, info)
+                } else {
+                    self.place(devices, &tensors, payload, info)
+                };
+                return Ok(Progress::Arrived(match placed {
                     Ok(ready) => Arrival::Ready(ready),
                     Err(error) => {
                         let reason = error.to_string();
@@ -366,6 +389,34 @@ impl Connected {
         }
         info.imported_ns = monotonic_ns();
         Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
+    }
+
+    /// Lands the tensors of a message from a sender on another host (see `remote.rs`).
+    fn place_remote(
+        &mut self,
+        devices: &Devices,
+        descs: &[TensorDesc],
+        payload: Vec<u8>,
+        mut info: MessageInfo,
+    ) -> Result<Ready> {
+        for (index, desc) in descs.iter().enumerate() {
+            self.check_route(devices, index, desc)?;
+        }
+        let pid = self.pid();
+        let bad = move |index, reason| Error::Frame { pid, source: FrameError::OutOfBounds { index, reason } };
+        let mut remote = std::mem::take(&mut self.remote);
+        let received = remote.receive(descs, devices, |uuid| self.stream(devices, uuid), bad);
+        self.remote = remote;
+        let received = received?;
+        let mut tensors = Vec::with_capacity(descs.len());
+        for ((storage, offset, stream), desc) in received.tensors.into_iter().zip(descs) {
+            let path = if desc.route == Route::Nccl { TransferPath::Nccl } else { TransferPath::Tcp };
+            let (shape, strides) = (desc.shape.clone(), desc.strides.clone());
+            tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
+        }
+        info.imported_ns = monotonic_ns();
+        let fences: Fences = Arc::new(received.fences);
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu: false })
     }
 
     /// The chunk a descriptor names, checked, with the path it came by and the stream its first

@@ -30,12 +30,26 @@ use crate::Result;
 use crate::arena::Chunk;
 
 /// The value a word held when its producer died (`u64::MAX` while the producer lives).
-struct WordFate(AtomicU64);
+pub(crate) struct WordFate(AtomicU64);
+
+impl WordFate {
+    /// The fate of a transfer that another engine completes (NCCL): whole until
+    /// [`WordFate::cut`].
+    pub fn whole() -> Arc<WordFate> {
+        Arc::new(WordFate(AtomicU64::new(u64::MAX)))
+    }
+
+    /// Marks the transfer as cut short (its communicator was aborted before it completed).
+    pub fn cut(&self) {
+        self.0.store(0, Ordering::Release);
+    }
+}
 
 /// One stream wait on a producer's word: whether its producer's work completed. It keeps the
 /// producer watched while the wait may still be queued.
 pub(crate) struct FenceWait {
-    _producer: Arc<Producer>,
+    /// `None` for a transfer that another engine completes.
+    producer: Option<Arc<Producer>>,
     fate: Arc<WordFate>,
     value: u64,
     /// The word, for a wait on the CPU.
@@ -43,6 +57,11 @@ pub(crate) struct FenceWait {
 }
 
 impl FenceWait {
+    /// A wait for a transfer another engine completes (NCCL): failed once `fate` is cut.
+    pub fn transfer(fate: Arc<WordFate>) -> FenceWait {
+        FenceWait { producer: None, fate, value: 1, word: None }
+    }
+
     /// Whether the producer died before its work reached this fence.
     pub fn failed(&self) -> bool {
         self.value > self.fate.0.load(Ordering::Acquire)
@@ -53,7 +72,7 @@ impl FenceWait {
     /// never writes holds up only its own messages.
     pub fn ready_on_cpu(&self) -> Result<bool> {
         let Some((chunk, offset)) = &self.word else { return Ok(true) };
-        Ok(host(chunk)?.load_u64(*offset)? >= self.value || self._producer.is_dead())
+        Ok(host(chunk)?.load_u64(*offset)? >= self.value || self.producer.as_ref().is_some_and(|p| p.is_dead()))
     }
 }
 
@@ -148,7 +167,7 @@ impl Producer {
             // A word first named after the producer died: how far did it get?
             rescue_word(&state.words[at])?;
         }
-        Ok(FenceWait { _producer: self.clone(), fate, value, word: stream.is_none().then(|| (chunk.clone(), offset)) })
+        Ok(FenceWait { producer: Some(self.clone()), fate, value, word: stream.is_none().then(|| (chunk.clone(), offset)) })
     }
 
     fn is_dead(&self) -> bool {

@@ -1,15 +1,21 @@
 //! A connected socket speaking frames: the only place that writes or reads the socket.
 //!
+//! The socket is a [`Packets`] link: a Unix seqpacket socket on one machine, or an
+//! authenticated TCP link between hosts. The protocol above is written once for both; the one
+//! difference it sees is [`Link::remote`] (no descriptors cross, every tensor moves as between
+//! hosts, and the peer's machine may differ).
+//!
 //! Frames longer than a packet travel in parts ([`wire::packets`], joined by
 //! [`wire::Assembler`]). Writes never hold a lock of the channel's state: a blocked write must
 //! never stop the thread that reads the peer's frames, or two honest processes that write to
 //! each other at once wait for each other forever.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use ipc_core::HostId;
-use ipc_core::seqpacket::Connection;
+use ipc_core::transport::{Packets, Peer};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 
@@ -29,9 +35,12 @@ pub(crate) enum Read {
 
 /// A connected socket and who is at the other end.
 pub(crate) struct Link {
-    connection: Connection,
-    /// The peer's process id, as the kernel recorded it at connect time.
-    pub peer_pid: u32,
+    connection: Box<dyn Packets>,
+    /// The peer's process id: as the kernel recorded it at connect time, or for a peer on
+    /// another host as its `Hello` said (0 until then).
+    peer_pid: AtomicU32,
+    /// Whether the peer is across a TCP link: it shares no memory, handle or descriptor with us.
+    pub remote: bool,
 }
 
 /// A random number drawn once per process: with the pid it names this process for good.
@@ -44,22 +53,33 @@ pub(crate) fn instance() -> u64 {
 }
 
 impl Link {
-    /// Checks that the peer runs as this user (`SO_PEERCRED`), the second lock after the
-    /// socket file's 0600 mode.
-    pub fn new(connection: Connection) -> Result<Link> {
-        let peer_pid = Link::check_peer(&connection)?;
-        Ok(Link { connection, peer_pid })
+    /// A link over `connection`. A local peer must run as this user (`SO_PEERCRED`), the second
+    /// lock after the socket file's 0600 mode; a remote one has proven the shared secret.
+    pub fn new(connection: Box<dyn Packets>) -> Result<Link> {
+        let (pid, remote) = match Link::check_peer(connection.as_ref())? {
+            Some(pid) => (pid, false),
+            None => (0, true),
+        };
+        Ok(Link { connection, peer_pid: AtomicU32::new(pid), remote })
     }
 
-    /// The peer's pid, if it runs as this user.
-    pub fn check_peer(connection: &Connection) -> Result<u32> {
-        let credentials = connection.peer_credentials()?;
-        let uid = rustix::process::getuid().as_raw();
-        if credentials.uid != uid {
-            let (pid, theirs) = (credentials.pid as u32, credentials.uid);
-            return Err(Error::PeerRefused(Refusal::OtherUser { pid, uid: theirs, ours: uid }));
+    /// The peer's pid if it is local and runs as this user; `None` for a remote peer.
+    pub fn check_peer(connection: &dyn Packets) -> Result<Option<u32>> {
+        match connection.peer()? {
+            Peer::Remote(_) => Ok(None),
+            Peer::Local { pid, uid: theirs } => {
+                let uid = rustix::process::getuid().as_raw();
+                if theirs != uid {
+                    return Err(Error::PeerRefused(Refusal::OtherUser { pid, uid: theirs, ours: uid }));
+                }
+                Ok(Some(pid))
+            }
         }
-        Ok(credentials.pid as u32)
+    }
+
+    /// The peer's process id (see the field).
+    pub fn peer_pid(&self) -> u32 {
+        self.peer_pid.load(Ordering::Relaxed)
     }
 
     /// Sends `frame`, waiting while the socket is full. The wait before the first packet ends at
@@ -109,7 +129,7 @@ impl Link {
         match assembler.push(packet, fds) {
             Ok(Some((frame, fds))) => Ok(Read::Frame(frame, fds)),
             Ok(None) => Ok(Read::Nothing),
-            Err(source) => Err(Error::Frame { pid: self.peer_pid, source }),
+            Err(source) => Err(Error::Frame { pid: self.peer_pid(), source }),
         }
     }
 
@@ -135,12 +155,18 @@ impl Link {
 
     /// Shuts down one or both directions.
     pub fn shutdown(&self, how: rustix::net::Shutdown) {
-        let _ = rustix::net::shutdown(&self.connection, how);
+        self.connection.shutdown(how);
     }
 
     /// The socket, for `poll`.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.connection.as_fd()
+    }
+
+    /// Whether a whole packet was read ahead and waits in this process, where `poll` on the
+    /// socket cannot see it.
+    pub fn has_buffered(&self) -> bool {
+        self.connection.has_buffered()
     }
 
     /// Says who we are; a receiver adds how many messages a sender may have in flight, its GPUs
@@ -157,10 +183,16 @@ impl Link {
         self.send(&hello, &[], None)
     }
 
-    /// Checks the peer's `Hello` (same protocol, checked by decoding, and same machine).
-    pub fn check_hello(frame: Frame) -> Result<Greeting> {
+    /// Checks the peer's `Hello` (same protocol, checked by decoding, and, over a Unix socket, the
+    /// same machine). A remote peer's pid is taken from it.
+    pub fn check_hello(&self, frame: Frame) -> Result<Greeting> {
         match frame {
-            Frame::Hello { host, capacity, instance, reach, routing, .. } if host == HostId::current()?.0 => {
+            Frame::Hello { pid, host, capacity, instance, reach, routing }
+                if self.remote || host == HostId::current()?.0 =>
+            {
+                if self.remote {
+                    self.peer_pid.store(pid, Ordering::Relaxed);
+                }
                 Ok(Greeting { capacity, instance, reach, routing })
             }
             Frame::Hello { .. } => Err(Error::PeerRefused(Refusal::OtherMachine)),

@@ -86,6 +86,7 @@ mod acceptor;
 mod broadcast;
 mod child;
 mod connection;
+mod endpoint;
 mod fences;
 mod imports;
 mod landing;
@@ -94,6 +95,7 @@ mod outgoing;
 mod peer;
 mod receiver;
 mod release;
+mod remote;
 mod sender;
 pub(crate) mod switches;
 
@@ -104,6 +106,7 @@ pub use child::{
     from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout,
 };
 pub use connection::MessageInfo;
+pub use endpoint::{ConnectOptions, Endpoint, TCP_PREFIX};
 pub use receiver::{Receiver, ReceiverOptions};
 pub(crate) use release::{Fences, ReceivedLease, failed};
 pub use sender::{Rejection, Sender};

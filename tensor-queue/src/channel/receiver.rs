@@ -8,12 +8,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::{Connection, Listener};
+use ipc_core::tcp::{Secret, TcpListener};
 use ipc_core::{Stream, Uuid};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
-use super::acceptor::Acceptor;
+use super::acceptor::{Acceptor, Listening};
+use super::endpoint::{self, Endpoint};
 use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
 use super::link::Link;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
@@ -39,11 +41,14 @@ pub struct ReceiverOptions {
     pub capacity: u32,
     /// Where GPU tensors land and which routes are refused (see [`crate::route`]).
     pub routing: Routing,
+    /// For a receiver bound to TCP: the secret senders must prove they hold; `None`: the one in
+    /// `TQ_SECRET`. Unused for Unix sockets.
+    pub secret: Option<Secret>,
 }
 
 impl Default for ReceiverOptions {
     fn default() -> ReceiverOptions {
-        ReceiverOptions { capacity: DEFAULT_CAPACITY, routing: Routing::default() }
+        ReceiverOptions { capacity: DEFAULT_CAPACITY, routing: Routing::default(), secret: None }
     }
 }
 
@@ -60,6 +65,17 @@ impl ReceiverOptions {
     /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing.
     pub(super) fn greet(&self, link: &Link) -> Result<()> {
         link.hello(self.capacity, Reach::local(), &self.routing)
+    }
+
+    /// Listens at `endpoint`.
+    fn listen(&self, endpoint: Endpoint) -> Result<Listening> {
+        Ok(match endpoint {
+            Endpoint::Unix(path) => Listening::Unix(Listener::bind(path)?),
+            Endpoint::Tcp(address) => {
+                let secret = endpoint::secret(self.secret.as_ref())?;
+                Listening::Tcp(TcpListener::bind(address.as_str())?, secret)
+            }
+        })
     }
 }
 
@@ -113,8 +129,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// assert_eq!(receiver.recv()?, [1.0, 2.0]);
     /// # Ok(()) }
     /// ```
-    pub fn bind(path: impl AsRef<Path>) -> Result<Receiver<T>> {
-        Receiver::bind_with_capacity(path, DEFAULT_CAPACITY)
+    pub fn bind(endpoint: impl Into<Endpoint>) -> Result<Receiver<T>> {
+        Receiver::bind_with_capacity(endpoint, DEFAULT_CAPACITY)
     }
 
     /// Listens at `path`; each sender may have `capacity` messages not yet received.
@@ -133,8 +149,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// assert_eq!(receiver.recv()?, 1);
     /// # Ok(()) }
     /// ```
-    pub fn bind_with_capacity(path: impl AsRef<Path>, capacity: u32) -> Result<Receiver<T>> {
-        Receiver::bind_with(path, ReceiverOptions { capacity, ..ReceiverOptions::default() })
+    pub fn bind_with_capacity(endpoint: impl Into<Endpoint>, capacity: u32) -> Result<Receiver<T>> {
+        Receiver::bind_with(endpoint, ReceiverOptions { capacity, ..ReceiverOptions::default() })
     }
 
     /// Listens at `path` with `options`: the capacity per sender, and where GPU tensors land
@@ -153,10 +169,11 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// assert_eq!(receiver.recv()?.to_vec::<u8>()?, [1, 2]);
     /// # Ok(()) }
     /// ```
-    pub fn bind_with(path: impl AsRef<Path>, options: ReceiverOptions) -> Result<Receiver<T>> {
+    pub fn bind_with(endpoint: impl Into<Endpoint>, options: ReceiverOptions) -> Result<Receiver<T>> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options);
-        receiver.acceptor = Some(Acceptor::start(Listener::bind(path)?, options)?);
+        let listening = options.listen(endpoint.into())?;
+        receiver.acceptor = Some(Acceptor::start(listening, options)?);
         Ok(receiver)
     }
 
@@ -194,7 +211,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     pub fn from_connection_with(connection: Connection, options: ReceiverOptions) -> Result<Receiver<T>> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options);
-        let link = Link::new(connection)?;
+        let link = Link::new(Box::new(connection))?;
         options.greet(&link)?;
         receiver.connected.push(Connected::new(link));
         Ok(receiver)
@@ -229,7 +246,24 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn path(&self) -> Option<&Path> {
-        self.acceptor.as_ref().map(|acceptor| acceptor.listener.path())
+        self.acceptor.as_ref().and_then(Acceptor::path)
+    }
+
+    /// Where senders on other hosts connect, for a receiver bound to TCP (with port 0, the port
+    /// the system chose).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Receiver, ReceiverOptions, Secret};
+    /// let secret = Some(Secret::from_bytes(*b"a secret of at least 16 bytes")?);
+    /// let receiver = Receiver::<u32>::bind_with("tcp://127.0.0.1:0", ReceiverOptions { secret, ..Default::default() })?;
+    /// let address = receiver.local_addr().expect("bound to TCP");
+    /// assert_ne!(address.port(), 0);
+    /// println!("senders connect to tcp://{address}");
+    /// # Ok(()) }
+    /// ```
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.acceptor.as_ref().and_then(Acceptor::local_addr)
     }
 
     /// Where this receiver's GPU tensors land, and which routes it refuses (the policy its
@@ -612,6 +646,12 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// Waits up to `wait` (forever with `None`) for sockets to become readable and reads one frame
     /// from each that is. Returns whether anything was readable.
     fn pump(&mut self, wait: Option<Duration>) -> Result<bool> {
+        // Packets a TCP link read ahead wait in this process, where `poll` cannot see them.
+        let buffered: Vec<usize> = (0..self.connected.len()).filter(|&i| self.connected[i].peer.link.has_buffered()).collect();
+        if !buffered.is_empty() {
+            self.read_connections(buffered);
+            return Ok(true);
+        }
         let (listener_ready, readable) = {
             let mut fds = Vec::with_capacity(self.connected.len() + 1);
             if let Some(acceptor) = &self.acceptor {
@@ -686,18 +726,12 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// were any.
     fn accept_waiting(&mut self) -> Result<bool> {
         let Some(acceptor) = &self.acceptor else { return Ok(false) };
-        let Some((n, fds)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
-        self.errors.append(&mut lock(&acceptor.refused));
-        if n == 0 {
-            return Ok(false); // the accept thread has ended (`stop_accepting`): nothing more comes
-        }
-        for fd in fds {
-            match Link::new(Connection::from(fd)) {
-                Ok(link) => self.connected.push(Connected::new(link)),
-                Err(error) => self.errors.push(error),
-            }
-        }
-        Ok(true)
+        let Some((n, _)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
+        let handed = std::mem::take(&mut *lock(&acceptor.handed));
+        self.errors.extend(handed.refused);
+        self.connected.extend(handed.links.into_iter().map(Connected::new));
+        // 0: the accept thread has ended (`stop_accepting`): nothing more comes.
+        Ok(n > 0)
     }
 }
 

@@ -9,7 +9,6 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::marker::PhantomData;
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering as Atomic};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -18,9 +17,11 @@ use ipc_core::seqpacket::Connection;
 use ipc_core::{Event, Stream, Uuid};
 use serde::Serialize;
 
+use super::endpoint::{self, ConnectOptions, Endpoint};
 use super::link::{Link, Read};
 use super::lock;
 use super::outgoing::{Fencing, Outgoing};
+use crate::route::network::{self, SendComms};
 use crate::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::tensor::Storage;
@@ -94,6 +95,8 @@ struct Writer {
 
 pub(super) struct SenderInner {
     link: Link,
+    /// For a receiver on another host: the NCCL communicators (used under the writer lock).
+    comms: Mutex<SendComms>,
     state: Mutex<SenderState>,
     changed: Condvar,
     writer: Mutex<Writer>,
@@ -178,8 +181,29 @@ impl<T: Serialize> Sender<T> {
     /// assert_eq!(receiver.recv()?, "hello");
     /// # Ok(()) }
     /// ```
-    pub fn connect(path: impl AsRef<Path>) -> Result<Sender<T>> {
-        Sender::from_connection(Connection::connect(path)?)
+    pub fn connect(endpoint: impl Into<Endpoint>) -> Result<Sender<T>> {
+        Sender::connect_with(endpoint, &ConnectOptions::default())
+    }
+
+    /// Connects to the receiver at `endpoint` with `options`: for TCP, the secret to prove and
+    /// how long connecting may take.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{ConnectOptions, Receiver, ReceiverOptions, Secret, Sender};
+    /// let secret = Secret::from_bytes(*b"a secret of at least 16 bytes")?; // usually TQ_SECRET
+    /// let options = ReceiverOptions { secret: Some(secret.clone()), ..Default::default() };
+    /// let mut receiver = Receiver::<String>::bind_with("tcp://127.0.0.1:0", options)?; // on another host
+    /// let endpoint = format!("tcp://{}", receiver.local_addr().expect("bound to TCP"));
+    /// let options = ConnectOptions { secret: Some(secret), timeout: Duration::from_secs(5) };
+    /// let sender = Sender::<String>::connect_with(endpoint, &options)?;
+    /// sender.send(&"over TCP".to_string())?;
+    /// assert_eq!(receiver.recv()?, "over TCP");
+    /// # Ok(()) }
+    /// ```
+    pub fn connect_with(endpoint: impl Into<Endpoint>, options: &ConnectOptions) -> Result<Sender<T>> {
+        Sender::from_link(Link::new(endpoint::connect(&endpoint.into(), options)?)?)
     }
 
     /// A sender over an already connected socket (see [`spawn`](super::spawn)).
@@ -196,7 +220,10 @@ impl<T: Serialize> Sender<T> {
     /// # Ok(()) }
     /// ```
     pub fn from_connection(connection: Connection) -> Result<Sender<T>> {
-        let link = Link::new(connection)?;
+        Sender::from_link(Link::new(Box::new(connection))?)
+    }
+
+    fn from_link(link: Link) -> Result<Sender<T>> {
         match link.hello(0, &Reach::default(), &Routing::default()) {
             // A receiver already gone (a child that exited at once): the reader thread sees the
             // hang-up, and `send` says `Disconnected`.
@@ -205,6 +232,7 @@ impl<T: Serialize> Sender<T> {
         }
         let inner = Arc::new_cyclic(|me| SenderInner {
             link,
+            comms: Mutex::new(SendComms::default()),
             // No credits until the receiver's Hello says how many: until then the receiver is
             // not receiving, which is what a full queue means too.
             state: Mutex::new(SenderState::default()),
@@ -543,7 +571,7 @@ impl<T> Sender<T> {
     /// # Ok(()) }
     /// ```
     pub fn peer_pid(&self) -> u32 {
-        self.inner().link.peer_pid
+        self.inner().link.peer_pid()
     }
 }
 
@@ -635,6 +663,10 @@ impl SenderInner {
         seq: u64,
         deadline: Option<Instant>,
     ) -> Result<Option<EventSlot>> {
+        if self.link.remote {
+            self.write_remote(outgoing, seq, deadline)?;
+            return Ok(None);
+        }
         self.flush_retired(writer, true)?;
         let (fence, event) = match &outgoing.fencing {
             Fencing::Done => (Fence::None, None),
@@ -657,7 +689,7 @@ impl SenderInner {
             Some(receiver) => receiver,
             None => return Err(give_back(Error::Disconnected, event)),
         };
-        let sent = match route::send::prepare(&outgoing.tensors, outgoing.stream, &receiver, self.link.peer_pid) {
+        let sent = match route::send::prepare(&outgoing.tensors, outgoing.stream, &receiver, self.link.peer_pid()) {
             Ok(sent) => sent,
             Err(error) => return Err(give_back(error, event)),
         };
@@ -686,6 +718,7 @@ impl SenderInner {
                 fence: tensor_fence,
                 route: sent.route,
                 target: sent.target,
+                span: 0,
                 shape: tensor.shape().to_vec(),
                 strides: tensor.strides().to_vec(),
             });
@@ -713,6 +746,30 @@ impl SenderInner {
             Ok(()) => Ok(event),
             Err(error) => Err(give_back(error, event)),
         }
+    }
+
+    /// Writes one message to a receiver on another host: new communicators, the host tensors'
+    /// bytes, and the message, whose GPU tensors NCCL moves (see `route/network.rs`). Nothing is
+    /// leased: host bytes are copied, and NCCL's sources are held until their sends are done.
+    fn write_remote(&self, outgoing: &Outgoing, seq: u64, deadline: Option<Instant>) -> Result<()> {
+        let receiver = lock(&self.state).receiver.clone().ok_or(Error::Disconnected)?;
+        let mut frames = Vec::new();
+        let message = {
+            let mut comms = lock(&self.comms);
+            network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut comms, &mut frames)?
+        };
+        frames.extend(message.bytes);
+        for frame in &frames {
+            self.link.send(frame, &[], deadline)?;
+        }
+        let frame = Frame::Message {
+            seq,
+            sent_ns: outgoing.sent_ns,
+            encoded_ns: super::monotonic_ns(),
+            tensors: message.descriptors,
+            payload: outgoing.payload.clone(),
+        };
+        self.link.send(&frame, &[], deadline)
     }
 
     /// Sends the chunk's descriptor or handle the first time this peer needs it.
@@ -795,7 +852,7 @@ impl SenderInner {
                 Ok(Read::Frame(Frame::Close { reason, .. }, _)) => {
                     break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
                 }
-                Ok(Read::Frame(frame, _)) => break Link::check_hello(frame),
+                Ok(Read::Frame(frame, _)) => break self.link.check_hello(frame),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
                 Err(error) => break Err(error),
@@ -921,6 +978,7 @@ impl SenderInner {
     /// go): everything it held comes back now (dropped outside the lock).
     fn hang_up(&self, why: &str) {
         self.link.shutdown(rustix::net::Shutdown::Both);
+        lock(&self.comms).abort();
         let mut state: MutexGuard<'_, SenderState> = lock(&self.state);
         state.closed.get_or_insert_with(|| why.to_string());
         let released = std::mem::take(&mut state.leases);

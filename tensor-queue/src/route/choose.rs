@@ -31,6 +31,12 @@ pub enum Route {
     Staged,
     /// The receiver gets host tensors: the sender copies into shared host memory.
     Host,
+    /// The receiver is on another host (a TCP channel): NCCL moves the data from the sender's
+    /// GPU into memory on the receiver's.
+    Nccl,
+    /// The receiver is on another host and takes host tensors: the bytes travel over the TCP
+    /// link (a GPU tensor is first copied to host memory by the sender).
+    Tcp,
 }
 
 impl Route {
@@ -47,12 +53,14 @@ impl Route {
             Route::PeerCopy => 2,
             Route::Staged => 3,
             Route::Host => 4,
+            Route::Nccl => 5,
+            Route::Tcp => 6,
         }
     }
 
     /// The route of a wire code.
     pub(crate) fn from_code(code: u8) -> Option<Route> {
-        [Route::SameDevice, Route::PeerMap, Route::PeerCopy, Route::Staged, Route::Host]
+        [Route::SameDevice, Route::PeerMap, Route::PeerCopy, Route::Staged, Route::Host, Route::Nccl, Route::Tcp]
             .into_iter()
             .find(|r| r.code() == code)
     }
@@ -66,6 +74,8 @@ impl fmt::Display for Route {
             Route::PeerCopy => "copied over the peer link",
             Route::Staged => "staged through pinned host memory",
             Route::Host => "copied to host memory",
+            Route::Nccl => "moved by NCCL to another host's GPU",
+            Route::Tcp => "sent as bytes over TCP to another host's memory",
         })
     }
 }
@@ -157,6 +167,49 @@ pub fn choose(source: &Uuid, routing: &Routing, receiver: &Reach, sender: &Reach
     check(Choice { route, target: Some(target), slower_because }, routing.strict, fallback)
 }
 
+/// The route of a tensor on the GPU `source` to a receiver on another host (a TCP channel) with
+/// `routing` and `receiver`'s GPUs: NCCL onto one of its GPUs, or bytes over TCP into its host
+/// memory when it asks for host tensors or has no GPU.
+///
+/// ```
+/// use tensor_queue::route::{DeviceReach, Landing, Reach, Route, Routing, Strictness, choose_remote};
+/// use tensor_queue::Uuid;
+/// let (here, there) = (Uuid([1; 16]), Uuid([2; 16]));
+/// let remote = Reach { devices: vec![DeviceReach { uuid: there, stream_ops: true }], links: vec![] };
+/// let choice = choose_remote(&here, &Routing::default(), &remote).unwrap();
+/// assert_eq!((choice.route, choice.target), (Route::Nccl, Some(there)));
+/// let host = Routing::default().land(Landing::Host);
+/// assert_eq!(choose_remote(&here, &host, &remote).unwrap().route, Route::Tcp);
+/// assert!(choose_remote(&here, &Routing::default().strict(Strictness::ZeroCopy), &remote).is_err());
+/// ```
+pub fn choose_remote(source: &Uuid, routing: &Routing, receiver: &Reach) -> Result<Choice, Forbidden> {
+    let (target, fallback) = match routing.landing_for(source) {
+        Landing::Host => (None, false),
+        Landing::Device(target) if receiver.sees(&target) => (Some(target), false),
+        // A GPU of another host is never "as sent": its tensors land on the receiver's first GPU.
+        Landing::AsSent => (receiver.devices.first().map(|d| d.uuid), false),
+        Landing::Device(_) => (receiver.devices.first().map(|d| d.uuid), true),
+    };
+    let choice = match target {
+        Some(target) => Choice {
+            route: Route::Nccl,
+            target: Some(target),
+            slower_because: fallback.then(|| "the receiver's chosen GPU is not one of its own".to_string()),
+        },
+        None => {
+            let why = if receiver.devices.is_empty() && routing.landing_for(source) != Landing::Host {
+                "the receiver has no GPU"
+            } else {
+                "the receiver asked for host memory"
+            };
+            let no_gpu = why == "the receiver has no GPU";
+            let choice = Choice { route: Route::Tcp, target: None, slower_because: Some(why.into()) };
+            return check(choice, routing.strict, no_gpu);
+        }
+    };
+    check(choice, routing.strict, fallback)
+}
+
 /// The receiver's GPU that tensors from `source` land on (`None`: host memory), and whether
 /// that is a fallback rather than the policy's own choice (the receiver cannot use `source`).
 pub(crate) fn target(source: &Uuid, routing: &Routing, receiver: &Reach) -> (Option<Uuid>, bool) {
@@ -172,7 +225,7 @@ pub(crate) fn target(source: &Uuid, routing: &Routing, receiver: &Reach) -> (Opt
 pub(crate) fn allowed(route: Route, strict: Strictness, fallback: bool) -> bool {
     match strict {
         Strictness::Any => true,
-        Strictness::NoStaging => !(route == Route::Staged || (route == Route::Host && fallback)),
+        Strictness::NoStaging => !(route == Route::Staged || (matches!(route, Route::Host | Route::Tcp) && fallback)),
         Strictness::ZeroCopy => route.is_zero_copy(),
     }
 }

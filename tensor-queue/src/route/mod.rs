@@ -22,6 +22,12 @@
 //!    stream copies into shared host memory; `recv` delivers the message once the copy is done,
 //!    without holding up other senders' messages.
 //!
+//! 6. **[`Route::Nccl`]** (a receiver on another host, over a TCP channel): NCCL moves the
+//!    message's GPU tensors, in one group, from the sender's GPU into the receiver's memory on its
+//!    landing GPU (for [`Landing::AsSent`], its first GPU). See [`crate::channel`]'s docs on TCP.
+//! 7. **[`Route::Tcp`]** (a receiver on another host that takes host tensors): the bytes travel
+//!    over the TCP link; a GPU tensor is first copied to host memory by the sender (a CPU wait).
+//!
 //! # How it is chosen
 //! The receiver's handshake lists its GPUs by UUID, what each can reach ([`Reach`]), and its
 //! [`Routing`]. The sender knows its own GPUs. [`choose`] decides from both, before anything is
@@ -37,9 +43,10 @@
 mod choose;
 mod policy;
 mod reach;
+pub(crate) mod network;
 pub(crate) mod send;
 
-pub use choose::{Choice, Forbidden, Route, choose};
+pub use choose::{Choice, Forbidden, Route, choose, choose_remote};
 pub(crate) use choose::{allowed, target};
 pub use policy::{Landing, MAX_SOURCES, PeerMode, Routing, Strictness};
 pub use reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};

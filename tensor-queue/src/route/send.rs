@@ -137,14 +137,14 @@ impl Sent {
 
 /// Bytes of one chunk that move as one copy, and the tensors in them (with the chunk offset of
 /// each one's element 0).
-struct Span {
-    low: usize,
-    high: usize,
-    members: Vec<(usize, usize)>,
+pub(crate) struct Span {
+    pub low: usize,
+    pub high: usize,
+    pub members: Vec<(usize, usize)>,
 }
 
 /// The spans of the chunk bytes that `members` touch, merged where gaps are small.
-fn spans(tensors: &[Tensor], members: &[usize]) -> Result<Vec<Span>> {
+pub(crate) fn spans(tensors: &[Tensor], members: &[usize]) -> Result<Vec<Span>> {
     let mut ranges = Vec::with_capacity(members.len());
     for &index in members {
         let tensor = &tensors[index];
@@ -230,7 +230,7 @@ fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Conte
 
 /// A stream of the sender's own per device: for copies of a message whose devices were
 /// synchronised (no producer stream), or whose producer stream is another device's.
-fn copy_stream(context: &Arc<Context>) -> Result<Arc<Stream>> {
+pub(crate) fn copy_stream(context: &Arc<Context>) -> Result<Arc<Stream>> {
     static STREAMS: OnceLock<Streams> = OnceLock::new();
     stream_for(&STREAMS, context, 0)
 }

@@ -466,7 +466,7 @@ fn consume(args: &[String]) -> Result<()> {
     memory::trim();
     let baseline = snapshot(&contexts)?;
     println!("baseline {}", json(&baseline));
-    let mut receiver = Receiver::<CrossItem>::bind_with(&listen, ReceiverOptions { capacity, routing })?;
+    let mut receiver = Receiver::<CrossItem>::bind_with(&listen, ReceiverOptions { capacity, routing, secret: None })?;
     let (commands, stdin_lines) = mpsc::channel::<String>();
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines() {

@@ -239,7 +239,7 @@ fn consumer(args: &[String]) -> Result<()> {
     let set_up = || -> Result<(tensor_queue::Receiver<CrossMsg>, Option<Arc<Context>>)> {
         let context = if way == Way::Host { None } else { Some(Context::primary(Device::by_uuid(&land)?)?) };
         let mut items =
-            tensor_queue::from_parent_with::<CrossMsg>(ReceiverOptions { capacity, routing: way.routing(land) })?;
+            tensor_queue::from_parent_with::<CrossMsg>(ReceiverOptions { capacity, routing: way.routing(land), secret: None })?;
         items.set_spin(spin);
         if let Some(context) = &context {
             items.set_stream(Arc::new(Stream::new(context)?))?;

@@ -1,0 +1,144 @@
+//! Where a channel's receiver listens: a Unix socket path on this machine, or a TCP address for
+//! senders on other hosts (design decision 10).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipc_core::seqpacket::Connection;
+use ipc_core::tcp::{Secret, TcpLink};
+use ipc_core::transport::Packets;
+
+use crate::Result;
+
+/// Where a receiver listens and a sender connects.
+///
+/// A string that starts with `tcp://` is a TCP address (`host:port`); anything else is the path of
+/// a Unix socket. So `Receiver::bind(&path)` and `Receiver::bind("tcp://0.0.0.0:7000")` both work.
+///
+/// ```
+/// use tensor_queue::Endpoint;
+/// assert_eq!(Endpoint::from("tcp://trainer-3:7000"), Endpoint::Tcp("trainer-3:7000".into()));
+/// assert_eq!(Endpoint::from("/tmp/queue.sock"), Endpoint::Unix("/tmp/queue.sock".into()));
+/// assert_eq!(Endpoint::Tcp("10.0.0.2:7000".into()).to_string(), "tcp://10.0.0.2:7000");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Endpoint {
+    /// A Unix socket on this machine: tensors are shared in place or moved by the routes of
+    /// [`crate::route`].
+    Unix(PathBuf),
+    /// A TCP address (`host:port`): peers authenticate with a shared [`Secret`], and every
+    /// tensor moves as between hosts (GPU tensors by NCCL, host tensors over the link), even when
+    /// both ends are on one machine.
+    Tcp(String),
+}
+
+/// The prefix that makes a string a TCP endpoint.
+pub const TCP_PREFIX: &str = "tcp://";
+
+impl From<&str> for Endpoint {
+    fn from(text: &str) -> Endpoint {
+        match text.strip_prefix(TCP_PREFIX) {
+            Some(address) => Endpoint::Tcp(address.to_string()),
+            None => Endpoint::Unix(PathBuf::from(text)),
+        }
+    }
+}
+
+impl From<String> for Endpoint {
+    fn from(text: String) -> Endpoint {
+        Endpoint::from(text.as_str())
+    }
+}
+
+impl From<&String> for Endpoint {
+    fn from(text: &String) -> Endpoint {
+        Endpoint::from(text.as_str())
+    }
+}
+
+impl From<&Path> for Endpoint {
+    fn from(path: &Path) -> Endpoint {
+        match path.to_str() {
+            Some(text) if text.starts_with(TCP_PREFIX) => Endpoint::from(text),
+            _ => Endpoint::Unix(path.to_path_buf()),
+        }
+    }
+}
+
+impl From<PathBuf> for Endpoint {
+    fn from(path: PathBuf) -> Endpoint {
+        Endpoint::from(path.as_path())
+    }
+}
+
+impl From<&PathBuf> for Endpoint {
+    fn from(path: &PathBuf) -> Endpoint {
+        Endpoint::from(path.as_path())
+    }
+}
+
+impl From<&std::ffi::OsStr> for Endpoint {
+    fn from(text: &std::ffi::OsStr) -> Endpoint {
+        Endpoint::from(Path::new(text))
+    }
+}
+
+impl From<std::ffi::OsString> for Endpoint {
+    fn from(text: std::ffi::OsString) -> Endpoint {
+        Endpoint::from(Path::new(&text))
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Unix(path) => write!(f, "{}", path.display()),
+            Endpoint::Tcp(address) => write!(f, "{TCP_PREFIX}{address}"),
+        }
+    }
+}
+
+/// How a sender connects (see [`Sender::connect_with`](crate::Sender::connect_with)).
+///
+/// ```
+/// use std::time::Duration;
+/// use tensor_queue::{ConnectOptions, Secret};
+/// let options = ConnectOptions {
+///     secret: Some(Secret::from_bytes(*b"a secret of at least 16 bytes")?),
+///     timeout: Duration::from_secs(30),
+/// };
+/// assert_eq!(ConnectOptions::default().timeout, Duration::from_secs(10));
+/// # Ok::<(), tensor_queue::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectOptions {
+    /// The secret a TCP receiver expects; `None`: the one in `TQ_SECRET`. Unused for Unix sockets.
+    pub secret: Option<Secret>,
+    /// How long connecting and authenticating over TCP may take together.
+    pub timeout: Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> ConnectOptions {
+        ConnectOptions { secret: None, timeout: Duration::from_secs(10) }
+    }
+}
+
+/// The secret given, else the one in `TQ_SECRET`.
+pub(super) fn secret(given: Option<&Secret>) -> Result<Secret> {
+    match given {
+        Some(secret) => Ok(secret.clone()),
+        None => Ok(Secret::from_env()?),
+    }
+}
+
+/// Connects to `endpoint`: a Unix socket, or a TCP listener that must prove it holds the secret.
+pub(super) fn connect(endpoint: &Endpoint, options: &ConnectOptions) -> Result<Box<dyn Packets>> {
+    Ok(match endpoint {
+        Endpoint::Unix(path) => Box::new(Connection::connect(path)?),
+        Endpoint::Tcp(address) => {
+            let secret = secret(options.secret.as_ref())?;
+            Box::new(TcpLink::connect(address.as_str(), &secret, options.timeout)?)
+        }
+    })
+}

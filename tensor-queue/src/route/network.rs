@@ -1,0 +1,342 @@
+//! The sender's half of the routes to a receiver on another host (a TCP channel): host bytes
+//! over the link ([`Route::Tcp`]) and GPU data through NCCL ([`Route::Nccl`]). The receiver's
+//! half is `channel/remote.rs`.
+//!
+//! # NCCL
+//! Each (sender GPU, receiver GPU) pair of a connection gets a communicator of two ranks, the
+//! sender rank 0. The sender makes the unique id and sends it in a `Communicator` frame; both
+//! sides start NCCL's non-blocking initialisation, and a thread of the sender waits for it, so
+//! `send` never waits for the receiver to come to `recv` (two processes that each send first
+//! and then receive cannot deadlock). Until the communicator is ready, transfers wait in order
+//! in its queue, holding their sources.
+//!
+//! A message's tensors on one GPU move as one NCCL group: tensors that lie within 256 KiB of
+//! each other in one chunk move as one span (`send::spans`), so a message of many small tensors
+//! is a few transfers, not one each. The sends run on a stream of the communicator's, which
+//! first waits (an event) for the producer's work: the producer's stream never blocks on the
+//! receiver, as with `torch.distributed`, which does the same. The sources go back to the
+//! sender once the sends are done on the GPU.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cuda_sys::nccl::Progress;
+use ipc_core::nccl::{Communicator, UniqueId};
+use ipc_core::{Context, Device, Event, Stream, Uuid};
+
+use super::choose::{Route, choose_remote};
+use super::policy::Routing;
+use super::reach::Reach;
+use super::send::{copy_stream, spans};
+use crate::tensor::Storage;
+use crate::wire::{BYTES_FRAME, Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
+use crate::{Error, Result, Tensor};
+
+/// How long an NCCL communicator may take to set up, and bounds its waits.
+pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Host bytes start at multiples of this in a message's bytes, so every element stays aligned.
+const ALIGN: usize = 16;
+
+/// A message as it goes to a receiver on another host.
+pub(crate) struct RemoteMessage {
+    pub descriptors: Vec<TensorDesc>,
+    /// The host tensors' bytes, in frames of at most [`BYTES_FRAME`], to send before the message.
+    pub bytes: Vec<Frame>,
+}
+
+/// The sender's communicators of one connection.
+#[derive(Default)]
+pub(crate) struct SendComms {
+    next_id: u32,
+    pairs: Vec<(Uuid, Uuid, Arc<SendComm>)>,
+}
+
+/// One communicator of a connection: rank 0 on the sender's GPU.
+pub(crate) struct SendComm {
+    pub id: u32,
+    state: Mutex<CommState>,
+    /// The stream its sends run on (of the sender's GPU).
+    stream: Arc<Stream>,
+}
+
+struct CommState {
+    communicator: Option<Communicator>,
+    phase: Phase,
+}
+
+enum Phase {
+    /// Still being set up: transfers wait here, in order.
+    Joining(VecDeque<Transfer>),
+    Ready,
+    Failed(String),
+}
+
+/// One message's spans on one communicator.
+struct Transfer {
+    /// Recorded on the producer's stream after its work (`None`: the device was synchronised).
+    after: Option<Event>,
+    /// (source storage, byte offset in its chunk memory, length).
+    spans: Vec<(Arc<Storage>, usize, usize)>,
+}
+
+impl SendComms {
+    /// The communicator for tensors from `source` landing on `target`: made on first use, its
+    /// `Communicator` frame given to `announce` (which sends it before the message).
+    fn get(&mut self, source: Uuid, target: Uuid, announce: &mut Vec<Frame>) -> Result<Arc<SendComm>> {
+        if let Some((_, _, comm)) = self.pairs.iter().find(|(s, t, _)| *s == source && *t == target) {
+            return Ok(comm.clone());
+        }
+        let context = Context::primary(Device::by_uuid(&source)?)?;
+        let unique_id = UniqueId::new()?;
+        self.next_id += 1;
+        let id = self.next_id;
+        let communicator = Communicator::start(&context, &unique_id, 2, 0, NCCL_TIMEOUT)?;
+        let comm = Arc::new(SendComm {
+            id,
+            state: Mutex::new(CommState { communicator: Some(communicator), phase: Phase::Joining(VecDeque::new()) }),
+            stream: Arc::new(Stream::new(&context)?),
+        });
+        announce.push(Frame::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
+        let joining = comm.clone();
+        std::thread::Builder::new()
+            .name("tq-nccl-join".into())
+            .spawn(move || joining.join())
+            .map_err(|e| Error::Protocol(format!("spawning an NCCL set-up thread: {e}")))?;
+        self.pairs.push((source, target, comm.clone()));
+        Ok(comm)
+    }
+
+    /// Aborts every communicator (the receiver is gone): queued sends stop, and their sources
+    /// come back once the streams drain.
+    pub fn abort(&mut self) {
+        for (_, _, comm) in self.pairs.drain(..) {
+            comm.abort("the receiver is gone");
+        }
+    }
+}
+
+impl SendComm {
+    /// Waits for the set-up, then sends what queued meanwhile (the set-up thread). The lock is
+    /// taken only to poll, so `send` queues meanwhile without waiting.
+    fn join(&self) {
+        let deadline = Instant::now() + NCCL_TIMEOUT;
+        let ready = loop {
+            let progress = match &lock(&self.state).communicator {
+                Some(communicator) => communicator.check_async().map_err(Error::from),
+                None => Err(Error::Disconnected),
+            };
+            match progress {
+                Ok(Progress::Done) => break Ok(()),
+                Ok(Progress::InProgress) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+                Ok(Progress::InProgress) => {
+                    break Err(Error::Core(ipc_core::Error::NcclTimeout { operation: "initialisation", timeout: NCCL_TIMEOUT }));
+                }
+                Err(error) => break Err(error),
+            }
+        };
+        let mut state = lock(&self.state);
+        match ready {
+            Ok(()) => {
+                let Phase::Joining(queued) = std::mem::replace(&mut state.phase, Phase::Ready) else { return };
+                for transfer in queued {
+                    if let Err(error) = self.issue(&state, transfer) {
+                        tracing::warn!(%error, "an NCCL send failed");
+                        state.phase = Phase::Failed(error.to_string());
+                        break;
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%error, comm = self.id, "an NCCL communicator to a receiver failed to set up");
+                state.phase = Phase::Failed(error.to_string());
+                if let Some(communicator) = state.communicator.take() {
+                    communicator.abort();
+                }
+            }
+        }
+    }
+
+    /// Sends the transfer now, or queues it while the communicator is set up.
+    fn submit(&self, transfer: Transfer) -> Result<()> {
+        let mut state = lock(&self.state);
+        match &mut state.phase {
+            Phase::Joining(queued) => {
+                queued.push_back(transfer);
+                Ok(())
+            }
+            Phase::Ready => self.issue(&state, transfer),
+            Phase::Failed(why) => Err(Error::Invalid(format!("the NCCL communicator to the receiver failed: {why}"))),
+        }
+    }
+
+    /// Queues the transfer's sends as one group on the communicator's stream, after the
+    /// producer's work; its sources go back once they are done.
+    fn issue(&self, state: &CommState, transfer: Transfer) -> Result<()> {
+        let communicator = state.communicator.as_ref().ok_or(Error::Disconnected)?;
+        if let Some(after) = &transfer.after {
+            self.stream.wait_event(after)?;
+        }
+        let mut sends = Vec::with_capacity(transfer.spans.len());
+        for (storage, offset, len) in &transfer.spans {
+            let memory = storage.chunk.device().ok_or_else(|| Error::Protocol("an NCCL send of host memory".into()))?;
+            sends.push((memory, *offset, *len));
+        }
+        communicator.group(|c| {
+            for &(memory, offset, len) in &sends {
+                c.send(memory, offset, len, 1, &self.stream)?;
+            }
+            Ok(())
+        })?;
+        let done = Event::new(self.stream.context())?;
+        done.record(&self.stream)?;
+        crate::arena::drop_after(vec![done], Box::new(transfer.spans));
+        Ok(())
+    }
+
+    fn abort(&self, why: &str) {
+        let mut state = lock(&self.state);
+        state.phase = Phase::Failed(why.to_string());
+        if let Some(communicator) = state.communicator.take() {
+            communicator.abort();
+        }
+    }
+}
+
+/// What the tensors of a message become for a receiver on another host with `receiver`'s GPUs
+/// and policy: descriptors, host bytes, and NCCL transfers queued (or waiting for their
+/// communicator) on the sender's GPUs. New communicators' frames go to `announce`.
+pub(crate) fn prepare(
+    tensors: &[Tensor],
+    stream: Option<&Stream>,
+    receiver: &(Reach, Routing),
+    comms: &mut SendComms,
+    announce: &mut Vec<Frame>,
+) -> Result<RemoteMessage> {
+    let (reach, routing) = receiver;
+    let mut descriptors: Vec<Option<TensorDesc>> = vec![None; tensors.len()];
+    let mut bytes: Vec<u8> = Vec::new();
+    // GPU tensors by (source, target), each to move as one group.
+    let mut groups: Vec<((Uuid, Uuid), Vec<usize>)> = Vec::new();
+    for (index, tensor) in tensors.iter().enumerate() {
+        let source = tensor.storage.chunk.device_uuid();
+        let target = match source {
+            Some(source) => choose_remote(&source, routing, reach)?.target,
+            None => None,
+        };
+        match (source, target) {
+            (Some(source), Some(target)) => match groups.iter_mut().find(|(key, _)| *key == (source, target)) {
+                Some((_, members)) => members.push(index),
+                None => groups.push(((source, target), vec![index])),
+            },
+            _ => descriptors[index] = Some(inline(tensor, stream, &mut bytes)?),
+        }
+    }
+    if bytes.len() as u64 > MAX_INLINE_BYTES {
+        return Err(Error::TooLarge { size: bytes.len(), limit: MAX_INLINE_BYTES as usize });
+    }
+    for ((source, target), members) in groups {
+        let comm = comms.get(source, target, announce)?;
+        let memory_context = tensors[members[0]].storage.chunk.device().map(|m| m.context().clone());
+        let after = match (stream, memory_context) {
+            (Some(stream), _) => {
+                let produced = Event::new(stream.context())?;
+                produced.record(stream)?;
+                Some(produced)
+            }
+            (None, _) => None,
+        };
+        // Spans are per chunk: group the members by chunk first.
+        let mut by_chunk: Vec<(u64, Vec<usize>)> = Vec::new();
+        for &index in &members {
+            let chunk = tensors[index].storage.chunk.id;
+            match by_chunk.iter_mut().find(|(c, _)| *c == chunk) {
+                Some((_, m)) => m.push(index),
+                None => by_chunk.push((chunk, vec![index])),
+            }
+        }
+        let mut transfer = Transfer { after, spans: Vec::new() };
+        for (_, chunk_members) in by_chunk {
+            for span in spans(tensors, &chunk_members)? {
+                let index = transfer.spans.len() as u32;
+                let len = span.high - span.low;
+                for &(member, elem0) in &span.members {
+                    let tensor = &tensors[member];
+                    descriptors[member] = Some(descriptor(tensor, Route::Nccl, comm.id as u64, 0, len, elem0 - span.low, index));
+                }
+                let storage = tensors[span.members[0].0].storage.clone();
+                // The span is in chunk coordinates; the storage's memory is the whole chunk.
+                transfer.spans.push((storage, span.low, len));
+            }
+        }
+        comm.submit(transfer)?;
+    }
+    let descriptors = descriptors.into_iter().map(|d| d.ok_or_else(|| Error::Protocol("a tensor was not routed".into()))).collect::<Result<_>>()?;
+    let bytes = bytes.chunks(BYTES_FRAME).map(|data| Frame::Bytes { data: data.to_vec() }).collect();
+    Ok(RemoteMessage { descriptors, bytes })
+}
+
+/// Appends the bytes `tensor`'s view touches to `bytes` (a GPU tensor is copied to the host
+/// first, after the producer's work: a CPU wait) and describes where they lie.
+fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Result<TensorDesc> {
+    let (start, end) = tensor.touched_bytes()?;
+    let start = start / ALIGN * ALIGN;
+    let at = bytes.len().next_multiple_of(ALIGN);
+    let len = (end - start).max(1);
+    if (at + len) as u64 > MAX_INLINE_BYTES {
+        return Err(Error::TooLarge { size: at + len, limit: MAX_INLINE_BYTES as usize });
+    }
+    bytes.resize(at + len, 0);
+    let out = &mut bytes[at..at + len];
+    let storage = &tensor.storage;
+    match (storage.chunk.host(), storage.chunk.device()) {
+        (Some(host), _) => {
+            let from = storage.offset + start;
+            let have = (end - start).min(len);
+            // SAFETY: the storage lies in the live mapping (checked when the tensor was made).
+            let source = unsafe { std::slice::from_raw_parts(host.as_ptr().add(from), have) };
+            out[..have].copy_from_slice(source);
+        }
+        (None, Some(memory)) => {
+            let own;
+            let stream = match stream {
+                Some(stream) if std::sync::Arc::ptr_eq(stream.context(), memory.context()) => stream,
+                producer => {
+                    own = copy_stream(memory.context())?;
+                    if let Some(producer) = producer {
+                        // The producer's stream is another device's: the copy waits for its work.
+                        let produced = Event::new(producer.context())?;
+                        produced.record(producer)?;
+                        own.wait_event(&produced)?;
+                    }
+                    &own
+                }
+            };
+            stream.copy_to_host(memory, storage.offset + start, &mut out[..end - start])?;
+        }
+        (None, None) => return Err(Error::Protocol("a tensor in neither host nor device memory".into())),
+    }
+    let view_offset = storage.offset + tensor.offset() - (storage.offset + start);
+    Ok(descriptor(tensor, Route::Tcp, 0, at as u64, len, view_offset, 0))
+}
+
+fn descriptor(tensor: &Tensor, route: Route, chunk: u64, offset: u64, len: usize, view_offset: usize, span: u32) -> TensorDesc {
+    TensorDesc {
+        chunk,
+        storage_offset: offset,
+        storage_len: len as u64,
+        view_offset: view_offset as u64,
+        dtype: tensor.dtype(),
+        fence: Fence::None,
+        route,
+        target: None,
+        span,
+        shape: tensor.shape().to_vec(),
+        strides: tensor.strides().to_vec(),
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
