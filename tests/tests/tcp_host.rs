@@ -609,6 +609,37 @@ fn a_silent_connector_does_not_delay_an_honest_sender() {
     assert_eq!(reported.iter().filter(|e| is_handshake_timeout(e)).count(), 2, "{reported:?}");
 }
 
+/// `connect` to a port nobody listens on fails, and to a listener that never speaks gives up after
+/// `ConnectOptions::timeout`: an error, never a hang.
+#[test]
+fn connect_to_nobody_or_to_a_mute_listener_fails_within_its_timeout() {
+    // A port that was just free.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let start = Instant::now();
+    let nobody = connect::<Probe>(&format!("tcp://127.0.0.1:{port}"), KEY);
+    assert!(nobody.is_err(), "connected to nobody");
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?} to find nobody listening", start.elapsed());
+    // A listener that accepts and says nothing.
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", mute.local_addr().unwrap());
+    let holder = std::thread::spawn(move || {
+        let held = mute.accept();
+        std::thread::sleep(Duration::from_secs(4));
+        drop(held);
+    });
+    let outcome = within(Duration::from_secs(8), move || {
+        let start = Instant::now();
+        let options = ConnectOptions { secret: Some(secret_of(KEY)), timeout: Duration::from_secs(1) };
+        let result = Sender::<Probe>::connect_with(endpoint.as_str(), &options).map(|_| ());
+        (result.map_err(|e| format!("{e:?}")), start.elapsed())
+    });
+    let (result, took) = outcome.expect("connect to a mute listener hung past 8 s with a 1 s timeout");
+    assert!(result.is_err(), "connected to a listener that never authenticated");
+    assert!(took < Duration::from_secs(5), "gave up after {took:?} with a 1 s timeout: {result:?}");
+    eprintln!("mute listener: {result:?} after {took:?}");
+    holder.join().unwrap();
+}
+
 #[test]
 fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
     let (mut receiver, endpoint) = bind::<Probe>(8);
