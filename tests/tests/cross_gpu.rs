@@ -45,6 +45,14 @@ fn main() {
         CrossTest { name: "no_staging_receiver_refuses_staged", gpus: 2, run: no_staging_refuses_staged },
         CrossTest { name: "strict_policies_with_a_host_landing", gpus: 1, run: strict_with_host_landing },
         CrossTest { name: "several_senders_and_a_forwarding_stage", gpus: 2, run: forwarding_stage },
+        CrossTest { name: "across_hosts_nccl_lands_on_the_receivers_gpu", gpus: 2, run: nccl_default },
+        CrossTest { name: "across_hosts_nccl_forced_onto_its_network_transport", gpus: 2, run: nccl_network },
+        CrossTest { name: "across_hosts_host_landing_over_tcp", gpus: 1, run: tcp_host_landing },
+        CrossTest { name: "across_hosts_seed_matmuls_ordered_over_nccl", gpus: 2, run: seed_nccl },
+        CrossTest { name: "across_hosts_seed_without_ordering_fails_over_nccl", gpus: 2, run: seed_unordered_nccl },
+        CrossTest { name: "across_hosts_sender_killed_mid_nccl_transfer", gpus: 2, run: killed_sender_nccl },
+        CrossTest { name: "across_hosts_receiver_killed_mid_nccl_transfer", gpus: 2, run: killed_receiver_nccl },
+        CrossTest { name: "across_hosts_ten_thousand_messages_leak_nothing", gpus: 2, run: many_nccl },
     ];
     let found = gpus_here();
     let trials = tests
@@ -139,7 +147,7 @@ impl Proc {
         if let Some(visible) = visible {
             command.env("CUDA_VISIBLE_DEVICES", visible);
         }
-        command.envs(env.iter().copied());
+        command.env("TQ_SECRET", TEST_SECRET).envs(env.iter().copied());
         let mut child = command.spawn().with_context(|| format!("starting tq-cross for {name}"))?;
         let lines = integration_tests::stdout_lines(&mut child, None);
         let stdin = child.stdin.take();
@@ -265,18 +273,31 @@ fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-/// Starts a consumer listening at a fresh path with `options` (see `tq-cross consume`); returns
-/// it and the path once it is ready.
+/// The secret every helper is given (`TQ_SECRET`), for the channels over TCP.
+const TEST_SECRET: &str = "the cross-device tests' shared secret";
+
+/// An option of these tests, not of `tq-cross`: the consumer listens on TCP (127.0.0.1 and a
+/// free port), so its producers count as on another host.
+const OVER_TCP: &str = "--over-tcp";
+
+/// Starts a consumer listening at a fresh path (or, with [`OVER_TCP`] among `options`, a TCP
+/// endpoint) with `options` (see `tq-cross consume`); returns it and the endpoint once it is
+/// ready.
 fn consumer(
     name: &str,
     options: &[String],
     visible: Option<&str>,
     env: &[(&str, &str)],
 ) -> Result<(Proc, std::path::PathBuf)> {
-    let path = socket_path(name);
+    let path = if options.iter().any(|o| o == OVER_TCP) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        std::path::PathBuf::from(format!("tcp://127.0.0.1:{port}"))
+    } else {
+        socket_path(name)
+    };
     let mut args = strings(&["consume", "--listen"]);
     args.push(path.display().to_string());
-    args.extend(options.iter().cloned());
+    args.extend(options.iter().filter(|o| *o != OVER_TCP).cloned());
     let mut proc = Proc::start(name, &args, visible, env)?;
     proc.expect("ready", Duration::from_secs(60))?;
     Ok((proc, path))
@@ -360,7 +381,6 @@ fn dedup(values: &[String]) -> Vec<String> {
 /// Runs the three route cases (strided views, 1,024 small tensors, sizes up to 256 MiB) from
 /// producers on GPU `source` (seeing `producer_visible`) to `consumer`, and checks each
 /// message's paths and bytes, and that `Sender::route` said `route` and `target` beforehand.
-#[allow(clippy::too_many_arguments)]
 fn route_cases(
     consumer: &mut Proc,
     path: &std::path::Path,
@@ -370,9 +390,24 @@ fn route_cases(
     target: &str,
     expect: &Expect<'_>,
 ) -> Result<()> {
+    route_cases_with(consumer, path, source, producer_visible, route, target, expect, &[])
+}
+
+/// [`route_cases`] with producers run in the extra environment `env`.
+#[allow(clippy::too_many_arguments)]
+fn route_cases_with(
+    consumer: &mut Proc,
+    path: &std::path::Path,
+    source: Uuid,
+    producer_visible: Option<&str>,
+    route: Route,
+    target: &str,
+    expect: &Expect<'_>,
+    env: &[(&str, &str)],
+) -> Result<()> {
     let host_views = views_of(&host_pattern_i32(256, 1024, 11)?)?;
     for case in ["views", "many", "sizes"] {
-        let mut producer = producer(case, case, path, &on_gpu(source), producer_visible, &[])?;
+        let mut producer = producer(case, case, path, &on_gpu(source), producer_visible, env)?;
         let (said_route, said_target) = route_line(&mut producer)?;
         ensure!(
             said_route == format!("{route:?}") && said_target == target,
@@ -757,4 +792,146 @@ fn forwarding_stage(g: &Gpus) -> Result<()> {
     last.finish(Duration::from_secs(30))?;
     println!("{total} messages of 256 KiB from {THREADS} senders in one process through a forwarding stage");
     Ok(())
+}
+
+// ---------------------------------------------------------------- 5. across hosts (TCP + NCCL)
+//
+// One process per GPU over 127.0.0.1: a TCP channel counts as across hosts whatever the
+// addresses (tensors never travel as local handles over it), so no switch is needed.
+
+/// NCCL's environment that forces its network transport between two processes of one host.
+const NCCL_NET: [(&str, &str); 2] = [("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")];
+
+fn nccl_cases(g: &Gpus, name: &str, env: &[(&str, &str)]) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0), g.uuid(1));
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let (mut consumer, path) = consumer(name, &strings(&[OVER_TCP]), Some(&cv), env)?;
+    let expect = Expect { path: "Nccl", device: gpu1.to_string(), stream_device: gpu1.to_string() };
+    route_cases_with(&mut consumer, &path, gpu0, Some(&pv), Route::Nccl, &gpu1.to_string(), &expect, env)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+fn nccl_default(g: &Gpus) -> Result<()> {
+    nccl_cases(g, "nccl-default", &[])
+}
+
+fn nccl_network(g: &Gpus) -> Result<()> {
+    nccl_cases(g, "nccl-network", &NCCL_NET)
+}
+
+fn tcp_host_landing(g: &Gpus) -> Result<()> {
+    let gpu0 = g.uuid(0);
+    let (mut consumer, path) = consumer("tcp-host", &strings(&[OVER_TCP, "--land", "host"]), None, &[])?;
+    let expect = Expect { path: "Tcp", device: "host".into(), stream_device: "none".into() };
+    route_cases(&mut consumer, &path, gpu0, None, Route::Tcp, "host", &expect)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+fn seed_nccl(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let expect = Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 };
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let options = strings(&[OVER_TCP]);
+    let ok = seed_run(g, "seed-nccl", &options, Some(&cv), Some(&pv), &[], &expect, Route::Nccl)?;
+    ensure!(ok, "over NCCL the consumer saw x before the 50 matmuls were done");
+    Ok(())
+}
+
+fn seed_unordered_nccl(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let expect = Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 };
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let options = strings(&[OVER_TCP]);
+    let ok = seed_run(g, "seed-unordered-nccl", &options, Some(&cv), Some(&pv), &[SKIP_ORDERING], &expect, Route::Nccl)?;
+    ensure!(!ok, "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over NCCL");
+    Ok(())
+}
+
+/// The receiver's memory back at its baseline, then another sender received as usual.
+fn recovers(consumer: &mut Proc, path: &std::path::Path, g: &Gpus) -> Result<()> {
+    consumer.cursor = consumer.said.len();
+    consumer.say("mem")?;
+    let mem = consumer.expect("mem ", Duration::from_secs(30))?;
+    ensure!(mem.starts_with("mem ok"), "the receiver's memory did not return to its baseline: {mem}");
+    let mut next = producer("next", "views", path, &on_gpu(g.uuid(0)), Some(&g.visible(&[0])), &[])?;
+    let report = consumer.report(Duration::from_secs(60))?;
+    let gpu1 = g.uuid(1).to_string();
+    check_report(&report, &Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 }, "the next sender")?;
+    next.expect("released", Duration::from_secs(60))?;
+    next.finish(Duration::from_secs(30))
+}
+
+fn killed_sender_nccl(g: &Gpus) -> Result<()> {
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let (mut consumer, path) = consumer("killed-sender-nccl", &strings(&[OVER_TCP]), Some(&cv), &[])?;
+    let options = [on_gpu(g.uuid(0)), strings(&["--len", &(1u64 << 30).to_string(), "--spin-ms", "3000"])].concat();
+    let mut doomed = producer("doomed", "spin-big", &path, &options, Some(&pv), &[])?;
+    doomed.expect("sent 0 0", Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_millis(500)); // the fill spins; the NCCL send waits behind it
+    let killed_at = Instant::now();
+    doomed.kill()?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let outcome = loop {
+        consumer.poll();
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("producer-failed ")) {
+            break line.clone();
+        }
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("report ")) {
+            let report: MsgReport = serde_json::from_str(&line["report ".len()..])?;
+            ensure!(
+                report.producer_failed || (report.ok && report.seen == report.reference),
+                "a message of a killed producer was delivered as complete, with other bytes: {report:?}"
+            );
+            break line.clone();
+        }
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("stuck ") || l.starts_with("error")) {
+            bail!("the receiver: {line}\n{}", consumer.tail(20));
+        }
+        // A message never read (the sender died before its frame arrived) is no message at all.
+        if killed_at.elapsed() > Duration::from_secs(10) {
+            break "nothing arrived".to_string();
+        }
+        ensure!(Instant::now() < deadline, "no word of the killed producer within 30 s\n{}", consumer.tail(20));
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    println!("the receiver after the kill ({:?}): {}", killed_at.elapsed(), short(&outcome));
+    recovers(&mut consumer, &path, g)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+fn killed_receiver_nccl(g: &Gpus) -> Result<()> {
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let (mut doomed, path) = consumer("doomed-receiver", &strings(&[OVER_TCP]), Some(&cv), &[])?;
+    let options = [on_gpu(g.uuid(0)), strings(&["--count", "100000", "--len", &(64 << 20).to_string()])].concat();
+    let mut sender = producer("sender", "stream", &path, &options, Some(&pv), &[])?;
+    sender.expect("sent 0 3", Duration::from_secs(60))?;
+    let killed_at = Instant::now();
+    doomed.kill()?;
+    let line = sender.expect("error", Duration::from_secs(30))?;
+    let took = killed_at.elapsed();
+    ensure!(line.contains("Disconnected") || line.contains("receiver"), "the sender's error: {line}");
+    let status = sender.wait(Duration::from_secs(30))?;
+    println!("the sender saw the receiver's death after {took:?}: {line} (exit {status})");
+    Ok(())
+}
+
+fn many_nccl(g: &Gpus) -> Result<()> {
+    let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
+    let (mut consumer, path) = consumer("many-nccl", &strings(&[OVER_TCP]), Some(&cv), &[])?;
+    for round in 0..2 {
+        let options = [on_gpu(g.uuid(0)), strings(&["--threads", "2", "--count", "2500", "--len", "4096"])].concat();
+        let mut sender = producer(&format!("many-{round}"), "stream", &path, &options, Some(&pv), &[])?;
+        sender.expect("done", Duration::from_secs(300))?;
+        sender.finish(Duration::from_secs(30))?;
+    }
+    consumer.poll();
+    let reports = consumer.said.iter().filter(|l| l.starts_with("report ")).count();
+    ensure!(reports == 10_000, "{reports} of 10,000 messages reported");
+    let bad = consumer.said.iter().filter(|l| l.starts_with("report ") && !l.contains("\"ok\":true")).count();
+    ensure!(bad == 0, "{bad} messages with other bytes");
+    consumer.cursor = consumer.said.len();
+    consumer.say("mem")?;
+    let mem = consumer.expect("mem ", Duration::from_secs(30))?;
+    ensure!(mem.starts_with("mem ok"), "after 10,000 messages over 4 connections: {mem}");
+    consumer.finish(Duration::from_secs(30))
 }

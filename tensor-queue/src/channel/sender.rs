@@ -556,6 +556,9 @@ impl<T> Sender<T> {
         self.wait_ready(timeout)?;
         let receiver = lock(&self.inner().state).receiver.clone();
         let receiver = receiver.ok_or(Error::Disconnected)?;
+        if self.inner().link.remote {
+            return Ok(route::choose_remote(source, &receiver.1, &receiver.0)?);
+        }
         Ok(choose(source, &receiver.1, &receiver.0, Reach::local())?)
     }
 
