@@ -20,8 +20,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tensor_queue::wire::{Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
 use tensor_queue::{
-    Broadcast, ConnectOptions, DType, Endpoint, Error, Receiver, ReceiverOptions, Secret, Sender, Tensor,
-    TensorDevice, TransferPath,
+    Broadcast, ConnectOptions, DType, Endpoint, Error, Receiver, ReceiverOptions, Secret, Sender, Tensor, TensorDevice,
+    TransferPath,
 };
 
 /// The helper program, compiled in here too for its message types and checks.
@@ -434,25 +434,20 @@ fn four_sender_processes_and_three_threads_feed_one_tcp_receiver() {
     let pids: BTreeMap<u64, u32> = processes.iter().zip(1..).map(|(p, tag)| (tag, p.id())).collect();
     let mut seen: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     let mut failures = Vec::new();
-    let errors = receive_n(
-        &mut receiver,
-        7 * COUNT as usize,
-        Duration::from_secs(45),
-        |probe: Probe, info| {
-            let (tag, index) = (probe.id >> 32, probe.id & 0xffff_ffff);
-            if !probe_ok(&probe) {
-                failures.push(format!("tag {tag} message {index}: other bytes"));
-            }
-            if probe.tensors[0].path() != TransferPath::Tcp {
-                failures.push(format!("tag {tag} message {index}: path {:?}", probe.tensors[0].path()));
-            }
-            let pid = pids.get(&tag).copied().unwrap_or(std::process::id());
-            if info.sender_pid != pid {
-                failures.push(format!("tag {tag}: sender_pid {} but the sender is {pid}", info.sender_pid));
-            }
-            seen.entry(tag).or_default().push(index);
-        },
-    );
+    let errors = receive_n(&mut receiver, 7 * COUNT as usize, Duration::from_secs(45), |probe: Probe, info| {
+        let (tag, index) = (probe.id >> 32, probe.id & 0xffff_ffff);
+        if !probe_ok(&probe) {
+            failures.push(format!("tag {tag} message {index}: other bytes"));
+        }
+        if probe.tensors[0].path() != TransferPath::Tcp {
+            failures.push(format!("tag {tag} message {index}: path {:?}", probe.tensors[0].path()));
+        }
+        let pid = pids.get(&tag).copied().unwrap_or(std::process::id());
+        if info.sender_pid != pid {
+            failures.push(format!("tag {tag}: sender_pid {} but the sender is {pid}", info.sender_pid));
+        }
+        seen.entry(tag).or_default().push(index);
+    });
     for _ in 0..3 {
         let (tag, result) = done.recv_timeout(Duration::from_secs(30)).expect("a sending thread is stuck");
         assert!(result.is_ok(), "thread {tag}: {result:?}");
@@ -488,15 +483,10 @@ fn a_wrong_secret_is_refused_and_honest_senders_are_served() {
 
     let mut honest = Peer::start(&["send", "--to", &endpoint, "--count", "5", "--tag", "1"], Some(KEY));
     let mut ids = Vec::new();
-    let errors = receive_n(
-        &mut receiver,
-        5,
-        Duration::from_secs(30),
-        |probe: Probe, _| {
-            assert!(probe_ok(&probe), "message {:x}: other bytes", probe.id);
-            ids.push(probe.id);
-        },
-    );
+    let errors = receive_n(&mut receiver, 5, Duration::from_secs(30), |probe: Probe, _| {
+        assert!(probe_ok(&probe), "message {:x}: other bytes", probe.id);
+        ids.push(probe.id);
+    });
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(ids, (0..5).map(|i| (1 << 32) | i).collect::<Vec<_>>(), "the impostor sent nothing");
     assert!(honest.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
@@ -680,20 +670,16 @@ fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
     }
     let mut honest = Peer::start(&["send", "--to", &endpoint, "--count", "5", "--tag", "2"], Some(KEY));
     let mut ids = Vec::new();
-    let errors = receive_n(
-        &mut receiver,
-        5,
-        Duration::from_secs(30),
-        |p: Probe, _| {
-            assert!(probe_ok(&p));
-            ids.push(p.id & 0xffff_ffff);
-        },
-    );
+    let errors = receive_n(&mut receiver, 5, Duration::from_secs(30), |p: Probe, _| {
+        assert!(probe_ok(&p));
+        ids.push(p.id & 0xffff_ffff);
+    });
     assert!(errors.is_empty(), "{errors:?}");
     assert_eq!(ids, [0, 1, 2, 3, 4]);
     assert!(honest.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
     let mut reported = Vec::new();
-    let refused = |reported: &Vec<Error>| reported.iter().filter(|e| is_auth_failed(e) || is_handshake_timeout(e)).count();
+    let refused =
+        |reported: &Vec<Error>| reported.iter().filter(|e| is_auth_failed(e) || is_handshake_timeout(e)).count();
     wait_for(Duration::from_secs(5), || {
         reported.extend(receiver.take_errors());
         refused(&reported) >= 4
@@ -811,7 +797,11 @@ fn raw_probe(id: u64, note: &str) -> Probe {
 /// `raw_controls` raw messages noted `raw-control` are due too: checks that all of them arrive
 /// intact and in order, and returns the notes of every raw message delivered and the reasons of
 /// the refusals `recv` returned.
-fn serve_honest_beside(receiver: &mut Receiver<Probe>, endpoint: &str, raw_controls: usize) -> (Vec<String>, Vec<String>) {
+fn serve_honest_beside(
+    receiver: &mut Receiver<Probe>,
+    endpoint: &str,
+    raw_controls: usize,
+) -> (Vec<String>, Vec<String>) {
     let mut honest: Vec<Peer> = (1..=2u64)
         .map(|tag| {
             let tag = tag.to_string();
@@ -1079,15 +1069,10 @@ fn a_sender_killed_mid_stream_leaves_an_intact_prefix_then_disconnected() {
     // A new sender is accepted.
     let mut fresh = Peer::start(&["send", "--to", &endpoint, "--count", "3", "--tag", "2"], Some(KEY));
     let mut ids = Vec::new();
-    receive_n(
-        &mut receiver,
-        3,
-        Duration::from_secs(30),
-        |p: Probe, _| {
-            assert!(probe_ok(&p));
-            ids.push(p.id);
-        },
-    );
+    receive_n(&mut receiver, 3, Duration::from_secs(30), |p: Probe, _| {
+        assert!(probe_ok(&p));
+        ids.push(p.id);
+    });
     assert_eq!(ids, [2 << 32, (2 << 32) | 1, (2 << 32) | 2]);
     assert!(fresh.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
 }
@@ -1220,7 +1205,11 @@ fn a_full_tcp_queue_reports_full_and_timeout_then_drains() {
     assert_eq!(sent, Some(Ok(())));
     idle.tell("read 1");
     let (id, ok, path, _) = parse_got(&idle.expect("got", Duration::from_secs(20)));
-    assert_eq!((id, ok, path.as_str()), (4, true, "Tcp"), "the messages refused by try_send/send_timeout were not sent");
+    assert_eq!(
+        (id, ok, path.as_str()),
+        (4, true, "Tcp"),
+        "the messages refused by try_send/send_timeout were not sent"
+    );
     idle.close_stdin();
     assert!(idle.exit_within(Duration::from_secs(10)).is_some());
 }
@@ -1231,7 +1220,8 @@ fn a_64_mib_host_tensor_crosses_tcp_both_ways_intact() {
     // From a sender process.
     let (mut receiver, endpoint) = bind::<Probe>(4);
     let len_arg = len.to_string();
-    let mut sender = Peer::start(&["send", "--to", &endpoint, "--count", "1", "--seed", "64", "--len", &len_arg], Some(KEY));
+    let mut sender =
+        Peer::start(&["send", "--to", &endpoint, "--count", "1", "--seed", "64", "--len", &len_arg], Some(KEY));
     let probe = receiver.recv_timeout(Duration::from_secs(40)).expect("64 MiB from a sender process");
     assert_eq!(probe.tensors[0].shape(), [len as u64]);
     assert_eq!(probe.tensors[0].path(), TransferPath::Tcp);
@@ -1281,7 +1271,7 @@ fn a_message_over_the_tcp_limit_is_refused_at_send() {
     let (result, sender) = outcome.expect("send of a message over the limit returned within 40 s");
     match result {
         Err(Error::TooLarge { size, limit }) => {
-            assert!(limit as u64 == MAX_INLINE_BYTES as u64 && size > limit, "size {size}, limit {limit}")
+            assert!(limit as u64 == MAX_INLINE_BYTES && size > limit, "size {size}, limit {limit}")
         }
         other => panic!("a message of 4 GiB + 4 KiB of host bytes: {other:?}"),
     }
@@ -1318,7 +1308,9 @@ fn broadcast_reaches_two_tcp_receivers_and_a_unix_one() {
         probe.tensors.push(view);
         broadcast.send(&probe).unwrap();
     }
-    for (name, peer, path) in [("tcp 1", &mut first, "Tcp"), ("tcp 2", &mut second, "Tcp"), ("unix", &mut local, "HostSharedMemory")] {
+    for (name, peer, path) in
+        [("tcp 1", &mut first, "Tcp"), ("tcp 2", &mut second, "Tcp"), ("unix", &mut local, "HostSharedMemory")]
+    {
         let got: Vec<_> = peer.got(COUNT as usize, Duration::from_secs(30)).iter().map(|l| parse_got(l)).collect();
         let expected: Vec<_> = (0..COUNT).map(|id| (id, true, path.to_string(), std::process::id())).collect();
         assert_eq!(got, expected, "{name}");

@@ -83,7 +83,8 @@ pub fn bytes_matrix() -> Tensor {
 
 /// `[3, 4, 5]` i32: `v[i][j][k] = 100 i + 10 j + k`.
 pub fn cube() -> Tensor {
-    let data: Vec<i32> = (0..3).flat_map(|i| (0..4).flat_map(move |j| (0..5).map(move |k| 100 * i + 10 * j + k))).collect();
+    let data: Vec<i32> =
+        (0..3).flat_map(|i| (0..4).flat_map(move |j| (0..5).map(move |k| 100 * i + 10 * j + k))).collect();
     Tensor::from_slice(&data, DType::I32, &[3, 4, 5]).expect("a cube")
 }
 
