@@ -1,0 +1,1423 @@
+//! tensor-queue channels over TCP (issue 13), host tensors only (no GPU needed), between real
+//! processes on 127.0.0.1, as a user outside the workspace sees them: only the public API, the
+//! second process always `tcp-peer` (`tests/src/bin/tcp-peer.rs`), started as its own program.
+//! Hostile peers speak the documented wire format by hand (`tq-auth-v1`, u32-LE records of
+//! `wire::Frame`s). Every wait has a deadline; children are killed when their test ends.
+
+use std::collections::BTreeMap;
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::time::{Duration, Instant};
+
+use integration_tests::queue::{Probe, wait_for};
+use integration_tests::{bin_path, socket_path};
+use ipc_core::tcp::{MAX_MESSAGE, TcpLink, TcpListener};
+use kernels::reference;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tensor_queue::wire::{Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
+use tensor_queue::{
+    Broadcast, ConnectOptions, DType, Endpoint, Error, Receiver, ReceiverOptions, Secret, Sender, Tensor, TensorDevice,
+    TransferPath,
+};
+
+/// The helper program, compiled in here too for its message types and checks.
+#[allow(dead_code, missing_docs, unreachable_pub)]
+#[path = "../src/bin/tcp-peer.rs"]
+mod peer;
+
+use peer::{BATCH, Nested, batch_bytes, digest, dtype_bytes, make_probe, probe_ok};
+
+/// The shared secret of the honest peers.
+const KEY: &str = "tcp-host-tests-shared-secret-0123456789";
+/// Another secret, long enough to be accepted as one.
+const WRONG: &str = "a-different-secret-of-plenty-bytes";
+const SECRET_ENV: &str = "TQ_SECRET";
+/// The length of a `tq-auth-v1` greeting: the tag, the role byte and a 32-byte nonce.
+const GREETING: usize = 43;
+
+fn secret_of(key: &str) -> Secret {
+    Secret::from_bytes(key.as_bytes()).expect("a secret of enough bytes")
+}
+
+/// Binds a TCP receiver on a port of the system's choice, with the honest secret; returns it and
+/// its endpoint (`tcp://127.0.0.1:PORT`).
+fn bind<T: DeserializeOwned>(capacity: u32) -> (Receiver<T>, String) {
+    let options = ReceiverOptions { secret: Some(secret_of(KEY)), capacity, ..ReceiverOptions::default() };
+    let receiver = Receiver::<T>::bind_with("tcp://127.0.0.1:0", options).expect("binding a TCP receiver");
+    let addr = receiver.local_addr().expect("a TCP receiver has an address");
+    assert!(addr.ip().is_loopback() && addr.port() != 0, "{addr}");
+    (receiver, format!("tcp://{addr}"))
+}
+
+fn addr_of(endpoint: &str) -> SocketAddr {
+    endpoint.strip_prefix("tcp://").expect("a tcp endpoint").parse().expect("an address")
+}
+
+fn connect<T: Serialize>(endpoint: &str, key: &str) -> tensor_queue::Result<Sender<T>> {
+    let options = ConnectOptions { secret: Some(secret_of(key)), timeout: Duration::from_secs(10) };
+    Sender::<T>::connect_with(endpoint, &options)
+}
+
+fn is_auth_failed(error: &Error) -> bool {
+    matches!(error, Error::Core(ipc_core::Error::AuthFailed { .. }))
+}
+
+fn is_handshake_timeout(error: &Error) -> bool {
+    matches!(error, Error::Core(ipc_core::Error::HandshakeTimeout { .. }))
+}
+
+/// The `Error` variant's name.
+fn variant(error: &Error) -> String {
+    format!("{error:?}").split(['(', ' ', '{']).next().unwrap_or_default().to_string()
+}
+
+/// Runs `work` on a thread and gives its result within `timeout`, or `None` (the thread is left
+/// behind; the test's children are killed when it ends, which frees whatever it waits for).
+fn within<R: Send + 'static>(timeout: Duration, work: impl FnOnce() -> R + Send + 'static) -> Option<R> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(work());
+    });
+    rx.recv_timeout(timeout).ok()
+}
+
+/// Bytes nobody could predict twice.
+fn random_bytes(len: usize) -> Vec<u8> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let seed = tensor_queue::monotonic_ns() ^ (COUNTER.fetch_add(1, Ordering::Relaxed) << 48);
+    reference::pattern(len, reference::splitmix64(seed))
+}
+
+/// A running `tcp-peer`: its stdout lines, its stdin, and a kill when it goes out of scope.
+struct Peer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    stdin: Option<ChildStdin>,
+    seen: Vec<String>,
+}
+
+impl Peer {
+    /// Starts `tcp-peer <args>` with `TQ_SECRET` set to `secret`, or unset.
+    fn start(args: &[&str], secret: Option<&str>) -> Peer {
+        let mut command = Command::new(bin_path("tcp-peer").expect("tcp-peer is built"));
+        command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        match secret {
+            Some(secret) => command.env(SECRET_ENV, secret),
+            None => command.env_remove(SECRET_ENV),
+        };
+        let mut child = command.spawn().expect("starting tcp-peer");
+        let stdin = child.stdin.take();
+        let tag = format!("tcp-peer {} {}", args.first().unwrap_or(&""), child.id());
+        let lines = integration_tests::stdout_lines(&mut child, Some(tag));
+        Peer { child, lines, stdin, seen: Vec::new() }
+    }
+
+    /// `tcp-peer recv --bind tcp://127.0.0.1:0 <extra>` with the honest secret, and its endpoint
+    /// once it listens.
+    fn receiver(extra: &[&str]) -> (Peer, String) {
+        let mut args = vec!["recv", "--bind", "tcp://127.0.0.1:0"];
+        args.extend_from_slice(extra);
+        let mut peer = Peer::start(&args, Some(KEY));
+        let line = peer.expect("listening", Duration::from_secs(20));
+        let port: u16 = line.trim_start_matches("listening ").parse().expect("a port");
+        (peer, format!("tcp://127.0.0.1:{port}"))
+    }
+
+    fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next line starting with `prefix` within `timeout`; panics (with everything the child
+    /// said) when none comes.
+    fn expect(&mut self, prefix: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(line) => self.seen.push(line),
+                Err(_) => {
+                    let status = self.child.try_wait().ok().flatten();
+                    panic!(
+                        "tcp-peer {} never said {prefix:?} within {timeout:?}; exit {status:?}; it said {:#?}",
+                        self.child.id(),
+                        self.seen
+                    );
+                }
+            }
+        }
+    }
+
+    /// The next `count` lines starting with `got`.
+    fn got(&mut self, count: usize, timeout: Duration) -> Vec<String> {
+        (0..count).map(|_| self.expect("got ", timeout)).collect()
+    }
+
+    /// Every line said so far (without waiting).
+    fn drain(&mut self) -> &[String] {
+        while let Ok(line) = self.lines.try_recv() {
+            self.seen.push(line);
+        }
+        &self.seen
+    }
+
+    fn tell(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin still open");
+        writeln!(stdin, "{line}").and_then(|()| stdin.flush()).expect("writing to tcp-peer");
+    }
+
+    fn close_stdin(&mut self) {
+        self.stdin = None;
+    }
+
+    /// The exit status within `timeout`, or `None` while it still runs.
+    fn exit_within(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// SIGKILL, and the wait for it.
+    fn kill(&mut self) {
+        self.child.kill().expect("kill");
+        self.child.wait().expect("wait");
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// What a `got` line says: id, intact, path, sender pid.
+fn parse_got(line: &str) -> (u64, bool, String, u32) {
+    let fields: Vec<&str> = line.split(' ').collect();
+    assert!(fields.len() == 5 && fields[0] == "got", "{line}");
+    (fields[1].parse().unwrap(), fields[2] == "ok", fields[3].to_string(), fields[4].parse().unwrap())
+}
+
+/// Receives `count` messages, for at most `timeout`: a bound receiver says `Disconnected` while
+/// nobody is connected, which is waited out here; other errors are collected and returned.
+fn receive_n<T: DeserializeOwned>(
+    receiver: &mut Receiver<T>,
+    count: usize,
+    timeout: Duration,
+    mut take: impl FnMut(T, tensor_queue::MessageInfo),
+) -> Vec<String> {
+    let deadline = Instant::now() + timeout;
+    let mut errors = Vec::new();
+    let mut received = 0;
+    while received < count {
+        if Instant::now() > deadline {
+            panic!(
+                "{received} of {count} messages after {timeout:?}; recv errors {errors:?}; receiver errors {:?}",
+                receiver.take_errors()
+            );
+        }
+        match receiver.recv_with_info(Some(Duration::from_millis(200))) {
+            Ok((message, info)) => {
+                received += 1;
+                take(message, info);
+            }
+            Err(Error::Disconnected) => std::thread::sleep(Duration::from_millis(2)),
+            Err(Error::Timeout) => {}
+            Err(other) => errors.push(format!("{other:?}")),
+        }
+    }
+    errors
+}
+
+// ---------------------------------------------------------------------------------------------
+// Endpoints
+
+#[test]
+fn endpoints_parse_as_documented() {
+    assert!(matches!(Endpoint::from("tcp://127.0.0.1:7000"), Endpoint::Tcp(ref a) if a == "127.0.0.1:7000"));
+    assert!(matches!(Endpoint::from("tcp://[::1]:7000".to_string()), Endpoint::Tcp(ref a) if a == "[::1]:7000"));
+    let path = socket_path("tcp-endpoint");
+    assert!(matches!(Endpoint::from(path.to_str().unwrap()), Endpoint::Unix(ref p) if *p == path));
+    assert!(matches!(Endpoint::from(&path), Endpoint::Unix(ref p) if *p == path));
+    assert!(matches!(Endpoint::from(path.as_path()), Endpoint::Unix(ref p) if *p == path));
+    let unix = Receiver::<u64>::bind(&path).unwrap();
+    assert!(unix.local_addr().is_none(), "a Unix receiver has no TCP address");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Every dtype, views, nested messages
+
+/// `m[i][j]` of [`peer::matrix`].
+fn m(i: u64, j: u64) -> f32 {
+    (8 * i + j) as f32 * 0.5
+}
+
+fn f32s(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
+    values.into_iter().flat_map(f32::to_le_bytes).collect()
+}
+
+fn i32s(values: impl IntoIterator<Item = i32>) -> Vec<u8> {
+    values.into_iter().flat_map(i32::to_le_bytes).collect()
+}
+
+/// `v[i][j][k]` of [`peer::cube`].
+fn c(i: u64, j: u64, k: u64) -> i32 {
+    (100 * i + 10 * j + k) as i32
+}
+
+/// Each view `send-kinds` sends: its shape and row-major bytes, worked out by hand.
+fn expected_views() -> BTreeMap<&'static str, (Vec<u64>, Vec<u8>)> {
+    let b = |i: u64, j: u64| (7 * i + j) as u8;
+    BTreeMap::from([
+        ("transpose(0,1)", (vec![8, 6], f32s((0..8).flat_map(|j| (0..6).map(move |i| m(i, j)))))),
+        ("narrow(1,2,3)", (vec![6, 3], f32s((0..6).flat_map(|i| (2..5).map(move |j| m(i, j)))))),
+        ("narrow(0,2,3)", (vec![3, 8], f32s((2..5).flat_map(|i| (0..8).map(move |j| m(i, j)))))),
+        ("narrow(1,1,4).transpose(0,1)", (vec![4, 6], f32s((1..5).flat_map(|j| (0..6).map(move |i| m(i, j)))))),
+        ("bytes.narrow(1,3,3)", (vec![6, 3], (0..6).flat_map(|i| (3..6).map(move |j| b(i, j))).collect())),
+        (
+            "bytes.narrow(0,1,4).transpose(0,1)",
+            (vec![7, 4], (0..7).flat_map(|j| (1..5).map(move |i| b(i, j))).collect()),
+        ),
+        (
+            "cube.transpose(0,2)",
+            (vec![5, 4, 3], i32s((0..5).flat_map(|k| (0..4).flat_map(move |j| (0..3).map(move |i| c(i, j, k)))))),
+        ),
+        (
+            "cube.narrow(2,1,3).narrow(0,1,2)",
+            (vec![2, 4, 3], i32s((1..3).flat_map(|i| (0..4).flat_map(move |j| (1..4).map(move |k| c(i, j, k)))))),
+        ),
+    ])
+}
+
+/// Where `tensor` differs from a host tensor that came over TCP with these bytes and shape.
+fn check_tensor(what: &str, tensor: &Tensor, dtype: DType, shape: &[u64], bytes: &[u8], failures: &mut Vec<String>) {
+    if tensor.path() != TransferPath::Tcp {
+        failures.push(format!("{what}: path {:?}, not Tcp", tensor.path()));
+    }
+    if !matches!(tensor.device(), TensorDevice::Host) {
+        failures.push(format!("{what}: device {:?}, not the host", tensor.device()));
+    }
+    if tensor.dtype() != dtype {
+        failures.push(format!("{what}: dtype {:?}, not {dtype:?}", tensor.dtype()));
+    }
+    if tensor.shape() != shape {
+        failures.push(format!("{what}: shape {:?}, not {shape:?}", tensor.shape()));
+    }
+    match tensor.to_bytes() {
+        Ok(read) if read == bytes => {}
+        Ok(read) => failures.push(format!("{what}: other bytes ({} read, {} expected)", read.len(), bytes.len())),
+        Err(error) => failures.push(format!("{what}: unreadable: {error:?}")),
+    }
+}
+
+#[test]
+fn every_dtype_views_and_nested_tensors_cross_tcp_intact() {
+    let (mut receiver, endpoint) = bind::<Nested>(4);
+    let mut sender = Peer::start(&["send-kinds", "--to", &endpoint], Some(KEY));
+    let (message, info) = receiver.recv_with_info(Some(Duration::from_secs(30))).expect("the nested message");
+    assert_eq!(info.sender_pid, sender.id(), "MessageInfo::sender_pid is the sender's");
+    sender.expect("sent", Duration::from_secs(10));
+    let mut failures = Vec::new();
+    assert_eq!(message.title, "nested over tcp");
+    assert_eq!(message.header.step, 42);
+    check_tensor(
+        "header.weights",
+        &message.header.weights,
+        DType::F32,
+        &[6, 8],
+        &f32s((0..6).flat_map(|i| (0..8).map(move |j| m(i, j)))),
+        &mut failures,
+    );
+    match &message.header.mask {
+        Some(mask) => check_tensor("header.mask", mask, DType::U8, &[2, 2], &[1, 0, 1, 1], &mut failures),
+        None => failures.push("header.mask: lost".into()),
+    }
+    assert!(message.header.nothing.is_none());
+    assert_eq!(message.batch.len(), BATCH);
+    for (i, tensor) in message.batch.iter().enumerate() {
+        let bytes = batch_bytes(i);
+        check_tensor(&format!("batch[{i}]"), tensor, DType::I64, &[bytes.len() as u64 / 8], &bytes, &mut failures);
+    }
+    let names: Vec<&str> = message.by_dtype.iter().map(|(n, _)| n.as_str()).collect();
+    let all: Vec<String> = DType::ALL.iter().map(|d| format!("{d:?}")).collect();
+    assert_eq!(names, all, "one tensor per dtype");
+    for ((name, tensor), &dtype) in message.by_dtype.iter().zip(DType::ALL.iter()) {
+        let bytes = dtype_bytes(dtype);
+        let numel = (bytes.len() / dtype.size()) as u64;
+        check_tensor(&format!("dtype {name}"), tensor, dtype, &[numel], &bytes, &mut failures);
+    }
+    let expected = expected_views();
+    let sent: Vec<&str> = message.views.iter().map(|v| v.name.as_str()).collect();
+    let mut sorted = sent.clone();
+    sorted.sort_unstable();
+    assert_eq!(sorted, expected.keys().copied().collect::<Vec<_>>(), "the views sent");
+    for view in &message.views {
+        let (shape, bytes) = &expected[view.name.as_str()];
+        let dtype = if view.name.starts_with("bytes") {
+            DType::U8
+        } else if view.name.starts_with("cube") {
+            DType::I32
+        } else {
+            DType::F32
+        };
+        check_tensor(&format!("view {}", view.name), &view.tensor, dtype, shape, bytes, &mut failures);
+        if view.tensor.shape() != view.shape.as_slice() || view.tensor.strides() != view.strides.as_slice() {
+            failures.push(format!(
+                "view {}: shape/strides {:?}/{:?} at the receiver, {:?}/{:?} at the sender",
+                view.name,
+                view.tensor.shape(),
+                view.tensor.strides(),
+                view.shape,
+                view.strides
+            ));
+        }
+    }
+    let transposed = &message.views.iter().find(|v| v.name == "transpose(0,1)").unwrap().tensor;
+    assert!(!transposed.is_contiguous(), "a transposed view stays a view");
+    let (one, alpha) = &message.map["alpha"];
+    assert_eq!(*one, 1);
+    check_tensor("map.alpha", alpha, DType::F64, &[2], &f64_bytes(&[1.0, -2.5]), &mut failures);
+    let (two, beta) = &message.map["beta"];
+    assert_eq!(*two, 2);
+    check_tensor("map.beta", beta, DType::U8, &[3], &[7, 7, 7], &mut failures);
+    assert!(failures.is_empty(), "{failures:#?}");
+    sender.close_stdin();
+    assert!(sender.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+}
+
+fn f64_bytes(values: &[f64]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Many senders
+
+#[test]
+fn four_sender_processes_and_three_threads_feed_one_tcp_receiver() {
+    const COUNT: u64 = 50;
+    let (mut receiver, endpoint) = bind::<Probe>(16);
+    let mut processes: Vec<Peer> = (1..=4u64)
+        .map(|tag| {
+            let (tag, seed) = (tag.to_string(), (tag * 1000).to_string());
+            let args = ["send", "--to", &endpoint, "--count", "50", "--tag", &tag, "--seed", &seed, "--len", "1500"];
+            Peer::start(&args, Some(KEY))
+        })
+        .collect();
+    let (done_tx, done) = mpsc::channel();
+    for tag in 11..=13u64 {
+        let (endpoint, done_tx) = (endpoint.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            let result = (|| -> tensor_queue::Result<()> {
+                let sender = connect::<Probe>(&endpoint, KEY)?;
+                for i in 0..COUNT {
+                    let mut probe = make_probe((tag << 32) | i, tag * 1000 + i, 100 + (i as usize * 97) % 3000)
+                        .map_err(|e| Error::Invalid(e.to_string()))?;
+                    probe.note = format!("tag {tag}");
+                    sender.send(&probe)?;
+                }
+                Ok(())
+            })();
+            let _ = done_tx.send((tag, result.map_err(|e| format!("{e:?}"))));
+        });
+    }
+    let pids: BTreeMap<u64, u32> = processes.iter().zip(1..).map(|(p, tag)| (tag, p.id())).collect();
+    let mut seen: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    let mut failures = Vec::new();
+    let errors = receive_n(&mut receiver, 7 * COUNT as usize, Duration::from_secs(45), |probe: Probe, info| {
+        let (tag, index) = (probe.id >> 32, probe.id & 0xffff_ffff);
+        if !probe_ok(&probe) {
+            failures.push(format!("tag {tag} message {index}: other bytes"));
+        }
+        if probe.tensors[0].path() != TransferPath::Tcp {
+            failures.push(format!("tag {tag} message {index}: path {:?}", probe.tensors[0].path()));
+        }
+        let pid = pids.get(&tag).copied().unwrap_or(std::process::id());
+        if info.sender_pid != pid {
+            failures.push(format!("tag {tag}: sender_pid {} but the sender is {pid}", info.sender_pid));
+        }
+        seen.entry(tag).or_default().push(index);
+    });
+    for _ in 0..3 {
+        let (tag, result) = done.recv_timeout(Duration::from_secs(30)).expect("a sending thread is stuck");
+        assert!(result.is_ok(), "thread {tag}: {result:?}");
+    }
+    for process in &mut processes {
+        process.expect("sent 50", Duration::from_secs(10));
+        assert!(process.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+    }
+    assert!(errors.is_empty(), "recv errors: {errors:?}");
+    assert!(failures.is_empty(), "{failures:#?}");
+    let tags: Vec<u64> = seen.keys().copied().collect();
+    assert_eq!(tags, [1, 2, 3, 4, 11, 12, 13]);
+    for (tag, indices) in &seen {
+        assert_eq!(*indices, (0..COUNT).collect::<Vec<_>>(), "tag {tag}: each once, in order");
+    }
+    // Nothing more (no duplicate arrives late), and with every sender gone: Disconnected.
+    let end = receiver.recv_timeout(Duration::from_secs(10));
+    assert!(matches!(end, Err(Error::Disconnected)), "after every sender left: {:?}", end.map(|p| p.id));
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Authentication
+
+#[test]
+fn a_wrong_secret_is_refused_and_honest_senders_are_served() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let wrong = connect::<Probe>(&endpoint, WRONG);
+    assert!(matches!(&wrong, Err(e) if is_auth_failed(e)), "a wrong secret: {:?}", wrong.err());
+    let mut impostor = Peer::start(&["send", "--to", &endpoint, "--count", "1", "--tag", "9"], Some(WRONG));
+    let line = impostor.expect("error", Duration::from_secs(20));
+    assert!(line.starts_with("error AuthFailed"), "{line}");
+    assert!(impostor.exit_within(Duration::from_secs(10)).is_some_and(|s| !s.success()));
+
+    let mut honest = Peer::start(&["send", "--to", &endpoint, "--count", "5", "--tag", "1"], Some(KEY));
+    let mut ids = Vec::new();
+    let errors = receive_n(&mut receiver, 5, Duration::from_secs(30), |probe: Probe, _| {
+        assert!(probe_ok(&probe), "message {:x}: other bytes", probe.id);
+        ids.push(probe.id);
+    });
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(ids, (0..5).map(|i| (1 << 32) | i).collect::<Vec<_>>(), "the impostor sent nothing");
+    assert!(honest.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+
+    // Both refusals are reported, each once.
+    let mut reported = Vec::new();
+    wait_for(Duration::from_secs(10), || {
+        reported.extend(receiver.take_errors());
+        reported.iter().filter(|e| is_auth_failed(e)).count() >= 2
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    reported.extend(receiver.take_errors());
+    let refusals = reported.iter().filter(|e| is_auth_failed(e)).count();
+    assert_eq!(refusals, 2, "two connections with a wrong secret, each reported once: {reported:?}");
+}
+
+#[test]
+fn no_secret_or_a_short_one_is_an_error_at_bind_and_connect() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    for secret in [None, Some("short")] {
+        let mut binder = Peer::start(&["recv", "--bind", "tcp://127.0.0.1:0"], secret);
+        let line = binder.expect("error", Duration::from_secs(20));
+        assert!(line.starts_with("error InvalidArgument"), "bind with secret {secret:?}: {line}");
+        assert!(line.contains(SECRET_ENV), "the error names the variable to set: {line}");
+        assert!(binder.exit_within(Duration::from_secs(10)).is_some_and(|s| !s.success()));
+        let mut connector = Peer::start(&["send", "--to", &endpoint, "--count", "1"], secret);
+        let line = connector.expect("error", Duration::from_secs(20));
+        assert!(line.starts_with("error InvalidArgument"), "connect with secret {secret:?}: {line}");
+        assert!(connector.exit_within(Duration::from_secs(10)).is_some_and(|s| !s.success()));
+    }
+    // A short secret given in code: refused when made, or at bind and connect.
+    if let Ok(short) = Secret::from_bytes(b"short") {
+        let options = ReceiverOptions { secret: Some(short), ..ReceiverOptions::default() };
+        let bound = Receiver::<u64>::bind_with("tcp://127.0.0.1:0", options);
+        assert!(
+            matches!(bound, Err(Error::Core(ipc_core::Error::InvalidArgument(_)))),
+            "bind with a 5-byte secret: {:?}",
+            bound.err()
+        );
+        let short = Secret::from_bytes(b"short").unwrap();
+        let options = ConnectOptions { secret: Some(short), timeout: Duration::from_secs(5) };
+        let connected = Sender::<Probe>::connect_with(endpoint.as_str(), &options);
+        assert!(
+            matches!(connected, Err(Error::Core(ipc_core::Error::InvalidArgument(_)))),
+            "connect with a 5-byte secret: {:?}",
+            connected.err()
+        );
+    }
+    // In this process, where the environment has no secret (the usual case for `cargo test`).
+    if std::env::var_os(SECRET_ENV).is_none() {
+        let bound = Receiver::<u64>::bind("tcp://127.0.0.1:0");
+        assert!(matches!(bound, Err(Error::Core(ipc_core::Error::InvalidArgument(_)))), "{:?}", bound.err());
+        let connected = Sender::<Probe>::connect(endpoint.as_str());
+        assert!(matches!(connected, Err(Error::Core(ipc_core::Error::InvalidArgument(_)))), "{:?}", connected.err());
+        let connected = Sender::<Probe>::connect_with(endpoint.as_str(), &ConnectOptions::default());
+        assert!(matches!(connected, Err(Error::Core(ipc_core::Error::InvalidArgument(_)))), "{:?}", connected.err());
+    }
+    // The receiver never saw any of them and still serves.
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    sender.send(&make_probe(1, 1, 100).unwrap()).unwrap();
+    let probe = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(probe.id == 1 && probe_ok(&probe));
+}
+
+#[test]
+fn a_silent_connector_does_not_delay_an_honest_sender() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let addr = addr_of(&endpoint);
+    let opened = Instant::now();
+    // One says nothing at all; one stops halfway through its greeting.
+    let silent = TcpStream::connect(addr).unwrap();
+    let mut halfway = TcpStream::connect(addr).unwrap();
+    halfway.write_all(b"tq-auth-v1C0123456789").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+
+    let start = Instant::now();
+    let mut honest = Peer::start(&["send", "--to", &endpoint, "--count", "3", "--tag", "1"], Some(KEY));
+    let mut ids = Vec::new();
+    receive_n(&mut receiver, 3, Duration::from_secs(30), |p: Probe, _| ids.push(p.id));
+    let took = start.elapsed();
+    assert!(took < Duration::from_secs(5), "the honest sender waited {took:?} behind the silent ones (10 s?)");
+    assert_eq!(ids, [1 << 32, (1 << 32) | 1, (1 << 32) | 2]);
+    honest.expect("sent 3", Duration::from_secs(10));
+    let start = Instant::now();
+    let sender = connect::<Probe>(&endpoint, KEY).expect("an in-process sender connects too");
+    sender.send(&make_probe(5, 5, 10).unwrap()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 5);
+    assert!(start.elapsed() < Duration::from_secs(5), "connect waited {:?}", start.elapsed());
+
+    // Both are dropped after about 10 s, having been told nothing computed from the secret.
+    for (name, mut stream) in [("silent", silent), ("halfway", halfway)] {
+        stream.set_read_timeout(Some(Duration::from_secs(25))).unwrap();
+        let mut told = Vec::new();
+        let closed = stream.read_to_end(&mut told);
+        assert!(
+            closed.is_ok() || closed.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "{name}: not dropped {:?} after connecting: {closed:?}",
+            opened.elapsed()
+        );
+        assert!(told.len() <= GREETING, "{name}: told {} bytes", told.len());
+        if !told.is_empty() {
+            assert!(told.starts_with(b"tq-auth-v1S"), "{name}: {told:?}");
+        }
+    }
+    let mut reported = Vec::new();
+    wait_for(Duration::from_secs(5), || {
+        reported.extend(receiver.take_errors());
+        reported.iter().filter(|e| is_handshake_timeout(e)).count() >= 2
+    });
+    assert_eq!(reported.iter().filter(|e| is_handshake_timeout(e)).count(), 2, "{reported:?}");
+}
+
+/// `connect` to a port nobody listens on fails, and to a listener that never speaks gives up after
+/// `ConnectOptions::timeout`: an error, never a hang.
+#[test]
+fn connect_to_nobody_or_to_a_mute_listener_fails_within_its_timeout() {
+    // A port that was just free.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let start = Instant::now();
+    let nobody = connect::<Probe>(&format!("tcp://127.0.0.1:{port}"), KEY);
+    assert!(nobody.is_err(), "connected to nobody");
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?} to find nobody listening", start.elapsed());
+    // A listener that accepts and says nothing.
+    let mute = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", mute.local_addr().unwrap());
+    let holder = std::thread::spawn(move || {
+        let held = mute.accept();
+        std::thread::sleep(Duration::from_secs(4));
+        drop(held);
+    });
+    let outcome = within(Duration::from_secs(8), move || {
+        let start = Instant::now();
+        let options = ConnectOptions { secret: Some(secret_of(KEY)), timeout: Duration::from_secs(1) };
+        let result = Sender::<Probe>::connect_with(endpoint.as_str(), &options).map(|_| ());
+        (result.map_err(|e| format!("{e:?}")), start.elapsed())
+    });
+    let (result, took) = outcome.expect("connect to a mute listener hung past 8 s with a 1 s timeout");
+    assert!(result.is_err(), "connected to a listener that never authenticated");
+    assert!(took < Duration::from_secs(5), "gave up after {took:?} with a 1 s timeout: {result:?}");
+    eprintln!("mute listener: {result:?} after {took:?}");
+    holder.join().unwrap();
+}
+
+#[test]
+fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let addr = addr_of(&endpoint);
+    let http = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: curl/8.0\r\nAccept: */*\r\n\r\n".to_vec();
+    let mut reflected = b"tq-auth-v1S".to_vec();
+    reflected.extend_from_slice(&random_bytes(32 + 32));
+    let attacks: Vec<(&str, Vec<u8>)> =
+        vec![("http", http), ("random", random_bytes(4096)), ("server role", reflected)];
+    let mut streams = Vec::new();
+    for (name, bytes) in attacks {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        // The listener may close before taking everything: a failed write is fine.
+        let _ = stream.write_all(&bytes);
+        streams.push((name, stream, 0));
+    }
+    // A client greeting, then a wrong answer to the listener's challenge.
+    let mut bad_mac = TcpStream::connect(addr).unwrap();
+    bad_mac.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut greeting = b"tq-auth-v1C".to_vec();
+    greeting.extend_from_slice(&random_bytes(32));
+    bad_mac.write_all(&greeting).unwrap();
+    let mut theirs = [0u8; GREETING];
+    bad_mac.read_exact(&mut theirs).expect("the listener's greeting");
+    assert_eq!(&theirs[..11], b"tq-auth-v1S");
+    bad_mac.write_all(&[0u8; 32]).unwrap();
+    streams.push(("wrong answer", bad_mac, GREETING));
+
+    for (name, stream, already) in &mut streams {
+        stream.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut told = Vec::new();
+        let closed = stream.read_to_end(&mut told);
+        assert!(
+            closed.is_ok() || closed.as_ref().is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+            "{name}: not closed: {closed:?}"
+        );
+        assert!(*already + told.len() <= GREETING, "{name}: told {} bytes beyond the greeting", told.len());
+    }
+    let mut honest = Peer::start(&["send", "--to", &endpoint, "--count", "5", "--tag", "2"], Some(KEY));
+    let mut ids = Vec::new();
+    let errors = receive_n(&mut receiver, 5, Duration::from_secs(30), |p: Probe, _| {
+        assert!(probe_ok(&p));
+        ids.push(p.id & 0xffff_ffff);
+    });
+    assert!(errors.is_empty(), "{errors:?}");
+    assert_eq!(ids, [0, 1, 2, 3, 4]);
+    assert!(honest.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+    let mut reported = Vec::new();
+    let refused =
+        |reported: &Vec<Error>| reported.iter().filter(|e| is_auth_failed(e) || is_handshake_timeout(e)).count();
+    wait_for(Duration::from_secs(5), || {
+        reported.extend(receiver.take_errors());
+        refused(&reported) >= 4
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    reported.extend(receiver.take_errors());
+    assert_eq!(refused(&reported), 4, "four refused connections, each reported once: {reported:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Malformed frames after a correct handshake
+
+/// A `Hello` as a sender says it.
+fn hello(capacity: u32) -> Vec<u8> {
+    Frame::Hello {
+        pid: std::process::id(),
+        host: ipc_core::HostId::current().unwrap().0,
+        capacity,
+        instance: 0x7e57,
+        reach: Default::default(),
+        routing: Default::default(),
+    }
+    .encode()
+}
+
+fn message(seq: u64, tensors: Vec<TensorDesc>, payload: &[u8]) -> Vec<u8> {
+    let now = tensor_queue::monotonic_ns();
+    Frame::Message { seq, sent_ns: now, encoded_ns: now, tensors, payload: payload.to_vec() }.encode()
+}
+
+/// The serde payload a real `Sender` writes for `probe` over TCP, taken from it by a raw
+/// listener that plays the receiver: raw frames can then carry a message the receiver decodes.
+fn payload_of(probe: Probe) -> Vec<u8> {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let sending = std::thread::spawn(move || {
+        let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+        sender.send(&probe).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let link = listener.accept(Some(Duration::from_secs(10)), &secret_of(KEY)).unwrap();
+    let mut buf = Vec::new();
+    link.recv(&mut buf, Some(Duration::from_secs(10))).unwrap();
+    let first = Frame::decode(&buf);
+    assert!(matches!(first, Ok(Frame::Hello { .. })), "a TCP sender begins with Hello: {first:?}");
+    link.send(&hello(4)).unwrap();
+    for _ in 0..100 {
+        link.recv(&mut buf, Some(Duration::from_secs(10))).unwrap();
+        if let Ok(Frame::Message { payload, .. }) = Frame::decode(&buf) {
+            sending.join().unwrap();
+            return payload;
+        }
+    }
+    panic!("no Message among the first 100 records");
+}
+
+/// An authenticated raw link; with `hello`, it has also said Hello and had the receiver's, whose
+/// capacity it returns.
+fn raw_link(addr: SocketAddr, say_hello: bool) -> (TcpLink, u32) {
+    let link = TcpLink::connect(addr, &secret_of(KEY), Duration::from_secs(10)).expect("the right secret");
+    if !say_hello {
+        return (link, 0);
+    }
+    link.send(&hello(0)).unwrap();
+    let mut buf = Vec::new();
+    for _ in 0..10 {
+        link.recv(&mut buf, Some(Duration::from_secs(10))).expect("the receiver's answer");
+        if let Ok(Frame::Hello { capacity, .. }) = Frame::decode(&buf) {
+            return (link, capacity);
+        }
+    }
+    panic!("the receiver never said Hello");
+}
+
+/// Whether the receiver closes `link` within `timeout` (what it says before is read and dropped).
+fn closed_within(link: &TcpLink, timeout: Duration) -> Result<(), String> {
+    let deadline = Instant::now() + timeout;
+    let mut buf = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("still open after {timeout:?}"));
+        }
+        match link.recv(&mut buf, Some(left)) {
+            Ok(_) => {}
+            Err(ipc_core::Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(ipc_core::Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return Ok(()),
+        }
+    }
+}
+
+/// One record read from a raw stream (10 s at most).
+fn read_record(stream: &mut TcpStream) -> Vec<u8> {
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).expect("a record's length");
+    let mut bytes = vec![0u8; u32::from_le_bytes(len) as usize];
+    stream.read_exact(&mut bytes).expect("a record");
+    bytes
+}
+
+fn record(bytes: &[u8]) -> Vec<u8> {
+    let mut out = (bytes.len() as u32).to_le_bytes().to_vec();
+    out.extend_from_slice(bytes);
+    out
+}
+
+/// A probe without tensors whose note marks it as raw.
+fn raw_probe(id: u64, note: &str) -> Probe {
+    Probe { id, tensors: Vec::new(), expected: Vec::new(), note: note.into() }
+}
+
+/// Two honest sender processes send 10 messages each (20 ms apart) to `receiver`, while
+/// `raw_controls` raw messages noted `raw-control` are due too: checks that all of them arrive
+/// intact and in order, and returns the notes of every raw message delivered and the reasons of
+/// the refusals `recv` returned.
+fn serve_honest_beside(
+    receiver: &mut Receiver<Probe>,
+    endpoint: &str,
+    raw_controls: usize,
+) -> (Vec<String>, Vec<String>) {
+    let mut honest: Vec<Peer> = (1..=2u64)
+        .map(|tag| {
+            let tag = tag.to_string();
+            Peer::start(&["send", "--to", endpoint, "--count", "10", "--tag", &tag, "--pause-ms", "20"], Some(KEY))
+        })
+        .collect();
+    let mut by_tag: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    let mut raw: Vec<String> = Vec::new();
+    let mut rejected = Vec::new();
+    let mut bad = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let controls = |raw: &Vec<String>| raw.iter().filter(|n| *n == "raw-control").count();
+    while by_tag.values().map(Vec::len).sum::<usize>() < 20 || controls(&raw) < raw_controls {
+        assert!(
+            Instant::now() < deadline,
+            "honest {by_tag:?}, raw {raw:?} after 30 s; rejected {rejected:?}; errors {:?}",
+            receiver.take_errors()
+        );
+        match receiver.recv_timeout(Duration::from_millis(200)) {
+            Ok(probe) if probe.note.starts_with("raw") => raw.push(probe.note),
+            Ok(probe) => {
+                if !probe_ok(&probe) {
+                    bad.push(probe.id);
+                }
+                by_tag.entry(probe.id >> 32).or_default().push(probe.id & 0xffff_ffff);
+            }
+            Err(Error::Rejected { reason, .. }) => rejected.push(reason),
+            Err(Error::Timeout | Error::Disconnected) => {}
+            Err(other) => panic!("recv: {other:?}"),
+        }
+    }
+    assert!(bad.is_empty(), "honest messages with other bytes: {bad:?}");
+    for tag in [1, 2] {
+        assert_eq!(by_tag.get(&tag), Some(&(0..10).collect::<Vec<_>>()), "honest sender {tag}");
+    }
+    for peer in &mut honest {
+        assert!(peer.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+    }
+    // Give a late raw message time to show.
+    loop {
+        match receiver.recv_timeout(Duration::from_millis(300)) {
+            Ok(probe) => raw.push(probe.note),
+            Err(Error::Rejected { reason, .. }) => rejected.push(reason),
+            Err(_) => break,
+        }
+    }
+    assert_eq!(controls(&raw), raw_controls, "raw control messages: {raw:?}");
+    (raw, rejected)
+}
+
+/// The receiver's errors, gathered until `enough` holds of them (5 s at most), then 300 ms more.
+fn errors_until(receiver: &mut Receiver<Probe>, enough: impl Fn(&[Error]) -> bool) -> Vec<Error> {
+    let mut errors = Vec::new();
+    wait_for(Duration::from_secs(5), || {
+        errors.extend(receiver.take_errors());
+        enough(&errors)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    errors.extend(receiver.take_errors());
+    eprintln!("receiver errors: {errors:#?}");
+    errors
+}
+
+/// The receiver still serves a new sender.
+fn still_serving(receiver: &mut Receiver<Probe>, endpoint: &str) {
+    let sender = connect::<Probe>(endpoint, KEY).unwrap();
+    sender.send(&make_probe(77, 77, 1000).unwrap()).unwrap();
+    let probe = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(probe.id == 77 && probe_ok(&probe));
+}
+
+/// An authenticated raw link that follows the protocol sends `payloads` as messages 1, 2, ...
+fn raw_control(addr: SocketAddr, payloads: &[Vec<u8>]) -> TcpLink {
+    let (control, _) = raw_link(addr, true);
+    for (seq, payload) in (1..).zip(payloads) {
+        control.send(&message(seq, Vec::new(), payload)).unwrap();
+    }
+    control
+}
+
+#[test]
+fn malformed_records_after_the_handshake_close_only_their_connection() {
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    let control_payloads = [payload_of(raw_probe(201, "raw-control")), payload_of(raw_probe(202, "raw-control"))];
+    let one_tensor = payload_of(Probe {
+        id: 300,
+        tensors: vec![Tensor::zeros(DType::U8, &[64]).unwrap()],
+        expected: vec![0],
+        note: "raw-unknown-chunk".into(),
+    });
+    let mut closing: Vec<(&str, TcpLink)> = Vec::new();
+    let (link, _) = raw_link(addr, false);
+    link.send(&random_bytes(1000)).unwrap();
+    closing.push(("random record before Hello", link));
+    let (link, _) = raw_link(addr, false);
+    let h = hello(0);
+    link.send(&h[..h.len() / 2]).unwrap();
+    closing.push(("truncated Hello", link));
+    let (link, _) = raw_link(addr, true);
+    link.send(&random_bytes(1000)).unwrap();
+    closing.push(("Hello, then a random record", link));
+    let (link, _) = raw_link(addr, true);
+    let whole = message(1, Vec::new(), &control_payloads[0]);
+    link.send(&whole[..whole.len() * 2 / 3]).unwrap();
+    closing.push(("Hello, then a truncated Message", link));
+    let (link, _) = raw_link(addr, true);
+    link.send(&[]).unwrap();
+    closing.push(("Hello, then an empty record", link));
+    // A record that promises 1 MiB and stops after 10 bytes: it must not hold anyone up.
+    let mut stalled = handshake_by_hand(addr, KEY.as_bytes());
+    stalled.write_all(&record(&hello(0))).unwrap();
+    stalled.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    stalled.write_all(&[7; 10]).unwrap();
+    // A well-formed message naming a chunk that does not exist: refused, typed.
+    let (unknown, _) = raw_link(addr, true);
+    let desc = TensorDesc {
+        chunk: 999,
+        storage_offset: 0,
+        storage_len: 64,
+        view_offset: 0,
+        dtype: DType::U8,
+        fence: Fence::None,
+        route: tensor_queue::route::Route::SameDevice,
+        target: None,
+        shape: vec![64],
+        strides: vec![1],
+        span: Default::default(),
+    };
+    unknown.send(&message(1, vec![desc], &one_tensor)).unwrap();
+    // The control: a raw client that follows the protocol is served, so the attacks above were
+    // judged on what they got wrong, not on the raw framing.
+    let control = raw_control(addr, &control_payloads);
+
+    let (raw, rejected) = serve_honest_beside(&mut receiver, &endpoint, 2);
+    assert!(!raw.iter().any(|n| n == "raw-unknown-chunk"), "a tensor of an unknown chunk was delivered");
+    let mut failures = Vec::new();
+    for (name, link) in &closing {
+        if let Err(why) = closed_within(link, Duration::from_secs(5)) {
+            failures.push(format!("{name}: {why}"));
+        }
+    }
+    // Each closed connection is reported, and the unknown chunk as a refusal of that message (or
+    // of its connection), as typed errors.
+    let closed = |errors: &[Error]| errors.iter().filter(|e| matches!(e, Error::ConnectionClosed { .. })).count();
+    let errors = errors_until(&mut receiver, |e| closed(e) >= closing.len());
+    let refused = !rejected.is_empty() || errors.iter().any(|e| matches!(e, Error::Rejected { .. }));
+    if closed(&errors) + usize::from(refused) < closing.len() + 1 {
+        failures.push(format!("{} closed connections and refused: {refused}: {errors:?}", closed(&errors)));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    still_serving(&mut receiver, &endpoint);
+    drop((stalled, control, unknown));
+}
+
+/// A sender that sends more messages than the credits it was granted has its connection closed
+/// (api-spec: "A receiver enforces its capacity").
+#[test]
+fn more_messages_than_credits_close_the_connection() {
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    let flood_payload = payload_of(raw_probe(100, "raw-flood"));
+    let control_payloads = [payload_of(raw_probe(201, "raw-control")), payload_of(raw_probe(202, "raw-control"))];
+    // Before anything is taken from the receiver (so no credit came back yet): four messages on
+    // the four credits of its Hello, then ten more.
+    let (flood, capacity) = raw_link(addr, true);
+    assert_eq!(capacity, 4, "the receiver's Hello grants its capacity");
+    for seq in 1..=u64::from(capacity) + 10 {
+        if flood.send(&message(seq, Vec::new(), &flood_payload)).is_err() {
+            break;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let control = raw_control(addr, &control_payloads);
+    let (raw, _) = serve_honest_beside(&mut receiver, &endpoint, 2);
+    let mut failures = Vec::new();
+    let flooded = raw.iter().filter(|n| *n == "raw-flood").count();
+    if flooded > capacity as usize {
+        failures.push(format!("{flooded} messages delivered on {capacity} credits"));
+    }
+    if let Err(why) = closed_within(&flood, Duration::from_secs(5)) {
+        failures.push(format!("the flooding connection: {why}"));
+    }
+    let errors = errors_until(&mut receiver, |e| e.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })));
+    if !errors.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })) {
+        failures.push(format!("no connection reported closed: {errors:?}"));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    still_serving(&mut receiver, &endpoint);
+    drop(control);
+}
+
+/// Records whose length prefix is over `ipc_core::tcp::MAX_MESSAGE` (written by hand: `TcpLink`
+/// never sends one) close their connection, reported; nobody else notices.
+#[test]
+fn an_oversize_length_prefix_closes_the_connection() {
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    let control_payload = payload_of(raw_probe(201, "raw-control"));
+    // The control, spoken as the attacks speak: handshake, Hello, its answer, a message.
+    let mut by_hand = handshake_by_hand(addr, KEY.as_bytes());
+    by_hand.write_all(&record(&hello(0))).unwrap();
+    let mut answer = read_record(&mut by_hand);
+    while !matches!(Frame::decode(&answer), Ok(Frame::Hello { .. })) {
+        answer = read_record(&mut by_hand);
+    }
+    by_hand.write_all(&record(&message(1, Vec::new(), &control_payload))).unwrap();
+    let mut huge = handshake_by_hand(addr, KEY.as_bytes());
+    huge.write_all(&record(&hello(0))).unwrap();
+    huge.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    huge.write_all(&random_bytes(4096)).unwrap();
+    let mut over = handshake_by_hand(addr, KEY.as_bytes());
+    over.write_all(&record(&hello(0))).unwrap();
+    over.write_all(&(MAX_MESSAGE as u32 + 1).to_le_bytes()).unwrap();
+    serve_honest_beside(&mut receiver, &endpoint, 1);
+    let mut failures = Vec::new();
+    for (name, stream) in [("u32::MAX length prefix", &mut huge), ("MAX_MESSAGE + 1 length prefix", &mut over)] {
+        stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut rest = Vec::new();
+        if let Err(error) = stream.read_to_end(&mut rest)
+            && error.kind() != std::io::ErrorKind::ConnectionReset
+        {
+            failures.push(format!("{name}: not closed within 5 s: {error}"));
+        }
+    }
+    let closed = |errors: &[Error]| errors.iter().filter(|e| matches!(e, Error::ConnectionClosed { .. })).count();
+    let errors = errors_until(&mut receiver, |e| closed(e) >= 2);
+    if closed(&errors) < 2 {
+        failures.push(format!("{} of 2 connections reported closed: {errors:?}", closed(&errors)));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    still_serving(&mut receiver, &endpoint);
+    drop(by_hand);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Killed peers
+
+#[test]
+fn a_sender_killed_mid_stream_leaves_an_intact_prefix_then_disconnected() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let args = ["send", "--to", &endpoint, "--count", "100000", "--tag", "1", "--seed", "77", "--len", "262144"];
+    let mut doomed = Peer::start(&args, Some(KEY));
+    let mut next = 0u64;
+    let check = |probe: Probe, next: &mut u64| {
+        assert_eq!(probe.id, (1 << 32) | *next, "in order, none lost");
+        assert!(probe_ok(&probe), "message {next}: other bytes");
+        assert_eq!(probe.tensors[0].path(), TransferPath::Tcp);
+        *next += 1;
+    };
+    receive_n(&mut receiver, 20, Duration::from_secs(30), |p: Probe, _| check(p, &mut next));
+    doomed.kill();
+    // What was sent before the kill, then Disconnected; never a torn message or a hang.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        assert!(Instant::now() < deadline, "no Disconnected 20 s after the kill ({next} received)");
+        match receiver.recv_timeout(Duration::from_secs(1)) {
+            Ok(probe) => check(probe, &mut next),
+            Err(Error::Disconnected) => break,
+            Err(Error::Timeout) => {}
+            Err(other) => panic!("after {next} messages: {other:?}"),
+        }
+    }
+    eprintln!("{next} messages arrived before the kill showed");
+    // A new sender is accepted.
+    let mut fresh = Peer::start(&["send", "--to", &endpoint, "--count", "3", "--tag", "2"], Some(KEY));
+    let mut ids = Vec::new();
+    receive_n(&mut receiver, 3, Duration::from_secs(30), |p: Probe, _| {
+        assert!(probe_ok(&p));
+        ids.push(p.id);
+    });
+    assert_eq!(ids, [2 << 32, (2 << 32) | 1, (2 << 32) | 2]);
+    assert!(fresh.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+}
+
+#[test]
+fn a_killed_receiver_process_fails_send_with_disconnected() {
+    let (mut doomed, endpoint) = Peer::receiver(&["--capacity", "4"]);
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    for id in 0..3 {
+        sender.send(&make_probe(id, id, 4096).unwrap()).unwrap();
+    }
+    for (id, line) in doomed.got(3, Duration::from_secs(20)).iter().enumerate() {
+        let (got, ok, path, pid) = parse_got(line);
+        assert_eq!((got, ok, path.as_str(), pid), (id as u64, true, "Tcp", std::process::id()), "{line}");
+    }
+    assert!(sender.is_connected());
+    doomed.kill();
+    let outcome = within(Duration::from_secs(15), move || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut id = 3;
+        loop {
+            if let Err(error) = sender.send(&make_probe(id, id, 4096).unwrap()) {
+                return (Err(variant(&error)), sender);
+            }
+            if Instant::now() > deadline {
+                return (Ok(id), sender);
+            }
+            id += 1;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    });
+    let (result, sender) = outcome.expect("send hung after the receiver was killed");
+    assert_eq!(result, Err("Disconnected".to_string()), "sends 10 s after the receiver was killed");
+    assert!(wait_for(Duration::from_secs(5), || !sender.is_connected()).is_some(), "is_connected after the kill");
+}
+
+/// The receiver dies while 16 MiB messages stream to it (a send is likely mid-write).
+#[test]
+fn a_receiver_killed_during_large_sends_fails_them_with_disconnected() {
+    let (mut doomed, endpoint) = Peer::receiver(&["--capacity", "4"]);
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    let big = make_probe(0, 16, 16 << 20).unwrap();
+    let (first_tx, first) = mpsc::channel();
+    let outcome = std::thread::spawn(move || {
+        let deadline = Instant::now() + Duration::from_secs(40);
+        let mut sent = 0u64;
+        loop {
+            if let Err(error) = sender.send(&big) {
+                return (Err(variant(&error)), sent, sender);
+            }
+            sent += 1;
+            let _ = first_tx.send(sent);
+            if Instant::now() > deadline {
+                return (Ok(()), sent, sender);
+            }
+        }
+    });
+    first.recv_timeout(Duration::from_secs(20)).expect("a first 16 MiB send");
+    doomed.expect("got 0 ok Tcp", Duration::from_secs(20));
+    std::thread::sleep(Duration::from_millis(50));
+    doomed.kill();
+    let killed = Instant::now();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(outcome.join());
+    });
+    let (result, sent, sender) = rx.recv_timeout(Duration::from_secs(45)).expect("the sending thread hung").unwrap();
+    assert_eq!(result, Err("Disconnected".to_string()), "after {sent} sends");
+    assert!(killed.elapsed() < Duration::from_secs(10), "the send noticed the kill only after {:?}", killed.elapsed());
+    assert!(!sender.is_connected());
+}
+
+#[test]
+fn a_send_blocked_on_a_full_queue_fails_when_the_receiver_is_killed() {
+    let (mut doomed, endpoint) = Peer::receiver(&["--capacity", "2", "--idle"]);
+    let sender = Arc::new(connect::<Probe>(&endpoint, KEY).unwrap());
+    for id in 0..2 {
+        sender.send_timeout(&make_probe(id, id, 4096).unwrap(), Duration::from_secs(10)).unwrap();
+    }
+    let blocked = sender.clone();
+    let (result_tx, result) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = result_tx.send(blocked.send(&make_probe(2, 2, 4096).unwrap()).map_err(|e| variant(&e)));
+    });
+    assert!(result.recv_timeout(Duration::from_millis(500)).is_err(), "a third send went through a full queue");
+    doomed.kill();
+    let outcome = result.recv_timeout(Duration::from_secs(10));
+    assert_eq!(outcome, Ok(Err("Disconnected".to_string())), "the blocked send after the kill");
+    assert!(!sender.is_connected());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Backpressure and sizes
+
+#[test]
+fn a_full_tcp_queue_reports_full_and_timeout_then_drains() {
+    let (mut idle, endpoint) = Peer::receiver(&["--capacity", "2", "--idle"]);
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    let sender = within(Duration::from_secs(10), move || {
+        for id in 0..2 {
+            sender.send(&make_probe(id, id, 1 << 16).unwrap()).unwrap();
+        }
+        sender
+    })
+    .expect("two sends into a queue of two");
+    // Host tensors over TCP are copied at send: nothing stays leased, though nothing was read.
+    assert!(sender.wait_released(Duration::from_secs(5)), "{} leases out", sender.outstanding_leases());
+    let full = sender.try_send(&make_probe(2, 2, 100).unwrap());
+    assert!(matches!(full, Err(Error::Full)), "try_send on a full queue: {full:?}");
+    let sender = Arc::new(sender);
+    let timing = sender.clone();
+    let timed = within(Duration::from_secs(5), move || {
+        let start = Instant::now();
+        let result = timing.send_timeout(&make_probe(3, 3, 100).unwrap(), Duration::from_millis(300));
+        (result.map_err(|e| variant(&e)), start.elapsed())
+    });
+    let (result, took) = timed.expect("send_timeout(300 ms) returned within 5 s");
+    assert_eq!(result, Err("Timeout".to_string()));
+    assert!(took >= Duration::from_millis(250), "send_timeout gave up after {took:?}");
+    assert!(sender.is_connected());
+    idle.tell("read 2");
+    let got: Vec<_> = idle.got(2, Duration::from_secs(20)).iter().map(|l| parse_got(l)).collect();
+    assert_eq!(got, [(0, true, "Tcp".into(), std::process::id()), (1, true, "Tcp".into(), std::process::id())]);
+    idle.expect("read-done 2", Duration::from_secs(10));
+    // The credits came back over TCP: sends go through again; the refused two never arrive.
+    let feeder = sender.clone();
+    let sent = within(Duration::from_secs(15), move || {
+        feeder.send_timeout(&make_probe(4, 4, 100).unwrap(), Duration::from_secs(10)).map_err(|e| variant(&e))
+    });
+    assert_eq!(sent, Some(Ok(())));
+    idle.tell("read 1");
+    let (id, ok, path, _) = parse_got(&idle.expect("got", Duration::from_secs(20)));
+    assert_eq!(
+        (id, ok, path.as_str()),
+        (4, true, "Tcp"),
+        "the messages refused by try_send/send_timeout were not sent"
+    );
+    idle.close_stdin();
+    assert!(idle.exit_within(Duration::from_secs(10)).is_some());
+}
+
+#[test]
+fn a_64_mib_host_tensor_crosses_tcp_both_ways_intact() {
+    let len = 64 << 20;
+    // From a sender process.
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let len_arg = len.to_string();
+    let mut sender =
+        Peer::start(&["send", "--to", &endpoint, "--count", "1", "--seed", "64", "--len", &len_arg], Some(KEY));
+    let probe = receiver.recv_timeout(Duration::from_secs(40)).expect("64 MiB from a sender process");
+    assert_eq!(probe.tensors[0].shape(), [len as u64]);
+    assert_eq!(probe.tensors[0].path(), TransferPath::Tcp);
+    assert_eq!(digest(&probe.tensors[0].to_bytes().unwrap()), digest(&reference::pattern(len, 64)));
+    assert!(sender.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+    // To a receiver process.
+    let (mut peer, endpoint) = Peer::receiver(&["--count", "1"]);
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    let big = make_probe(0, 65, len).unwrap();
+    sender.send(&big).unwrap();
+    assert!(sender.wait_released(Duration::from_secs(5)), "host tensors over TCP are copied at send");
+    let (id, ok, path, _) = parse_got(&peer.expect("got", Duration::from_secs(40)));
+    assert_eq!((id, ok, path.as_str()), (0, true, "Tcp"));
+    assert!(peer.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()));
+}
+
+/// Over TCP the limit is `wire::MAX_INLINE_BYTES` of host bytes: a 300 MiB tensor is well
+/// within it (though over the 256 MiB frame limit of Unix sockets).
+#[test]
+fn a_300_mib_host_tensor_crosses_tcp() {
+    let len = 300 << 20;
+    let (mut peer, endpoint) = Peer::receiver(&["--count", "1"]);
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    let big = make_probe(0, 300, len).unwrap();
+    let sent = sender.send(&big);
+    assert!(sent.is_ok(), "300 MiB, under MAX_INLINE_BYTES ({MAX_INLINE_BYTES}): {sent:?}");
+    let (id, ok, path, _) = parse_got(&peer.expect("got", Duration::from_secs(45)));
+    assert_eq!((id, ok, path.as_str()), (0, true, "Tcp"));
+}
+
+#[test]
+fn a_message_over_the_tcp_limit_is_refused_at_send() {
+    let (mut peer, endpoint) = Peer::receiver(&["--count", "1"]);
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    // 4 GiB + 4 KiB of host bytes in three distinct tensors (zeros: nothing is written).
+    let half = 2u64 << 30;
+    let tensors = vec![
+        Tensor::zeros(DType::U8, &[half]).unwrap(),
+        Tensor::zeros(DType::U8, &[half]).unwrap(),
+        Tensor::zeros(DType::U8, &[4096]).unwrap(),
+    ];
+    let too_big = Probe { id: 0, tensors, expected: vec![0; 3], note: "too big".into() };
+    let outcome = within(Duration::from_secs(40), move || {
+        let result = sender.send(&too_big);
+        (result, sender)
+    });
+    let (result, sender) = outcome.expect("send of a message over the limit returned within 40 s");
+    match result {
+        Err(Error::TooLarge { size, limit }) => {
+            assert!(limit as u64 == MAX_INLINE_BYTES && size > limit, "size {size}, limit {limit}")
+        }
+        other => panic!("a message of 4 GiB + 4 KiB of host bytes: {other:?}"),
+    }
+    assert!(sender.is_connected(), "the connection goes on");
+    sender.send(&make_probe(1, 1, 1000).unwrap()).unwrap();
+    let (id, ok, _, _) = parse_got(&peer.expect("got", Duration::from_secs(20)));
+    assert_eq!((id, ok), (1, true), "nothing of the refused message arrived");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Broadcast over TCP and a Unix socket
+
+#[test]
+fn broadcast_reaches_two_tcp_receivers_and_a_unix_one() {
+    const COUNT: u64 = 20;
+    let count = COUNT.to_string();
+    let (mut first, first_endpoint) = Peer::receiver(&["--count", &count]);
+    let (mut second, second_endpoint) = Peer::receiver(&["--count", &count]);
+    let path = socket_path("tcp-broadcast");
+    let mut local = Peer::start(&["recv", "--bind", path.to_str().unwrap(), "--count", &count], None);
+    local.expect("listening unix", Duration::from_secs(20));
+    let senders = vec![
+        connect::<Probe>(&first_endpoint, KEY).unwrap(),
+        connect::<Probe>(&second_endpoint, KEY).unwrap(),
+        Sender::<Probe>::connect(&path).unwrap(),
+    ];
+    let broadcast = Broadcast::new(senders);
+    for id in 0..COUNT {
+        let mut probe = make_probe(id, 4000 + id, 1000 + 1000 * id as usize).unwrap();
+        // A strided view beside it.
+        let matrix = Tensor::from_bytes(&reference::pattern(48 * 4, id), DType::F32, &[6, 8]).unwrap();
+        let view = matrix.transpose(0, 1).unwrap();
+        probe.expected.push(digest(&view.to_bytes().unwrap()));
+        probe.tensors.push(view);
+        broadcast.send(&probe).unwrap();
+    }
+    for (name, peer, path) in
+        [("tcp 1", &mut first, "Tcp"), ("tcp 2", &mut second, "Tcp"), ("unix", &mut local, "HostSharedMemory")]
+    {
+        let got: Vec<_> = peer.got(COUNT as usize, Duration::from_secs(30)).iter().map(|l| parse_got(l)).collect();
+        let expected: Vec<_> = (0..COUNT).map(|id| (id, true, path.to_string(), std::process::id())).collect();
+        assert_eq!(got, expected, "{name}");
+        peer.expect("done", Duration::from_secs(10));
+        assert!(peer.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()), "{name}");
+        assert!(!peer.drain().iter().any(|l| l.starts_with("recv-error")), "{name}: {:?}", peer.seen);
+    }
+    assert!(
+        wait_for(Duration::from_secs(10), || broadcast.senders().iter().all(|s| s.outstanding_leases() == 0)).is_some(),
+        "leases: {:?}",
+        broadcast.senders().iter().map(Sender::outstanding_leases).collect::<Vec<_>>()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client side of `tq-auth-v1`, by hand from ipc-core::tcp's module docs, with SHA-256 and
+// HMAC written out (the tests' crate has no crypto dependency).
+
+/// Authenticates as a client with `key` over a fresh connection, and returns the raw stream.
+fn handshake_by_hand(addr: SocketAddr, key: &[u8]) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let nonce = random_bytes(32);
+    let mut greeting = b"tq-auth-v1C".to_vec();
+    greeting.extend_from_slice(&nonce);
+    stream.write_all(&greeting).unwrap();
+    let mut theirs = [0u8; GREETING];
+    stream.read_exact(&mut theirs).unwrap();
+    assert_eq!(&theirs[..11], b"tq-auth-v1S");
+    let server_nonce = &theirs[11..];
+    stream.write_all(&hmac_sha256(key, &[b"tq-auth-v1C", &nonce, server_nonce])).unwrap();
+    let mut answer = [0u8; 32];
+    stream.read_exact(&mut answer).expect("the listener accepted the hand-made answer");
+    assert_eq!(answer, hmac_sha256(key, &[b"tq-auth-v1S", server_nonce, &nonce]), "the listener's answer");
+    stream
+}
+
+fn hmac_sha256(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    let mut block = if key.len() > 64 { sha256(key).to_vec() } else { key.to_vec() };
+    block.resize(64, 0);
+    let mut inner: Vec<u8> = block.iter().map(|b| b ^ 0x36).collect();
+    for part in parts {
+        inner.extend_from_slice(part);
+    }
+    let mut outer: Vec<u8> = block.iter().map(|b| b ^ 0x5c).collect();
+    outer.extend_from_slice(&sha256(&inner));
+    sha256(&outer)
+}
+
+fn sha256(data: &[u8]) -> [u8; 32] {
+    const K: [u32; 64] = [
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98,
+        0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786,
+        0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8,
+        0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13,
+        0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819,
+        0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a,
+        0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+        0xc67178f2,
+    ];
+    let mut h: [u32; 8] =
+        [0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19];
+    let mut message = data.to_vec();
+    message.push(0x80);
+    while message.len() % 64 != 56 {
+        message.push(0);
+    }
+    message.extend_from_slice(&((data.len() as u64) * 8).to_be_bytes());
+    for block in message.chunks_exact(64) {
+        let mut w = [0u32; 64];
+        for (i, word) in block.chunks_exact(4).enumerate() {
+            w[i] = u32::from_be_bytes(word.try_into().unwrap());
+        }
+        for i in 16..64 {
+            let s0 = w[i - 15].rotate_right(7) ^ w[i - 15].rotate_right(18) ^ (w[i - 15] >> 3);
+            let s1 = w[i - 2].rotate_right(17) ^ w[i - 2].rotate_right(19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16].wrapping_add(s0).wrapping_add(w[i - 7]).wrapping_add(s1);
+        }
+        let [mut a, mut b, mut c, mut d, mut e, mut f, mut g, mut hh] = h;
+        for i in 0..64 {
+            let s1 = e.rotate_right(6) ^ e.rotate_right(11) ^ e.rotate_right(25);
+            let ch = (e & f) ^ (!e & g);
+            let t1 = hh.wrapping_add(s1).wrapping_add(ch).wrapping_add(K[i]).wrapping_add(w[i]);
+            let s0 = a.rotate_right(2) ^ a.rotate_right(13) ^ a.rotate_right(22);
+            let maj = (a & b) ^ (a & c) ^ (b & c);
+            let t2 = s0.wrapping_add(maj);
+            (hh, g, f, e, d, c, b, a) = (g, f, e, d.wrapping_add(t1), c, b, a, t1.wrapping_add(t2));
+        }
+        for (x, y) in h.iter_mut().zip([a, b, c, d, e, f, g, hh]) {
+            *x = x.wrapping_add(y);
+        }
+    }
+    let mut out = [0u8; 32];
+    for (chunk, word) in out.chunks_exact_mut(4).zip(h) {
+        chunk.copy_from_slice(&word.to_be_bytes());
+    }
+    out
+}
+
+#[test]
+fn the_hand_written_sha256_and_hmac_match_known_vectors() {
+    let hex = |bytes: &[u8]| integration_tests::to_hex(bytes);
+    assert_eq!(hex(&sha256(b"abc")), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    assert_eq!(hex(&sha256(&[b'a'; 1000])), "41edece42d63e8d9bf515a9ba6932e1c20cbc9f5a5d134645adb5db1b9737ea3");
+    // RFC 4231, test case 2.
+    assert_eq!(
+        hex(&hmac_sha256(b"Jefe", &[b"what do ya want ", b"for nothing?"])),
+        "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+    );
+}
