@@ -57,8 +57,8 @@ pub mod process;
 pub mod seqpacket;
 mod stream;
 pub mod tcp;
-pub mod transport;
 pub mod topology;
+pub mod transport;
 mod vmm;
 
 pub use context::Context;

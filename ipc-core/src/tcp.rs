@@ -404,11 +404,12 @@ impl TcpLink {
     pub fn recv(&self, buf: &mut Vec<u8>, timeout: Option<Duration>) -> Result<()> {
         let deadline = timeout.map(|timeout| Instant::now() + timeout);
         loop {
-            if self.try_recv_with(|message| {
-                buf.clear();
-                buf.extend_from_slice(message);
-            })?
-            .is_some()
+            if self
+                .try_recv_with(|message| {
+                    buf.clear();
+                    buf.extend_from_slice(message);
+                })?
+                .is_some()
             {
                 return Ok(());
             }
@@ -504,7 +505,9 @@ impl Inbox {
     fn needed(&self) -> usize {
         let data = &self.data[self.start..];
         match data.get(..4) {
-            Some(header) => (4 + u32::from_le_bytes(header.try_into().expect("4 bytes")) as usize).saturating_sub(data.len()),
+            Some(header) => {
+                (4 + u32::from_le_bytes(header.try_into().expect("4 bytes")) as usize).saturating_sub(data.len())
+            }
             None => 4 - data.len(),
         }
     }

@@ -44,8 +44,9 @@ mod view;
 pub mod wire;
 
 pub use channel::{
-    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender, from_parent,
-    from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex, spawn_timeout,
+    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender,
+    from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex,
+    spawn_timeout,
 };
 pub use copy::HostCopy;
 pub use dtype::{DType, Element};

@@ -858,7 +858,19 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, FrameEr
             "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside a {storage_len}-byte storage"
         )));
     }
-    Ok(TensorDesc { chunk, storage_offset, storage_len, view_offset, dtype, fence, route, target, span, shape, strides })
+    Ok(TensorDesc {
+        chunk,
+        storage_offset,
+        storage_len,
+        view_offset,
+        dtype,
+        fence,
+        route,
+        target,
+        span,
+        shape,
+        strides,
+    })
 }
 
 /// The most bytes a view's elements may add up to (256 TiB, more than any machine's memory): a

@@ -167,7 +167,12 @@ impl Producer {
             // A word first named after the producer died: how far did it get?
             rescue_word(&state.words[at])?;
         }
-        Ok(FenceWait { producer: Some(self.clone()), fate, value, word: stream.is_none().then(|| (chunk.clone(), offset)) })
+        Ok(FenceWait {
+            producer: Some(self.clone()),
+            fate,
+            value,
+            word: stream.is_none().then(|| (chunk.clone(), offset)),
+        })
     }
 
     fn is_dead(&self) -> bool {

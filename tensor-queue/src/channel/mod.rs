@@ -49,8 +49,14 @@
 //! # Flow control
 //! A receiver grants each sender `capacity` messages; `send` blocks when they are used up and
 //! resumes when the receiver has taken half of them (credits return in batches, to keep frames
-//! off the hot path). The receiver enforces it: a sender that sends beyond its credits, or a
-//! receiver that grants more than was sent, has its connection closed. No thread ever writes to
+//! off the hot path). A receiver reads a sender's frames only as `recv` needs them, so it never
+//! holds more than `capacity` messages of one sender, whatever that sender writes: a sender that
+//! writes past its credits only fills its own socket (the kernel's flow control holds it back,
+//! over Unix sockets and TCP alike) and delays nobody else. A message read beyond the credits
+//! granted so far, or a receiver that grants more than was sent, closes the connection. (Since
+//! credits are granted as messages are taken, a reader that takes messages as they come cannot
+//! tell a sender that ran ahead from one that waited: the bound on memory is what holds.) No
+//! thread ever writes to
 //! a socket while holding the channel's state (a blocked write must never stop the thread that
 //! reads the peer's answers), and a receiver never waits for a sender to read: what does not fit
 //! a sender's socket waits in an outbox (`peer.rs`).

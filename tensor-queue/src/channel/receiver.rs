@@ -15,8 +15,8 @@ use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
 use super::acceptor::{Acceptor, Listening};
-use super::endpoint::{self, Endpoint};
 use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
+use super::endpoint::{self, Endpoint};
 use super::link::Link;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
 use crate::route::{MAX_SOURCES, Reach, Routing};
@@ -647,7 +647,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// from each that is. Returns whether anything was readable.
     fn pump(&mut self, wait: Option<Duration>) -> Result<bool> {
         // Packets a TCP link read ahead wait in this process, where `poll` cannot see them.
-        let buffered: Vec<usize> = (0..self.connected.len()).filter(|&i| self.connected[i].peer.link.has_buffered()).collect();
+        let buffered: Vec<usize> =
+            (0..self.connected.len()).filter(|&i| self.connected[i].peer.link.has_buffered()).collect();
         if !buffered.is_empty() {
             self.read_connections(buffered);
             return Ok(true);

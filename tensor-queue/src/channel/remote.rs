@@ -55,10 +55,13 @@ struct Joined {
     running: Vec<(Event, Arc<WordFate>)>,
 }
 
+/// A received tensor: its storage, the byte offset of its element 0 there, and its stream.
+pub(super) type Landed = (Arc<Storage>, usize, Option<Arc<Stream>>);
+
 /// Storage received from a remote sender, and where each tensor lies in it.
 pub(super) struct Received {
-    /// Per tensor: its storage, the byte offset of its element 0 there, and its stream.
-    pub tensors: Vec<(Arc<Storage>, usize, Option<Arc<Stream>>)>,
+    /// Per tensor, in the message's order.
+    pub tensors: Vec<Landed>,
     pub fences: Vec<FenceWait>,
 }
 
@@ -113,7 +116,7 @@ impl Remote {
         bad: impl Fn(usize, String) -> Error,
     ) -> Result<Received> {
         let bytes = std::mem::take(&mut self.bytes);
-        let mut tensors: Vec<Option<(Arc<Storage>, usize, Option<Arc<Stream>>)>> = vec![None; descs.len()];
+        let mut tensors: Vec<Option<Landed>> = vec![None; descs.len()];
         let mut fences = Vec::new();
         // Host tensors: one allocation for the message's bytes.
         let inline: Vec<usize> = (0..descs.len()).filter(|&i| descs[i].route == crate::route::Route::Tcp).collect();
@@ -128,7 +131,10 @@ impl Remote {
                 let desc = &descs[index];
                 let end = desc.storage_offset + desc.storage_len; // no overflow: checked by decoding
                 if end > bytes.len() as u64 {
-                    return Err(bad(index, format!("bytes {}..{end} of a message that brought {}", desc.storage_offset, bytes.len())));
+                    return Err(bad(
+                        index,
+                        format!("bytes {}..{end} of a message that brought {}", desc.storage_offset, bytes.len()),
+                    ));
                 }
                 tensors[index] = Some((storage.clone(), (desc.storage_offset + desc.view_offset) as usize, None));
             }
@@ -156,7 +162,10 @@ impl Remote {
                 }
                 match spans[span] {
                     Some(len) if len != desc.storage_len => {
-                        return Err(bad(index, format!("NCCL transfer {span} of {len} and {} bytes", desc.storage_len)));
+                        return Err(bad(
+                            index,
+                            format!("NCCL transfer {span} of {len} and {} bytes", desc.storage_len),
+                        ));
                     }
                     _ => spans[span] = Some(desc.storage_len),
                 }
@@ -212,7 +221,8 @@ impl Remote {
 
     /// The communicator `id`, once its set-up is done (waiting for it, bounded).
     fn ready(&mut self, id: u32) -> Result<&mut Joined> {
-        let joined = self.communicators.get_mut(&id).ok_or_else(|| Error::Protocol(format!("unknown communicator {id}")))?;
+        let joined =
+            self.communicators.get_mut(&id).ok_or_else(|| Error::Protocol(format!("unknown communicator {id}")))?;
         if !joined.ready {
             joined.communicator.wait_until_ready()?;
             joined.ready = true;

@@ -41,9 +41,9 @@
 //! Every received tensor says how it came ([`Tensor::path`](crate::Tensor::path)).
 
 mod choose;
+pub(crate) mod network;
 mod policy;
 mod reach;
-pub(crate) mod network;
 pub(crate) mod send;
 
 pub use choose::{Choice, Forbidden, Route, choose, choose_remote};

@@ -283,7 +283,8 @@ pub(crate) fn prepare(
                 let len = span.high - span.low;
                 for &(member, elem0) in &span.members {
                     let tensor = &tensors[member];
-                    descriptors[member] = Some(descriptor(tensor, Route::Nccl, comm.id as u64, 0, len, elem0 - span.low, index));
+                    descriptors[member] =
+                        Some(descriptor(tensor, Route::Nccl, comm.id as u64, 0, len, elem0 - span.low, index));
                 }
                 let storage = tensors[span.members[0].0].storage.clone();
                 // The span is in chunk coordinates; the storage's memory is the whole chunk.
@@ -292,7 +293,10 @@ pub(crate) fn prepare(
         }
         comm.submit(transfer)?;
     }
-    let descriptors = descriptors.into_iter().map(|d| d.ok_or_else(|| Error::Protocol("a tensor was not routed".into()))).collect::<Result<_>>()?;
+    let descriptors = descriptors
+        .into_iter()
+        .map(|d| d.ok_or_else(|| Error::Protocol("a tensor was not routed".into())))
+        .collect::<Result<_>>()?;
     let bytes = bytes.chunks(BYTES_FRAME).map(|data| Frame::Bytes { data: data.to_vec() }).collect();
     Ok(RemoteMessage { descriptors, bytes })
 }
@@ -341,7 +345,15 @@ fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Resu
     Ok(descriptor(tensor, Route::Tcp, 0, at as u64, len, view_offset, 0))
 }
 
-fn descriptor(tensor: &Tensor, route: Route, chunk: u64, offset: u64, len: usize, view_offset: usize, span: u32) -> TensorDesc {
+fn descriptor(
+    tensor: &Tensor,
+    route: Route,
+    chunk: u64,
+    offset: u64,
+    len: usize,
+    view_offset: usize,
+    span: u32,
+) -> TensorDesc {
     TensorDesc {
         chunk,
         storage_offset: offset,
