@@ -1118,7 +1118,34 @@ mod tests {
             Frame::Retire { chunk: 5 },
             Frame::Rejected { seq: 4, reason: "no such device".into() },
             Frame::Close { read_up_to: 3, reason: "bye".into() },
+            Frame::Bytes { data: vec![9; 100] },
+            Frame::Communicator { id: 2, unique_id: vec![7; ipc_core::nccl::UniqueId::LEN], target: [4; 16] },
+            Frame::Message {
+                seq: 4,
+                sent_ns: 1,
+                encoded_ns: 2,
+                tensors: vec![TensorDesc {
+                    chunk: 2,
+                    storage_offset: 0,
+                    storage_len: 4096,
+                    view_offset: 64,
+                    dtype: DType::F32,
+                    fence: Fence::None,
+                    route: Route::Nccl,
+                    target: None,
+                    span: 3,
+                    shape: vec![8, 8],
+                    strides: vec![1, 16],
+                }],
+                payload: vec![],
+            },
         ]
+    }
+
+    #[test]
+    fn a_communicator_frame_with_an_id_of_the_wrong_length_is_refused() {
+        let frame = Frame::Communicator { id: 1, unique_id: vec![7; 64], target: [4; 16] };
+        assert_eq!(Frame::decode(&frame.encode()), Err(FrameError::Invalid("an NCCL unique id of the wrong length")));
     }
 
     #[test]

@@ -76,9 +76,21 @@
 //!   `fences.rs`) and the messages it never finished are reported: [`Error::ProducerFailed`](crate::Error::ProducerFailed), or
 //!   [`Tensor::producer_failed`](crate::Tensor::producer_failed) for one already received.
 //!
+//! # Across hosts (TCP)
+//! A receiver bound to a TCP [`Endpoint`] (`"tcp://0.0.0.0:7000"`) takes senders from other
+//! hosts. The link underneath is the other implementation of one seam
+//! (`ipc_core::transport::Packets`): the same frames, split into the same packets, each a
+//! length-prefixed record on the stream; the protocol above does not know which it runs on,
+//! except that no descriptor crosses. Peers prove they hold the shared secret before any frame is
+//! read (`ipc_core::tcp`: mutual HMAC-SHA256 challenge-response), and each handshake runs on a
+//! thread of its own, bounded by 10 s, so a silent or hostile connector delays nobody. Over TCP
+//! every tensor moves as between hosts (the `Nccl` and `Tcp` routes of [`crate::route`]); the
+//! receiver's half is `remote.rs`, the sender's `route/network.rs`. The traffic is neither
+//! encrypted nor integrity-checked: the secret keeps strangers out, not eavesdroppers.
+//!
 //! # What a peer can and cannot do (trust model)
-//! Peers run as the same user on the same machine (checked by `SO_PEERCRED`; the socket file is
-//! 0600). Every frame is validated, and no frame can crash the receiver, block it, or touch another
+//! Over a Unix socket, peers run as the same user on the same machine (checked by `SO_PEERCRED`;
+//! the socket file is 0600); over TCP, they hold the shared secret. Every frame is validated, and no frame can crash the receiver, block it, or touch another
 //! peer's messages. Sharing is by chunk, not by tensor: a receiver maps the whole chunk (64 MiB of
 //! an arena, or the user's buffer) that a tensor lies in, and so can read other tensors of this
 //! process in that chunk, including ones sent to other receivers. Host chunks are shared read-only

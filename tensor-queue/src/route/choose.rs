@@ -275,6 +275,36 @@ mod tests {
     }
 
     #[test]
+    fn across_hosts_nccl_onto_a_gpu_or_bytes_into_host_memory() {
+        let remote = process(&[7, 8], |_, _| true);
+        let none = Reach::default();
+        let here = gpu(1);
+        let choice = choose_remote(&here, &Routing::default(), &remote).unwrap();
+        assert_eq!((choice.route, choice.target, choice.slower_because), (Route::Nccl, Some(gpu(7)), None));
+        let on_8 = Routing::default().land(Landing::Device(gpu(8)));
+        assert_eq!(choose_remote(&here, &on_8, &remote).unwrap().target, Some(gpu(8)));
+        // A landing GPU the receiver lacks falls back on its first, and says so.
+        let on_9 = Routing::default().land(Landing::Device(gpu(9)));
+        let choice = choose_remote(&here, &on_9, &remote).unwrap();
+        assert_eq!(choice.target, Some(gpu(7)));
+        assert!(choice.slower_because.is_some());
+        assert!(choose_remote(&here, &on_9.clone().strict(Strictness::NoStaging), &remote).is_ok());
+        // Host memory: asked for, or all a receiver without a GPU has.
+        let host = Routing::default().land(Landing::Host);
+        assert_eq!(choose_remote(&here, &host, &remote).unwrap().route, Route::Tcp);
+        assert_eq!(
+            choose_remote(&here, &host.clone().strict(Strictness::NoStaging), &remote).unwrap().route,
+            Route::Tcp
+        );
+        assert_eq!(choose_remote(&here, &Routing::default(), &none).unwrap().route, Route::Tcp);
+        let refused = choose_remote(&here, &Routing::default().strict(Strictness::NoStaging), &none).unwrap_err();
+        assert_eq!((refused.route, refused.why.as_str()), (Route::Tcp, "the receiver has no GPU"));
+        // Nothing across hosts is zero-copy.
+        assert!(choose_remote(&here, &Routing::default().strict(Strictness::ZeroCopy), &remote).is_err());
+        assert!(choose_remote(&here, &host.strict(Strictness::ZeroCopy), &remote).is_err());
+    }
+
+    #[test]
     fn nvlink_pair_seen_by_both() {
         let both = process(&[0, 1], |_, _| true);
         let on = |n| Routing::default().land(Landing::Device(gpu(n)));
