@@ -24,7 +24,9 @@ use crate::tensor::Storage;
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
 use crate::{Error, Result, Tensor, TransferPath};
 
-/// When and how a message arrived, on the machine's monotonic clock (nanoseconds).
+/// When and how a message arrived, on the machine's monotonic clock (nanoseconds). From a
+/// sender on another host (a TCP channel), `sent_ns` and `encoded_ns` are on that host's clock
+/// and `sender_pid` is the pid it gave.
 ///
 /// ```
 /// # fn main() -> tensor_queue::Result<()> {

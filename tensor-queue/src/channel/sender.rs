@@ -124,7 +124,9 @@ impl RetireListener for SenderInner {
 ///
 /// `Sender` is cheap to clone: clones share the connection, and threads may share one. Dropping
 /// the last clone closes the sending direction; the connection stays open until the receiver has
-/// released every tensor it still holds.
+/// released every tensor it still holds. To a receiver on another host, dropping the last clone
+/// first waits (at most a minute) for its NCCL sends to finish, which needs the receiver to have
+/// taken their messages.
 ///
 /// ```no_run
 /// # fn main() -> tensor_queue::Result<()> {
