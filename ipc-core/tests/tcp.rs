@@ -225,3 +225,31 @@ fn child_peer() {
     let _ = link.send(&vec![7; MAX_MESSAGE]);
     std::thread::sleep(PATIENCE);
 }
+
+/// A message the socket cannot take at once is taken whole and finished by the link: `try_send`
+/// never blocks, says `false` (nothing sent) while the rest is still going out, and the peer gets
+/// every message whole and in order once it reads. Without the flusher the rest would wait for
+/// the next send, forever for the last message.
+#[test]
+fn try_send_takes_a_message_whole_and_finishes_it_without_blocking() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
+    let server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+    let big: Vec<u8> = (0..MAX_MESSAGE).map(|i| (i % 251) as u8).collect();
+    let started = std::time::Instant::now();
+    assert!(client.try_send(&big).unwrap(), "a message is taken when the socket has room to start it");
+    // 16 MiB does not fit the socket buffers of a peer that is not reading: the rest is pending.
+    let refused = (0..100).filter(|_| !client.try_send(b"next").unwrap()).count();
+    assert!(refused > 0, "while the first message is still going out, later ones are refused, not interleaved");
+    assert!(started.elapsed() < Duration::from_secs(5), "try_send never waits for the peer");
+    let mut buf = Vec::new();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert!(buf == big, "the first message arrived whole");
+    // What was taken after the refusals arrives too, in order, with no one sending again.
+    for _ in 0..(100 - refused) {
+        server.recv(&mut buf, Some(PATIENCE)).unwrap();
+        assert_eq!(buf, b"next");
+    }
+}

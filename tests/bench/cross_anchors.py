@@ -6,7 +6,9 @@ processes of the machine:
    file:// store): one-shot one-way time from the send call to the data usable on GPU1 (the
    receiver synchronises, then reads the clock) at 1 MiB, 64 MiB and 1 GiB; and a 4 KiB ping-pong
    round trip (the receiver synchronises before answering).
-2. The same with NCCL_P2P_DISABLE=1 (NCCL's shared-memory transport: the staged anchor).
+2. The same with NCCL_P2P_DISABLE=1 (NCCL's shared-memory transport: the staged anchor), and
+   with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (its network transport: the anchor of
+   `tq-hosts`, whose channels across hosts run NCCL the same way).
 3. torch.multiprocessing: a cuda:0 tensor put on a SimpleQueue; the consumer (on GPU1) calls
    .to('cuda:1') and synchronises: one-way put -> usable at 1 MiB and 64 MiB.
 
@@ -40,10 +42,9 @@ def percentile(values, p):
     return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
-def nccl_worker(rank, init_file, out_dir, p2p):
+def nccl_worker(rank, init_file, out_dir, env):
     """One rank of the NCCL part: rank 0 on GPU0 sends, rank 1 on GPU1 receives."""
-    if not p2p:
-        os.environ["NCCL_P2P_DISABLE"] = "1"
+    os.environ.update(env)
     import datetime
 
     import torch
@@ -120,12 +121,18 @@ def run_spawned(fn, args):
     return None
 
 
-def nccl_part(p2p):
-    name = "nccl" if p2p else "nccl_p2p_off"
+NCCL_ENVS = {
+    "nccl": {},
+    "nccl_p2p_off": {"NCCL_P2P_DISABLE": "1"},
+    "nccl_net": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+}
+
+
+def nccl_part(name):
     log(name, "start")
     with tempfile.TemporaryDirectory(prefix="tq-cross-anchors-") as out_dir:
         init_file = os.path.join(out_dir, "store")
-        error = run_spawned(nccl_worker, (init_file, out_dir, p2p))
+        error = run_spawned(nccl_worker, (init_file, out_dir, NCCL_ENVS[name]))
         files = [os.path.join(out_dir, "rank%d.json" % rank) for rank in (0, 1)]
         if not all(os.path.exists(f) for f in files):
             return {"error": error or "a rank wrote no results"}
@@ -220,7 +227,10 @@ def main():
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
     except Exception:
         pass
-    parts = [("nccl", lambda: nccl_part(True)), ("nccl_p2p_off", lambda: nccl_part(False)), ("mp_to_cuda1", mp_part)]
+    parts = [(name, lambda name=name: nccl_part(name)) for name in NCCL_ENVS] + [("mp_to_cuda1", mp_part)]
+    # CROSS_ANCHOR_PARTS=nccl,nccl_net runs only those (tq-hosts wants the NCCL ones).
+    wanted = os.environ.get("CROSS_ANCHOR_PARTS", "nccl,nccl_p2p_off,mp_to_cuda1").split(",")
+    parts = [(name, part) for name, part in parts if name in wanted]
     for name, part in parts:
         started = time.monotonic()
         try:

@@ -4,7 +4,7 @@
 # printed last; bench.json, latency.png and throughput.png go to $OUT (or ./results). Arguments
 # are passed on to tq-bench (for example `--only rtt,stream`). `--only cross` runs the cross-device
 # table alone (2 GPUs; with its anchors, bench/cross_anchors.py among them) and skips the primitive
-# costs and the MPS run.
+# costs and the MPS run. `--only hosts` runs the across-hosts table alone (tq-hosts).
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 results=${OUT:-$here/results}
@@ -17,6 +17,13 @@ for arg in "$@"; do
   [ "$prev" = "--only" ] && only=$arg
   prev=$arg
 done
+if [ "$only" = "hosts" ]; then
+  # The across-hosts table (TCP + NCCL, default and network transports) against
+  # torch.distributed NCCL send/recv with the same settings (cross_anchors.py's NCCL parts).
+  "$here/bin/tq-hosts" --out "$results" --anchors "$here/bench/cross_anchors.py" --python "${PYTHON:-python3}" \
+    | tee "$results/hosts-table.md"
+  exit "${PIPESTATUS[0]}"
+fi
 primitives=()
 if [ "$only" != "cross" ]; then
   echo "[0] CUDA IPC primitive costs" >&2

@@ -20,8 +20,18 @@ use crate::{cargo, cargo_command, run, workspace_root};
 const SIZE_LIMIT: u64 = 56 << 20;
 
 /// Binaries that tests start as second processes, and benchmarks.
-const BINARIES: &[&str] =
-    &["tq", "ipc-helper", "tq-peer", "tq-user", "tq-fault", "tq-cross", "nccl-peer", "primitive-costs", "tq-bench"];
+const BINARIES: &[&str] = &[
+    "tq",
+    "ipc-helper",
+    "tq-peer",
+    "tq-user",
+    "tq-fault",
+    "tq-cross",
+    "nccl-peer",
+    "primitive-costs",
+    "tq-bench",
+    "tq-hosts",
+];
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
 const BENCH_SCRIPT: &str = include_str!("bench-bundle.sh");

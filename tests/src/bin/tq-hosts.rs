@@ -1,0 +1,327 @@
+//! The across-hosts benchmark (`bench.sh --only hosts`): a channel over TCP between two
+//! processes of this machine (a TCP channel always moves tensors as between hosts: GPU tensors by
+//! NCCL), against `torch.distributed` NCCL send/recv between two processes with the same NCCL
+//! settings, measured in the same run by `cross_anchors.py` (parts `nccl` and `nccl_net`).
+//!
+//! `tq-hosts [--out DIR] [--anchors SCRIPT] [--python PYTHON]` runs everything twice: with NCCL's
+//! default transports, and forced onto its network transport (`NCCL_P2P_DISABLE=1
+//! NCCL_SHM_DISABLE=1`, what two hosts use). Each run is a producer process on GPU 0 (started
+//! with that environment) that starts its consumer (GPU 1, inheriting it):
+//! - one-way, 1 x 1 MiB, 4 MiB, 64 MiB, 1 GiB: from just before `send_on` to the data usable on
+//!   GPU 1 (the consumer synchronises the tensor's stream and reads `CLOCK_MONOTONIC`, one clock
+//!   for both processes), one message in flight; a small host answer comes back on a second TCP
+//!   channel;
+//! - a 4 KiB round trip: the consumer sends the received tensor back with `send_on` on its
+//!   stream, over NCCL, as the anchor's ping-pong does; the producer synchronises it;
+//! - one message of 1,024 x 4 KiB tensors, one-way, against one 4 MiB tensor.
+//!
+//! Targets (issue 13): at least 95% of the anchor's GB/s at 64 MiB and 1 GiB, a 4 KiB round trip
+//! at most the anchor's, the 1,024-tensor message within 2x of one 4 MiB message. Without two
+//! GPUs it measures host tensors over TCP (no anchor).
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use integration_tests::{arg, percentile};
+use kernels::Kernels;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tensor_queue::route::{Landing, Routing};
+use tensor_queue::{
+    ConnectOptions, Context, DType, Device, Receiver, ReceiverOptions, Secret, Sender, Stream, Tensor, monotonic_ns,
+};
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// One-way sizes: (bytes, warm-up, measured).
+const SIZES: [(u64, usize, usize); 4] = [(MIB, 5, 50), (4 * MIB, 5, 50), (64 * MIB, 2, 20), (GIB, 1, 5)];
+const RTT: (usize, usize) = (100, 1000);
+const MANY: (usize, usize) = (5, 30);
+const SECRET: &str = "tq-hosts benchmark secret (local)";
+/// NCCL's network transport between two processes of one host.
+const NET: [(&str, &str); 2] = [("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")];
+
+#[derive(Serialize, Deserialize)]
+struct Item {
+    id: u64,
+    sent_ns: u64,
+    /// Send the first tensor back (the round trip) instead of a host answer.
+    echo: bool,
+    tensors: Vec<Tensor>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Answer {
+    id: u64,
+    usable_ns: u64,
+    path: String,
+    tensors: Vec<Tensor>,
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // SAFETY: set before any thread starts; every role reads it through `Secret::from_env`.
+    unsafe { std::env::set_var("TQ_SECRET", SECRET) };
+    match arg(&args, "--role").as_deref() {
+        Some("producer") => producer(),
+        Some("consumer") => consumer(&args),
+        Some(other) => bail!("unknown role {other}"),
+        None => driver(&args),
+    }
+}
+
+fn gpus() -> i32 {
+    if tensor_queue::is_gpu_available() { Device::count().unwrap_or(0) } else { 0 }
+}
+
+fn driver(args: &[String]) -> Result<()> {
+    let gpu = gpus() >= 2;
+    let mut runs = Vec::new();
+    let envs: Vec<(&str, &[(&str, &str)])> =
+        if gpu { vec![("default", &[]), ("net", &NET)] } else { vec![("host", &[])] };
+    for (name, env) in envs {
+        eprintln!("tq-hosts: {name} transports");
+        let output = Command::new(std::env::current_exe()?)
+            .args(["--role", "producer"])
+            .envs(env.iter().copied())
+            .stderr(Stdio::inherit())
+            .output()?;
+        let text = String::from_utf8_lossy(&output.stdout);
+        let result = text.lines().rev().find_map(|l| l.strip_prefix("result ")).map(serde_json::from_str::<Value>);
+        runs.push((name, match result {
+            Some(Ok(value)) if output.status.success() => value,
+            _ => json!({ "error": format!("the producer failed ({}): {}", output.status, text.lines().last().unwrap_or("")) }),
+        }));
+    }
+    let anchors = match (gpu, arg(args, "--anchors")) {
+        (true, Some(script)) => {
+            let python = arg(args, "--python").unwrap_or_else(|| "python3".into());
+            let output = Command::new(python)
+                .arg(script)
+                .env("CROSS_ANCHOR_PARTS", "nccl,nccl_net")
+                .stderr(Stdio::inherit())
+                .output()?;
+            let text = String::from_utf8_lossy(&output.stdout);
+            text.lines().last().and_then(|l| serde_json::from_str(l).ok()).unwrap_or(json!({ "error": "no anchors" }))
+        }
+        _ => json!({ "skipped": "no anchors script, or fewer than 2 GPUs" }),
+    };
+    let table = table(&runs, &anchors);
+    println!("{table}");
+    if let Some(out) = arg(args, "--out") {
+        std::fs::create_dir_all(&out)?;
+        let all = json!({ "runs": runs.iter().map(|(n, v)| json!({ "name": n, "result": v })).collect::<Vec<_>>(), "anchors": anchors });
+        std::fs::write(format!("{out}/hosts.json"), serde_json::to_string_pretty(&all)?)?;
+        std::fs::write(format!("{out}/hosts.md"), &table)?;
+    }
+    Ok(())
+}
+
+/// The markdown table: ours against the anchor of the same transports, with the targets.
+fn table(runs: &[(&str, Value)], anchors: &Value) -> String {
+    let mut out = String::from(
+        "| transports | what | tensor-queue p50 | GB/s | torch.distributed NCCL p50 | GB/s | ratio | target |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for (name, run) in runs {
+        if let Some(error) = run.get("error") {
+            out += &format!("| {name} | failed: {error} | | | | | | |\n");
+            continue;
+        }
+        let anchor = &anchors[if *name == "net" { "nccl_net" } else { "nccl" }];
+        for (bytes, _, _) in SIZES {
+            let ours = run["one_way_us"][bytes.to_string()].as_f64();
+            let theirs = anchor["one_way_p50_us"][bytes.to_string()].as_f64();
+            let gbps = |us: Option<f64>| us.map(|us| bytes as f64 / (us * 1e3));
+            let ratio = gbps(ours).zip(gbps(theirs)).map(|(a, b)| a / b);
+            let target = if bytes >= 64 * MIB {
+                ratio.map_or("n/a".into(), |r| format!(">= 0.95 {}", if r >= 0.95 { "met" } else { "MISSED" }))
+            } else {
+                String::new()
+            };
+            out += &format!(
+                "| {name} | 1 x {} one-way | {} | {} | {} | {} | {} | {target} |\n",
+                size(bytes),
+                fmt(ours),
+                fmt(gbps(ours)),
+                fmt(theirs),
+                fmt(gbps(theirs)),
+                fmt(ratio)
+            );
+        }
+        let (ours, theirs) = (run["rtt_4k_us"].as_f64(), anchor["pingpong_4k_p50_us"].as_f64());
+        let verdict = ours.zip(theirs).map_or("n/a", |(a, b)| if a <= b { "met" } else { "MISSED" });
+        let ratio = ours.zip(theirs).map(|(a, b)| a / b);
+        out += &format!(
+            "| {name} | 4 KiB round trip | {} | | {} | | {} | <= anchor {verdict} |\n",
+            fmt(ours),
+            fmt(theirs),
+            fmt(ratio)
+        );
+        let (many, one) = (run["many_us"].as_f64(), run["one_way_us"][(4 * MIB).to_string()].as_f64());
+        let ratio = many.zip(one).map(|(a, b)| a / b);
+        let verdict = ratio.map_or("n/a", |r| if r <= 2.0 { "met" } else { "MISSED" });
+        out += &format!(
+            "| {name} | 1,024 x 4 KiB one-way | {} | | (ours, 1 x 4 MiB) {} | | {} | <= 2x {verdict} |\n",
+            fmt(many),
+            fmt(one),
+            fmt(ratio)
+        );
+    }
+    out
+}
+
+fn size(bytes: u64) -> String {
+    match bytes {
+        b if b >= GIB => format!("{} GiB", b / GIB),
+        b if b >= MIB => format!("{} MiB", b / MIB),
+        b => format!("{} KiB", b / KIB),
+    }
+}
+
+fn fmt(value: Option<f64>) -> String {
+    value.map_or("-".into(), |v| format!("{v:.1}"))
+}
+
+/// The producer: binds the answers' receiver, starts the consumer, measures, prints `result`.
+fn producer() -> Result<()> {
+    let gpu = gpus() >= 2;
+    let context = if gpu { Some(Context::on_ordinal(0)?) } else { None };
+    let land = |ordinal: i32| -> Result<Routing> {
+        Ok(if gpu {
+            Routing::default().land(Landing::Device(Device::get(ordinal)?.uuid()?))
+        } else {
+            Routing::default()
+        })
+    };
+    let options = ReceiverOptions { routing: land(0)?, capacity: 2, ..Default::default() };
+    let mut answers = Receiver::<Answer>::bind_with("tcp://127.0.0.1:0", options)?;
+    let reply = format!("tcp://{}", answers.local_addr().context("bound to TCP")?);
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--role", "consumer", "--reply", &reply])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?;
+    let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
+    let endpoint = loop {
+        let line = lines.next().context("the consumer ended before it listened")??;
+        if let Some(endpoint) = line.strip_prefix("listening ") {
+            break endpoint.to_string();
+        }
+    };
+    let options = ConnectOptions { secret: Some(Secret::from_env()?), timeout: Duration::from_secs(30) };
+    let items = Sender::<Item>::connect_with(endpoint.as_str(), &options)?;
+    let stream = match &context {
+        Some(context) => Some(Stream::new(context)?),
+        None => None,
+    };
+    let make = |bytes: u64| -> Result<Tensor> {
+        match (&context, &stream) {
+            (Some(context), Some(stream)) => {
+                let t = Tensor::empty_cuda(context, DType::U8, &[bytes])?;
+                Kernels::get(context)?.fill(&t.cuda_view()?, 0, bytes as usize, bytes, stream)?;
+                Ok(t)
+            }
+            _ => Ok(Tensor::zeros(DType::U8, &[bytes])?),
+        }
+    };
+    let send = |item: &Item| -> Result<()> {
+        match &stream {
+            Some(stream) => items.send_on(item, stream)?,
+            None => items.send(item)?,
+        }
+        Ok(())
+    };
+    let mut id = 0u64;
+    let mut one_way = |tensors: Vec<Tensor>, (warmup, trips): (usize, usize), answers: &mut Receiver<Answer>| {
+        let mut times = Vec::with_capacity(trips);
+        for i in 0..warmup + trips {
+            id += 1;
+            let sent_ns = monotonic_ns();
+            send(&Item { id, sent_ns, echo: false, tensors: tensors.clone() })?;
+            let answer = answers.recv_timeout(Duration::from_secs(60))?;
+            if answer.id != id {
+                bail!("answer {} for message {id}", answer.id);
+            }
+            if i >= warmup {
+                times.push(answer.usable_ns - sent_ns);
+            }
+        }
+        Ok::<f64, anyhow::Error>(percentile(&mut times, 50.0) as f64 / 1e3)
+    };
+    let mut result = json!({ "gpu": gpu, "one_way_us": {} });
+    for (bytes, warmup, trips) in SIZES {
+        let (warmup, trips) = if gpu { (warmup, trips) } else { (1, 3) };
+        let x = make(bytes)?;
+        result["one_way_us"][bytes.to_string()] = json!(one_way(vec![x], (warmup, trips), &mut answers)?);
+        eprintln!("tq-hosts: 1 x {} done", size(bytes));
+    }
+    let many = (0..1024).map(|_| make(4 * KIB)).collect::<Result<Vec<_>>>()?;
+    result["many_us"] = json!(one_way(many, MANY, &mut answers)?);
+    // Round trips: the consumer sends the 4 KiB tensor back over NCCL.
+    let x = make(4 * KIB)?;
+    let mut trips = Vec::new();
+    for i in 0..RTT.0 + RTT.1 {
+        id += 1;
+        let start = Instant::now();
+        send(&Item { id, sent_ns: monotonic_ns(), echo: true, tensors: vec![x.clone()] })?;
+        let answer = answers.recv_timeout(Duration::from_secs(60))?;
+        if let Some(stream) = answer.tensors.first().and_then(Tensor::stream) {
+            stream.synchronize()?;
+        }
+        if i >= RTT.0 {
+            trips.push(start.elapsed().as_nanos() as u64);
+        }
+    }
+    result["rtt_4k_us"] = json!(percentile(&mut trips, 50.0) as f64 / 1e3);
+    drop(items);
+    let _ = child.wait();
+    println!("result {result}");
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
+/// The consumer: lands on GPU 1, answers each message once its data is usable.
+fn consumer(args: &[String]) -> Result<()> {
+    let reply = arg(args, "--reply").context("--reply <endpoint>")?;
+    let gpu = gpus() >= 2;
+    let routing =
+        if gpu { Routing::default().land(Landing::Device(Device::get(1)?.uuid()?)) } else { Routing::default() };
+    if gpu {
+        Kernels::get(&Context::on_ordinal(1)?)?; // contexts ready before anything arrives
+    }
+    let mut items = Receiver::<Item>::bind_with(
+        "tcp://127.0.0.1:0",
+        ReceiverOptions { routing, capacity: 2, ..Default::default() },
+    )?;
+    println!("listening tcp://{}", items.local_addr().context("bound to TCP")?);
+    std::io::stdout().flush()?;
+    let answers = Sender::<Answer>::connect(reply.as_str())?;
+    loop {
+        let item = match items.recv() {
+            Ok(item) => item,
+            Err(tensor_queue::Error::Disconnected) => return Ok(()),
+            Err(error) => return Err(error.into()),
+        };
+        let path = item.tensors.first().map(|t| format!("{:?}", t.path())).unwrap_or_default();
+        if item.echo {
+            let back = item.tensors;
+            match back.first().and_then(Tensor::stream).cloned() {
+                Some(stream) => answers.send_on(&Answer { id: item.id, usable_ns: 0, path, tensors: back }, &stream)?,
+                None => answers.send(&Answer { id: item.id, usable_ns: 0, path, tensors: back })?,
+            }
+            continue;
+        }
+        let mut synchronized: Vec<*const Stream> = Vec::new();
+        for stream in item.tensors.iter().filter_map(Tensor::stream) {
+            if !synchronized.contains(&std::sync::Arc::as_ptr(stream)) {
+                stream.synchronize()?;
+                synchronized.push(std::sync::Arc::as_ptr(stream));
+            }
+        }
+        let usable_ns = monotonic_ns();
+        answers.send(&Answer { id: item.id, usable_ns, path, tensors: Vec::new() })?;
+    }
+}
