@@ -1,45 +1,40 @@
-//! Engines for crossing machines. tensor-queue does not use one yet; the doctor says whether
-//! NCCL is installed, so that the answer is ready when it does.
+//! Engines for crossing machines: NCCL, which TCP channels use to move GPU tensors between
+//! hosts. The row loads it as the channels do (`cuda_sys::nccl`'s search order and version
+//! check), so its answer is theirs.
 
-use ipc_core::driver_info::probe_nvidia_library;
+use std::ffi::OsString;
+
+use cuda_sys::nccl::{LIBRARY_CANDIDATES, LIBRARY_ENV, NcclLibrary};
 
 use crate::report::{Check, Verdict};
 
-/// The variable that names the NCCL library to try instead of the default names.
-pub const NCCL_ENV: &str = "TQ_NCCL_LIBRARY";
-/// The names tried when [`NCCL_ENV`] is unset.
-pub const NCCL_NAMES: [&str; 2] = ["libnccl.so.2", "libnccl.so"];
-
 /// The engines' rows.
 pub fn checks() -> Vec<Check> {
-    vec![nccl(std::env::var(NCCL_ENV).ok().filter(|v| !v.is_empty()).as_deref())]
+    vec![nccl(&|name| std::env::var_os(name))]
 }
 
-/// The NCCL row: `explicit` is the library named by [`NCCL_ENV`], if any.
-pub fn nccl(explicit: Option<&str>) -> Check {
+/// The NCCL row, with the environment read through `env`.
+pub fn nccl(env: &dyn Fn(&str) -> Option<OsString>) -> Check {
     let name = "NCCL";
-    if let Some(path) = explicit {
-        return match probe_nvidia_library(path) {
-            Ok(found) => Check::ok(name, format!("not used yet; {} loads ({NCCL_ENV})", found.display())),
-            Err(missing) => Check::flagged(
-                name,
-                format!("not used yet; {missing}"),
-                Verdict::Broken,
-                format!("{NCCL_ENV} names a library that does not load: point it at libnccl.so.2, or unset it"),
+    let named = env(LIBRARY_ENV).filter(|v| !v.is_empty()).is_some();
+    match NcclLibrary::open_in(LIBRARY_CANDIDATES, env) {
+        Ok(library) => Check::ok(
+            name,
+            format!(
+                "{} from {}: TCP channels move GPU tensors between hosts with it",
+                library.version(),
+                library.path().display()
             ),
-        };
+        ),
+        Err(error) if named => Check::flagged(
+            name,
+            format!("{LIBRARY_ENV} does not load: {error}"),
+            Verdict::Broken,
+            format!("point {LIBRARY_ENV} at a libnccl.so.2 of NCCL 2.19 or later, or unset it"),
+        ),
+        // Needed only for GPU tensors across hosts: a receiver without it takes host tensors.
+        Err(error) => Check::ok(name, format!("not installed (needed only for GPU tensors across hosts): {error}")),
     }
-    let mut reasons = Vec::new();
-    for candidate in NCCL_NAMES {
-        match probe_nvidia_library(candidate) {
-            Ok(found) => return Check::ok(name, format!("not used yet; {candidate} loads from {}", found.display())),
-            Err(missing) => reasons.push(missing.name),
-        }
-    }
-    Check::ok(
-        name,
-        format!("not used yet; not installed ({} do not load; set {NCCL_ENV} to a path)", reasons.join(", ")),
-    )
 }
 
 #[cfg(test)]
@@ -47,12 +42,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn nccl_is_reported_as_not_used_yet() {
-        let check = nccl(None);
-        assert!(check.value.starts_with("not used yet"), "{}", check.value);
-        assert_eq!(check.verdict, Verdict::Ok);
-        let wrong = nccl(Some("/nonexistent/libnccl.so.2"));
+    fn a_named_library_that_does_not_load_is_broken() {
+        let wrong = nccl(&|name| (name == LIBRARY_ENV).then(|| "/nonexistent/libnccl.so.2".into()));
         assert_eq!(wrong.verdict, Verdict::Broken);
-        assert!(wrong.fix.unwrap().contains(NCCL_ENV));
+        assert!(wrong.value.contains(LIBRARY_ENV), "{}", wrong.value);
+        assert!(wrong.fix.unwrap().contains(LIBRARY_ENV));
+        // Found or not, without the variable the row is fine: NCCL is needed across hosts only.
+        let default = nccl(&|name| std::env::var_os(name).filter(|_| name != LIBRARY_ENV));
+        assert_eq!(default.verdict, Verdict::Ok, "{}", default.value);
     }
 }
