@@ -154,6 +154,13 @@ impl Remote {
             for &index in &members {
                 let desc = &descs[index];
                 let span = desc.span as usize;
+                // A transfer is the storage: a lying offset would reach past the memory it lands in.
+                if desc.storage_offset != 0 {
+                    return Err(bad(
+                        index,
+                        format!("an NCCL tensor at offset {} of its transfer", desc.storage_offset),
+                    ));
+                }
                 if span >= members.len() {
                     return Err(bad(index, format!("NCCL transfer {span} of {} tensors", members.len())));
                 }
