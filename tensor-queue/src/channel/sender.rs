@@ -639,6 +639,11 @@ impl SenderInner {
             }
             Err(error) => {
                 let mut state = lock(&self.state);
+                if matches!(error, Error::Disconnected) {
+                    // A write found the receiver gone before the reader thread read the hang-up:
+                    // from this answer on, `is_connected` agrees.
+                    state.closed.get_or_insert_with(|| "the receiver is gone".into());
+                }
                 state.credits += 1;
                 state.uncredited -= 1;
                 let storage = state.leases.remove(&seq);
