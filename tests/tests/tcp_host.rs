@@ -1415,3 +1415,83 @@ fn the_hand_written_sha256_and_hmac_match_known_vectors() {
         "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
     );
 }
+
+/// A `send_timeout` whose deadline passes while a large host tensor's bytes are going out must
+/// leave the channel whole: the message arrives whole or not at all, and the next message's
+/// tensors are its own bytes, not leftovers of the one before. Found on review: the deadline
+/// applied to each frame of the message, so a timeout at a frame boundary could strand some of
+/// its bytes at the receiver, which then joined them to the next message's. (The race needs a
+/// full socket exactly at a boundary after the deadline; these two tests did not hit it with the
+/// old code on the CI machine, so they guard the property rather than reproduce the bug.)
+#[test]
+fn a_send_whose_deadline_passes_midway_leaves_the_channel_whole() {
+    let (mut receiver, endpoint) = bind::<Vec<Tensor>>(4);
+    let sender = connect::<Vec<Tensor>>(&endpoint, KEY).unwrap();
+    sender.wait_ready(Duration::from_secs(10)).unwrap();
+    let small: Vec<u8> = (0..4096).map(|i| (i % 251) as u8).collect();
+    let next = vec![Tensor::from_bytes(&small, DType::U8, &[4096]).unwrap()];
+    let sending = std::thread::spawn(move || {
+        // 64 MiB cannot all fit the sockets' buffers while nobody receives.
+        let big = Tensor::from_bytes(&vec![0xAA; 64 << 20], DType::U8, &[64 << 20]).unwrap();
+        let first = sender.send_timeout(&vec![big], Duration::from_millis(300));
+        sender.send(&next).map(|()| first)
+    });
+    std::thread::sleep(Duration::from_secs(1)); // well past the deadline
+    let mut got = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    if got[0].numel() == 64 << 20 {
+        assert!(got[0].to_vec::<u8>().unwrap().iter().all(|&b| b == 0xAA), "the big message, whole");
+        got = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    }
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].to_vec::<u8>().unwrap(), small, "the next message's own bytes");
+    let first = sending.join().unwrap().unwrap();
+    assert!(matches!(first, Ok(()) | Err(Error::Timeout)), "{first:?}");
+}
+
+/// The test above against a raw receiver that drains one packet every 10 ms, checking the frames
+/// themselves: every byte frame that arrives belongs to the message after it, which arrives; a
+/// message is written whole once begun (it fails only before its first byte).
+#[test]
+fn a_message_begun_is_finished_even_past_its_deadline() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let sending = std::thread::spawn(move || {
+        let sender = connect::<Vec<Tensor>>(&endpoint, KEY).unwrap();
+        sender.wait_ready(Duration::from_secs(10)).unwrap();
+        let big = Tensor::from_bytes(&vec![0xAA; 32 << 20], DType::U8, &[32 << 20]).unwrap();
+        let first = sender.send_timeout(&vec![big], Duration::from_millis(300));
+        let small = Tensor::from_bytes(&[7u8; 4096], DType::U8, &[4096]).unwrap();
+        sender.send(&vec![small]).unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        first
+    });
+    let link = listener.accept(Some(Duration::from_secs(10)), &secret_of(KEY)).unwrap();
+    let mut buf = Vec::new();
+    link.recv(&mut buf, Some(Duration::from_secs(10))).unwrap();
+    assert!(matches!(Frame::decode(&buf), Ok(Frame::Hello { .. })));
+    link.send(&hello(4)).unwrap();
+    let mut assembler = tensor_queue::wire::Assembler::default();
+    let (mut stranded, mut messages) = (0usize, 0usize);
+    let started = Instant::now();
+    while messages < 2 && started.elapsed() < Duration::from_secs(60) {
+        if link.recv(&mut buf, Some(Duration::from_secs(5))).is_err() {
+            break;
+        }
+        // A slow reader (6 MB/s): the socket buffers fill, and the rest outlasts the deadline.
+        std::thread::sleep(Duration::from_millis(10));
+        match assembler.push(&buf, Vec::new()).unwrap() {
+            Some((Frame::Bytes { data }, _)) => stranded += data.len(),
+            Some((Frame::Message { tensors, .. }, _)) => {
+                let needed: u64 = tensors.iter().map(|t| t.storage_offset + t.storage_len).max().unwrap_or(0);
+                assert_eq!(stranded as u64, needed, "message {messages}: the bytes before it are exactly its own");
+                stranded = 0;
+                messages += 1;
+            }
+            _ => {}
+        }
+    }
+    let first = sending.join().unwrap();
+    // Begun at once (the socket had room), so finished: the timeout never cut it.
+    assert!(first.is_ok(), "{first:?}");
+    assert_eq!(messages, 2, "both messages arrived");
+}

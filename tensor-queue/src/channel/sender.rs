@@ -788,30 +788,37 @@ impl SenderInner {
     /// leased: host bytes are copied, and NCCL's sources are held until their sends are done.
     fn write_remote(&self, outgoing: &Outgoing, seq: u64, deadline: Option<Instant>) -> Result<()> {
         let receiver = lock(&self.state).receiver.clone().ok_or(Error::Disconnected)?;
-        let mut frames = Vec::new();
         // The message is leased until its NCCL sends are done (nothing else is held: host bytes
         // are copied), so `wait_released` means the data has left this process.
         lock(&self.state).leases.insert(seq, Vec::new());
         let lease: Arc<dyn Send + Sync> = Arc::new(RemoteLease { sender: self.me.clone(), seq });
-        let prepared = {
+        let me = self.me.clone();
+        let alive = move || me.upgrade().is_some_and(|inner| !inner.link.peer_closed());
+        let mut message = {
             let mut comms = lock(&self.comms);
-            let me = self.me.clone();
-            let alive = move || me.upgrade().is_some_and(|inner| !inner.link.peer_closed());
-            network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut comms, &mut frames, lease, &alive)
+            network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut comms, lease, &alive)?
         };
-        let message = prepared?;
-        frames.extend(message.bytes);
-        for frame in &frames {
-            self.link.send(frame, &[], deadline)?;
-        }
         let frame = Frame::Message {
             seq,
             sent_ns: outgoing.sent_ns,
             encoded_ns: super::monotonic_ns(),
-            tensors: message.descriptors,
+            tensors: std::mem::take(&mut message.descriptors),
             payload: outgoing.payload.clone(),
         };
-        self.link.send(&frame, &[], deadline)
+        // The deadline holds until the first frame is written: a message begun is finished (as a
+        // frame begun is), or the receiver would join its leftover bytes to the next message's.
+        let (mut deadline, mut begun) = (deadline, false);
+        for frame in message.frames.iter().chain(std::iter::once(&frame)) {
+            if let Err(error) = self.link.send(frame, &[], deadline) {
+                if !begun {
+                    // Nothing of it was written: the receiver never heard of its communicators.
+                    lock(&self.comms).unwritten(message);
+                }
+                return Err(error);
+            }
+            (deadline, begun) = (None, true);
+        }
+        message.written()
     }
 
     /// Sends the chunk's descriptor or handle the first time this peer needs it.

@@ -41,11 +41,27 @@ pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
 /// Host bytes start at multiples of this in a message's bytes, so every element stays aligned.
 const ALIGN: usize = 16;
 
-/// A message as it goes to a receiver on another host.
+/// A message as it goes to a receiver on another host: the frames to write before it, and the
+/// NCCL transfers to queue once they are all written ([`RemoteMessage::written`]), so that the
+/// receiver always has the frames a transfer's set-up needs from it.
 pub(crate) struct RemoteMessage {
     pub descriptors: Vec<TensorDesc>,
-    /// The host tensors' bytes, in frames of at most [`BYTES_FRAME`], to send before the message.
-    pub bytes: Vec<Frame>,
+    /// New communicators' frames, then the host tensors' bytes in frames of at most
+    /// [`BYTES_FRAME`].
+    pub frames: Vec<Frame>,
+    transfers: Vec<(Arc<SendComm>, Transfer)>,
+    /// The communicators made for this message (forgotten if it is never written).
+    created: Vec<u32>,
+}
+
+impl RemoteMessage {
+    /// The message and its frames are written: its NCCL sends may go.
+    pub fn written(self) -> Result<()> {
+        for (comm, transfer) in self.transfers {
+            comm.submit(transfer)?;
+        }
+        Ok(())
+    }
 }
 
 /// The sender's communicators of one connection.
@@ -95,6 +111,7 @@ impl SendComms {
         source: Uuid,
         target: Uuid,
         announce: &mut Vec<Frame>,
+        created: &mut Vec<u32>,
         alive: &(impl Fn() -> bool + Clone + Send + 'static),
     ) -> Result<Arc<SendComm>> {
         if let Some((_, _, comm)) = self.pairs.iter().find(|(s, t, _)| *s == source && *t == target) {
@@ -115,7 +132,20 @@ impl SendComms {
             .spawn(move || worker.work(communicator, stream))
             .map_err(|e| Error::Protocol(format!("spawning an NCCL thread: {e}")))?;
         self.pairs.push((source, target, comm.clone()));
+        created.push(id);
         Ok(comm)
+    }
+
+    /// Forgets the communicators made for `message`, which was never written (the receiver never
+    /// heard of them); its transfers are dropped, and with them its lease.
+    pub fn unwritten(&mut self, message: RemoteMessage) {
+        self.pairs.retain(|(_, _, comm)| {
+            let made = message.created.contains(&comm.id);
+            if made {
+                comm.stop(true);
+            }
+            !made
+        });
     }
 
     /// Aborts every communicator (the receiver is gone): queued sends are dropped, and the
@@ -219,19 +249,20 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
 }
 
 /// What the tensors of a message become for a receiver on another host with `receiver`'s GPUs
-/// and policy: descriptors, host bytes, and NCCL transfers queued (or waiting for their
-/// communicator) on the sender's GPUs, which hold `lease` until they are done. New
-/// communicators' frames go to `announce`; their waits give up once `alive` says the receiver
-/// is gone.
+/// and policy: descriptors, frames (new communicators, host bytes), and NCCL transfers (after
+/// the producer's work on `stream`) that hold `lease` until they are done. New communicators'
+/// waits give up once `alive` says the receiver is gone.
 pub(crate) fn prepare(
     tensors: &[Tensor],
     stream: Option<&Stream>,
     receiver: &(Reach, Routing),
     comms: &mut SendComms,
-    announce: &mut Vec<Frame>,
     lease: Arc<dyn Send + Sync>,
     alive: &(impl Fn() -> bool + Clone + Send + 'static),
 ) -> Result<RemoteMessage> {
+    let mut frames = Vec::new();
+    let mut created = Vec::new();
+    let mut transfers = Vec::new();
     let (reach, routing) = receiver;
     let mut descriptors: Vec<Option<TensorDesc>> = vec![None; tensors.len()];
     let mut bytes: Vec<u8> = Vec::new();
@@ -255,17 +286,22 @@ pub(crate) fn prepare(
         return Err(Error::TooLarge { size: bytes.len(), limit: MAX_INLINE_BYTES as usize });
     }
     for ((source, target), members) in groups {
-        let comm = comms.get(source, target, announce, alive)?;
-        let memory_context = tensors[members[0]].storage.chunk.device().map(|m| m.context().clone());
-        let after = match (stream, memory_context) {
+        let comm = match comms.get(source, target, &mut frames, &mut created, alive) {
+            Ok(comm) => comm,
+            Err(error) => {
+                comms.unwritten(RemoteMessage { descriptors: Vec::new(), frames, transfers, created });
+                return Err(error);
+            }
+        };
+        let after = match stream {
             // The tests' negative control: sends that do not wait for the producer's work.
-            (Some(_), _) if crate::channel::switches::skip_ordering() => None,
-            (Some(stream), _) => {
+            Some(_) if crate::channel::switches::skip_ordering() => None,
+            Some(stream) => {
                 let produced = Event::new(stream.context())?;
                 produced.record(stream)?;
                 Some(produced)
             }
-            (None, _) => None,
+            None => None,
         };
         // Spans are per chunk: group the members by chunk first.
         let mut by_chunk: Vec<(u64, Vec<usize>)> = Vec::new();
@@ -291,14 +327,14 @@ pub(crate) fn prepare(
                 transfer.spans.push((storage, span.low, len));
             }
         }
-        comm.submit(transfer)?;
+        transfers.push((comm, transfer));
     }
     let descriptors = descriptors
         .into_iter()
         .map(|d| d.ok_or_else(|| Error::Protocol("a tensor was not routed".into())))
         .collect::<Result<_>>()?;
-    let bytes = bytes.chunks(BYTES_FRAME).map(|data| Frame::Bytes { data: data.to_vec() }).collect();
-    Ok(RemoteMessage { descriptors, bytes })
+    frames.extend(bytes.chunks(BYTES_FRAME).map(|data| Frame::Bytes { data: data.to_vec() }));
+    Ok(RemoteMessage { descriptors, frames, transfers, created })
 }
 
 /// Appends the bytes `tensor`'s view touches to `bytes` (a GPU tensor is copied to the host
