@@ -171,7 +171,7 @@ impl Communicator {
     }
 
     /// Whether the watch (if any) still sees the other ranks.
-    pub fn peers_alive(&self) -> bool {
+    fn peers_alive(&self) -> bool {
         self.alive.as_ref().is_none_or(|alive| alive())
     }
 

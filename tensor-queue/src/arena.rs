@@ -21,7 +21,7 @@ use ipc_core::{
     Context, DeviceBuffer, DeviceMemory, Event, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation,
 };
 
-use crate::{Error, Result};
+use crate::{Error, Result, lock};
 
 /// The default chunk size.
 pub const CHUNK_BYTES: usize = 64 << 20;
@@ -286,10 +286,6 @@ impl Drop for Allocation {
             }
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Every arena of the process, for [`crate::memory`].

@@ -43,6 +43,12 @@ mod tensor;
 mod view;
 pub mod wire;
 
+/// Locks `mutex`, taking the data even if a thread panicked while holding it: every critical
+/// section of this crate leaves its state consistent before anything that could panic.
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 pub use channel::{
     Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender,
     from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex,

@@ -583,6 +583,39 @@ fn seed_unordered_staged(g: &Gpus) -> Result<()> {
 
 // ---------------------------------------------------------------- 3. a sender killed mid-transfer
 
+/// What `consumer` said of the message of a producer killed at `killed_at`, within 30 s: a
+/// `producer-failed` line, or a report whose bytes, if it claims the message whole, are the
+/// producer's; with `nothing_after`, also silence for that long ("nothing arrived"). Fails on a
+/// stuck or failing receiver.
+fn killed_producer_outcome(consumer: &mut Proc, killed_at: Instant, nothing_after: Option<Duration>) -> Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        consumer.poll();
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("producer-failed ")) {
+            return Ok(line.clone());
+        }
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("report ")) {
+            let report: MsgReport = serde_json::from_str(&line["report ".len()..])?;
+            // The driver may still run a killed process's queued work while it tears the
+            // context down (seen once in three runs on an H200): then the message is whole, and
+            // must be reported so only if its bytes are the producer's, checked on the GPU.
+            ensure!(
+                report.producer_failed || (report.ok && report.seen == report.reference),
+                "a message of a killed producer was delivered as complete, with other bytes: {report:?}"
+            );
+            return Ok(line.clone());
+        }
+        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("stuck ") || l.starts_with("error")) {
+            bail!("the receiver: {line}\n{}", consumer.tail(20));
+        }
+        if nothing_after.is_some_and(|quiet| killed_at.elapsed() > quiet) {
+            return Ok("nothing arrived".to_string());
+        }
+        ensure!(Instant::now() < deadline, "no word of the killed producer within 30 s\n{}", consumer.tail(20));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn killed_mid_staged(g: &Gpus) -> Result<()> {
     let gpu1 = g.uuid(1).to_string();
     let (cv, pv) = (g.visible(&[1]), g.visible(&[0]));
@@ -596,45 +629,10 @@ fn killed_mid_staged(g: &Gpus) -> Result<()> {
     let killed_at = Instant::now();
     doomed.kill()?;
     // The receiver must say, within a bound, that this message is lost: no hang, no wrong data.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let outcome = loop {
-        consumer.poll();
-        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("producer-failed ")) {
-            break line.clone();
-        }
-        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("report ")) {
-            let report: MsgReport = serde_json::from_str(&line["report ".len()..])?;
-            // The driver may still run a killed process's queued work while it tears the
-            // context down (seen once in three runs on an H200): then the message is whole, and
-            // must be reported so only if its bytes are the producer's, checked on the GPU.
-            ensure!(
-                report.producer_failed || (report.ok && report.seen == report.reference),
-                "a message of a killed producer was delivered as complete, with other bytes: {report:?}"
-            );
-            break line.clone();
-        }
-        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("stuck ") || l.starts_with("error")) {
-            bail!("the receiver: {line}\n{}", consumer.tail(20));
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "no word of the killed producer's message within 30 s\n{}",
-            consumer.tail(20)
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let outcome = killed_producer_outcome(&mut consumer, killed_at, None)?;
     println!("the receiver reported the message {:?} after the kill: {}", killed_at.elapsed(), short(&outcome));
-    consumer.cursor = consumer.said.len();
-    consumer.say("mem")?;
-    let mem = consumer.expect("mem ", Duration::from_secs(30))?;
-    ensure!(mem.starts_with("mem ok"), "the receiver's memory did not return to its baseline: {mem}");
-    // Another sender is received as usual.
-    let mut next = producer("next", "views", &path, &on_gpu(g.uuid(0)), Some(&pv), &[])?;
-    let report = consumer.report(Duration::from_secs(60))?;
     let expect = Expect { path: "Staged", device: gpu1.clone(), stream_device: gpu1 };
-    check_report(&report, &expect, "the next sender's message")?;
-    next.expect("released", Duration::from_secs(60))?;
-    next.finish(Duration::from_secs(30))?;
+    recovers(&mut consumer, &path, g, Some(&pv), &expect)?;
     consumer.say("mem")?;
     let mem = consumer.expect("mem ", Duration::from_secs(30))?;
     ensure!(mem.starts_with("mem ok"), "after the next sender: {mem}");
@@ -856,16 +854,22 @@ fn seed_unordered_nccl(g: &Gpus) -> Result<()> {
     Ok(())
 }
 
-/// The receiver's memory back at its baseline, then another sender received as usual.
-fn recovers(consumer: &mut Proc, path: &std::path::Path, g: &Gpus) -> Result<()> {
+/// The receiver's memory back at its baseline, then another sender (seeing
+/// `producer_visible`) received as usual, its tensors as `expect` says.
+fn recovers(
+    consumer: &mut Proc,
+    path: &std::path::Path,
+    g: &Gpus,
+    producer_visible: Option<&str>,
+    expect: &Expect<'_>,
+) -> Result<()> {
     consumer.cursor = consumer.said.len();
     consumer.say("mem")?;
     let mem = consumer.expect("mem ", Duration::from_secs(30))?;
     ensure!(mem.starts_with("mem ok"), "the receiver's memory did not return to its baseline: {mem}");
-    let mut next = producer("next", "views", path, &on_gpu(g.uuid(0)), None, &[])?;
+    let mut next = producer("next", "views", path, &on_gpu(g.uuid(0)), producer_visible, &[])?;
     let report = consumer.report(Duration::from_secs(60))?;
-    let gpu1 = g.uuid(1).to_string();
-    check_report(&report, &Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 }, "the next sender")?;
+    check_report(&report, expect, "the next sender's message")?;
     next.expect("released", Duration::from_secs(60))?;
     next.finish(Duration::from_secs(30))
 }
@@ -886,32 +890,11 @@ fn killed_sender_nccl(g: &Gpus) -> Result<()> {
     std::thread::sleep(Duration::from_millis(500)); // the fill spins; the NCCL send waits behind it
     let killed_at = Instant::now();
     doomed.kill()?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let outcome = loop {
-        consumer.poll();
-        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("producer-failed ")) {
-            break line.clone();
-        }
-        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("report ")) {
-            let report: MsgReport = serde_json::from_str(&line["report ".len()..])?;
-            ensure!(
-                report.producer_failed || (report.ok && report.seen == report.reference),
-                "a message of a killed producer was delivered as complete, with other bytes: {report:?}"
-            );
-            break line.clone();
-        }
-        if let Some(line) = consumer.said.iter().find(|l| l.starts_with("stuck ") || l.starts_with("error")) {
-            bail!("the receiver: {line}\n{}", consumer.tail(20));
-        }
-        // A message never read (the sender died before its frame arrived) is no message at all.
-        if killed_at.elapsed() > Duration::from_secs(10) {
-            break "nothing arrived".to_string();
-        }
-        ensure!(Instant::now() < deadline, "no word of the killed producer within 30 s\n{}", consumer.tail(20));
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    // A message never read (the sender died before its frame arrived) is no message at all.
+    let outcome = killed_producer_outcome(&mut consumer, killed_at, Some(Duration::from_secs(10)))?;
     println!("the receiver after the kill ({:?}): {}", killed_at.elapsed(), short(&outcome));
-    recovers(&mut consumer, &path, g)?;
+    let gpu1 = g.uuid(1).to_string();
+    recovers(&mut consumer, &path, g, None, &Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 })?;
     consumer.finish(Duration::from_secs(30))
 }
 

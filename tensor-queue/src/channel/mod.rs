@@ -117,7 +117,7 @@ mod remote;
 mod sender;
 pub(crate) mod switches;
 
-use std::sync::{Mutex, MutexGuard};
+use crate::lock;
 
 pub use broadcast::Broadcast;
 pub use child::{
@@ -184,8 +184,4 @@ pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
 pub fn monotonic_ns() -> u64 {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
     t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -24,7 +24,7 @@ use super::connection::Devices;
 use super::fences::{FenceWait, WordFate};
 use super::peer::Peer;
 use crate::arena::Arena;
-use crate::route::Reach;
+use crate::route::{Reach, Route};
 use crate::tensor::Storage;
 use crate::wire::{MAX_INLINE_BYTES, TensorDesc};
 use crate::{Error, Result};
@@ -119,7 +119,7 @@ impl Remote {
         let mut tensors: Vec<Option<Landed>> = vec![None; descs.len()];
         let mut fences = Vec::new();
         // Host tensors: one allocation for the message's bytes.
-        let inline: Vec<usize> = (0..descs.len()).filter(|&i| descs[i].route == crate::route::Route::Tcp).collect();
+        let inline: Vec<usize> = (0..descs.len()).filter(|&i| descs[i].route == Route::Tcp).collect();
         if !inline.is_empty() {
             let allocation = Arena::host().allocate(bytes.len().max(ALIGN))?;
             let host = allocation.chunk.host().ok_or_else(|| Error::Protocol("a host arena on a device".into()))?;
@@ -141,7 +141,7 @@ impl Remote {
         }
         // GPU tensors: per communicator, the spans in order, received as one group.
         let mut by_comm: Vec<(u32, Vec<usize>)> = Vec::new();
-        for (index, desc) in descs.iter().enumerate().filter(|(_, d)| d.route == crate::route::Route::Nccl) {
+        for (index, desc) in descs.iter().enumerate().filter(|(_, d)| d.route == Route::Nccl) {
             let id = u32::try_from(desc.chunk).map_err(|_| bad(index, format!("communicator {}", desc.chunk)))?;
             match by_comm.iter_mut().find(|(c, _)| *c == id) {
                 Some((_, members)) => members.push(index),

@@ -33,7 +33,7 @@ use super::reach::Reach;
 use super::send::{copy_stream, spans};
 use crate::tensor::Storage;
 use crate::wire::{BYTES_FRAME, Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result, Tensor, lock};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -361,7 +361,7 @@ fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Resu
         (None, Some(memory)) => {
             let own;
             let stream = match stream {
-                Some(stream) if std::sync::Arc::ptr_eq(stream.context(), memory.context()) => stream,
+                Some(stream) if Arc::ptr_eq(stream.context(), memory.context()) => stream,
                 producer => {
                     own = copy_stream(memory.context())?;
                     if let Some(producer) = producer {
@@ -403,8 +403,4 @@ fn descriptor(
         shape: tensor.shape().to_vec(),
         strides: tensor.strides().to_vec(),
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
