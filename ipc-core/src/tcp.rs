@@ -396,6 +396,19 @@ impl TcpLink {
         Ok(true)
     }
 
+    /// If a message taken earlier is still being written by the flusher thread (so
+    /// [`TcpLink::try_send`] takes nothing), waits up to `timeout` for it to be out and returns
+    /// true; false at once when none is.
+    pub fn wait_sent(&self, timeout: Duration) -> bool {
+        let outbox = lock(&self.shared.outbox);
+        if !outbox.flushing {
+            return false;
+        }
+        let waited = self.shared.drained.wait_timeout_while(outbox, timeout, |o| o.flushing && o.broken.is_none());
+        drop(waited.unwrap_or_else(|e| e.into_inner()));
+        true
+    }
+
     /// Receives one message into `buf` (replacing its contents), waiting up to `timeout` (`None`:
     /// forever). [`Error::PeerGone`] once the peer closed the connection; an [`Error::Os`] of
     /// kind [`ErrorKind::TimedOut`] if no whole message came in time (a message begun stays

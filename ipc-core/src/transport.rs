@@ -55,6 +55,14 @@ pub trait Packets: AsFd + Send + Sync + 'static {
     /// see it (a byte stream reads ahead).
     fn has_buffered(&self) -> bool;
 
+    /// When a packet taken earlier is still being written and holds up the next (a byte stream
+    /// finishing a packet in the background), waits up to `timeout` for it to be out and returns
+    /// true; returns false at once otherwise (then room in the socket is what to wait for).
+    fn wait_sent(&self, timeout: std::time::Duration) -> bool {
+        let _ = timeout;
+        false
+    }
+
     /// Closes one or both directions.
     fn shutdown(&self, how: rustix::net::Shutdown);
 
@@ -127,6 +135,10 @@ impl Packets for TcpLink {
 
     fn has_buffered(&self) -> bool {
         TcpLink::has_buffered(self)
+    }
+
+    fn wait_sent(&self, timeout: std::time::Duration) -> bool {
+        TcpLink::wait_sent(self, timeout)
     }
 
     fn shutdown(&self, how: rustix::net::Shutdown) {

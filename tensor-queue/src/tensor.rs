@@ -125,14 +125,26 @@ impl Storage {
     /// Storage received by a copy into this process's arena, queued on `stream` and done when
     /// `copied` (recorded after it) is complete: the memory is not reused before.
     pub fn landed(allocation: Allocation, fences: Fences, stream: &Stream, copied: Event) -> Storage {
-        let storage = Storage::new(
-            allocation.chunk.clone(),
-            allocation.offset,
-            allocation.len,
-            Origin::Landed(allocation, fences),
-        );
-        storage.uses.lock().unwrap_or_else(|e| e.into_inner()).push((stream.raw() as usize, copied));
+        let storage = Storage::landing(allocation, fences);
+        storage.hold_until(stream, copied);
         storage
+    }
+
+    /// Storage that data will land in, in this process's arena; whoever queues the copy into it
+    /// holds it ([`Storage::hold_until`]) until the copy is done.
+    pub fn landing(allocation: Allocation, fences: Fences) -> Storage {
+        Storage::new(allocation.chunk.clone(), allocation.offset, allocation.len, Origin::Landed(allocation, fences))
+    }
+
+    /// Keeps the memory from going back (to the arena, or to the sender) until `event`, recorded
+    /// on `stream` after work that uses it, is complete. It replaces an earlier event of that
+    /// stream, and events already complete are forgotten, so memory used again and again holds
+    /// few.
+    pub fn hold_until(&self, stream: &Stream, event: Event) {
+        let key = stream.raw() as usize;
+        let mut uses = crate::lock(&self.uses);
+        uses.retain(|(k, e)| *k != key && !e.is_complete().unwrap_or(true));
+        uses.push((key, event));
     }
 
     pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: Arc<ReceivedLease>) -> Storage {
@@ -753,15 +765,10 @@ impl Tensor {
         Ok((memory, self.storage.offset + self.offset))
     }
 
-    /// Keeps the storage from going back (to the arena, or to the sender) until `event`, recorded
-    /// on `stream` after work that uses the tensor, is complete. It replaces an earlier event of
-    /// that stream, and events already complete are forgotten, so a tensor used again and again
-    /// holds few.
+    /// Keeps the storage from going back until `event`, recorded on `stream` after work that
+    /// uses the tensor, is complete (see [`Storage::hold_until`]).
     pub(crate) fn hold_until(&self, stream: &Stream, event: Event) {
-        let key = stream.raw() as usize;
-        let mut uses = self.storage.uses.lock().unwrap_or_else(|e| e.into_inner());
-        uses.retain(|(k, e)| *k != key && !e.is_complete().unwrap_or(true));
-        uses.push((key, event));
+        self.storage.hold_until(stream, event);
     }
 }
 

@@ -53,6 +53,7 @@ fn main() {
         CrossTest { name: "across_hosts_sender_killed_mid_nccl_transfer", gpus: 2, run: killed_sender_nccl },
         CrossTest { name: "across_hosts_receiver_killed_mid_nccl_transfer", gpus: 2, run: killed_receiver_nccl },
         CrossTest { name: "across_hosts_ten_thousand_messages_leak_nothing", gpus: 2, run: many_nccl },
+        CrossTest { name: "across_hosts_both_ways_then_a_clean_exit", gpus: 2, run: both_ways_clean_exit },
     ];
     let found = gpus_here();
     let trials = tests
@@ -910,6 +911,33 @@ fn killed_receiver_nccl(g: &Gpus) -> Result<()> {
     ensure!(line.contains("disconnected") || line.contains("Disconnected"), "the sender's error: {line}");
     let status = sender.wait(Duration::from_secs(30))?;
     println!("the sender saw the receiver's death after {took:?}: {line} (exit {status})");
+    Ok(())
+}
+
+/// Two processes that each send and receive over NCCL (the benchmark's quick run: one-way
+/// messages, round trips sent back on the receiver's stream, a 1,024-tensor message), with both
+/// transports, and each returns from `main` at once: neither may crash on its way out (a worker
+/// still inside NCCL at exit did, SIGSEGV).
+fn both_ways_clean_exit(_: &Gpus) -> Result<()> {
+    let mut child = Command::new(bin_path("tq-hosts")?).arg("--quick").stdout(Stdio::piped()).spawn()?;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if Instant::now() > deadline {
+            child.kill()?;
+            bail!("tq-hosts --quick did not finish within 240 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut table = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().context("stdout")?, &mut table)?;
+    println!("{table}");
+    ensure!(status.success(), "tq-hosts --quick: {status}");
+    for transports in ["| default | 4 KiB round trip", "| net | 4 KiB round trip"] {
+        ensure!(table.contains(transports), "no {transports:?} row");
+    }
     Ok(())
 }
 

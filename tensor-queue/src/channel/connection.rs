@@ -16,9 +16,10 @@ use super::imports::{Announced, import};
 use super::link::{Link, Read};
 use super::peer::Peer;
 use super::release::{Fences, ReceivedLease};
-use super::remote::Remote;
+use super::remote::{Remote, Wake};
 use super::{lock, monotonic_ns};
 use crate::arena::{Allocation, Chunk, ChunkMemory};
+use crate::route::worker::Workers;
 use crate::route::{self, Reach, Route, Routing};
 use crate::tensor::Storage;
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
@@ -123,11 +124,22 @@ pub(super) struct Devices {
     /// Streams set with `Receiver::set_stream`: every connection orders that device's tensors
     /// on it (and so one slow producer delays the others there, the user's choice).
     chosen: std::sync::Mutex<Vec<(Uuid, Arc<Stream>)>>,
+    /// The workers of the NCCL communicators joined for senders on other hosts (`remote.rs`),
+    /// waited for when the receiver is dropped.
+    pub nccl_workers: Workers,
+    /// How those workers tell `recv` that a parked message's receives are issued.
+    pub nccl_wake: Wake,
 }
 
 impl Devices {
-    pub fn new(routing: Routing) -> Devices {
-        Devices { routing, contexts: Default::default(), chosen: Default::default() }
+    pub fn new(routing: Routing) -> Result<Devices> {
+        Ok(Devices {
+            routing,
+            contexts: Default::default(),
+            chosen: Default::default(),
+            nccl_workers: Workers::default(),
+            nccl_wake: Wake::new()?,
+        })
     }
 
     pub fn context(&self, uuid: &Uuid) -> Result<Arc<Context>> {
@@ -417,8 +429,10 @@ impl Connected {
             tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
         }
         info.imported_ns = monotonic_ns();
+        // A message with NCCL receives waits on the CPU until its worker has queued them.
+        let on_cpu = !received.fences.is_empty();
         let fences: Fences = Arc::new(received.fences);
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu: false })
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
     }
 
     /// The chunk a descriptor names, checked, with the path it came by and the stream its first

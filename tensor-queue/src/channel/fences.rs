@@ -32,14 +32,24 @@ use crate::arena::Chunk;
 /// The value a word held when its producer died (`u64::MAX` while the producer lives).
 pub(crate) struct WordFate(AtomicU64);
 
+/// The fate of a transfer another engine completes (NCCL) before it is issued on the GPU: the
+/// value its wait waits for ([`FenceWait::transfer`]), so it has not failed, but is not ready.
+const TRANSFER_PENDING: u64 = 1;
+
 impl WordFate {
-    /// The fate of a transfer that another engine completes (NCCL): whole until
-    /// [`WordFate::cut`].
-    pub fn whole() -> Arc<WordFate> {
-        Arc::new(WordFate(AtomicU64::new(u64::MAX)))
+    /// The fate of a transfer that another engine completes (NCCL), not issued yet: its
+    /// message waits on the CPU until [`WordFate::issued`] or [`WordFate::cut`].
+    pub fn pending() -> Arc<WordFate> {
+        Arc::new(WordFate(AtomicU64::new(TRANSFER_PENDING)))
     }
 
-    /// Marks the transfer as cut short (its communicator was aborted before it completed).
+    /// The transfer is queued on the GPU, after everything its message's tensors are ordered
+    /// on: whole unless cut later.
+    pub fn issued(&self) {
+        let _ = self.0.compare_exchange(TRANSFER_PENDING, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Marks the transfer as cut short (its communicator gave up before it completed).
     pub fn cut(&self) {
         self.0.store(0, Ordering::Release);
     }
@@ -57,9 +67,16 @@ pub(crate) struct FenceWait {
 }
 
 impl FenceWait {
-    /// A wait for a transfer another engine completes (NCCL): failed once `fate` is cut.
+    /// A wait for a transfer another engine completes (NCCL): ready on the CPU once `fate` is
+    /// issued, failed once it is cut.
     pub fn transfer(fate: Arc<WordFate>) -> FenceWait {
-        FenceWait { producer: None, fate, value: 1, word: None }
+        FenceWait { producer: None, fate, value: TRANSFER_PENDING, word: None }
+    }
+
+    /// Whether its readiness on the CPU is announced on the receiver's wake (a transfer's: its
+    /// NCCL worker rings when it is issued), so `recv` may block rather than look again and again.
+    pub fn wakes_receiver(&self) -> bool {
+        self.producer.is_none() && self.word.is_none()
     }
 
     /// Whether the producer died before its work reached this fence.
@@ -71,7 +88,11 @@ impl FenceWait {
     /// dead (then [`FenceWait::failed`] says how far it got). Never blocks: a producer that
     /// never writes holds up only its own messages.
     pub fn ready_on_cpu(&self) -> Result<bool> {
-        let Some((chunk, offset)) = &self.word else { return Ok(true) };
+        let Some((chunk, offset)) = &self.word else {
+            // A transfer's wait is ready once it is issued (or cut short).
+            let pending = self.producer.is_none() && self.fate.0.load(Ordering::Acquire) == TRANSFER_PENDING;
+            return Ok(!pending);
+        };
         Ok(host(chunk)?.load_u64(*offset)? >= self.value || self.producer.as_ref().is_some_and(|p| p.is_dead()))
     }
 }

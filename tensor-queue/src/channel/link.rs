@@ -12,7 +12,7 @@
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ipc_core::HostId;
 use ipc_core::transport::{Packets, Peer};
@@ -140,6 +140,10 @@ impl Link {
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left.is_some_and(|left| left.is_zero()) {
                 return Err(Error::Timeout);
+            }
+            // The socket may have room while an earlier packet still holds up the next one.
+            if self.connection.wait_sent(left.unwrap_or(Duration::from_secs(3600))) {
+                return Ok(());
             }
             let timespec = left.map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
             match poll(&mut fds, timespec.as_ref()) {

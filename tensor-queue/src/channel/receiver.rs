@@ -171,7 +171,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// ```
     pub fn bind_with(endpoint: impl Into<Endpoint>, options: ReceiverOptions) -> Result<Receiver<T>> {
         let options = options.checked()?;
-        let mut receiver = Receiver::new(&options);
+        let mut receiver = Receiver::new(&options)?;
         let listening = options.listen(endpoint.into())?;
         receiver.acceptor = Some(Acceptor::start(listening, options)?);
         Ok(receiver)
@@ -210,20 +210,20 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// ```
     pub fn from_connection_with(connection: Connection, options: ReceiverOptions) -> Result<Receiver<T>> {
         let options = options.checked()?;
-        let mut receiver = Receiver::new(&options);
+        let mut receiver = Receiver::new(&options)?;
         let link = Link::new(Box::new(connection))?;
         options.greet(&link)?;
         receiver.connected.push(Connected::new(link));
         Ok(receiver)
     }
 
-    fn new(options: &ReceiverOptions) -> Receiver<T> {
-        Receiver {
+    fn new(options: &ReceiverOptions) -> Result<Receiver<T>> {
+        Ok(Receiver {
             acceptor: None,
             connected: Vec::new(),
             arrivals: VecDeque::new(),
             parked: VecDeque::new(),
-            devices: Devices::new(options.routing.clone()),
+            devices: Devices::new(options.routing.clone())?,
             capacity: options.capacity,
             errors: Vec::new(),
             joined: 0,
@@ -231,7 +231,7 @@ impl<T: DeserializeOwned> Receiver<T> {
             spin: Duration::ZERO,
             buf: vec![0; MAX_PACKET],
             _message: PhantomData,
-        }
+        })
     }
 
     /// Where senders connect, for a bound receiver.
@@ -434,7 +434,11 @@ impl<T: DeserializeOwned> Receiver<T> {
                 if expired {
                     return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
                 }
-                if self.spin.is_zero() {
+                if self.parked.iter().all(|p| p.fences.iter().all(|f| f.wakes_receiver())) {
+                    // NCCL workers ring when they have issued a message's receives: block.
+                    let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+                    self.pump(wait)?;
+                } else if self.spin.is_zero() {
                     std::thread::sleep(PARKED_POLL);
                 } else {
                     std::hint::spin_loop();
@@ -654,7 +658,8 @@ impl<T: DeserializeOwned> Receiver<T> {
             return Ok(true);
         }
         let (listener_ready, readable) = {
-            let mut fds = Vec::with_capacity(self.connected.len() + 1);
+            let mut fds = Vec::with_capacity(self.connected.len() + 2);
+            fds.push(PollFd::from_borrowed_fd(self.devices.nccl_wake.fd(), PollFlags::IN));
             if let Some(acceptor) = &self.acceptor {
                 fds.push(PollFd::new(&acceptor.doorbell, PollFlags::IN));
             }
@@ -668,8 +673,13 @@ impl<T: DeserializeOwned> Receiver<T> {
                 Err(Errno::INTR) => return Ok(true),
                 Err(errno) => return Err(ipc_core::Error::Os { what: "poll", source: errno.into() }.into()),
             }
-            let skip = usize::from(self.acceptor.is_some());
-            let listener_ready = skip == 1 && !fds[0].revents().is_empty();
+            // An NCCL worker issued a parked message's receives: `recv` looks at it again.
+            let woken = !fds[0].revents().is_empty();
+            let skip = 1 + usize::from(self.acceptor.is_some());
+            let listener_ready = skip == 2 && !fds[1].revents().is_empty();
+            if woken {
+                self.devices.nccl_wake.drain();
+            }
             let readable: Vec<usize> =
                 fds[skip..].iter().enumerate().filter(|(_, fd)| !fd.revents().is_empty()).map(|(i, _)| i).collect();
             (listener_ready, readable)
@@ -759,5 +769,10 @@ impl<T> Drop for Receiver<T> {
         for connected in &self.connected {
             connected.close("the receiver was dropped".into());
         }
+        // The NCCL workers of senders on other hosts end here, on the user's thread (bounded by
+        // their drain time): a program that returns from `main` next must not exit under a
+        // worker that is still inside NCCL.
+        self.connected.clear();
+        self.devices.nccl_workers.join();
     }
 }

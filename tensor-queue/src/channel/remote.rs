@@ -1,36 +1,45 @@
 //! The receiver's half of the routes from a sender on another host (see `route/network.rs`):
 //! host bytes that came over the link, and NCCL receives into this process's memory.
 //!
-//! A communicator joins (rank 1) when its `Communicator` frame is read. A message that uses it
-//! waits for the set-up to finish (the sender's side is already under way, so this is short; a
-//! sender that never takes part is given [`JOIN_TIMEOUT`], and its connection is then closed).
-//! The receives of a message run as one group on the connection's stream for the landing GPU,
-//! into memory of this process's arena, so the tensors are the receiver's own: they can be
+//! A communicator joins (rank 1) when its `Communicator` frame is read, on a worker thread of
+//! its own that owns it (`route/worker.rs`): `recv` never calls NCCL, so a sender that stalls in
+//! the set-up, or never takes part, holds up nothing but its own messages. A message's receives
+//! on one communicator are one job for the worker: `recv` allocates the memory they land in from
+//! this process's arena and queues the job; the message waits (parked, on the CPU) until the
+//! worker has queued the receives on its stream and made the connection's stream wait for
+//! them, so the tensors are ordered on that stream like any others. Nothing on the GPU waits for
+//! a receive that is not queued yet: NCCL's set-up may wait for the device's streams, and a
+//! stream waiting for it would never finish. The tensors are the receiver's own: they can be
 //! forwarded, and nothing is leased from the sender.
 //!
-//! When the connection ends, its communicators are retired off the `recv` thread: receives still
-//! running are given [`DRAIN_TIMEOUT`] to finish (a sender that exits cleanly finishes them),
-//! then the communicator is aborted, which ends any receive still waiting for a dead sender. A
-//! message whose receives were cut short reports it (`ProducerFailed`, `Tensor::producer_failed`).
+//! When the connection ends, each worker finishes the receives queued, gives those still running
+//! [`DRAIN_TIMEOUT`] (a sender that exits cleanly finishes them), then aborts the communicator,
+//! which ends any receive still waiting for a dead sender. When a worker gives up (a set-up that
+//! did not finish within [`JOIN_TIMEOUT`], an NCCL error, the sender gone), its receives that
+//! did not complete are cut short, and their messages report it (`ProducerFailed`,
+//! `Tensor::producer_failed`).
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use ipc_core::nccl::{Communicator, UniqueId};
-use ipc_core::{Event, Stream, Uuid};
+use ipc_core::{Context, Event, Stream, Uuid};
+use rustix::event::{EventfdFlags, eventfd};
 
 use super::connection::Devices;
 use super::fences::{FenceWait, WordFate};
 use super::peer::Peer;
 use crate::arena::Arena;
+use crate::route::worker::{Next, WorkQueue};
 use crate::route::{Reach, Route};
 use crate::tensor::Storage;
 use crate::wire::{MAX_INLINE_BYTES, TensorDesc};
-use crate::{Error, Result};
+use crate::{Error, Result, lock};
 
-/// How long a message waits for its communicator's set-up.
-pub(crate) const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a communicator's set-up may take (its messages wait for it on the GPU).
+const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long receives still running when a connection ends are given to finish.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Communicators one connection may set up (a sender has one per pair of GPUs).
@@ -46,13 +55,55 @@ pub(super) struct Remote {
     communicators: HashMap<u32, Joined>,
 }
 
-/// A communicator this receiver joined (rank 1).
+/// A communicator this receiver joined (rank 1); its worker owns it.
 struct Joined {
     target: Uuid,
-    communicator: Communicator,
-    ready: bool,
-    /// Receives queued and maybe still running: an event after them, and their fate.
-    running: Vec<(Event, Arc<WordFate>)>,
+    comm: Arc<RecvComm>,
+}
+
+/// How NCCL workers tell `recv` that a message's receives are issued (so it may be delivered):
+/// an eventfd that `recv` polls with its sockets, so a parked message costs no naps.
+#[derive(Clone)]
+pub(super) struct Wake(Arc<OwnedFd>);
+
+impl Wake {
+    pub fn new() -> Result<Wake> {
+        let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)
+            .map_err(|e| ipc_core::Error::Os { what: "eventfd", source: e.into() })?;
+        Ok(Wake(Arc::new(fd)))
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+
+    fn ring(&self) {
+        // Fails only when the counter is full, and then it is readable anyway.
+        let _ = rustix::io::write(&*self.0, &1u64.to_ne_bytes());
+    }
+
+    /// Clears a ring `recv` has seen.
+    pub fn drain(&self) {
+        let _ = rustix::io::read(&*self.0, &mut [0u8; 8]);
+    }
+}
+
+/// What a communicator's worker and `recv` share.
+struct RecvComm {
+    id: u32,
+    queue: WorkQueue<Receive>,
+    wake: Wake,
+    /// The connection, once it ended, held open until the worker is done.
+    keep_open: Mutex<Option<Arc<Peer>>>,
+}
+
+/// One message's receives on one communicator.
+struct Receive {
+    /// Per span: the storage it lands in (held until the receive is done) and its length.
+    spans: Vec<(Arc<Storage>, usize)>,
+    /// The connection's stream for the landing GPU: it waits for the receives.
+    stream: Arc<Stream>,
+    fate: Arc<WordFate>,
 }
 
 /// A received tensor: its storage, the byte offset of its element 0 there, and its stream.
@@ -79,16 +130,9 @@ impl Remote {
         Ok(())
     }
 
-    /// Joins the sender's communicator `id` on this process's GPU `target`.
-    /// Its waits give up once `peer`'s connection is closed.
-    pub fn join(
-        &mut self,
-        devices: &Devices,
-        id: u32,
-        unique_id: &[u8],
-        target: Uuid,
-        peer: std::sync::Weak<Peer>,
-    ) -> Result<()> {
+    /// Joins the sender's communicator `id` on this process's GPU `target`, on a worker thread
+    /// (joined when the receiver is dropped). Its waits give up once `peer`'s connection is closed.
+    pub fn join(&mut self, devices: &Devices, id: u32, unique_id: &[u8], target: Uuid, peer: Weak<Peer>) -> Result<()> {
         if self.communicators.contains_key(&id) {
             return Err(Error::Protocol(format!("communicator {id} was set up twice")));
         }
@@ -99,9 +143,17 @@ impl Remote {
             return Err(Error::Protocol(format!("a communicator for GPU {target}, which this process does not have")));
         }
         let unique_id = UniqueId::try_from(unique_id)?;
-        let mut communicator = Communicator::start(&devices.context(&target)?, &unique_id, 2, 1, JOIN_TIMEOUT)?;
-        communicator.watch(move || peer.upgrade().is_some_and(|peer| !peer.link.peer_closed()));
-        self.communicators.insert(id, Joined { target, communicator, ready: false, running: Vec::new() });
+        let context = devices.context(&target)?;
+        let comm = Arc::new(RecvComm {
+            id,
+            queue: WorkQueue::new(),
+            wake: devices.nccl_wake.clone(),
+            keep_open: Mutex::new(None),
+        });
+        let worker = comm.clone();
+        let alive = move || peer.upgrade().is_some_and(|peer| !peer.link.peer_closed());
+        devices.nccl_workers.spawn("tq-nccl-recv", move || worker.work(&context, &unique_id, alive))?;
+        self.communicators.insert(id, Joined { target, comm });
         Ok(())
     }
 
@@ -182,35 +234,24 @@ impl Remote {
                 .enumerate()
                 .map(|(k, len)| len.ok_or_else(|| bad(members[0], format!("NCCL transfer {k} has no tensor"))))
                 .collect::<Result<_>>()?;
-            let joined = self.ready(id).map_err(|e| bad(members[0], e.to_string()))?;
-            let target = joined.target;
-            let stream = stream(&target)?;
-            let arena = Arena::device(&devices.context(&target)?);
-            let allocations = spans.iter().map(|&len| arena.allocate(len as usize)).collect::<Result<Vec<_>>>()?;
-            let mut receives = Vec::with_capacity(allocations.len());
-            for allocation in &allocations {
-                let memory =
-                    allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
-                receives.push((memory, allocation.offset, allocation.len));
+            let joined =
+                self.communicators.get_mut(&id).ok_or_else(|| bad(members[0], format!("unknown communicator {id}")))?;
+            let stream = stream(&joined.target)?;
+            let arena = Arena::device(&devices.context(&joined.target)?);
+            let fate = WordFate::pending();
+            let fenced = Arc::new(vec![FenceWait::transfer(fate.clone())]);
+            let mut storages = Vec::with_capacity(spans.len());
+            for &len in &spans {
+                let allocation = arena.allocate(len as usize)?;
+                storages.push(Arc::new(Storage::landing(allocation, fenced.clone())));
             }
-            joined.communicator.group(|c| {
-                for &(memory, offset, len) in &receives {
-                    c.recv(memory, offset, len, 0, &stream)?;
-                }
-                Ok(())
-            })?;
-            let fate = WordFate::whole();
-            let marker = Event::new(stream.context())?;
-            marker.record(&stream)?;
-            joined.running.retain(|(event, _)| !event.is_complete().unwrap_or(true));
-            joined.running.push((marker, fate.clone()));
-            let mut storages = Vec::with_capacity(allocations.len());
-            for allocation in allocations {
-                let done = Event::new(stream.context())?;
-                done.record(&stream)?;
-                let fences = Arc::new(vec![FenceWait::transfer(fate.clone())]);
-                storages.push(Arc::new(Storage::landed(allocation, fences, &stream, done)));
-            }
+            // Each receive takes exactly its span's bytes, not the allocation's rounded length:
+            // NCCL's P2P and shared-memory transports match a send and a receive by count, so a
+            // longer receive would wait for the next message's bytes (its network transport
+            // tolerates it, which hid this).
+            let receives = storages.iter().zip(&spans).map(|(storage, &len)| (storage.clone(), len as usize));
+            let receive = Receive { spans: receives.collect(), stream: stream.clone(), fate: fate.clone() };
+            joined.comm.queue.submit(receive).map_err(|e| bad(members[0], e.to_string()))?;
             for &index in &members {
                 let desc = &descs[index];
                 let at = (desc.storage_offset + desc.view_offset) as usize;
@@ -226,42 +267,105 @@ impl Remote {
         Ok(Received { tensors, fences })
     }
 
-    /// The communicator `id`, once its set-up is done (waiting for it, bounded).
-    fn ready(&mut self, id: u32) -> Result<&mut Joined> {
-        let joined =
-            self.communicators.get_mut(&id).ok_or_else(|| Error::Protocol(format!("unknown communicator {id}")))?;
-        if !joined.ready {
-            joined.communicator.wait_until_ready()?;
-            joined.ready = true;
-        }
-        Ok(joined)
-    }
-
-    /// Retires the communicators of a connection that ended, on a thread of its own (see the
-    /// module docs); `peer` keeps the connection open until then, so the sender does not abort
-    /// sends whose data is still arriving.
+    /// The connection ended: each worker finishes what is queued and lets its communicator go
+    /// (see the module docs). `peer` keeps the connection open until then, so the sender does
+    /// not abort sends whose data is still arriving.
     pub fn retire(&mut self, peer: Arc<Peer>) {
-        let communicators: Vec<Joined> = self.communicators.drain().map(|(_, joined)| joined).collect();
-        if communicators.is_empty() {
-            return;
+        for (_, joined) in self.communicators.drain() {
+            *lock(&joined.comm.keep_open) = Some(peer.clone());
+            joined.comm.queue.stop(false);
         }
-        let spawned = std::thread::Builder::new().name("tq-nccl-retire".into()).spawn(move || {
-            let deadline = Instant::now() + DRAIN_TIMEOUT;
-            for joined in communicators {
-                for (event, fate) in &joined.running {
-                    while !event.is_complete().unwrap_or(true) && Instant::now() < deadline {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    if !event.is_complete().unwrap_or(true) {
-                        fate.cut();
+    }
+}
+
+impl RecvComm {
+    /// The worker: starts the communicator, then issues each message's receives in order.
+    fn work(&self, context: &Arc<Context>, unique_id: &UniqueId, alive: impl Fn() -> bool + Send + 'static) {
+        let mut running: Vec<(Event, Arc<WordFate>)> = Vec::new();
+        let started = Communicator::start(context, unique_id, 2, 1, JOIN_TIMEOUT).and_then(|mut communicator| {
+            communicator.watch(alive);
+            communicator.wait_until_ready()?;
+            Ok((communicator, Stream::new(context)?))
+        });
+        let (communicator, stream) = match started {
+            Ok(started) => started,
+            Err(error) => return self.fail(None, running, error.to_string()),
+        };
+        loop {
+            match self.queue.next() {
+                Next::Job(receive) => {
+                    running.retain(|(event, _)| !event.is_complete().unwrap_or(true));
+                    let fate = receive.fate.clone();
+                    match self.issue(&communicator, &stream, receive) {
+                        Ok(done) => running.push((done, fate)),
+                        Err(error) => {
+                            fate.cut(); // the wake rings in `fail`
+                            return self.fail(Some(communicator), running, error.to_string());
+                        }
                     }
                 }
-                joined.communicator.abort();
+                Next::Closed => {
+                    let deadline = Instant::now() + DRAIN_TIMEOUT;
+                    while running.iter().any(|(event, _)| !event.is_complete().unwrap_or(true)) {
+                        if Instant::now() >= deadline {
+                            return self.fail(Some(communicator), running, "the sender stopped".into());
+                        }
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    drop(lock(&self.keep_open).take());
+                    return; // every receive is done: the communicator finalizes as it drops
+                }
+                Next::Aborted => return self.fail(Some(communicator), running, "aborted".into()),
             }
-            drop(peer);
-        });
-        if let Err(error) = spawned {
-            tracing::warn!(%error, "could not start a thread to retire NCCL communicators");
         }
+    }
+
+    /// Gives up (see the module docs): receives not done are cut short and those queued
+    /// refused, then the communicator is aborted.
+    fn fail(&self, communicator: Option<Communicator>, running: Vec<(Event, Arc<WordFate>)>, why: String) {
+        tracing::warn!(comm = self.id, %why, "an NCCL communicator with a sender on another host gave up");
+        // Which receives completed is decided before the abort, which ends the others early.
+        for (event, fate) in &running {
+            if !event.is_complete().unwrap_or(false) {
+                fate.cut();
+            }
+        }
+        for receive in self.queue.fail(why) {
+            receive.fate.cut();
+        }
+        self.wake.ring();
+        if let Some(communicator) = communicator {
+            communicator.abort();
+        }
+        drop(lock(&self.keep_open).take());
+    }
+
+    /// Queues one message's receives as one group on `stream`, makes the connection's stream
+    /// wait for them, and marks them issued (the message may be delivered). Their memory is held
+    /// until they are done.
+    fn issue(&self, communicator: &Communicator, stream: &Stream, receive: Receive) -> Result<Event> {
+        let mut memories = Vec::with_capacity(receive.spans.len());
+        for (storage, len) in &receive.spans {
+            let memory =
+                storage.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
+            memories.push((memory, storage.offset, *len));
+        }
+        communicator.group(|c| {
+            for &(memory, offset, len) in &memories {
+                c.recv(memory, offset, len, 0, stream)?;
+            }
+            Ok(())
+        })?;
+        for (storage, _) in &receive.spans {
+            let landed = Event::new(stream.context())?;
+            landed.record(stream)?;
+            storage.hold_until(stream, landed);
+        }
+        let done = Event::new(stream.context())?;
+        done.record(stream)?;
+        receive.stream.wait_event(&done)?;
+        receive.fate.issued();
+        self.wake.ring();
+        Ok(done)
     }
 }

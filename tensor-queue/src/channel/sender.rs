@@ -166,8 +166,11 @@ impl Drop for Handle {
     fn drop(&mut self) {
         if self.inner.link.remote {
             // NCCL sends still in flight finish first (bounded): the receiver may be setting up
-            // the connection they need, which must not look like a sender gone.
+            // the connection they need, which must not look like a sender gone. Then the NCCL
+            // workers end here, on the user's thread: a program that returns from `main` next
+            // must not exit under a worker that is still inside NCCL.
             self.inner.wait_released(network::NCCL_TIMEOUT);
+            lock(&self.inner.comms).close();
         }
         // Close our direction only: the receiver may still hold tensors, and their releases
         // must still reach the reader thread before the memory can be reused.

@@ -45,6 +45,7 @@ pub(crate) mod network;
 mod policy;
 mod reach;
 pub(crate) mod send;
+pub(crate) mod worker;
 
 pub use choose::{Choice, Forbidden, Route, choose, choose_remote};
 pub(crate) use choose::{allowed, target};

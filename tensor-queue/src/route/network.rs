@@ -20,8 +20,7 @@
 //! receiver, as with `torch.distributed`, which does the same. The sources go back to the
 //! sender once the sends are done on the GPU.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ipc_core::nccl::{Communicator, UniqueId};
@@ -31,9 +30,10 @@ use super::choose::{Route, choose_remote};
 use super::policy::Routing;
 use super::reach::Reach;
 use super::send::{copy_stream, spans};
+use super::worker::{Next, WorkQueue, Workers};
 use crate::tensor::Storage;
 use crate::wire::{BYTES_FRAME, Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
-use crate::{Error, Result, Tensor, lock};
+use crate::{Error, Result, Tensor};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -58,7 +58,7 @@ impl RemoteMessage {
     /// The message and its frames are written: its NCCL sends may go.
     pub fn written(self) -> Result<()> {
         for (comm, transfer) in self.transfers {
-            comm.submit(transfer)?;
+            comm.queue.submit(transfer)?;
         }
         Ok(())
     }
@@ -69,27 +69,16 @@ impl RemoteMessage {
 pub(crate) struct SendComms {
     next_id: u32,
     pairs: Vec<(Uuid, Uuid, Arc<SendComm>)>,
+    workers: Workers,
 }
 
 /// One communicator of a connection (rank 0 on the sender's GPU), driven by a worker thread
-/// that owns it: `send` only queues transfers, so it never waits for NCCL, and NCCL's waits for
-/// the receiver (the set-up, a connection a transfer needs) never hold up the message frame the
-/// receiver needs to take part.
+/// that owns it (see `worker.rs`): `send` only queues transfers, so it never waits for NCCL, and
+/// NCCL's waits for the receiver (the set-up, a connection a transfer needs) never hold up the
+/// message frame the receiver needs to take part.
 pub(crate) struct SendComm {
     pub id: u32,
-    queue: Mutex<Queue>,
-    wake: Condvar,
-}
-
-#[derive(Default)]
-struct Queue {
-    transfers: VecDeque<Transfer>,
-    /// No more transfers come: the worker sends what is queued and lets the communicator go.
-    closed: bool,
-    /// The receiver is gone: the worker aborts the communicator.
-    aborted: bool,
-    /// Why the communicator failed, once it did.
-    failed: Option<String>,
+    queue: WorkQueue<Transfer>,
 }
 
 /// One message's spans on one communicator.
@@ -124,13 +113,10 @@ impl SendComms {
         let mut communicator = Communicator::start(&context, &unique_id, 2, 0, NCCL_TIMEOUT)?;
         communicator.watch(alive.clone());
         let stream = Stream::new(&context)?;
-        let comm = Arc::new(SendComm { id, queue: Mutex::new(Queue::default()), wake: Condvar::new() });
-        announce.push(Frame::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
+        let comm = Arc::new(SendComm { id, queue: WorkQueue::new() });
         let worker = comm.clone();
-        std::thread::Builder::new()
-            .name("tq-nccl-send".into())
-            .spawn(move || worker.work(communicator, stream))
-            .map_err(|e| Error::Protocol(format!("spawning an NCCL thread: {e}")))?;
+        self.workers.spawn("tq-nccl-send", move || worker.work(communicator, stream))?;
+        announce.push(Frame::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
         self.pairs.push((source, target, comm.clone()));
         created.push(id);
         Ok(comm)
@@ -142,7 +128,7 @@ impl SendComms {
         self.pairs.retain(|(_, _, comm)| {
             let made = message.created.contains(&comm.id);
             if made {
-                comm.stop(true);
+                comm.queue.stop(true);
             }
             !made
         });
@@ -152,15 +138,24 @@ impl SendComms {
     /// sources of those sent come back once the streams drain.
     pub fn abort(&mut self) {
         for (_, _, comm) in self.pairs.drain(..) {
-            comm.stop(true);
+            comm.queue.stop(true);
         }
+    }
+
+    /// Lets every communicator go once its queued sends are issued, and waits for the workers
+    /// (each finalizes its communicator, bounded by [`NCCL_TIMEOUT`]).
+    pub fn close(&mut self) {
+        for (_, _, comm) in self.pairs.drain(..) {
+            comm.queue.stop(false);
+        }
+        self.workers.join();
     }
 }
 
 impl Drop for SendComms {
     fn drop(&mut self) {
         for (_, _, comm) in &self.pairs {
-            comm.stop(false);
+            comm.queue.stop(false);
         }
     }
 }
@@ -173,25 +168,15 @@ impl SendComm {
             return self.fail(communicator, error.to_string());
         }
         loop {
-            let transfer = {
-                let mut queue = lock(&self.queue);
-                loop {
-                    if queue.aborted {
-                        drop(queue);
-                        return self.fail(communicator, "the receiver is gone".into());
+            match self.queue.next() {
+                Next::Job(transfer) => {
+                    if let Err(error) = issue(&communicator, &stream, transfer) {
+                        tracing::warn!(%error, comm = self.id, "an NCCL send failed");
+                        return self.fail(communicator, error.to_string());
                     }
-                    if let Some(transfer) = queue.transfers.pop_front() {
-                        break transfer;
-                    }
-                    if queue.closed {
-                        return; // the communicator finalizes as it drops
-                    }
-                    queue = self.wake.wait(queue).unwrap_or_else(|e| e.into_inner());
                 }
-            };
-            if let Err(error) = issue(&communicator, &stream, transfer) {
-                tracing::warn!(%error, comm = self.id, "an NCCL send failed");
-                return self.fail(communicator, error.to_string());
+                Next::Closed => return, // the communicator finalizes as it drops
+                Next::Aborted => return self.fail(communicator, "the receiver is gone".into()),
             }
         }
     }
@@ -199,29 +184,7 @@ impl SendComm {
     /// Gives up: later sends fail with `why`, queued ones are dropped (their leases end).
     fn fail(&self, communicator: Communicator, why: String) {
         communicator.abort();
-        let mut queue = lock(&self.queue);
-        queue.failed = Some(why);
-        queue.transfers.clear();
-    }
-
-    /// Queues a transfer for the worker.
-    fn submit(&self, transfer: Transfer) -> Result<()> {
-        let mut queue = lock(&self.queue);
-        if let Some(why) = &queue.failed {
-            return Err(Error::Invalid(format!("the NCCL communicator to the receiver failed: {why}")));
-        }
-        queue.transfers.push_back(transfer);
-        drop(queue);
-        self.wake.notify_one();
-        Ok(())
-    }
-
-    fn stop(&self, abort: bool) {
-        let mut queue = lock(&self.queue);
-        queue.closed = true;
-        queue.aborted |= abort;
-        drop(queue);
-        self.wake.notify_one();
+        drop(self.queue.fail(why));
     }
 }
 

@@ -442,6 +442,8 @@ struct MemorySnapshot {
     free: Vec<(String, usize)>,
     /// Open file descriptors.
     fds: usize,
+    /// What they are (their `/proc/self/fd` links), so that a leak says what leaked.
+    fd_links: Vec<String>,
     /// Taken by `rebase`.
     rebased: bool,
 }
@@ -452,14 +454,52 @@ fn snapshot(contexts: &[Arc<Context>]) -> Result<MemorySnapshot> {
     for context in contexts {
         free.push((context.device().uuid()?.to_string(), context.memory_info()?.0));
     }
+    let sockets = socket_names();
+    let mut fd_links: Vec<String> = std::fs::read_dir("/proc/self/fd")
+        .map(|dir| {
+            dir.flatten()
+                .map(|e| std::fs::read_link(e.path()).map_or_else(|e| e.to_string(), |l| l.display().to_string()))
+                .collect()
+        })
+        .unwrap_or_default();
+    for link in &mut fd_links {
+        if let Some(name) = link.strip_prefix("socket:[").and_then(|l| l.strip_suffix(']')).and_then(|i| sockets.get(i))
+        {
+            link.push_str(&format!(" {name}"));
+        }
+    }
+    fd_links.sort();
     Ok(MemorySnapshot {
         host_bytes: usage.host_bytes,
         device_bytes: usage.device_bytes,
         in_use_bytes: usage.in_use_bytes,
         free,
-        fds: std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0),
+        fds: fd_links.len(),
+        fd_links,
         rebased: false,
     })
+}
+
+/// What each socket of this process is, by inode: its TCP addresses (hex, as the kernel writes
+/// them) and state, or its Unix path.
+fn socket_names() -> std::collections::HashMap<String, String> {
+    let mut names = std::collections::HashMap::new();
+    let tables = [("tcp", 9), ("tcp6", 9), ("udp", 9), ("udp6", 9), ("raw", 9), ("unix", 6), ("netlink", 9)];
+    for (table, inode_at) in tables {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/self/net/{table}")) else { continue };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if let Some(inode) = fields.get(inode_at) {
+                let name = match table {
+                    "unix" => format!("unix {}", fields.get(7).unwrap_or(&"(unnamed)")),
+                    "netlink" => format!("netlink protocol {} pid {}", fields[1], fields[2]),
+                    _ => format!("{table} {} -> {} st {}", fields[1], fields[2], fields[3]),
+                };
+                names.insert(inode.to_string(), name);
+            }
+        }
+    }
+    names
 }
 
 /// Free device memory may move by this much for reasons of its own (the driver's bookkeeping).

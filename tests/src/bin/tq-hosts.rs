@@ -15,6 +15,11 @@
 //!   stream, over NCCL, as the anchor's ping-pong does; the producer synchronises it;
 //! - one message of 1,024 x 4 KiB tensors, one-way, against one 4 MiB tensor.
 //!
+//! `--quick` takes a few samples of each, up to 64 MiB, without anchors: the GPU tests run it to
+//! check that both directions work and that both processes exit cleanly (a program that returns
+//! from `main` right after its last message must not crash under NCCL's teardown). The driver
+//! exits with an error when a run failed.
+//!
 //! Targets (issue 13): at least 95% of the anchor's GB/s at 64 MiB and 1 GiB, a 4 KiB round trip
 //! at most the anchor's, the 1,024-tensor message within 2x of one 4 MiB message. Without two
 //! GPUs it measures host tensors over TCP (no anchor).
@@ -66,7 +71,7 @@ fn main() -> Result<()> {
     // SAFETY: set before any thread starts; every role reads it through `Secret::from_env`.
     unsafe { std::env::set_var("TQ_SECRET", SECRET) };
     match arg(&args, "--role").as_deref() {
-        Some("producer") => producer(),
+        Some("producer") => producer(args.iter().any(|a| a == "--quick")),
         Some("consumer") => consumer(&args),
         Some(other) => bail!("unknown role {other}"),
         None => driver(&args),
@@ -79,6 +84,7 @@ fn gpus() -> i32 {
 
 fn driver(args: &[String]) -> Result<()> {
     let gpu = gpus() >= 2;
+    let quick = args.iter().any(|a| a == "--quick");
     let mut runs = Vec::new();
     let envs: Vec<(&str, &[(&str, &str)])> =
         if gpu { vec![("default", &[]), ("net", &NET)] } else { vec![("host", &[])] };
@@ -86,6 +92,7 @@ fn driver(args: &[String]) -> Result<()> {
         eprintln!("tq-hosts: {name} transports");
         let output = Command::new(std::env::current_exe()?)
             .args(["--role", "producer"])
+            .args(quick.then_some("--quick"))
             .envs(env.iter().copied())
             .stderr(Stdio::inherit())
             .output()?;
@@ -96,7 +103,7 @@ fn driver(args: &[String]) -> Result<()> {
             _ => json!({ "error": format!("the producer failed ({}): {}", output.status, text.lines().last().unwrap_or("")) }),
         }));
     }
-    let anchors = match (gpu, arg(args, "--anchors")) {
+    let anchors = match (gpu && !quick, arg(args, "--anchors")) {
         (true, Some(script)) => {
             let python = arg(args, "--python").unwrap_or_else(|| "python3".into());
             let output = Command::new(python)
@@ -116,6 +123,9 @@ fn driver(args: &[String]) -> Result<()> {
         let all = json!({ "runs": runs.iter().map(|(n, v)| json!({ "name": n, "result": v })).collect::<Vec<_>>(), "anchors": anchors });
         std::fs::write(format!("{out}/hosts.json"), serde_json::to_string_pretty(&all)?)?;
         std::fs::write(format!("{out}/hosts.md"), &table)?;
+    }
+    if let Some((name, run)) = runs.iter().find(|(_, run)| run.get("error").is_some()) {
+        bail!("the {name} run failed: {}", run["error"]);
     }
     Ok(())
 }
@@ -186,7 +196,7 @@ fn fmt(value: Option<f64>) -> String {
 }
 
 /// The producer: binds the answers' receiver, starts the consumer, measures, prints `result`.
-fn producer() -> Result<()> {
+fn producer(quick: bool) -> Result<()> {
     let gpu = gpus() >= 2;
     let context = if gpu { Some(Context::on_ordinal(0)?) } else { None };
     let land = |ordinal: i32| -> Result<Routing> {
@@ -253,17 +263,27 @@ fn producer() -> Result<()> {
     };
     let mut result = json!({ "gpu": gpu, "one_way_us": {} });
     for (bytes, warmup, trips) in SIZES {
-        let (warmup, trips) = if gpu { (warmup, trips) } else { (1, 3) };
+        if quick && bytes > 64 * MIB {
+            continue;
+        }
+        let (warmup, trips) = if quick {
+            (0, 2)
+        } else if gpu {
+            (warmup, trips)
+        } else {
+            (1, 3)
+        };
         let x = make(bytes)?;
         result["one_way_us"][bytes.to_string()] = json!(one_way(vec![x], (warmup, trips), &mut answers)?);
         eprintln!("tq-hosts: 1 x {} done", size(bytes));
     }
     let many = (0..1024).map(|_| make(4 * KIB)).collect::<Result<Vec<_>>>()?;
-    result["many_us"] = json!(one_way(many, MANY, &mut answers)?);
+    result["many_us"] = json!(one_way(many, if quick { (0, 1) } else { MANY }, &mut answers)?);
     // Round trips: the consumer sends the 4 KiB tensor back over NCCL.
     let x = make(4 * KIB)?;
     let mut trips = Vec::new();
-    for i in 0..RTT.0 + RTT.1 {
+    let (warmup, measured) = if quick { (1, 3) } else { RTT };
+    for i in 0..warmup + measured {
         id += 1;
         let start = Instant::now();
         send(&Item { id, sent_ns: monotonic_ns(), echo: true, tensors: vec![x.clone()] })?;
@@ -271,7 +291,7 @@ fn producer() -> Result<()> {
         if let Some(stream) = answer.tensors.first().and_then(Tensor::stream) {
             stream.synchronize()?;
         }
-        if i >= RTT.0 {
+        if i >= warmup {
             trips.push(start.elapsed().as_nanos() as u64);
         }
     }
