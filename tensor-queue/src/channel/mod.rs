@@ -85,8 +85,10 @@
 //! read (`ipc_core::tcp`: mutual HMAC-SHA256 challenge-response), and each handshake runs on a
 //! thread of its own, bounded by 10 s, so a silent or hostile connector delays nobody. Over TCP
 //! every tensor moves as between hosts (the `Nccl` and `Tcp` routes of [`crate::route`]); the
-//! receiver's half is `remote.rs`, the sender's `route/network.rs`. The traffic is neither
-//! encrypted nor integrity-checked: the secret keeps strangers out, not eavesdroppers.
+//! receiver's half is `remote.rs`, the sender's `route/network.rs`. Only a worker thread per
+//! NCCL communicator calls NCCL (`route/worker.rs`): NCCL may wait inside a call for the other
+//! rank, and neither `send` nor `recv` may wait for a peer. The traffic is neither encrypted nor
+//! integrity-checked: the secret keeps strangers out, not eavesdroppers.
 //!
 //! # What a peer can and cannot do (trust model)
 //! Over a Unix socket, peers run as the same user on the same machine (checked by `SO_PEERCRED`;

@@ -12,7 +12,9 @@
 //!   asks `Sender::route` for its GPU and prints `route <Route> target <uuid|host>` (or
 //!   `route-error <Error>`), then runs case `C`:
 //!   - `views`: one message with a `[256, 1024]` i32 pattern tensor and its strided views
-//!     ([`views_of`]), each with the producer's GPU checksum and the CPU reference.
+//!     ([`views_of`]), each with the producer's GPU checksum and the CPU reference; with
+//!     `--also P2,P3,..`, the same message broadcast to those receivers too (`released` per
+//!     receiver).
 //!   - `many`: one message of `--count` (1024) separate 4 KiB tensors (`--len`), each its own seed.
 //!   - `sizes`: one message per size of 1 B, 4095 B, 1 MiB + 3, 64 MiB and 256 MiB.
 //!   - `seed`: the seed scenario: `--steps` (50) matmuls of `--n` (4096) x `--n` f32 on `x` queued
@@ -62,7 +64,8 @@ use ipc_core::{DeviceBuffer, DeviceMemory};
 use kernels::{Kernels, reference};
 use serde::Serialize;
 use tensor_queue::{
-    Context, DType, Device, Error, Receiver, ReceiverOptions, Sender, Stream, Tensor, TensorDevice, Uuid, memory,
+    Broadcast, Context, DType, Device, Error, Receiver, ReceiverOptions, Sender, Stream, Tensor, TensorDevice, Uuid,
+    memory,
 };
 
 const MIB: usize = 1 << 20;
@@ -154,7 +157,24 @@ fn produce(args: &[String]) -> Result<()> {
             let note = views.iter().map(|(name, _)| *name).collect::<Vec<_>>().join(",");
             let tensors = views.into_iter().map(|(_, v)| v).collect();
             let item = CrossItem { id: 0, kind: "data".into(), tensors, checksums, reference, note };
-            sender.send_on(&item, &stream)?;
+            match arg(args, "--also") {
+                // The same message to every receiver: a broadcast, each sender its own route.
+                Some(also) => {
+                    let mut senders = vec![sender];
+                    for endpoint in also.split(',') {
+                        senders.push(Sender::<CrossItem>::connect(endpoint)?);
+                    }
+                    let broadcast = Broadcast::new(senders);
+                    broadcast.send_on(&item, &stream)?;
+                    println!("sent 0 0");
+                    for sender in broadcast.senders() {
+                        finish_sender(sender);
+                    }
+                    println!("done");
+                    return Ok(());
+                }
+                None => sender.send_on(&item, &stream)?,
+            }
             println!("sent 0 0");
         }
         "many" => {
