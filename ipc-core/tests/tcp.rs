@@ -253,3 +253,29 @@ fn try_send_takes_a_message_whole_and_finishes_it_without_blocking() {
         assert_eq!(buf, b"next");
     }
 }
+
+/// A sender refused while the flusher finishes an earlier message can wait for exactly that
+/// (`wait_sent`), instead of polling a socket that has room all along; with nothing pending it
+/// returns false at once.
+#[test]
+fn wait_sent_waits_for_the_flusher_and_then_the_link_takes_more() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
+    let server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+    assert!(!client.wait_sent(PATIENCE), "nothing is pending: no wait");
+    let big = vec![3u8; MAX_MESSAGE];
+    assert!(client.try_send(&big).unwrap());
+    assert!(!client.try_send(b"next").unwrap(), "16 MiB to a peer that is not reading leaves some pending");
+    let reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        server.recv(&mut buf, Some(PATIENCE)).unwrap();
+        assert!(buf == big, "the first message arrived whole");
+        server.recv(&mut buf, Some(PATIENCE)).unwrap();
+        buf
+    });
+    assert!(client.wait_sent(PATIENCE), "a message was pending: wait_sent waited for it");
+    assert!(client.try_send(b"next").unwrap(), "once it is out, the link takes the next message");
+    assert_eq!(reader.join().unwrap(), b"next");
+}
