@@ -210,6 +210,12 @@ impl Connected {
         }
     }
 
+    /// The receiver is being dropped: the NCCL workers of a sender on another host give up now
+    /// (see `remote.rs`).
+    pub fn abandon(&mut self) {
+        self.remote.abandon();
+    }
+
     /// Stops reading this connection: the sender hears why, and that messages after the last one
     /// read are its own again. The sending side stays open for the releases of what is held.
     pub fn close(&self, reason: String) {

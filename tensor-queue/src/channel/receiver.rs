@@ -769,9 +769,11 @@ impl<T> Drop for Receiver<T> {
         for connected in &self.connected {
             connected.close("the receiver was dropped".into());
         }
-        // The NCCL workers of senders on other hosts end here, on the user's thread (bounded by
-        // their drain time): a program that returns from `main` next must not exit under a
-        // worker that is still inside NCCL.
+        // The NCCL workers of senders on other hosts give up, and end here, on the user's thread:
+        // a program that returns from `main` next must not exit under a worker still inside NCCL.
+        for connected in &mut self.connected {
+            connected.abandon();
+        }
         self.connected.clear();
         self.devices.nccl_workers.join();
     }

@@ -8,19 +8,22 @@
 //! this process's arena and queues the job; the message waits (parked, on the CPU) until the
 //! worker has queued the receives on its stream and made the connection's stream wait for
 //! them, so the tensors are ordered on that stream like any others. Nothing on the GPU waits for
-//! a receive that is not queued yet: NCCL's set-up may wait for the device's streams, and a
-//! stream waiting for it would never finish. The tensors are the receiver's own: they can be
-//! forwarded, and nothing is leased from the sender.
+//! a receive that is not queued yet: a first version queued the connection stream's wait (on a
+//! word the worker would write) at once, and every transfer hung on an H200 pair, as if NCCL's
+//! set-up waited for the work queued on the device. The tensors are the receiver's own: they can
+//! be forwarded, and nothing is leased from the sender.
 //!
 //! When the connection ends, each worker finishes the receives queued, gives those still running
 //! [`DRAIN_TIMEOUT`] (a sender that exits cleanly finishes them), then aborts the communicator,
-//! which ends any receive still waiting for a dead sender. When a worker gives up (a set-up that
-//! did not finish within [`JOIN_TIMEOUT`], an NCCL error, the sender gone), its receives that
+//! which ends any receive still waiting for a dead sender. When the receiver is dropped, its
+//! workers give up at once. When a worker gives up (a set-up that did not finish within
+//! [`JOIN_TIMEOUT`], an NCCL error, the sender gone, the receiver dropped), its receives that
 //! did not complete are cut short, and their messages report it (`ProducerFailed`,
 //! `Tensor::producer_failed`).
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -95,6 +98,8 @@ struct RecvComm {
     wake: Wake,
     /// The connection, once it ended, held open until the worker is done.
     keep_open: Mutex<Option<Arc<Peer>>>,
+    /// The receiver is being dropped: the communicator's waits give up.
+    abandoned: AtomicBool,
 }
 
 /// One message's receives on one communicator.
@@ -149,9 +154,14 @@ impl Remote {
             queue: WorkQueue::new(),
             wake: devices.nccl_wake.clone(),
             keep_open: Mutex::new(None),
+            abandoned: AtomicBool::new(false),
         });
         let worker = comm.clone();
-        let alive = move || peer.upgrade().is_some_and(|peer| !peer.link.peer_closed());
+        let me = Arc::downgrade(&comm);
+        let alive = move || {
+            peer.upgrade().is_some_and(|peer| !peer.link.peer_closed())
+                && me.upgrade().is_some_and(|me| !me.abandoned.load(Ordering::Acquire))
+        };
         devices.nccl_workers.spawn("tq-nccl-recv", move || worker.work(&context, &unique_id, alive))?;
         self.communicators.insert(id, Joined { target, comm });
         Ok(())
@@ -265,6 +275,15 @@ impl Remote {
             .map(|(index, t)| t.ok_or_else(|| bad(index, format!("route {} from another host", descs[index].route))))
             .collect::<Result<_>>()?;
         Ok(Received { tensors, fences })
+    }
+
+    /// The receiver is being dropped: each worker gives up at once (a set-up under way within
+    /// about a second), cutting short the receives not done.
+    pub fn abandon(&mut self) {
+        for (_, joined) in self.communicators.drain() {
+            joined.comm.abandoned.store(true, Ordering::Release);
+            joined.comm.queue.stop(true);
+        }
     }
 
     /// The connection ended: each worker finishes what is queued and lets its communicator go
