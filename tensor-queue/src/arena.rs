@@ -69,7 +69,7 @@ pub(crate) trait RetireListener: Send + Sync {
 
 impl Drop for Chunk {
     fn drop(&mut self) {
-        let peers = std::mem::take(&mut *self.announced_to.lock().unwrap_or_else(|e| e.into_inner()));
+        let peers = std::mem::take(&mut *lock(&self.announced_to));
         for peer in peers.iter().filter_map(std::sync::Weak::upgrade) {
             peer.retire(self.id);
         }
@@ -106,7 +106,7 @@ impl Chunk {
 
     /// Remembers that `peer` maps this chunk (forgetting peers that are gone).
     pub fn announced(&self, peer: std::sync::Weak<dyn RetireListener>) {
-        let mut peers = self.announced_to.lock().unwrap_or_else(|e| e.into_inner());
+        let mut peers = lock(&self.announced_to);
         peers.retain(|p| p.strong_count() > 0);
         peers.push(peer);
     }

@@ -25,7 +25,7 @@ use cuda_sys::CUdevice_attribute;
 use ipc_core::{DeviceMemory, Stream, VmmAllocation};
 
 use crate::arena::{Chunk, ChunkMemory};
-use crate::{Error, Result};
+use crate::{Error, Result, lock};
 
 /// Words per block. A block is a VMM allocation of its own (not part of the device arena, whose
 /// chunks go back to the driver when free: a word lives as long as the process).
@@ -92,7 +92,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
     let context = stream.context();
     let ordinal = context.device().ordinal();
     // One lock across the increment and the enqueue, so values reach each stream in order.
-    let mut all = SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut all = lock(&SIGNALS);
     let at = match all.iter().position(|d| d.ordinal == ordinal) {
         Some(at) => at,
         None => {
@@ -145,7 +145,7 @@ pub(crate) fn host_signal_pieces(
     pieces: usize,
     mut enqueue: impl FnMut(usize) -> Result<()>,
 ) -> Result<Signal> {
-    let mut all = HOST_SIGNALS.lock().unwrap_or_else(|e| e.into_inner());
+    let mut all = lock(&HOST_SIGNALS);
     let (block, offset, index) = all.word(stream, || {
         // Writable by peers: a receiver whose producer died writes the awaited value itself to
         // release its stream (see `channel/fences.rs`).

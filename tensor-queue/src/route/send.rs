@@ -14,7 +14,7 @@ use super::staging_piece;
 use crate::arena::{Arena, Chunk};
 use crate::signal::{Signal, host_signal_pieces, signal_after};
 use crate::tensor::Storage;
-use crate::{Error, Result, Tensor};
+use crate::{Error, Result, Tensor, lock};
 
 /// A tensor as it goes to one receiver.
 pub(crate) struct Sent {
@@ -220,7 +220,7 @@ fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Conte
     static ENABLED: Mutex<Vec<(i32, Uuid)>> = Mutex::new(Vec::new());
     let context = Context::primary(Device::by_uuid(target)?)?;
     let pair = (source.device().ordinal(), *target);
-    let mut enabled = ENABLED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut enabled = lock(&ENABLED);
     if !enabled.contains(&pair) {
         source.enable_peer_access(&context)?;
         enabled.push(pair);
@@ -245,7 +245,7 @@ fn relay_stream(context: &Arc<Context>, producer: &Stream) -> Result<Arc<Stream>
 
 /// The stream of `context`'s device for `key` in `streams`, made on first use.
 fn stream_for(streams: &'static OnceLock<Streams>, context: &Arc<Context>, key: usize) -> Result<Arc<Stream>> {
-    let mut streams = streams.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut streams = lock(streams.get_or_init(Default::default));
     let ordinal = context.device().ordinal();
     if let Some((_, _, stream)) = streams.iter().find(|(o, k, _)| *o == ordinal && *k == key) {
         return Ok(stream.clone());
@@ -258,7 +258,7 @@ fn stream_for(streams: &'static OnceLock<Streams>, context: &Arc<Context>, key: 
 /// Logs, once per receiver process and GPU pair, a route slower than the pair allows.
 fn log_slower_once(peer_pid: u32, source: Uuid, target: Option<Uuid>, route: Route, why: &str) {
     static LOGGED: Mutex<Option<HashSet<PairKey>>> = Mutex::new(None);
-    let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    let mut logged = lock(&LOGGED);
     if logged.get_or_insert_with(HashSet::new).insert((peer_pid, source, target)) {
         let target = target.map_or_else(|| "host memory".to_string(), |t| t.to_string());
         tracing::info!(peer_pid, %source, %target, %route, why, "a slower route than the GPUs' link allows");
