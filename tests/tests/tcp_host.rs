@@ -957,6 +957,50 @@ fn malformed_records_after_the_handshake_close_only_their_connection() {
     drop((stalled, control, unknown));
 }
 
+/// A message with NCCL transfers that cannot be received (here: its communicator was never set
+/// up) closes its connection instead of being refused alone: its sender has queued those NCCL
+/// sends already, and the next message's receives on that communicator would pair with them
+/// (another message's bytes, or a hang). It is never delivered, the closing is reported, and
+/// other senders are served.
+#[test]
+fn a_message_whose_nccl_transfers_cannot_be_received_closes_its_connection() {
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    let one_tensor = payload_of(Probe {
+        id: 400,
+        tensors: vec![Tensor::zeros(DType::U8, &[64]).unwrap()],
+        expected: vec![0],
+        note: "raw-nccl".into(),
+    });
+    let (liar, _) = raw_link(addr, true);
+    let desc = TensorDesc {
+        chunk: 5, // a communicator never announced
+        storage_offset: 0,
+        storage_len: 64,
+        view_offset: 0,
+        dtype: DType::U8,
+        fence: Fence::None,
+        route: tensor_queue::route::Route::Nccl,
+        target: None,
+        shape: vec![64],
+        strides: vec![1],
+        span: 0,
+    };
+    liar.send(&message(1, vec![desc], &one_tensor)).unwrap();
+    match receiver.recv_timeout(Duration::from_secs(2)) {
+        Ok(probe) => panic!("a message whose NCCL transfer has no communicator was delivered: {}", probe.note),
+        Err(Error::Rejected { reason, .. }) => panic!("refused alone, its NCCL sends would stay unpaired: {reason}"),
+        Err(_) => {}
+    }
+    closed_within(&liar, Duration::from_secs(5)).expect("the connection is closed");
+    let closed = |errors: &[Error]| {
+        errors.iter().any(|e| matches!(e, Error::ConnectionClosed { cause, .. } if cause.to_string().contains("NCCL")))
+    };
+    let errors = errors_until(&mut receiver, closed);
+    assert!(closed(&errors), "the closing is reported with its reason: {errors:?}");
+    still_serving(&mut receiver, &endpoint);
+}
+
 /// A sender that writes past its credits gains nothing and costs nobody: the receiver reads its
 /// messages only as it takes them (never more than its capacity ahead), delivers them in order,
 /// and serves an honest sender beside it meanwhile. (The first version of this test expected the

@@ -312,6 +312,15 @@ impl Connected {
                 };
                 return Ok(Progress::Arrived(match placed {
                     Ok(ready) => Arrival::Ready(ready),
+                    // Its sender has queued the message's NCCL sends already: refused alone, they
+                    // would pair with the receives of the next message on those communicators
+                    // (its bytes would be another message's, or the transfer would hang). Closing
+                    // the connection aborts them on both sides.
+                    Err(error) if tensors.iter().any(|d| d.route == Route::Nccl) => {
+                        return Err(Error::Protocol(format!(
+                            "a message with NCCL transfers could not be received, so its connection cannot go on: {error}"
+                        )));
+                    }
                     Err(error) => {
                         let reason = error.to_string();
                         self.peer.reject(seq, reason.clone());

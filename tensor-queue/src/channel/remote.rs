@@ -168,8 +168,8 @@ impl Remote {
     }
 
     /// Lands a message's tensors: host bytes from the link, GPU data through NCCL. `stream`
-    /// gives the connection's stream for a GPU. An error rejects the message (or, for a
-    /// communicator that cannot be used, closes the connection).
+    /// gives the connection's stream for a GPU. An error rejects the message, or closes the
+    /// connection when the message has NCCL transfers (see `Connected::read`).
     pub fn receive(
         &mut self,
         descs: &[TensorDesc],
