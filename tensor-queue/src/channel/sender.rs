@@ -821,7 +821,10 @@ impl SenderInner {
             }
             (deadline, begun) = (None, true);
         }
-        message.written()
+        // A communicator that failed leaves the receiver's receives of this message unpaired
+        // (they would wait forever, or pair with a later message's sends): the connection ends,
+        // so that both sides let their communicators go.
+        message.written().inspect_err(|error| self.hang_up(&format!("an NCCL communicator failed: {error}")))
     }
 
     /// Sends the chunk's descriptor or handle the first time this peer needs it.
