@@ -65,6 +65,9 @@ pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_stri
 pub use ipc_core::tcp::Secret;
 pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
 
+/// This crate's version (`Cargo.toml`'s), for tools that report it, such as `tq version`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// Whether a CUDA driver and at least one GPU are usable here (without one, use host tensors).
 ///
 /// ```

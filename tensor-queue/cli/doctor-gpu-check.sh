@@ -4,12 +4,12 @@
 #   1. the command exits 0;
 #   2. every handle kind crossed between two processes (verdict "ok");
 #   3. the GPU0 -> GPU1 link is "nvlink" in the JSON exactly when nvidia-smi shows NV# for it.
-# Usage: tests/doctor-gpu-check.sh   (TQ=/path/to/tq to skip the build; JSON via jq if present, else python3)
+# Usage: tensor-queue/cli/doctor-gpu-check.sh   (TQ=/path/to/tq to skip the build; JSON via jq if present, else python3)
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 if [ -z "${TQ:-}" ]; then
-    cargo build --quiet --package tensor-queue --bin tq || { echo "FAIL: building tq"; exit 1; }
+    cargo build --quiet --package tq --bin tq || { echo "FAIL: building tq"; exit 1; }
     target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
     TQ="$target_dir/debug/tq"
 fi

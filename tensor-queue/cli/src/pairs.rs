@@ -8,7 +8,8 @@ use serde::Serialize;
 use tensor_queue::route::{Landing, PeerMode, Reach, Route, Routing, choose, staging_piece};
 use tensor_queue::{Context, Stream, Uuid};
 
-use crate::report::{Verdict, table};
+use crate::text::{paragraph, table};
+use crate::verdict::Verdict;
 
 /// The small and the large tensor the route rows describe (and the sizes `--measure` adds 1 MiB to).
 pub const SMALL: usize = 4 << 10;
@@ -241,7 +242,7 @@ fn human_bytes(bytes: usize) -> String {
 }
 
 /// The pairs as a table: one line a pair, the route under each policy, and the verdict.
-pub fn pairs_table(rows: &[PairRow]) -> String {
+pub fn pairs_table(rows: &[PairRow], width: usize) -> String {
     let measured = rows.iter().any(|r| !r.bandwidth.is_empty());
     let mut headers = vec!["pair", "link", "p2p", "rank", "atomics", "default", "on target: copy", "on target: map"];
     if measured {
@@ -267,13 +268,15 @@ pub fn pairs_table(rows: &[PairRow]) -> String {
         cells.push(row.verdict.label().to_string());
         cells
     });
-    let mut out = table(&headers, lines);
+    let mut out = table(&headers, lines, width);
     if rows.iter().any(|r| r.routes.iter().any(|route| route.route.as_deref() == Some("staged"))) {
-        out += "  staged: 4 KiB moves as 1 piece, 64 MiB as 16 pieces of 4 MiB (route::staging_piece)\n";
+        let note = "4 KiB moves as 1 piece, 64 MiB as 16 pieces of 4 MiB (route::staging_piece)";
+        out += &paragraph("  staged: ", note, 4, width);
     }
     if measured {
-        out += "  * expected: an estimate by link kind (NVLink on an H200 ~390 GB/s, PCIe Gen5 ~50 GB/s at 64 MiB), \
-                not a measurement; flagged under 85 %\n";
+        let note = "an estimate by link kind (NVLink on an H200 ~390 GB/s, PCIe Gen5 ~50 GB/s at 64 MiB), not a \
+                    measurement; flagged under 85 %";
+        out += &paragraph("  * expected: ", note, 4, width);
     }
     out
 }
@@ -341,7 +344,8 @@ mod tests {
     use tensor_queue::route::{DeviceReach, LinkReach};
 
     use super::*;
-    use crate::report::Summary;
+    use crate::text::DEFAULT_WIDTH;
+    use crate::verdict::Summary;
 
     fn gpu(n: u8) -> Uuid {
         Uuid([n; 16])
@@ -408,7 +412,7 @@ mod tests {
             assert!(row.routes[1].small.starts_with("1 piece(s) of 4 KiB"), "{}", row.routes[1].small);
         }
         assert!(strict_fails(&rows));
-        assert!(pairs_table(&rows).contains("staged"));
+        assert!(pairs_table(&rows, DEFAULT_WIDTH).contains("staged"));
     }
 
     #[test]
@@ -430,8 +434,11 @@ mod tests {
             assert_eq!(routes(row(s, t)), ["same_device", "staged", "staged"]);
         }
         assert!(strict_fails(&rows));
-        let text = pairs_table(&rows);
+        let text = pairs_table(&rows, 200);
         assert_eq!(text.lines().filter(|l| l.contains("slower than possible")).count(), 2, "{text}");
+        let narrow = pairs_table(&rows, DEFAULT_WIDTH);
+        assert!(narrow.lines().all(|l| l.chars().count() <= DEFAULT_WIDTH), "{narrow}");
+        println!("{narrow}");
     }
 
     #[test]
@@ -451,7 +458,10 @@ mod tests {
         let mut fast = rows[0].clone();
         apply_measurement(&mut fast, Ok(vec![1.0, 50.0, 380.0]));
         assert_eq!(fast.verdict, Verdict::Ok);
-        assert!(pairs_table(&[fast]).contains("380.0 (390*)"));
+        assert!(pairs_table(&[fast.clone()], 200).contains("380.0 (390*)"));
+        let narrow = pairs_table(&[fast], DEFAULT_WIDTH);
+        assert!(narrow.lines().all(|l| l.chars().count() <= DEFAULT_WIDTH), "{narrow}");
+        println!("{narrow}");
         let mut failed = rows[0].clone();
         apply_measurement(&mut failed, Err(ipc_core::Error::InvalidArgument("test".into())));
         assert_eq!(failed.verdict, Verdict::Broken);

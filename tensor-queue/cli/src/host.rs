@@ -6,7 +6,8 @@ use std::path::Path;
 use ipc_core::process::ProcessHandle;
 use rustix::process::{Resource, getrlimit};
 
-use crate::report::{Check, Verdict, gib};
+use crate::text::gib;
+use crate::verdict::{Check, Verdict};
 
 /// Under this, `/dev/shm` is flagged (Docker's default is 64 MB).
 pub const SHM_AT_LEAST: u64 = 1 << 30;

@@ -16,7 +16,9 @@ use serde::Serialize;
 use tensor_queue::route::Reach;
 use tensor_queue::{Context, Device, Stream, Uuid};
 
-use crate::report::{Verdict, table};
+use crate::output::warn;
+use crate::text::table;
+use crate::verdict::Verdict;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -283,7 +285,9 @@ pub fn child_main() -> ExitCode {
     let connection = match std::io::stdin().as_fd().try_clone_to_owned() {
         Ok(fd) => Connection::from(fd),
         Err(error) => {
-            eprintln!("tq doctor-child: no socket on standard input ({error}); this command is started by `tq doctor`");
+            warn(&format!(
+                "tq doctor-child: no socket on standard input ({error}); this command is started by `tq doctor`"
+            ));
             return ExitCode::from(2);
         }
     };
@@ -297,7 +301,7 @@ pub fn child_main() -> ExitCode {
             Ok((0, _)) => return ExitCode::SUCCESS,
             Ok(received) => received,
             Err(error) => {
-                eprintln!("tq doctor-child: {error}; this command is started by `tq doctor`");
+                warn(&format!("tq doctor-child: {error}; this command is started by `tq doctor`"));
                 return ExitCode::from(2);
             }
         };
@@ -358,7 +362,7 @@ fn serve(message: &[u8], mut fds: Vec<OwnedFd>) -> Result<(u128, u64), BoxError>
 }
 
 /// The handle kinds as a table (costs only where measured).
-pub fn handles_table(rows: &[HandleRow]) -> String {
+pub fn handles_table(rows: &[HandleRow], width: usize) -> String {
     let measured = rows.iter().any(|r| r.import_us.is_some());
     let mut headers = vec!["verdict", "kind"];
     if measured {
@@ -376,6 +380,7 @@ pub fn handles_table(rows: &[HandleRow]) -> String {
             cells.push(row.detail.clone());
             cells
         }),
+        width,
     )
 }
 

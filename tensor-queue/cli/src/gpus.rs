@@ -3,7 +3,7 @@
 use serde::Serialize;
 use tensor_queue::{Device, is_gpu_available};
 
-use crate::report::{Check, Verdict};
+use crate::verdict::{Check, Verdict};
 
 /// One GPU as this process sees it.
 #[derive(Clone, Debug, Serialize)]
@@ -50,15 +50,9 @@ pub fn facts() -> GpuFacts {
             Check::flagged("NVIDIA driver", "not loaded (no /proc/driver/nvidia/version)", Verdict::Skipped, NO_GPU_FIX)
         }
     });
-    checks.push(match &cuda {
-        Ok(version) => Check::ok("CUDA driver API", version.to_string()),
-        // The loader's first clause names what was tried; the rest (how to fix it) is the fix below.
-        Err(error) => {
-            let error = error.to_string();
-            let short = error.split_once(": ").map_or(error.as_str(), |(first, _)| first);
-            Check::flagged("CUDA driver API", short.to_string(), Verdict::Skipped, NO_GPU_FIX)
-        }
-    });
+    let named = std::env::var_os(cuda_sys::LIBRARY_ENV).filter(|path| !path.is_empty());
+    let named = named.map(|path| path.to_string_lossy().into_owned());
+    checks.push(driver_api_check(named.as_deref(), cuda.as_ref().map(|v| v.to_string()).map_err(|e| e.to_string())));
     let mut devices = Vec::new();
     if available {
         match gpu_rows() {
@@ -73,12 +67,43 @@ pub fn facts() -> GpuFacts {
                 "check `nvidia-smi`; a driver/library version mismatch needs a reboot or a matching libcuda",
             )),
         }
+    } else if named.is_some() && cuda.is_err() {
+        let value = format!("none: the driver library {} names does not load", cuda_sys::LIBRARY_ENV);
+        checks.push(Check::flagged("GPUs", value, Verdict::Skipped, NO_GPU_FIX));
     } else if cuda.is_ok() {
         checks.push(Check::flagged("GPUs", "none usable (cuInit fails)", Verdict::Skipped, NO_GPU_FIX));
     } else {
         checks.push(Check::flagged("GPUs", "none: no CUDA driver here", Verdict::Skipped, NO_GPU_FIX));
     }
     GpuFacts { available, driver_version, cuda_driver_api_version: cuda.ok().map(|v| v.to_string()), checks, devices }
+}
+
+/// The CUDA driver API row, from the library `CUDA_SYS_LIBCUDA` names (`named`; `None`: the
+/// variable is unset) and what asking its version gave. A library the user named that does not
+/// load is broken (the loader never replaces it with the system's); without the variable, no
+/// driver only means no GPU here.
+fn driver_api_check(named: Option<&str>, version: Result<String, String>) -> Check {
+    let name = "CUDA driver API";
+    match (version, named) {
+        (Ok(version), None) => Check::ok(name, version),
+        (Ok(version), Some(path)) => {
+            Check::ok(name, format!("{version} (from {path}, named by {})", cuda_sys::LIBRARY_ENV))
+        }
+        (Err(error), Some(path)) => Check::flagged(
+            name,
+            format!("{}={path} does not load: {error}", cuda_sys::LIBRARY_ENV),
+            Verdict::Broken,
+            format!(
+                "point {} at the NVIDIA driver's libcuda.so.1, or unset it to use the system's",
+                cuda_sys::LIBRARY_ENV
+            ),
+        ),
+        // The loader's first clause names what was tried; the rest (how to fix it) is the fix.
+        (Err(error), None) => {
+            let short = error.split_once(": ").map_or(error.as_str(), |(first, _)| first);
+            Check::flagged(name, short.to_string(), Verdict::Skipped, NO_GPU_FIX)
+        }
+    }
 }
 
 fn gpu_rows() -> ipc_core::Result<Vec<GpuRow>> {
@@ -122,9 +147,21 @@ mod tests {
     }
 
     #[test]
+    fn a_named_driver_library_that_does_not_load_is_broken() {
+        let failed = || Err("the CUDA driver library could not be loaded (tried /x/libcuda.so.1): no such file".into());
+        let named = driver_api_check(Some("/x/libcuda.so.1"), failed());
+        assert_eq!(named.verdict, Verdict::Broken);
+        assert!(named.value.starts_with("CUDA_SYS_LIBCUDA=/x/libcuda.so.1 does not load"), "{}", named.value);
+        assert!(named.fix.unwrap().contains("CUDA_SYS_LIBCUDA"));
+        assert_eq!(driver_api_check(None, failed()).verdict, Verdict::Skipped, "no driver: no GPU, not broken");
+        assert_eq!(driver_api_check(Some("/x/libcuda.so.1"), Ok("12.4".into())).verdict, Verdict::Ok);
+    }
+
+    #[test]
     fn without_a_gpu_nothing_is_broken() {
         let facts = facts();
-        if !facts.available {
+        // A CUDA_SYS_LIBCUDA that does not load is broken on purpose (see above).
+        if !facts.available && std::env::var_os(cuda_sys::LIBRARY_ENV).is_none() {
             assert!(facts.checks.iter().all(|c| c.verdict != Verdict::Broken), "{:?}", facts.checks);
             assert!(facts.devices.is_empty());
         }

@@ -1,34 +1,56 @@
 //! `tq doctor`: gathers the report, prints it, and picks the exit status.
 
-use std::io::Write;
 use std::process::ExitCode;
 
+use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tensor_queue::route::Reach;
 
-use crate::report::{Report, Summary};
-use crate::{DoctorArgs, engines, gpus, handles, host, pairs};
+use crate::output::{print, warn};
+use crate::report::{Measurement, Report};
+use crate::verdict::Summary;
+use crate::{engines, gpus, handles, host, pairs, text};
+
+/// `tq doctor`'s options.
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Print the report as JSON, for scripts.
+    #[arg(long)]
+    pub json: bool,
+    /// Also measure copy bandwidth between GPUs and the cost of each handle kind (seconds).
+    #[arg(long)]
+    pub measure: bool,
+    /// Exit 1 when any pair would take a slower route than its link allows or any check is
+    /// broken (a deployment gate).
+    #[arg(long)]
+    pub strict: bool,
+}
 
 /// Runs the doctor with `args`.
 pub fn run(args: &DoctorArgs) -> ExitCode {
     let report = gather(args.measure);
-    let printed = if args.json {
-        serde_json::to_string_pretty(&report).map_err(std::io::Error::from).and_then(|json| {
-            let mut out = std::io::stdout().lock();
-            writeln!(out, "{json}")
-        })
+    let text = if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(json) => json + "\n",
+            Err(error) => {
+                warn(&format!("tq doctor: could not write the report ({error})"));
+                return ExitCode::from(crate::output::WRITE_FAILED);
+            }
+        }
     } else {
-        std::io::stdout().lock().write_all(report.to_text().as_bytes())
+        report.to_text(text::width())
     };
-    if let Err(error) = printed {
-        eprintln!("tq doctor: could not write the report ({error}); try --json > file");
-        return ExitCode::from(2);
+    if let Err(status) = print("tq doctor", "the report", &text) {
+        return status;
+    }
+    if args.json && report.measurement == Measurement::NothingMeasured {
+        warn("tq doctor --measure: nothing was measured (copy bandwidth and handle costs need a GPU)");
     }
     if args.strict && report.summary.strict_fails {
-        eprintln!(
-            "tq doctor --strict: {} check(s) slower than possible, {} broken; see \"What to do\" above",
+        warn(&format!(
+            "tq doctor --strict: {} check(s) slower than possible, {} broken; see \"What to do\" in the report",
             report.summary.slower_than_possible, report.summary.broken
-        );
+        ));
         return ExitCode::from(1);
     }
     ExitCode::SUCCESS
@@ -60,9 +82,15 @@ pub fn gather(measure: bool) -> Report {
     } else {
         handles::skipped("no GPU here")
     };
+    let measurement = match (measure, gpu.available) {
+        (false, _) => Measurement::NotAsked,
+        (true, false) => Measurement::NothingMeasured,
+        (true, true) => Measurement::Measured,
+    };
     let mut report = Report {
         tq_version: env!("CARGO_PKG_VERSION"),
         cuda_visible_devices: std::env::var("CUDA_VISIBLE_DEVICES").ok(),
+        measurement,
         gpu,
         pairs: pair_rows,
         handles: handle_rows,
