@@ -16,15 +16,22 @@
 //! # Ok::<(), cuda_sys::Error>(())
 //! ```
 //!
-//! [`nccl`] does the same for NCCL (`libnccl.so.2`), the engine that moves GPU data between hosts.
+//! [`nccl`](mod@nccl) does the same for NCCL (`libnccl.so.2`), the engine that moves GPU data between hosts,
+//! and [`nvml`] for the few NVML functions the topology needs. All three load through
+//! [`shared_library`], which also holds the rule that a library the user names in an
+//! environment variable is the one used or the error, never replaced by the system's.
 
+#[macro_use]
+pub mod shared_library;
 mod error;
 #[macro_use]
-mod loader;
+#[doc(hidden)]
+pub mod driver;
 pub mod nccl;
+pub mod nvml;
 
+pub use driver::{Driver, LIBRARY_CANDIDATES, LIBRARY_ENV, LoadError, is_available, library};
 pub use error::{DriverError, Error, check};
-pub use loader::{Driver, LIBRARY_CANDIDATES, LIBRARY_ENV, LoadError, is_available, library};
 
 #[allow(
     non_camel_case_types,

@@ -49,3 +49,24 @@ fn calls_without_a_driver_return_the_load_error() {
 fn success_checks_to_ok() {
     assert_eq!(cuda_sys::check("cuInit", Ok(cuda_sys::CUresult::CUDA_SUCCESS)), Ok(()));
 }
+
+#[test]
+fn nvml_without_the_library_is_an_error_for_each_call() {
+    let Err(error) = cuda_sys::nvml::library() else {
+        eprintln!("skipped: NVML is installed here, so the missing-library path cannot be seen");
+        return;
+    };
+    assert!(error.to_string().contains("libnvidia-ml.so.1"), "{error}");
+    // SAFETY: nvmlInit_v2 has no arguments.
+    assert_eq!(unsafe { cuda_sys::nvml::nvmlInit_v2() }, Err(error));
+}
+
+#[test]
+fn the_shared_loader_reports_a_missing_file_and_symbol() {
+    use cuda_sys::shared_library::SharedLibrary;
+    let reason = SharedLibrary::open("/nonexistent/libx.so").expect_err("no such file");
+    assert!(reason.contains("/nonexistent/libx.so"), "{reason}");
+    let libc = SharedLibrary::open("libc.so.6").expect("libc loads");
+    assert!(libc.symbol("malloc").is_ok());
+    assert!(libc.symbol("cuInit").is_err());
+}

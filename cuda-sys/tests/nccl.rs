@@ -79,6 +79,26 @@ fn the_variable_pointing_at_a_library_that_is_not_nccl_is_a_missing_symbol() {
 }
 
 #[test]
+fn a_named_library_that_does_not_load_is_not_replaced_by_one_that_does() {
+    // The variable names a file that does not exist, and a later candidate (the C library)
+    // opens: the named one is the answer, as a broken library, and the later one is not tried
+    // (it would be a missing ncclGetVersion).
+    let candidates = [Candidate::PathInEnv(LIBRARY_ENV), Candidate::LoaderName("libc.so.6")];
+    let env = |name: &str| (name == LIBRARY_ENV).then(|| OsString::from("/nonexistent/libnccl.so.2"));
+    let error = NcclLibrary::open_in(&candidates, &env).expect_err("the named library does not exist");
+    let NcclError::NamedLibraryNotLoaded { variable, path, reason } = &error else { panic!("unexpected {error:?}") };
+    assert_eq!((*variable, path.as_str()), (LIBRARY_ENV, "/nonexistent/libnccl.so.2"));
+    assert!(!reason.is_empty());
+    // The real candidate list, with NCCL installed here or not, says the same.
+    let error = NcclLibrary::open_in(LIBRARY_CANDIDATES, &env).expect_err("the named library does not exist");
+    assert!(matches!(error, NcclError::NamedLibraryNotLoaded { .. }), "{error:?}");
+    // An empty variable names nothing: the search goes on.
+    let empty = |name: &str| (name == LIBRARY_ENV).then(OsString::new);
+    let error = NcclLibrary::open_in(&candidates, &empty).expect_err("libc is not NCCL");
+    assert!(matches!(error, NcclError::SymbolNotFound { symbol: "ncclGetVersion", .. }), "{error:?}");
+}
+
+#[test]
 fn later_candidates_are_tried_when_earlier_ones_do_not_load() {
     let candidates = [Candidate::LoaderName("/nonexistent/libnccl.so.2"), Candidate::LoaderName("libc.so.6")];
     let error = NcclLibrary::open_in(&candidates, &no_env).expect_err("libc is not NCCL");

@@ -62,10 +62,8 @@ pub struct LibraryMissing {
 /// Loading runs the library's initialisers: use it for NVIDIA's libraries (NCCL, NVML), which
 /// are trusted like the driver itself, not for arbitrary files.
 pub fn probe_nvidia_library(name: &str) -> std::result::Result<PathBuf, LibraryMissing> {
-    // SAFETY: NVIDIA's libraries have sound initialisers (the same trust as loading libcuda,
-    // which this crate does anyway); nothing from the library is called or kept past the drop.
-    let library = unsafe { libloading::Library::new(name) }
-        .map_err(|error| LibraryMissing { name: name.to_string(), reason: error.to_string() })?;
+    let library = cuda_sys::shared_library::SharedLibrary::open(name)
+        .map_err(|reason| LibraryMissing { name: name.to_string(), reason })?;
     let path = loaded_path(name).unwrap_or_else(|| PathBuf::from(name));
     drop(library);
     Ok(path)

@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use cuda_sys::nvml::NVML_P2P_STATUS_OK;
 use cuda_sys::{CUdevice_P2PAttribute, driver};
 
 use crate::{Device, Result, Uuid};
@@ -152,64 +153,50 @@ impl fmt::Display for Topology {
     }
 }
 
-const NVML_P2P_STATUS_OK: i32 = 0;
-
-/// The few NVML calls the topology needs, loaded at run time.
+/// The few NVML calls the topology needs, through `cuda_sys::nvml` (loaded at run time, like the
+/// driver).
 mod nvml {
-    use std::ffi::{CString, c_char, c_int, c_void};
+    use std::ffi::CString;
 
-    use libloading::Library;
+    use cuda_sys::nvml::{
+        NVML_P2P_CAPS_INDEX_NVLINK, NVML_SUCCESS, nvmlDevice_t, nvmlDeviceGetHandleByUUID, nvmlDeviceGetP2PStatus,
+        nvmlInit_v2, nvmlShutdown,
+    };
 
     use crate::Uuid;
 
-    type Handle = *mut c_void;
-    const SUCCESS: c_int = 0;
-    const P2P_CAPS_INDEX_NVLINK: c_int = 2;
-
-    pub struct Nvml {
-        library: Library,
-    }
+    /// NVML, initialised for as long as this lives.
+    pub struct Nvml(());
 
     impl Nvml {
-        /// Opens and initialises NVML, or `None` where it is missing or fails.
+        /// Initialises NVML, or `None` where it is missing or fails.
         pub fn open() -> Option<Nvml> {
-            // SAFETY: loading the NVIDIA management library runs its initialisers, which are sound.
-            let library = unsafe { Library::new("libnvidia-ml.so.1") }.ok()?;
             // SAFETY: `nvmlInit_v2` takes no arguments and returns a status code.
-            let init = unsafe { library.get::<unsafe extern "C" fn() -> c_int>(b"nvmlInit_v2") }.ok()?;
-            // SAFETY: as above.
-            (unsafe { init() } == SUCCESS).then_some(Nvml { library })
+            (unsafe { nvmlInit_v2() } == Ok(NVML_SUCCESS)).then_some(Nvml(()))
         }
 
-        fn handle(&self, uuid: &Uuid) -> Option<Handle> {
-            type ByUuid = unsafe extern "C" fn(*const c_char, *mut Handle) -> c_int;
-            // SAFETY: the signature is NVML's `nvmlDeviceGetHandleByUUID`.
-            let by_uuid = unsafe { self.library.get::<ByUuid>(b"nvmlDeviceGetHandleByUUID") }.ok()?;
+        fn handle(&self, uuid: &Uuid) -> Option<nvmlDevice_t> {
             let text = CString::new(uuid.to_string()).ok()?;
             let mut handle = std::ptr::null_mut();
-            // SAFETY: `text` is NUL-terminated and `handle` a valid out-pointer.
-            (unsafe { by_uuid(text.as_ptr(), &mut handle) } == SUCCESS).then_some(handle)
+            // SAFETY: `text` is NUL-terminated and `handle` a valid out-pointer; NVML is
+            // initialised while `self` lives.
+            (unsafe { nvmlDeviceGetHandleByUUID(text.as_ptr(), &mut handle) } == Ok(NVML_SUCCESS)).then_some(handle)
         }
 
         /// NVML's P2P status for NVLink between two devices (0 means an NVLink path exists).
         pub fn nvlink_status(&self, from: &Uuid, to: &Uuid) -> Option<i32> {
-            type P2pStatus = unsafe extern "C" fn(Handle, Handle, c_int, *mut c_int) -> c_int;
-            // SAFETY: the signature is NVML's `nvmlDeviceGetP2PStatus` (enums are C ints).
-            let p2p_status = unsafe { self.library.get::<P2pStatus>(b"nvmlDeviceGetP2PStatus") }.ok()?;
             let (from, to) = (self.handle(from)?, self.handle(to)?);
             let mut status = 0;
             // SAFETY: both handles came from NVML; `status` is a valid out-pointer.
-            (unsafe { p2p_status(from, to, P2P_CAPS_INDEX_NVLINK, &mut status) } == SUCCESS).then_some(status)
+            let result = unsafe { nvmlDeviceGetP2PStatus(from, to, NVML_P2P_CAPS_INDEX_NVLINK, &mut status) };
+            (result == Ok(NVML_SUCCESS)).then_some(status)
         }
     }
 
     impl Drop for Nvml {
         fn drop(&mut self) {
             // SAFETY: balances the successful `nvmlInit_v2` in `open`.
-            if let Ok(shutdown) = unsafe { self.library.get::<unsafe extern "C" fn() -> c_int>(b"nvmlShutdown") } {
-                // SAFETY: as above.
-                unsafe { shutdown() };
-            }
+            let _ = unsafe { nvmlShutdown() };
         }
     }
 }

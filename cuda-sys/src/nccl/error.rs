@@ -22,6 +22,20 @@ pub enum NcclError {
         /// Each candidate tried, in order, with why it did not load.
         tried: Vec<String>,
     },
+    /// The library an environment variable names (`TQ_NCCL_LIBRARY`) does not load. It is the
+    /// only one tried: a library the user names is never replaced by another.
+    #[error(
+        "{variable} names {path}, which does not load ({reason}); point {variable} at a libnccl.so.2 of \
+         NCCL >= {MINIMUM_VERSION}, or unset it to search the usual places"
+    )]
+    NamedLibraryNotLoaded {
+        /// The variable.
+        variable: &'static str,
+        /// The path it holds.
+        path: String,
+        /// The dynamic loader's message.
+        reason: String,
+    },
     /// A library was opened but lacks a function: it is not NCCL, or not a recent enough one.
     #[error(
         "{library} has no function `{symbol}`, so it is not NCCL >= {MINIMUM_VERSION} ({reason}); {HOW_TO_INSTALL}"

@@ -1,10 +1,12 @@
-//! Finding `libnccl.so.2`, opening it once, checking its version, and resolving each NCCL
-//! function on its first call.
+//! Finding `libnccl.so.2` and checking its version; opening it and resolving each NCCL function
+//! on its first call go through [`crate::shared_library`], as for the driver.
 //!
 //! NCCL is not a system library: it usually arrives inside a Python environment, as the
 //! `nvidia-nccl-cu*` wheel that PyTorch depends on, where the dynamic loader does not look. So
 //! after the loader's own search, the places pip puts it are tried: the active virtual or conda
 //! environment, then the site-packages folders of `python3`. The list is [`LIBRARY_CANDIDATES`].
+//! A library named by [`LIBRARY_ENV`] is the only one tried: where it does not load, that is the
+//! error ([`NcclError::NamedLibraryNotLoaded`]), never a reason to take the system's.
 
 use std::ffi::{OsString, c_int, c_void};
 use std::io::Read;
@@ -14,6 +16,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::{MINIMUM_VERSION, NcclError, Version, ncclResult_t};
+use crate::shared_library::{SharedLibrary, named_path};
 
 /// Environment variable naming the `libnccl.so.2` to try first.
 pub const LIBRARY_ENV: &str = "TQ_NCCL_LIBRARY";
@@ -49,6 +52,7 @@ pub enum Candidate {
 
 /// The places tried, in order; the first library that opens is used (and must be NCCL of at
 /// least [`MINIMUM_VERSION`]: one that opens but is not is an error, not a reason to go on).
+/// Where [`LIBRARY_ENV`] is set, its path is the only place tried.
 pub const LIBRARY_CANDIDATES: &[Candidate] = &[
     Candidate::PathInEnv(LIBRARY_ENV),
     Candidate::LoaderName("libnccl.so.2"),
@@ -63,9 +67,9 @@ impl Candidate {
     /// are none (a variable not set, a file not there).
     pub fn paths(&self, env: &dyn Fn(&str) -> Option<OsString>) -> Result<Vec<PathBuf>, String> {
         match *self {
-            Candidate::PathInEnv(variable) => match env(variable) {
-                Some(path) if !path.is_empty() => Ok(vec![PathBuf::from(path)]),
-                _ => Err(format!("{variable} is not set")),
+            Candidate::PathInEnv(variable) => match named_path(variable, env) {
+                Some(path) => Ok(vec![path]),
+                None => Err(format!("{variable} is not set")),
             },
             Candidate::LoaderName(name) => Ok(vec![PathBuf::from(name)]),
             Candidate::PythonPrefix { variable, relative } => {
@@ -155,14 +159,13 @@ fn ask_python() -> Result<Vec<PathBuf>, String> {
 
 /// An opened NCCL library of a supported version.
 pub struct NcclLibrary {
-    library: libloading::Library,
-    path: PathBuf,
+    library: SharedLibrary,
     version: Version,
 }
 
 impl std::fmt::Debug for NcclLibrary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NcclLibrary").field("path", &self.path).field("version", &self.version).finish()
+        f.debug_struct("NcclLibrary").field("path", &self.path()).field("version", &self.version).finish()
     }
 }
 
@@ -172,8 +175,22 @@ impl NcclLibrary {
         NcclLibrary::open_in(candidates, &|name| std::env::var_os(name))
     }
 
-    /// [`NcclLibrary::open`] with the environment variables that `env` gives.
+    /// [`NcclLibrary::open`] with the environment variables that `env` gives. A
+    /// [`Candidate::PathInEnv`] whose variable is set is the only place tried: where its path
+    /// does not load, the answer is [`NcclError::NamedLibraryNotLoaded`].
     pub fn open_in(candidates: &[Candidate], env: &dyn Fn(&str) -> Option<OsString>) -> Result<NcclLibrary, NcclError> {
+        for candidate in candidates {
+            if let Candidate::PathInEnv(variable) = *candidate
+                && let Some(path) = named_path(variable, env)
+            {
+                return match SharedLibrary::open(&path) {
+                    Ok(library) => NcclLibrary::checked(library),
+                    Err(reason) => {
+                        Err(NcclError::NamedLibraryNotLoaded { variable, path: path.display().to_string(), reason })
+                    }
+                };
+            }
+        }
         let mut tried = Vec::new();
         for candidate in candidates {
             let paths = match candidate.paths(env) {
@@ -184,8 +201,8 @@ impl NcclLibrary {
                 }
             };
             for path in paths {
-                match open_library(&path) {
-                    Ok(library) => return NcclLibrary::checked(library, path),
+                match SharedLibrary::open(&path) {
+                    Ok(library) => return NcclLibrary::checked(library),
                     Err(reason) => tried.push(format!("{}: {reason}", path.display())),
                 }
             }
@@ -195,16 +212,16 @@ impl NcclLibrary {
 
     /// Opens the library at `path` (a path, or a file name for the dynamic loader) and checks it.
     pub fn open_path(path: impl AsRef<Path>) -> Result<NcclLibrary, NcclError> {
-        let path = path.as_ref().to_path_buf();
-        match open_library(&path) {
-            Ok(library) => NcclLibrary::checked(library, path),
+        let path = path.as_ref();
+        match SharedLibrary::open(path) {
+            Ok(library) => NcclLibrary::checked(library),
             Err(reason) => Err(NcclError::LibraryNotFound { tried: vec![format!("{}: {reason}", path.display())] }),
         }
     }
 
     /// Asks the opened library for its version and refuses one older than [`MINIMUM_VERSION`].
-    fn checked(library: libloading::Library, path: PathBuf) -> Result<NcclLibrary, NcclError> {
-        let mut opened = NcclLibrary { library, path, version: Version::new(0, 0, 0) };
+    fn checked(library: SharedLibrary) -> Result<NcclLibrary, NcclError> {
+        let mut opened = NcclLibrary { library, version: Version::new(0, 0, 0) };
         let address = opened.symbol("ncclGetVersion")?;
         // SAFETY: the symbol is NCCL's `ncclResult_t ncclGetVersion(int *version)`, in every NCCL
         // since 2.3 (a library without it failed the lookup above).
@@ -218,13 +235,13 @@ impl NcclLibrary {
         let version = Version::from_code(code).ok_or_else(|| NcclError::VersionTooOld {
             found: Version::new(0, 0, 0),
             required: MINIMUM_VERSION,
-            library: opened.path.display().to_string(),
+            library: opened.path().display().to_string(),
         })?;
         if version < MINIMUM_VERSION {
             return Err(NcclError::VersionTooOld {
                 found: version,
                 required: MINIMUM_VERSION,
-                library: opened.path.display().to_string(),
+                library: opened.path().display().to_string(),
             });
         }
         opened.version = version;
@@ -233,7 +250,7 @@ impl NcclLibrary {
 
     /// Where the library was found: the path, or the file name the dynamic loader resolved.
     pub fn path(&self) -> &Path {
-        &self.path
+        self.library.path()
     }
 
     /// The library's version, from `ncclGetVersion`.
@@ -243,24 +260,12 @@ impl NcclLibrary {
 
     /// The address of `symbol`, or an error naming it.
     pub fn symbol(&self, symbol: &'static str) -> Result<*const c_void, NcclError> {
-        // SAFETY: the symbol is read as an opaque address; it is called only through the
-        // signature bindgen generated for this name (see `nccl_functions!`).
-        let found = unsafe { self.library.get::<*const c_void>(symbol.as_bytes()) };
-        match found {
-            Ok(address) => Ok(*address),
-            Err(error) => Err(NcclError::SymbolNotFound {
-                symbol,
-                library: self.path.display().to_string(),
-                reason: error.to_string(),
-            }),
-        }
+        self.library.symbol(symbol).map_err(|reason| NcclError::SymbolNotFound {
+            symbol,
+            library: self.path().display().to_string(),
+            reason,
+        })
     }
-}
-
-fn open_library(path: &Path) -> Result<libloading::Library, String> {
-    // SAFETY: loading runs the library's initialisers. The candidates name NCCL (or a library a
-    // user named deliberately), whose initialisers are sound; NCCL's only start its own state.
-    unsafe { libloading::Library::new(path) }.map_err(|error| error.to_string())
 }
 
 /// The process's NCCL, found through [`LIBRARY_CANDIDATES`] and opened on first use.
@@ -269,47 +274,18 @@ pub fn library() -> Result<&'static NcclLibrary, NcclError> {
     LIBRARY.get_or_init(|| NcclLibrary::open(LIBRARY_CANDIDATES)).as_ref().map_err(Clone::clone)
 }
 
-/// One NCCL function's address, resolved on first use and remembered (errors too).
+/// The address of the NCCL function `symbol` in [`library`].
 #[doc(hidden)]
-pub struct LazySymbol {
-    name: &'static str,
-    address: OnceLock<Result<usize, NcclError>>,
-}
-
-impl LazySymbol {
-    /// A symbol not yet resolved.
-    pub const fn new(name: &'static str) -> Self {
-        LazySymbol { name, address: OnceLock::new() }
-    }
-
-    /// The symbol's address in the process's NCCL.
-    pub fn address(&self) -> Result<*const c_void, NcclError> {
-        let resolved = self.address.get_or_init(|| library()?.symbol(self.name).map(|address| address as usize));
-        match resolved {
-            Ok(address) => Ok(*address as *const c_void),
-            Err(error) => Err(error.clone()),
-        }
-    }
+pub fn resolve(symbol: &'static str) -> Result<*const c_void, NcclError> {
+    library()?.symbol(symbol)
 }
 
 /// Turns bindgen's list of NCCL functions into lazily resolved wrappers.
 macro_rules! nccl_functions {
-    ($(pub fn $name:ident($($arg:ident: $ty:ty),* $(,)?) -> $ret:ty;)*) => {$(
-        #[doc = concat!("`", stringify!($name), "` of NCCL, resolved on first use.")]
-        ///
-        /// # Safety
-        /// The contract of the C function of this name in `nccl.h`.
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn $name($($arg: $ty),*) -> Result<$ret, $crate::nccl::NcclError> {
-            static SYMBOL: $crate::nccl::loader::LazySymbol =
-                $crate::nccl::loader::LazySymbol::new(stringify!($name));
-            let address = SYMBOL.address()?;
-            // SAFETY: `address` is NCCL's function of this exact name, and this signature is the
-            // one bindgen read for it from the pinned `nccl.h`.
-            let function: unsafe extern "C" fn($($ty),*) -> $ret =
-                unsafe { std::mem::transmute(address) };
-            // SAFETY: the caller upholds the C function's contract.
-            Ok(unsafe { function($($arg),*) })
+    ($($functions:tt)*) => {
+        lazy_functions! {
+            library: "NCCL (`nccl.h`)", error: $crate::nccl::NcclError, resolve: $crate::nccl::resolve;
+            $($functions)*
         }
-    )*};
+    };
 }

@@ -26,10 +26,11 @@
 
 mod error;
 #[macro_use]
-#[doc(hidden)]
-pub mod loader;
+mod loader;
 
 pub use error::{NcclError, Progress, check, check_nonblocking, result_name};
+#[doc(hidden)]
+pub use loader::resolve;
 pub use loader::{Candidate, LIBRARY_CANDIDATES, LIBRARY_ENV, NcclLibrary, PYTHON_TIMEOUT, WHEEL_LIBRARY, library};
 
 #[allow(
