@@ -55,7 +55,16 @@ pub fn nccl(env: &dyn Fn(&str) -> Option<OsString>) -> EngineRow {
         Err(error) if named_by.is_some() => EngineRow {
             check: Check::flagged(
                 name,
-                format!("{LIBRARY_ENV}={} does not load: {error}", named_path.as_deref().unwrap_or_default()),
+                match &error {
+                    NcclError::NamedLibraryNotLoaded { path, reason, .. } => {
+                        format!("{LIBRARY_ENV}={path} does not load: {reason}")
+                    }
+                    other => format!(
+                        "{LIBRARY_ENV}={} is not a usable NCCL: {}",
+                        named_path.as_deref().unwrap_or_default(),
+                        other.to_string().split("; ").next().unwrap_or_default()
+                    ),
+                },
                 Verdict::Broken,
                 format!("point {LIBRARY_ENV} at a libnccl.so.2 of NCCL 2.19 or later, or unset it"),
             ),
@@ -103,6 +112,11 @@ mod tests {
         assert!(wrong.check.fix.as_deref().unwrap().contains(LIBRARY_ENV));
         assert_eq!(wrong.path.as_deref(), Some("/nonexistent/libnccl.so.2"));
         assert_eq!((wrong.version, wrong.named_by), (None, Some(LIBRARY_ENV)));
+        // A named library that loads but is not NCCL: broken too, never passed over.
+        let not_nccl = nccl(&|name| (name == LIBRARY_ENV).then(|| "libc.so.6".into()));
+        assert_eq!(not_nccl.check.verdict, Verdict::Broken);
+        assert!(not_nccl.check.value.contains("TQ_NCCL_LIBRARY=libc.so.6 is not a usable NCCL"), "{not_nccl:?}");
+        assert!(not_nccl.error.unwrap().contains("ncclGetVersion"));
         // Found or not, without the variable the row is fine: NCCL is needed across hosts only.
         let default = nccl(&|name| std::env::var_os(name).filter(|_| name != LIBRARY_ENV));
         assert_eq!(default.check.verdict, Verdict::Ok, "{}", default.check.value);
