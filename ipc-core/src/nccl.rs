@@ -211,14 +211,7 @@ impl Communicator {
         peer: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let (address, peer) = self.transfer_arguments(memory, offset, len, peer, stream)?;
-        let raw = self.live()?;
-        let sendbuff = address as *const c_void;
-        let uint8 = ncclDataType_t::ncclUint8;
-        // SAFETY: the range was checked against a live allocation of this communicator's GPU,
-        // which the caller keeps alive until the stream has passed the send; `raw` is live.
-        let queued = unsafe { nccl_nonblocking!(ncclSend(sendbuff, len, uint8, peer, raw, stream.raw())) };
-        self.after_call("ncclSend", queued)
+        self.transfer(Direction::Send, memory, offset, len, peer, stream)
     }
 
     /// Queues a receive of `len` bytes into `offset` of `memory` from rank `peer`, on `stream`
@@ -231,13 +224,7 @@ impl Communicator {
         peer: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let (address, peer) = self.transfer_arguments(memory, offset, len, peer, stream)?;
-        let raw = self.live()?;
-        let recvbuff = address as *mut c_void;
-        let uint8 = ncclDataType_t::ncclUint8;
-        // SAFETY: as for `send`; NCCL writes only the checked range.
-        let queued = unsafe { nccl_nonblocking!(ncclRecv(recvbuff, len, uint8, peer, raw, stream.raw())) };
-        self.after_call("ncclRecv", queued)
+        self.transfer(Direction::Recv, memory, offset, len, peer, stream)
     }
 
     /// Runs `body` inside `ncclGroupStart` / `ncclGroupEnd`, so the sends and receives it queues
@@ -308,15 +295,18 @@ impl Communicator {
         if raw.is_null() { Err(Error::NcclAborted) } else { Ok(raw) }
     }
 
-    /// Checks a transfer's arguments; gives the device address and the peer as a C int.
-    fn transfer_arguments(
+    /// [`Communicator::send`] or [`Communicator::recv`]: checks the arguments (the range within
+    /// `memory`, the peer's rank, the stream and the memory on this communicator's GPU), then
+    /// queues the call.
+    fn transfer(
         &self,
+        direction: Direction,
         memory: &dyn DeviceMemory,
         offset: usize,
         len: usize,
         peer: usize,
         stream: &Stream,
-    ) -> Result<(u64, c_int)> {
+    ) -> Result<()> {
         check_range(offset, len, memory.len())?;
         if peer >= self.size {
             return Err(Error::InvalidArgument(format!("NCCL peer {peer} of a communicator of {}", self.size)));
@@ -332,7 +322,26 @@ impl Communicator {
             }
         }
         self.context.bind()?;
-        Ok((memory.device_ptr() + offset as u64, peer as c_int))
+        let address = memory.device_ptr() + offset as u64;
+        let peer = peer as c_int;
+        let raw = self.live()?;
+        let uint8 = ncclDataType_t::ncclUint8;
+        // SAFETY (both): the range was checked against a live allocation of this communicator's
+        // GPU, which the caller keeps alive until the stream has passed the call; `raw` is live.
+        // A receive writes only that range.
+        let (call, queued) = match direction {
+            Direction::Send => {
+                let sendbuff = address as *const c_void;
+                // SAFETY: see above.
+                ("ncclSend", unsafe { nccl_nonblocking!(ncclSend(sendbuff, len, uint8, peer, raw, stream.raw())) })
+            }
+            Direction::Recv => {
+                let recvbuff = address as *mut c_void;
+                // SAFETY: see above.
+                ("ncclRecv", unsafe { nccl_nonblocking!(ncclRecv(recvbuff, len, uint8, peer, raw, stream.raw())) })
+            }
+        };
+        self.after_call(call, queued)
     }
 
     /// After a call on the communicator: an error aborts it; `ncclInProgress` outside a group is
@@ -390,6 +399,15 @@ impl Communicator {
             tracing::warn!(%error, "aborting an NCCL communicator failed");
         }
     }
+}
+
+/// Which way a transfer goes.
+#[derive(Clone, Copy)]
+enum Direction {
+    /// From this rank's memory to the peer.
+    Send,
+    /// From the peer into this rank's memory.
+    Recv,
 }
 
 impl Drop for Communicator {
