@@ -12,12 +12,13 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
-use integration_tests::queue::{FaultItem, checksum, fault_seed, wait_for};
+use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed, wait_for};
 use integration_tests::{GpuTest, bin_path, run_gpu_tests, socket_path};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
 use serde::Serialize;
-use tensor_queue::{DType, Error, Receiver, Tensor, memory};
+use tensor_queue::route::{Landing, PeerMode, Routing};
+use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Tensor, TransferPath, memory};
 
 fn main() {
     run_gpu_tests(vec![
@@ -25,6 +26,8 @@ fn main() {
         GpuTest { name: "producer_killed_with_work_queued", gpus: 1, run: producer_killed_with_work_queued },
         GpuTest { name: "memory_goes_back_to_the_driver", gpus: 1, run: memory_goes_back_to_the_driver },
         GpuTest { name: "fault_suite", gpus: 1, run: fault_suite },
+        GpuTest { name: "producer_killed_on_every_route_of_one_gpu", gpus: 1, run: killed_on_one_gpu },
+        GpuTest { name: "producer_killed_on_every_route_across_gpus", gpus: 2, run: killed_across_gpus },
     ]);
 }
 
@@ -1025,4 +1028,324 @@ fn run_round(
     );
     ensure!(problems.is_empty(), "round {round}:\n  {}\n{tails}", problems.join("\n  "));
     Ok(RoundTally { ok: ok.len() as u64, lost, recovery })
+}
+
+// ------------------------------------------------- a producer killed on each route, at each moment
+
+/// How a killed producer's tensors reach the receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    /// Mapped in place on the producer's GPU.
+    SameGpu,
+    /// Staged through pinned host memory, back onto the same GPU.
+    Staged,
+    /// Landed in host memory (`Landing::Host`).
+    Host,
+    /// Copied by the producer over the peer link onto the receiver's GPU 1.
+    PeerCopy,
+    /// Mapped over the peer link for GPU 1.
+    PeerMap,
+    /// Staged through pinned host memory onto GPU 1.
+    StagedAcross,
+}
+
+impl Way {
+    /// The receiver's routing for this way; `other` is GPU 1's UUID (for the cross-device ways).
+    fn routing(self, other: Option<tensor_queue::Uuid>) -> Result<Routing> {
+        let on_other = || other.map(|u| Routing::default().land(Landing::Device(u))).context("needs GPU 1");
+        Ok(match self {
+            Way::SameGpu => Routing::default(),
+            Way::Staged => Routing::default().peer(PeerMode::Stage),
+            Way::Host => Routing::default().land(Landing::Host),
+            Way::PeerCopy => on_other()?.peer(PeerMode::Copy),
+            Way::PeerMap => on_other()?.peer(PeerMode::Map),
+            Way::StagedAcross => on_other()?.peer(PeerMode::Stage),
+        })
+    }
+
+    /// The paths a received tensor of this way says it came by.
+    fn paths(self) -> &'static [TransferPath] {
+        match self {
+            Way::SameGpu => &[TransferPath::CudaVmm, TransferPath::CudaLegacyIpc],
+            Way::Staged | Way::StagedAcross => &[TransferPath::Staged],
+            Way::Host => &[TransferPath::StagedToHost],
+            Way::PeerCopy => &[TransferPath::PeerCopied],
+            Way::PeerMap => &[TransferPath::PeerMapped],
+        }
+    }
+}
+
+/// When the producer is killed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Moment {
+    /// After `send_on` returned with 2 s of GPU work queued, and reaped, before the receiver's
+    /// first `recv` (it had read nothing of the producer, not even its hello).
+    BeforeRecv,
+    /// After `send_on` returned with 2 s of GPU work queued, while the receiver is receiving.
+    DuringWork,
+    /// Right after `send_on` returned with no work before its 1 GiB of copies (4 x 256 MiB):
+    /// while they run, on the copy routes.
+    DuringCopy,
+}
+
+/// What one killed-producer case saw.
+enum Outcome {
+    /// `recv` said `Error::ProducerFailed`.
+    Refused,
+    /// Delivered, every byte the producer's (the driver ran its queued work to the end).
+    Whole,
+    /// Delivered with `producer_failed()` true.
+    Flagged,
+}
+
+/// GPU time queued before the doomed producer's first fill, for the work moments.
+const DOOMED_SPIN: Duration = Duration::from_secs(2);
+
+/// Kills a `tq-fault batch` producer at `moment` on `way`, then checks as a user would: its
+/// message is refused (`ProducerFailed`) or delivered flagged (`producer_failed()`), or delivered
+/// whole with the producer's bytes (checked on the GPU); every received tensor's stream drains;
+/// `recv` then says `Disconnected` (nothing of it stays parked); a new producer's message
+/// arrives intact; and the receiver's contexts still work.
+fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -> Result<Outcome> {
+    let other = match contexts.get(1) {
+        Some(context) => Some(context.device().uuid()?),
+        None => None,
+    };
+    let options = ReceiverOptions { routing: way.routing(other)?, ..ReceiverOptions::default() };
+    let path = socket_path(&format!("killed-{way:?}-{moment:?}"));
+    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let path = path.to_str().context("a UTF-8 socket path")?.to_string();
+    let (tensors, len, spin) = match moment {
+        Moment::DuringCopy => (4, 256 * MIB, Duration::ZERO),
+        _ => (4, 32 * MIB, DOOMED_SPIN),
+    };
+    let batch_args = |seed: u64, tensors: usize, len: usize, spin: Duration| {
+        strings(&[
+            "batch",
+            "--to",
+            &path,
+            "--tensors",
+            &tensors.to_string(),
+            "--len",
+            &len.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--spin-us",
+            &spin.as_micros().to_string(),
+        ])
+    };
+    let mut doomed = Proc::start("doomed producer", &batch_args(seed, tensors, len, spin))?;
+    let mut held: Vec<FaultBatch> = Vec::new();
+    let mut refused = 0;
+    // Up to the kill: the receiver receives meanwhile, except before its first `recv`.
+    let started = Instant::now();
+    loop {
+        doomed.poll();
+        if doomed.has_said("sent") {
+            break;
+        }
+        ensure!(doomed.exited()?.is_none(), "the doomed producer ended before it sent; {}", doomed.tail(10));
+        ensure!(started.elapsed() < Duration::from_secs(60), "no send within 60 s; {}", doomed.tail(10));
+        if moment == Moment::BeforeRecv {
+            std::thread::sleep(Duration::from_micros(200));
+        } else {
+            take_doomed(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_micros(200))?;
+        }
+    }
+    doomed.sigkill()?;
+    let killed_at = Instant::now();
+    if moment == Moment::BeforeRecv {
+        // Reaped: its pid names nothing any more when the receiver first looks.
+        ensure!(doomed.exit_within(Duration::from_secs(30))?.is_some(), "the doomed producer outlived its SIGKILL");
+    }
+    // Its message, then the end of its connection.
+    let disconnected = loop {
+        ensure!(
+            killed_at.elapsed() < Duration::from_secs(30),
+            "30 s after the kill, no Disconnected; its message was {}",
+            if held.len() + refused == 0 { "neither delivered nor reported" } else { "handled" }
+        );
+        if take_doomed(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_millis(100))? {
+            break killed_at.elapsed();
+        }
+    };
+    let status = doomed.exit_within(Duration::from_secs(10))?;
+    ensure!(status.and_then(|s| s.signal()) == Some(9), "the doomed producer ended with {status:?}");
+    ensure!(
+        held.len() + refused == 1,
+        "the killed producer's one message was delivered {} times and refused {refused} times",
+        held.len()
+    );
+    let outcome = match held.first() {
+        Some(batch) => judge(batch, way, len)?,
+        None => Outcome::Refused,
+    };
+    let errors = receiver.take_errors();
+    println!(
+        "  {way:?} killed {moment:?}: {}; Disconnected {} ms after the kill; errors: {errors:?}",
+        match outcome {
+            Outcome::Refused => "refused (ProducerFailed)",
+            Outcome::Whole => "delivered whole (the driver finished its work)",
+            Outcome::Flagged => "delivered, producer_failed()",
+        },
+        disconnected.as_millis()
+    );
+    drop(held);
+
+    // A new producer on the same receiver: its message arrives intact.
+    let healthy_seed = seed ^ 0x5a5a;
+    let mut healthy = Proc::start("healthy producer", &batch_args(healthy_seed, 2, MIB, Duration::ZERO))?;
+    let start = Instant::now();
+    let batch = loop {
+        ensure!(start.elapsed() < Duration::from_secs(30), "no healthy message within 30 s; {}", healthy.tail(10));
+        match receiver.recv_timeout(Duration::from_millis(100)) {
+            Ok(batch) => break batch,
+            Err(Error::Timeout) => healthy.poll(),
+            Err(Error::Disconnected) => {
+                // Not connected yet: a bound receiver takes new senders after its last one left.
+                healthy.poll();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(error) => bail!("recv of the healthy message: {error:?}; {}", healthy.tail(10)),
+        }
+    };
+    ensure!(batch.seed == healthy_seed && batch.tensors.len() == 2, "the healthy message is another's");
+    for (k, tensor) in batch.tensors.iter().enumerate() {
+        ensure!(way.paths().contains(&tensor.path()), "the healthy tensor came by {:?}", tensor.path());
+        let seen = drained_checksum(tensor)?;
+        ensure!(seen == expected(MIB, healthy_seed + k as u64), "healthy tensor {k}: wrong bytes");
+        ensure!(!tensor.producer_failed(), "the healthy producer's tensor is flagged");
+    }
+    drop(batch);
+    let status = healthy.exit_within(Duration::from_secs(30))?;
+    healthy.finish_lines(Duration::from_secs(2));
+    ensure!(status.is_some_and(|s| s.success()), "the healthy producer ended with {status:?}; {}", healthy.tail(10));
+    ensure!(healthy.has_said("released") && healthy.has_said("cuda ok"), "{}", healthy.tail(10));
+    for context in contexts {
+        cuda_ok(context)?;
+    }
+    Ok(outcome)
+}
+
+/// One `recv` of the killed-case receiver, for up to `wait`: keeps a message of the doomed
+/// producer in `held` (checked once it is dead: see [`judge`]) and notes a refusal in `refused`.
+/// Whether `recv` said `Disconnected`.
+fn take_doomed(
+    receiver: &mut Receiver<FaultBatch>,
+    doomed: &Proc,
+    held: &mut Vec<FaultBatch>,
+    refused: &mut usize,
+    wait: Duration,
+) -> Result<bool> {
+    match receiver.recv_with_info(Some(wait)) {
+        Ok((batch, info)) => {
+            ensure!(info.sender_pid == doomed.pid() && batch.pid == doomed.pid(), "a message from pid {}", batch.pid);
+            held.push(batch);
+            Ok(false)
+        }
+        Err(Error::ProducerFailed { pid, seq }) => {
+            ensure!(pid == doomed.pid() && seq == 1, "ProducerFailed for pid {pid} seq {seq}");
+            *refused += 1;
+            Ok(false)
+        }
+        Err(Error::Timeout) => Ok(false),
+        Err(Error::Disconnected) => Ok(true),
+        Err(error) => bail!("recv: {error:?}"),
+    }
+}
+
+/// What a delivered message of a killed producer is: whole (every byte its producer's, checked
+/// on the GPU) or flagged; an error if a tensor's stream never drains or wrong bytes go unflagged.
+fn judge(batch: &FaultBatch, way: Way, len: usize) -> Result<Outcome> {
+    let mut intact = true;
+    for (k, tensor) in batch.tensors.iter().enumerate() {
+        ensure!(way.paths().contains(&tensor.path()), "tensor {k} came by {:?}", tensor.path());
+        let seen = drained_checksum(tensor).with_context(|| format!("the killed producer's tensor {k}"))?;
+        intact &= seen == expected(len, batch.seed + k as u64);
+    }
+    let settle = if intact { Duration::ZERO } else { Duration::from_secs(2) };
+    let flagged = batch.tensors.iter().all(|t| wait_for(settle, || t.producer_failed()).is_some());
+    Ok(match (intact, flagged) {
+        (_, true) => Outcome::Flagged,
+        (true, false) => Outcome::Whole,
+        (false, false) => bail!("a killed producer's message was delivered with wrong bytes, not flagged"),
+    })
+}
+
+/// A received tensor's checksum (on the GPU for GPU tensors), once its stream drained: an error
+/// if it did not within [`USABLE_WITHIN`].
+fn drained_checksum(tensor: &Tensor) -> Result<u64> {
+    if tensor.stream().is_none() {
+        return checksum(tensor); // in host memory
+    }
+    bounded_checksum(tensor)
+}
+
+/// The seed of the killed-producer cases: `TQ_FAULT_SEED` if set (to replay a run), else new.
+fn case_seed() -> Result<u64> {
+    let seed = match std::env::var("TQ_FAULT_SEED") {
+        Ok(text) => text.parse().with_context(|| format!("TQ_FAULT_SEED={text:?} is not a number"))?,
+        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 & 0xffff_ffff,
+    };
+    println!("seed {seed} (replay with TQ_FAULT_SEED={seed})");
+    Ok(seed)
+}
+
+/// Runs `cases`, each with its own seed from [`case_seed`]: all of them, then every failure.
+fn killed_cases(cases: &[(Way, Moment)], contexts: &[Arc<Context>]) -> Result<()> {
+    let seed = case_seed()?;
+    let mut failures = Vec::new();
+    for (n, &(way, moment)) in cases.iter().enumerate() {
+        let case_seed = (seed << 8) + n as u64 * 16;
+        if let Err(error) = killed_case(way, moment, contexts, case_seed) {
+            println!("  {way:?} killed {moment:?}: FAILED: {error:#}");
+            failures.push(format!("{way:?} killed {moment:?}: {error:#}"));
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "{} of {} cases failed (seed {seed}):\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    Ok(())
+}
+
+/// A producer SIGKILLed with its message sent, on each route of one GPU (mapped, staged, landed
+/// on the host) and at each moment (before the receiver's first `recv`, during its GPU work,
+/// during its copies): see [`killed_case`].
+fn killed_on_one_gpu() -> Result<()> {
+    let context = gpu()?;
+    killed_cases(
+        &[
+            (Way::SameGpu, Moment::BeforeRecv),
+            (Way::SameGpu, Moment::DuringWork),
+            (Way::Host, Moment::BeforeRecv),
+            (Way::Host, Moment::DuringWork),
+            (Way::Host, Moment::DuringCopy),
+            (Way::Staged, Moment::BeforeRecv),
+            (Way::Staged, Moment::DuringWork),
+            (Way::Staged, Moment::DuringCopy),
+        ],
+        &[context],
+    )
+}
+
+/// The same across two GPUs: the peer copy, the peer mapping and staging onto GPU 1.
+fn killed_across_gpus() -> Result<()> {
+    let contexts = vec![gpu()?, Context::on_ordinal(1)?];
+    Kernels::get(&contexts[1])?;
+    killed_cases(
+        &[
+            (Way::PeerCopy, Moment::BeforeRecv),
+            (Way::PeerCopy, Moment::DuringWork),
+            (Way::PeerCopy, Moment::DuringCopy),
+            (Way::PeerMap, Moment::BeforeRecv),
+            (Way::PeerMap, Moment::DuringWork),
+            (Way::StagedAcross, Moment::BeforeRecv),
+            (Way::StagedAcross, Moment::DuringCopy),
+        ],
+        &contexts,
+    )
 }

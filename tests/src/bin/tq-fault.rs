@@ -22,6 +22,11 @@
 //!   as complete with the wrong bytes) or `error <what>` (anything else). Closed connections'
 //!   errors are printed as `conn-error <what>`. When stdin closes it drains what is left (5 s at
 //!   most), prints `cuda ok` as `produce` does, and `done ok=<n> lost=<n> failed=<n>`.
+//! - `batch --to P --tensors K --len L --seed S [--device D] [--spin-us U]`: one
+//!   [`FaultBatch`](integration_tests::queue::FaultBatch) of `K` fresh `L`-byte tensors on GPU `D`
+//!   (tensor `k` filled with the pattern of `S + k`, the first fill behind `U` µs of GPU time),
+//!   sent with `send_on` on one stream. Prints `ready`, `sent` once `send_on` returned, then
+//!   `released` (or `unreleased <n>` after 30 s) and `cuda ok`: killed tests kill it after `sent`.
 //! - `hold`: take items from the parent ([`tensor_queue::from_parent`]), check each on the GPU
 //!   (`holding <n> ok|bad`), keep them all, and wait to be killed.
 //!
@@ -35,7 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
-use integration_tests::queue::{FaultItem, checksum, fault_seed};
+use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed};
 use integration_tests::{arg, number};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
@@ -66,6 +71,7 @@ fn run() -> Result<()> {
     match args[0].as_str() {
         "produce" => produce(&args),
         "consume" => consume(&args),
+        "batch" => batch(&args),
         "hold" => hold(),
         other => bail!("unknown role {other}"),
     }
@@ -331,6 +337,41 @@ fn wait_for_flag(tensor: &Tensor, timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(1));
     }
     tensor.producer_failed()
+}
+
+fn batch(args: &[String]) -> Result<()> {
+    let to = arg(args, "--to").context("--to <path>")?;
+    let count = number(args, "--tensors", 1)?;
+    let len = number(args, "--len", 4096)? as usize;
+    let seed = number(args, "--seed", 0)?;
+    let spin = Duration::from_micros(number(args, "--spin-us", 0)?);
+    let context = Context::on_ordinal(number(args, "--device", 0)? as i32)?;
+    let kernels = Kernels::get(&context)?;
+    let stream = Stream::new(&context)?;
+    let sender = Sender::<FaultBatch>::connect(&to)?;
+    sender.wait_ready(Duration::from_secs(30))?;
+    let mut tensors = Vec::new();
+    for k in 0..count {
+        let tensor = Tensor::empty_cuda(&context, DType::U8, &[len as u64])?;
+        let view = tensor.cuda_view()?;
+        if k == 0 && !spin.is_zero() {
+            kernels.spin_then_fill(&view, len, seed + k, spin, &stream)?;
+        } else {
+            kernels.fill(&view, 0, len, seed + k, &stream)?;
+        }
+        tensors.push(tensor);
+    }
+    // Every allocation and fill is queued before `ready`: the sends that follow take little time.
+    println!("ready");
+    sender.send_on(&FaultBatch { pid: std::process::id(), seed, tensors }, &stream)?;
+    println!("sent");
+    if sender.wait_released(Duration::from_secs(30)) {
+        println!("released");
+    } else {
+        println!("unreleased {}", sender.outstanding_leases());
+    }
+    report_cuda(Some(&context));
+    Ok(())
 }
 
 fn hold() -> Result<()> {
