@@ -657,12 +657,19 @@ fn memory_goes_back_to_the_driver() -> Result<()> {
     Ok(())
 }
 
-/// A small xorshift generator: each round's plan follows from its number.
+/// Sends `SIG<name>` to `proc` (the `kill` command: no libc binding needed for a test).
+fn signal(proc: &Proc, name: &str) -> Result<()> {
+    let status = Command::new("kill").arg(format!("-{name}")).arg(proc.pid().to_string()).status()?;
+    ensure!(status.success(), "kill -{name} {} failed: {status}", proc.pid());
+    Ok(())
+}
+
+/// A small xorshift generator: each round's plan follows from its seed.
 struct XorShift(u64);
 
 impl XorShift {
-    fn new(round: u64) -> XorShift {
-        XorShift((round + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    fn new(seed: u64) -> XorShift {
+        XorShift(seed.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
     fn next(&mut self) -> u64 {
@@ -684,11 +691,24 @@ enum KillAt {
     AfterMs(u64),
     /// Once the producers have sent this many messages together.
     AfterSent(usize),
+    /// Once the producers have sent this many messages, with the consumer stopped (SIGSTOP)
+    /// first, and the victim reaped before the consumer goes on: the victim's last messages are
+    /// read only after it died.
+    ConsumerStopped(usize),
 }
+
+/// The ways a round's tensors may come to the consumer (`tq-fault consume --landing`), and how
+/// many GPUs each needs.
+const SUITE_LANDINGS: &[(&str, usize)] =
+    &[("same", 1), ("staged", 1), ("host", 1), ("peer-copy", 2), ("peer-map", 2), ("staged-across", 2)];
 
 /// What one round of the fault suite does.
 #[derive(Debug)]
 struct RoundPlan {
+    /// The round's seed (the suite's seed plus the round's number).
+    seed: u64,
+    /// How the tensors come to the consumer: a `--landing` of `tq-fault consume`.
+    landing: &'static str,
     /// 0: the consumer; 1 or 2: that producer.
     victim: usize,
     kill: KillAt,
@@ -709,16 +729,20 @@ const SUITE_MEMORY_SLACK: usize = 64 * MIB;
 const SUITE_FD_SLACK: usize = 4;
 
 impl RoundPlan {
-    fn new(round: u64) -> RoundPlan {
-        let mut rng = XorShift::new(round);
+    /// The plan of the round of seed `seed` on a machine with `gpus` GPUs.
+    fn new(seed: u64, gpus: usize) -> RoundPlan {
+        let mut rng = XorShift::new(seed);
         let victim = rng.below(3) as usize;
-        let kill = if rng.below(6) == 0 {
-            KillAt::AfterMs(rng.below(300))
-        } else {
-            KillAt::AfterSent(rng.below(SUITE_MESSAGES) as usize)
+        let kill = match rng.below(6) {
+            0 => KillAt::AfterMs(rng.below(300)),
+            1 | 2 => KillAt::ConsumerStopped(rng.below(SUITE_MESSAGES) as usize),
+            _ => KillAt::AfterSent(rng.below(SUITE_MESSAGES) as usize),
         };
         let spins = [(); 2].map(|()| (8 + rng.below(17), 100 + rng.below(1900)));
-        RoundPlan { victim, kill, spins }
+        let landings: Vec<&'static str> =
+            SUITE_LANDINGS.iter().filter(|(_, needs)| *needs <= gpus).map(|(name, _)| *name).collect();
+        let landing = landings[rng.below(landings.len() as u64) as usize];
+        RoundPlan { seed, landing, victim, kill, spins }
     }
 }
 
@@ -739,18 +763,25 @@ fn suite_tag(round: u64, k: usize) -> u64 {
 /// Twelve rounds, each of a consumer process and two producer processes with two senders each
 /// (threads with their own connections) streaming 10,000 fresh GPU tensors, some written after a
 /// short spin kernel, with one of the three SIGKILLed at a random moment (a worker crash in a data
-/// pipeline): no message is ever delivered as complete with wrong bytes, every message a live
+/// pipeline; sometimes with the consumer stopped until the killed producer is reaped, so that its
+/// last messages are read after it died), the tensors coming each round by a random way (mapped,
+/// staged, landed on the host; across GPUs where there are two). The plans follow from a seed,
+/// printed first, that `TQ_FAULT_SEED` replays: no message is ever delivered as complete with wrong bytes, every message a live
 /// consumer was sent is received or reported lost, nothing hangs, the survivors' CUDA contexts
 /// stay healthy, and device memory and this process's file descriptors come back every round.
 fn fault_suite() -> Result<()> {
     let context = gpu()?;
+    let gpus = ipc_core::Device::count()? as usize;
+    let seed = case_seed()?;
     memory::trim();
     let free0 = free_bytes(&context)?;
     let fds0 = open_fds()?;
     let start = Instant::now();
     let mut total = RoundTally::default();
     for round in 0..SUITE_ROUNDS {
-        let tally = fault_round(round, &context, free0, fds0).with_context(|| format!("round {round}"))?;
+        let plan = RoundPlan::new(seed.wrapping_add(round), gpus);
+        let tally = fault_round(round, plan, &context, free0, fds0)
+            .with_context(|| format!("round {round} (suite seed {seed})"))?;
         total.ok += tally.ok;
         total.lost += tally.lost;
         total.recovery = total.recovery.max(tally.recovery);
@@ -766,8 +797,7 @@ fn fault_suite() -> Result<()> {
     Ok(())
 }
 
-fn fault_round(round: u64, context: &Arc<Context>, free0: usize, fds0: usize) -> Result<RoundTally> {
-    let plan = RoundPlan::new(round);
+fn fault_round(round: u64, plan: RoundPlan, context: &Arc<Context>, free0: usize, fds0: usize) -> Result<RoundTally> {
     let path = socket_path(&format!("fault-{round}"));
     let result = run_round(round, &plan, &path, context, free0, fds0);
     // A killed consumer leaves its socket file behind.
@@ -785,7 +815,8 @@ fn run_round(
 ) -> Result<RoundTally> {
     let path = path.to_str().context("a UTF-8 socket path")?;
     let len = SUITE_LEN.to_string();
-    let mut consumer = Proc::start("consumer", &strings(&["consume", "--listen", path, "--len", &len]))?;
+    let mut consumer =
+        Proc::start("consumer", &strings(&["consume", "--listen", path, "--len", &len, "--landing", plan.landing]))?;
     consumer.wait_said("ready", Duration::from_secs(30))?;
     let mut producers = (0..SUITE_PRODUCERS)
         .map(|k| {
@@ -824,7 +855,7 @@ fn run_round(
         let sent: usize = producers.iter().map(|p| p.sent).sum();
         let due = match plan.kill {
             KillAt::AfterMs(ms) => spawned.elapsed() >= Duration::from_millis(ms),
-            KillAt::AfterSent(n) => sent >= n,
+            KillAt::AfterSent(n) | KillAt::ConsumerStopped(n) => sent >= n,
         };
         let mut producers_running = false;
         for producer in &mut producers {
@@ -842,8 +873,21 @@ fn run_round(
     let victim_pid = victim.pid();
     // A victim that already ended by itself is a survivor.
     let victim_was_running = victim.exited()?.is_none();
+    let stopped = matches!(plan.kill, KillAt::ConsumerStopped(_)) && plan.victim != 0;
+    if stopped {
+        // The consumer reads nothing more until the victim is dead and reaped; the producers
+        // send what their credits allow meanwhile.
+        signal(&consumer, "STOP")?;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let victim = if plan.victim == 0 { &mut consumer } else { &mut producers[plan.victim - 1] };
     victim.sigkill()?;
     let killed_at = Instant::now();
+    if stopped {
+        let reaped = victim.exit_within(Duration::from_secs(10))?.is_some();
+        signal(&consumer, "CONT")?;
+        ensure!(reaped, "{victim_name} outlived its SIGKILL by 10 s");
+    }
     let at = spawned.elapsed();
 
     // Every process ends within 10 s of the kill (the consumer within 10 s of being told).
@@ -1016,11 +1060,17 @@ fn run_round(
         _ if !victim_was_running => "after it had ended".to_string(),
         KillAt::AfterMs(_) => format!("{} ms after the start", at.as_millis()),
         KillAt::AfterSent(_) => format!("after {sent_at_kill} sends ({} ms)", at.as_millis()),
+        KillAt::ConsumerStopped(_) if stopped => {
+            format!("after {sent_at_kill} sends ({} ms), the consumer stopped until it was reaped", at.as_millis())
+        }
+        KillAt::ConsumerStopped(_) => format!("after {sent_at_kill} sends ({} ms)", at.as_millis()),
     };
     println!(
-        "round {round:2}: killed {victim_name} {killed_what}; {sent} of {SUITE_MESSAGES} said sent, {} ok, {lost} \
+        "round {round:2} (seed {}, landing {}): killed {victim_name} {killed_what}; {sent} of {SUITE_MESSAGES} said sent, {} ok, {lost} \
          lost, {conn_errors} connection errors; every process ended {} ms after the kill; free memory {:+.0} MiB from the start, back in {} ms; \
          {fds} fds ({fds0} at the start)",
+        plan.seed,
+        plan.landing,
         ok.len(),
         recovery.as_millis(),
         mib(free as i64 - free0 as i64),

@@ -15,7 +15,10 @@
 //!   `error <thread> <what>` if sending stopped early, `released <thread>` or `unreleased
 //!   <thread> <n>` once the receiver gave every lease back (10 s at most), and at the end
 //!   `cuda ok` (or `cuda error <what>`) after a kernel and a sync on a fresh stream.
-//! - `consume --listen P --len L`: bind a receiver of items at `P`, print `ready`, then check each
+//! - `consume --listen P --len L [--landing W]`: bind a receiver of items at `P` whose tensors
+//!   come the way `W` says (`same`, the default: mapped in place; `staged`: through pinned host
+//!   memory onto the same GPU; `host`: landed in host memory; `peer-copy`, `peer-map`,
+//!   `staged-across`: onto GPU 1), print `ready`, then check each
 //!   message's tensor on the GPU and print `ok <pid> <seed> <seq>`, `lost producer-failed <pid>
 //!   <seq>` (`recv` said `Error::ProducerFailed`), `lost flag <pid> <seed> <match|mismatch>`
 //!   (delivered, then `Tensor::producer_failed()` turned true), `failed <seed> <pid>` (delivered
@@ -42,9 +45,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed};
 use integration_tests::{arg, number};
-use ipc_core::{Context, DeviceBuffer, Stream};
+use ipc_core::{Context, Device, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
-use tensor_queue::{DType, Error, Receiver, Sender, Tensor, from_parent};
+use tensor_queue::route::{Landing, PeerMode, Routing};
+use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor, from_parent};
 
 /// How long a helper may live at most, unless `--deadline-s` says otherwise.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
@@ -243,7 +247,8 @@ fn consume(args: &[String]) -> Result<()> {
     let listen = arg(args, "--listen").context("--listen <path>")?;
     let len = number(args, "--len", 65536)? as usize;
     let context = if args.iter().any(|a| a == "--host") { None } else { Some(gpu()?) };
-    let mut items = Receiver::<FaultItem>::bind(&listen)?;
+    let routing = landing(arg(args, "--landing").as_deref().unwrap_or("same"))?;
+    let mut items = Receiver::<FaultItem>::bind_with(&listen, ReceiverOptions { routing, ..Default::default() })?;
     std::thread::spawn(|| {
         for line in std::io::stdin().lock().lines() {
             if line.is_err() {
@@ -325,6 +330,20 @@ fn consume(args: &[String]) -> Result<()> {
     report_cuda(context.as_ref());
     println!("done ok={ok} lost={lost} failed={failed}");
     Ok(())
+}
+
+/// The routing of a receiver whose tensors come the way `name` says (see `consume`).
+fn landing(name: &str) -> Result<Routing> {
+    let gpu1 = || -> Result<Routing> { Ok(Routing::default().land(Landing::Device(Device::get(1)?.uuid()?))) };
+    Ok(match name {
+        "same" => Routing::default(),
+        "staged" => Routing::default().peer(PeerMode::Stage),
+        "host" => Routing::default().land(Landing::Host),
+        "peer-copy" => gpu1()?.peer(PeerMode::Copy),
+        "peer-map" => gpu1()?.peer(PeerMode::Map),
+        "staged-across" => gpu1()?.peer(PeerMode::Stage),
+        other => bail!("unknown landing {other}"),
+    })
 }
 
 /// Whether `tensor.producer_failed()` turns true within `timeout`.
