@@ -127,6 +127,18 @@ pub struct BenchAck {
     pub stages_ns: Vec<u64>,
 }
 
+/// One message of several tensors, from `tq-fault batch` (the killed-producer cases of
+/// `faults_gpu`): tensor `k` holds the pattern of `seed + k`.
+#[derive(Serialize, Deserialize)]
+pub struct FaultBatch {
+    /// The producer's process id, as it knows it.
+    pub pid: u32,
+    /// The first tensor's pattern seed.
+    pub seed: u64,
+    /// Fresh GPU tensors of bytes.
+    pub tensors: Vec<Tensor>,
+}
+
 /// One message of the fault suite (`tq-fault` and `faults_gpu`).
 #[derive(Serialize, Deserialize)]
 pub struct FaultItem {

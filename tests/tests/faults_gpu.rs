@@ -12,12 +12,13 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
-use integration_tests::queue::{FaultItem, checksum, fault_seed, wait_for};
+use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed, wait_for};
 use integration_tests::{GpuTest, bin_path, run_gpu_tests, socket_path};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
 use serde::Serialize;
-use tensor_queue::{DType, Error, Receiver, Tensor, memory};
+use tensor_queue::route::{Landing, PeerMode, Routing};
+use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Tensor, TransferPath, memory};
 
 fn main() {
     run_gpu_tests(vec![
@@ -25,6 +26,8 @@ fn main() {
         GpuTest { name: "producer_killed_with_work_queued", gpus: 1, run: producer_killed_with_work_queued },
         GpuTest { name: "memory_goes_back_to_the_driver", gpus: 1, run: memory_goes_back_to_the_driver },
         GpuTest { name: "fault_suite", gpus: 1, run: fault_suite },
+        GpuTest { name: "producer_killed_on_every_route_of_one_gpu", gpus: 1, run: killed_on_one_gpu },
+        GpuTest { name: "producer_killed_on_every_route_across_gpus", gpus: 2, run: killed_across_gpus },
     ]);
 }
 
@@ -654,12 +657,19 @@ fn memory_goes_back_to_the_driver() -> Result<()> {
     Ok(())
 }
 
-/// A small xorshift generator: each round's plan follows from its number.
+/// Sends `SIG<name>` to `proc` (the `kill` command: no libc binding needed for a test).
+fn signal(proc: &Proc, name: &str) -> Result<()> {
+    let status = Command::new("kill").arg(format!("-{name}")).arg(proc.pid().to_string()).status()?;
+    ensure!(status.success(), "kill -{name} {} failed: {status}", proc.pid());
+    Ok(())
+}
+
+/// A small xorshift generator: each round's plan follows from its seed.
 struct XorShift(u64);
 
 impl XorShift {
-    fn new(round: u64) -> XorShift {
-        XorShift((round + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    fn new(seed: u64) -> XorShift {
+        XorShift(seed.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
 
     fn next(&mut self) -> u64 {
@@ -681,11 +691,24 @@ enum KillAt {
     AfterMs(u64),
     /// Once the producers have sent this many messages together.
     AfterSent(usize),
+    /// Once the producers have sent this many messages, with the consumer stopped (SIGSTOP)
+    /// first, and the victim reaped before the consumer goes on: the victim's last messages are
+    /// read only after it died.
+    ConsumerStopped(usize),
 }
+
+/// The ways a round's tensors may come to the consumer (`tq-fault consume --landing`), and how
+/// many GPUs each needs.
+const SUITE_LANDINGS: &[(&str, usize)] =
+    &[("same", 1), ("staged", 1), ("host", 1), ("peer-copy", 2), ("peer-map", 2), ("staged-across", 2)];
 
 /// What one round of the fault suite does.
 #[derive(Debug)]
 struct RoundPlan {
+    /// The round's seed (the suite's seed plus the round's number).
+    seed: u64,
+    /// How the tensors come to the consumer: a `--landing` of `tq-fault consume`.
+    landing: &'static str,
     /// 0: the consumer; 1 or 2: that producer.
     victim: usize,
     kill: KillAt,
@@ -706,16 +729,20 @@ const SUITE_MEMORY_SLACK: usize = 64 * MIB;
 const SUITE_FD_SLACK: usize = 4;
 
 impl RoundPlan {
-    fn new(round: u64) -> RoundPlan {
-        let mut rng = XorShift::new(round);
+    /// The plan of the round of seed `seed` on a machine with `gpus` GPUs.
+    fn new(seed: u64, gpus: usize) -> RoundPlan {
+        let mut rng = XorShift::new(seed);
         let victim = rng.below(3) as usize;
-        let kill = if rng.below(6) == 0 {
-            KillAt::AfterMs(rng.below(300))
-        } else {
-            KillAt::AfterSent(rng.below(SUITE_MESSAGES) as usize)
+        let kill = match rng.below(6) {
+            0 => KillAt::AfterMs(rng.below(300)),
+            1 | 2 => KillAt::ConsumerStopped(rng.below(SUITE_MESSAGES) as usize),
+            _ => KillAt::AfterSent(rng.below(SUITE_MESSAGES) as usize),
         };
         let spins = [(); 2].map(|()| (8 + rng.below(17), 100 + rng.below(1900)));
-        RoundPlan { victim, kill, spins }
+        let landings: Vec<&'static str> =
+            SUITE_LANDINGS.iter().filter(|(_, needs)| *needs <= gpus).map(|(name, _)| *name).collect();
+        let landing = landings[rng.below(landings.len() as u64) as usize];
+        RoundPlan { seed, landing, victim, kill, spins }
     }
 }
 
@@ -736,18 +763,25 @@ fn suite_tag(round: u64, k: usize) -> u64 {
 /// Twelve rounds, each of a consumer process and two producer processes with two senders each
 /// (threads with their own connections) streaming 10,000 fresh GPU tensors, some written after a
 /// short spin kernel, with one of the three SIGKILLed at a random moment (a worker crash in a data
-/// pipeline): no message is ever delivered as complete with wrong bytes, every message a live
+/// pipeline; sometimes with the consumer stopped until the killed producer is reaped, so that its
+/// last messages are read after it died), the tensors coming each round by a random way (mapped,
+/// staged, landed on the host; across GPUs where there are two). The plans follow from a seed,
+/// printed first, that `TQ_FAULT_SEED` replays: no message is ever delivered as complete with wrong bytes, every message a live
 /// consumer was sent is received or reported lost, nothing hangs, the survivors' CUDA contexts
 /// stay healthy, and device memory and this process's file descriptors come back every round.
 fn fault_suite() -> Result<()> {
     let context = gpu()?;
+    let gpus = ipc_core::Device::count()? as usize;
+    let seed = case_seed()?;
     memory::trim();
     let free0 = free_bytes(&context)?;
     let fds0 = open_fds()?;
     let start = Instant::now();
     let mut total = RoundTally::default();
     for round in 0..SUITE_ROUNDS {
-        let tally = fault_round(round, &context, free0, fds0).with_context(|| format!("round {round}"))?;
+        let plan = RoundPlan::new(seed.wrapping_add(round), gpus);
+        let tally = fault_round(round, plan, &context, free0, fds0)
+            .with_context(|| format!("round {round} (suite seed {seed})"))?;
         total.ok += tally.ok;
         total.lost += tally.lost;
         total.recovery = total.recovery.max(tally.recovery);
@@ -763,8 +797,7 @@ fn fault_suite() -> Result<()> {
     Ok(())
 }
 
-fn fault_round(round: u64, context: &Arc<Context>, free0: usize, fds0: usize) -> Result<RoundTally> {
-    let plan = RoundPlan::new(round);
+fn fault_round(round: u64, plan: RoundPlan, context: &Arc<Context>, free0: usize, fds0: usize) -> Result<RoundTally> {
     let path = socket_path(&format!("fault-{round}"));
     let result = run_round(round, &plan, &path, context, free0, fds0);
     // A killed consumer leaves its socket file behind.
@@ -782,7 +815,8 @@ fn run_round(
 ) -> Result<RoundTally> {
     let path = path.to_str().context("a UTF-8 socket path")?;
     let len = SUITE_LEN.to_string();
-    let mut consumer = Proc::start("consumer", &strings(&["consume", "--listen", path, "--len", &len]))?;
+    let mut consumer =
+        Proc::start("consumer", &strings(&["consume", "--listen", path, "--len", &len, "--landing", plan.landing]))?;
     consumer.wait_said("ready", Duration::from_secs(30))?;
     let mut producers = (0..SUITE_PRODUCERS)
         .map(|k| {
@@ -821,7 +855,7 @@ fn run_round(
         let sent: usize = producers.iter().map(|p| p.sent).sum();
         let due = match plan.kill {
             KillAt::AfterMs(ms) => spawned.elapsed() >= Duration::from_millis(ms),
-            KillAt::AfterSent(n) => sent >= n,
+            KillAt::AfterSent(n) | KillAt::ConsumerStopped(n) => sent >= n,
         };
         let mut producers_running = false;
         for producer in &mut producers {
@@ -839,8 +873,21 @@ fn run_round(
     let victim_pid = victim.pid();
     // A victim that already ended by itself is a survivor.
     let victim_was_running = victim.exited()?.is_none();
+    let stopped = matches!(plan.kill, KillAt::ConsumerStopped(_)) && plan.victim != 0;
+    if stopped {
+        // The consumer reads nothing more until the victim is dead and reaped; the producers
+        // send what their credits allow meanwhile.
+        signal(&consumer, "STOP")?;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let victim = if plan.victim == 0 { &mut consumer } else { &mut producers[plan.victim - 1] };
     victim.sigkill()?;
     let killed_at = Instant::now();
+    if stopped {
+        let reaped = victim.exit_within(Duration::from_secs(10))?.is_some();
+        signal(&consumer, "CONT")?;
+        ensure!(reaped, "{victim_name} outlived its SIGKILL by 10 s");
+    }
     let at = spawned.elapsed();
 
     // Every process ends within 10 s of the kill (the consumer within 10 s of being told).
@@ -1013,11 +1060,17 @@ fn run_round(
         _ if !victim_was_running => "after it had ended".to_string(),
         KillAt::AfterMs(_) => format!("{} ms after the start", at.as_millis()),
         KillAt::AfterSent(_) => format!("after {sent_at_kill} sends ({} ms)", at.as_millis()),
+        KillAt::ConsumerStopped(_) if stopped => {
+            format!("after {sent_at_kill} sends ({} ms), the consumer stopped until it was reaped", at.as_millis())
+        }
+        KillAt::ConsumerStopped(_) => format!("after {sent_at_kill} sends ({} ms)", at.as_millis()),
     };
     println!(
-        "round {round:2}: killed {victim_name} {killed_what}; {sent} of {SUITE_MESSAGES} said sent, {} ok, {lost} \
+        "round {round:2} (seed {}, landing {}): killed {victim_name} {killed_what}; {sent} of {SUITE_MESSAGES} said sent, {} ok, {lost} \
          lost, {conn_errors} connection errors; every process ended {} ms after the kill; free memory {:+.0} MiB from the start, back in {} ms; \
          {fds} fds ({fds0} at the start)",
+        plan.seed,
+        plan.landing,
         ok.len(),
         recovery.as_millis(),
         mib(free as i64 - free0 as i64),
@@ -1025,4 +1078,324 @@ fn run_round(
     );
     ensure!(problems.is_empty(), "round {round}:\n  {}\n{tails}", problems.join("\n  "));
     Ok(RoundTally { ok: ok.len() as u64, lost, recovery })
+}
+
+// ------------------------------------------------- a producer killed on each route, at each moment
+
+/// How a killed producer's tensors reach the receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    /// Mapped in place on the producer's GPU.
+    SameGpu,
+    /// Staged through pinned host memory, back onto the same GPU.
+    Staged,
+    /// Landed in host memory (`Landing::Host`).
+    Host,
+    /// Copied by the producer over the peer link onto the receiver's GPU 1.
+    PeerCopy,
+    /// Mapped over the peer link for GPU 1.
+    PeerMap,
+    /// Staged through pinned host memory onto GPU 1.
+    StagedAcross,
+}
+
+impl Way {
+    /// The receiver's routing for this way; `other` is GPU 1's UUID (for the cross-device ways).
+    fn routing(self, other: Option<tensor_queue::Uuid>) -> Result<Routing> {
+        let on_other = || other.map(|u| Routing::default().land(Landing::Device(u))).context("needs GPU 1");
+        Ok(match self {
+            Way::SameGpu => Routing::default(),
+            Way::Staged => Routing::default().peer(PeerMode::Stage),
+            Way::Host => Routing::default().land(Landing::Host),
+            Way::PeerCopy => on_other()?.peer(PeerMode::Copy),
+            Way::PeerMap => on_other()?.peer(PeerMode::Map),
+            Way::StagedAcross => on_other()?.peer(PeerMode::Stage),
+        })
+    }
+
+    /// The paths a received tensor of this way says it came by.
+    fn paths(self) -> &'static [TransferPath] {
+        match self {
+            Way::SameGpu => &[TransferPath::CudaVmm, TransferPath::CudaLegacyIpc],
+            Way::Staged | Way::StagedAcross => &[TransferPath::Staged],
+            Way::Host => &[TransferPath::StagedToHost],
+            Way::PeerCopy => &[TransferPath::PeerCopied],
+            Way::PeerMap => &[TransferPath::PeerMapped],
+        }
+    }
+}
+
+/// When the producer is killed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Moment {
+    /// After `send_on` returned with 2 s of GPU work queued, and reaped, before the receiver's
+    /// first `recv` (it had read nothing of the producer, not even its hello).
+    BeforeRecv,
+    /// After `send_on` returned with 2 s of GPU work queued, while the receiver is receiving.
+    DuringWork,
+    /// Right after `send_on` returned with no work before its 1 GiB of copies (4 x 256 MiB):
+    /// while they run, on the copy routes.
+    DuringCopy,
+}
+
+/// What one killed-producer case saw.
+enum Outcome {
+    /// `recv` said `Error::ProducerFailed`.
+    Refused,
+    /// Delivered, every byte the producer's (the driver ran its queued work to the end).
+    Whole,
+    /// Delivered with `producer_failed()` true.
+    Flagged,
+}
+
+/// GPU time queued before the doomed producer's first fill, for the work moments.
+const DOOMED_SPIN: Duration = Duration::from_secs(2);
+
+/// Kills a `tq-fault batch` producer at `moment` on `way`, then checks as a user would: its
+/// message is refused (`ProducerFailed`) or delivered flagged (`producer_failed()`), or delivered
+/// whole with the producer's bytes (checked on the GPU); every received tensor's stream drains;
+/// `recv` then says `Disconnected` (nothing of it stays parked); a new producer's message
+/// arrives intact; and the receiver's contexts still work.
+fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -> Result<Outcome> {
+    let other = match contexts.get(1) {
+        Some(context) => Some(context.device().uuid()?),
+        None => None,
+    };
+    let options = ReceiverOptions { routing: way.routing(other)?, ..ReceiverOptions::default() };
+    let path = socket_path(&format!("killed-{way:?}-{moment:?}"));
+    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let path = path.to_str().context("a UTF-8 socket path")?.to_string();
+    let (tensors, len, spin) = match moment {
+        Moment::DuringCopy => (4, 256 * MIB, Duration::ZERO),
+        _ => (4, 32 * MIB, DOOMED_SPIN),
+    };
+    let batch_args = |seed: u64, tensors: usize, len: usize, spin: Duration| {
+        strings(&[
+            "batch",
+            "--to",
+            &path,
+            "--tensors",
+            &tensors.to_string(),
+            "--len",
+            &len.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--spin-us",
+            &spin.as_micros().to_string(),
+        ])
+    };
+    let mut doomed = Proc::start("doomed producer", &batch_args(seed, tensors, len, spin))?;
+    let mut held: Vec<FaultBatch> = Vec::new();
+    let mut refused = 0;
+    // Up to the kill: the receiver receives meanwhile, except before its first `recv`.
+    let started = Instant::now();
+    loop {
+        doomed.poll();
+        if doomed.has_said("sent") {
+            break;
+        }
+        ensure!(doomed.exited()?.is_none(), "the doomed producer ended before it sent; {}", doomed.tail(10));
+        ensure!(started.elapsed() < Duration::from_secs(60), "no send within 60 s; {}", doomed.tail(10));
+        if moment == Moment::BeforeRecv {
+            std::thread::sleep(Duration::from_micros(200));
+        } else {
+            take_doomed(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_micros(200))?;
+        }
+    }
+    doomed.sigkill()?;
+    let killed_at = Instant::now();
+    if moment == Moment::BeforeRecv {
+        // Reaped: its pid names nothing any more when the receiver first looks.
+        ensure!(doomed.exit_within(Duration::from_secs(30))?.is_some(), "the doomed producer outlived its SIGKILL");
+    }
+    // Its message, then the end of its connection.
+    let disconnected = loop {
+        ensure!(
+            killed_at.elapsed() < Duration::from_secs(30),
+            "30 s after the kill, no Disconnected; its message was {}",
+            if held.len() + refused == 0 { "neither delivered nor reported" } else { "handled" }
+        );
+        if take_doomed(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_millis(100))? {
+            break killed_at.elapsed();
+        }
+    };
+    let status = doomed.exit_within(Duration::from_secs(10))?;
+    ensure!(status.and_then(|s| s.signal()) == Some(9), "the doomed producer ended with {status:?}");
+    ensure!(
+        held.len() + refused == 1,
+        "the killed producer's one message was delivered {} times and refused {refused} times",
+        held.len()
+    );
+    let outcome = match held.first() {
+        Some(batch) => judge(batch, way, len)?,
+        None => Outcome::Refused,
+    };
+    let errors = receiver.take_errors();
+    println!(
+        "  {way:?} killed {moment:?}: {}; Disconnected {} ms after the kill; errors: {errors:?}",
+        match outcome {
+            Outcome::Refused => "refused (ProducerFailed)",
+            Outcome::Whole => "delivered whole (the driver finished its work)",
+            Outcome::Flagged => "delivered, producer_failed()",
+        },
+        disconnected.as_millis()
+    );
+    drop(held);
+
+    // A new producer on the same receiver: its message arrives intact.
+    let healthy_seed = seed ^ 0x5a5a;
+    let mut healthy = Proc::start("healthy producer", &batch_args(healthy_seed, 2, MIB, Duration::ZERO))?;
+    let start = Instant::now();
+    let batch = loop {
+        ensure!(start.elapsed() < Duration::from_secs(30), "no healthy message within 30 s; {}", healthy.tail(10));
+        match receiver.recv_timeout(Duration::from_millis(100)) {
+            Ok(batch) => break batch,
+            Err(Error::Timeout) => healthy.poll(),
+            Err(Error::Disconnected) => {
+                // Not connected yet: a bound receiver takes new senders after its last one left.
+                healthy.poll();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(error) => bail!("recv of the healthy message: {error:?}; {}", healthy.tail(10)),
+        }
+    };
+    ensure!(batch.seed == healthy_seed && batch.tensors.len() == 2, "the healthy message is another's");
+    for (k, tensor) in batch.tensors.iter().enumerate() {
+        ensure!(way.paths().contains(&tensor.path()), "the healthy tensor came by {:?}", tensor.path());
+        let seen = drained_checksum(tensor)?;
+        ensure!(seen == expected(MIB, healthy_seed + k as u64), "healthy tensor {k}: wrong bytes");
+        ensure!(!tensor.producer_failed(), "the healthy producer's tensor is flagged");
+    }
+    drop(batch);
+    let status = healthy.exit_within(Duration::from_secs(30))?;
+    healthy.finish_lines(Duration::from_secs(2));
+    ensure!(status.is_some_and(|s| s.success()), "the healthy producer ended with {status:?}; {}", healthy.tail(10));
+    ensure!(healthy.has_said("released") && healthy.has_said("cuda ok"), "{}", healthy.tail(10));
+    for context in contexts {
+        cuda_ok(context)?;
+    }
+    Ok(outcome)
+}
+
+/// One `recv` of the killed-case receiver, for up to `wait`: keeps a message of the doomed
+/// producer in `held` (checked once it is dead: see [`judge`]) and notes a refusal in `refused`.
+/// Whether `recv` said `Disconnected`.
+fn take_doomed(
+    receiver: &mut Receiver<FaultBatch>,
+    doomed: &Proc,
+    held: &mut Vec<FaultBatch>,
+    refused: &mut usize,
+    wait: Duration,
+) -> Result<bool> {
+    match receiver.recv_with_info(Some(wait)) {
+        Ok((batch, info)) => {
+            ensure!(info.sender_pid == doomed.pid() && batch.pid == doomed.pid(), "a message from pid {}", batch.pid);
+            held.push(batch);
+            Ok(false)
+        }
+        Err(Error::ProducerFailed { pid, seq }) => {
+            ensure!(pid == doomed.pid() && seq == 1, "ProducerFailed for pid {pid} seq {seq}");
+            *refused += 1;
+            Ok(false)
+        }
+        Err(Error::Timeout) => Ok(false),
+        Err(Error::Disconnected) => Ok(true),
+        Err(error) => bail!("recv: {error:?}"),
+    }
+}
+
+/// What a delivered message of a killed producer is: whole (every byte its producer's, checked
+/// on the GPU) or flagged; an error if a tensor's stream never drains or wrong bytes go unflagged.
+fn judge(batch: &FaultBatch, way: Way, len: usize) -> Result<Outcome> {
+    let mut intact = true;
+    for (k, tensor) in batch.tensors.iter().enumerate() {
+        ensure!(way.paths().contains(&tensor.path()), "tensor {k} came by {:?}", tensor.path());
+        let seen = drained_checksum(tensor).with_context(|| format!("the killed producer's tensor {k}"))?;
+        intact &= seen == expected(len, batch.seed + k as u64);
+    }
+    let settle = if intact { Duration::ZERO } else { Duration::from_secs(2) };
+    let flagged = batch.tensors.iter().all(|t| wait_for(settle, || t.producer_failed()).is_some());
+    Ok(match (intact, flagged) {
+        (_, true) => Outcome::Flagged,
+        (true, false) => Outcome::Whole,
+        (false, false) => bail!("a killed producer's message was delivered with wrong bytes, not flagged"),
+    })
+}
+
+/// A received tensor's checksum (on the GPU for GPU tensors), once its stream drained: an error
+/// if it did not within [`USABLE_WITHIN`].
+fn drained_checksum(tensor: &Tensor) -> Result<u64> {
+    if tensor.stream().is_none() {
+        return checksum(tensor); // in host memory
+    }
+    bounded_checksum(tensor)
+}
+
+/// The seed of the killed-producer cases: `TQ_FAULT_SEED` if set (to replay a run), else new.
+fn case_seed() -> Result<u64> {
+    let seed = match std::env::var("TQ_FAULT_SEED") {
+        Ok(text) => text.parse().with_context(|| format!("TQ_FAULT_SEED={text:?} is not a number"))?,
+        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 & 0xffff_ffff,
+    };
+    println!("seed {seed} (replay with TQ_FAULT_SEED={seed})");
+    Ok(seed)
+}
+
+/// Runs `cases`, each with its own seed from [`case_seed`]: all of them, then every failure.
+fn killed_cases(cases: &[(Way, Moment)], contexts: &[Arc<Context>]) -> Result<()> {
+    let seed = case_seed()?;
+    let mut failures = Vec::new();
+    for (n, &(way, moment)) in cases.iter().enumerate() {
+        let case_seed = (seed << 8) + n as u64 * 16;
+        if let Err(error) = killed_case(way, moment, contexts, case_seed) {
+            println!("  {way:?} killed {moment:?}: FAILED: {error:#}");
+            failures.push(format!("{way:?} killed {moment:?}: {error:#}"));
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "{} of {} cases failed (seed {seed}):\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    Ok(())
+}
+
+/// A producer SIGKILLed with its message sent, on each route of one GPU (mapped, staged, landed
+/// on the host) and at each moment (before the receiver's first `recv`, during its GPU work,
+/// during its copies): see [`killed_case`].
+fn killed_on_one_gpu() -> Result<()> {
+    let context = gpu()?;
+    killed_cases(
+        &[
+            (Way::SameGpu, Moment::BeforeRecv),
+            (Way::SameGpu, Moment::DuringWork),
+            (Way::Host, Moment::BeforeRecv),
+            (Way::Host, Moment::DuringWork),
+            (Way::Host, Moment::DuringCopy),
+            (Way::Staged, Moment::BeforeRecv),
+            (Way::Staged, Moment::DuringWork),
+            (Way::Staged, Moment::DuringCopy),
+        ],
+        &[context],
+    )
+}
+
+/// The same across two GPUs: the peer copy, the peer mapping and staging onto GPU 1.
+fn killed_across_gpus() -> Result<()> {
+    let contexts = vec![gpu()?, Context::on_ordinal(1)?];
+    Kernels::get(&contexts[1])?;
+    killed_cases(
+        &[
+            (Way::PeerCopy, Moment::BeforeRecv),
+            (Way::PeerCopy, Moment::DuringWork),
+            (Way::PeerCopy, Moment::DuringCopy),
+            (Way::PeerMap, Moment::BeforeRecv),
+            (Way::PeerMap, Moment::DuringWork),
+            (Way::StagedAcross, Moment::BeforeRecv),
+            (Way::StagedAcross, Moment::DuringCopy),
+        ],
+        &contexts,
+    )
 }

@@ -19,7 +19,8 @@ use crate::{cargo, cargo_command, run, workspace_root};
 /// bundle leaves room for both.
 const SIZE_LIMIT: u64 = 56 << 20;
 
-/// Binaries that tests start as second processes, and benchmarks.
+/// Binaries that tests start as second processes, and benchmarks. [`check_helpers`] makes sure
+/// every helper a test or helper names is among them.
 const BINARIES: &[&str] = &[
     "tq",
     "ipc-helper",
@@ -27,11 +28,16 @@ const BINARIES: &[&str] = &[
     "tq-user",
     "tq-fault",
     "tq-cross",
+    "tcp-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",
     "tq-hosts",
 ];
+
+/// Where tests and helpers name the binaries they start: `bin_path("NAME")` (the integration
+/// tests' lookup) and `CARGO_BIN_EXE_NAME` (cargo's).
+const HELPER_MARKERS: &[(&str, &str)] = &[("bin_path(\"", "\""), ("CARGO_BIN_EXE_", "\"")];
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
 const BENCH_SCRIPT: &str = include_str!("bench-bundle.sh");
@@ -46,6 +52,7 @@ pub fn build() -> Result<()> {
         std::fs::create_dir_all(bundle.join(dir))?;
     }
 
+    check_helpers(&root)?;
     cargo(&["build", "--release", "--workspace", "--bins", "--examples"])?;
     for name in BINARIES {
         copy(&root.join("target/release").join(name), &bundle.join("bin").join(name))?;
@@ -87,6 +94,69 @@ pub fn build() -> Result<()> {
     );
     if size > SIZE_LIMIT {
         bail!("the bundle is {size} bytes, over the {SIZE_LIMIT}-byte budget for the device carry");
+    }
+    Ok(())
+}
+
+/// Fails, before anything is built, if a test or helper of the workspace starts a binary that is
+/// not in [`BINARIES`]: it would fail only on the GPU machine ("No such file").
+fn check_helpers(root: &Path) -> Result<()> {
+    let mut sources = Vec::new();
+    for crate_dir in ["tests", "tensor-queue", "ipc-core", "kernels"] {
+        rust_files(&root.join(crate_dir), &mut sources)?;
+    }
+    let mut missing: Vec<(String, PathBuf)> = Vec::new();
+    for source in &sources {
+        let text = std::fs::read_to_string(source).with_context(|| format!("reading {}", source.display()))?;
+        for name in helpers_named(&text) {
+            if !BINARIES.contains(&name.as_str()) && !missing.iter().any(|(n, _)| *n == name) {
+                missing.push((name, source.strip_prefix(root).unwrap_or(source).to_path_buf()));
+            }
+        }
+    }
+    if !missing.is_empty() {
+        let missing: Vec<String> =
+            missing.iter().map(|(name, source)| format!("{name} (started in {})", source.display())).collect();
+        bail!(
+            "tests start binaries the GPU bundle would not carry (add them to BINARIES in xtask/src/bundle.rs): {}",
+            missing.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// The binaries `text` names through [`HELPER_MARKERS`] (names built at run time, such as the
+/// examples' `bin_path(&format!(..))`, are not literal and are not counted).
+fn helpers_named(text: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    for (start, end) in HELPER_MARKERS {
+        for (at, _) in text.match_indices(start) {
+            let rest = &text[at + start.len()..];
+            let Some(len) = rest.find(end) else { continue };
+            let name = &rest[..len];
+            let plain = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+            if plain && !names.iter().any(|n| n == name) {
+                names.push(name.to_string());
+            }
+        }
+    }
+    names
+}
+
+/// Every `.rs` file under `dir` (none if it does not exist), `target` folders left out.
+fn rust_files(dir: &Path, found: &mut Vec<PathBuf>) -> Result<()> {
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            if path.file_name().is_some_and(|n| n != "target") {
+                rust_files(&path, found)?;
+            }
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            found.push(path);
+        }
     }
     Ok(())
 }
@@ -156,4 +226,22 @@ fn folder_size(dir: &Path) -> Result<u64> {
         total += if meta.is_dir() { folder_size(&entry.path())? } else { meta.len() };
     }
     Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_helpers_tests_start() {
+        let text = r#"Command::new(bin_path("tcp-peer")?); bin_path(&format!("../examples/{name}"));
+            env!("CARGO_BIN_EXE_tq-cross"); bin_path("tcp-peer")"#;
+        assert_eq!(helpers_named(text), ["tcp-peer", "tq-cross"]);
+    }
+
+    /// The check the bundle makes, on this workspace: every helper a test starts is carried.
+    #[test]
+    fn every_helper_the_tests_start_is_bundled() {
+        check_helpers(&workspace_root()).unwrap();
+    }
 }

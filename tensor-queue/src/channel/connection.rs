@@ -255,7 +255,7 @@ impl Connected {
         let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
             let instance = self.peer.link.check_hello(frame)?.instance;
-            self.producer = Some((instance, producer(self.pid(), instance)));
+            self.producer = Some((instance, producer(self.pid(), instance, !self.peer.link.remote)));
             return Ok(Progress::Greeted);
         };
         let instance = *instance;

@@ -4,7 +4,11 @@
 //! signal word (see `signal.rs`). If the producer dies before its work writes the word, the write
 //! never comes, and the wait would block the receiver's stream, and every later use of it,
 //! forever. So this module keeps, per producer process, each word this process waits on and the
-//! highest value awaited, and a watcher thread holds a pidfd of each producer. When one dies it:
+//! highest value awaited, and a watcher thread polls a pidfd of each producer, opened when the
+//! producer says hello (while it most likely lives: a pid looked up after the process was reaped
+//! names nothing, or another process). A producer already gone then is dead from the start: no
+//! wait on its words is ever queued, and each word is read when first named, to tell whether its
+//! messages were complete. When one dies it:
 //! 1. reads each word: messages fenced at or below that value were complete, the others were not;
 //! 2. writes the highest awaited value itself, on a stream of its own, which releases every wait;
 //! 3. records the value read, so that each message can tell whether it was complete
@@ -129,7 +133,16 @@ struct ProducerState {
 static PRODUCERS: Mutex<Vec<Weak<Producer>>> = Mutex::new(Vec::new());
 
 /// The producer process `pid` (named for good by `instance`), shared by every connection from it.
-pub(crate) fn producer(pid: u32, instance: u64) -> Arc<Producer> {
+/// For a sender of this machine (`local`), its pidfd is opened now, if it was not already.
+pub(crate) fn producer(pid: u32, instance: u64, local: bool) -> Arc<Producer> {
+    let producer = registered(pid, instance);
+    if local {
+        producer.open(&mut lock(&producer.state));
+    }
+    producer
+}
+
+fn registered(pid: u32, instance: u64) -> Arc<Producer> {
     let mut all = lock(&PRODUCERS);
     all.retain(|p| p.strong_count() > 0);
     if let Some(found) = all.iter().filter_map(Weak::upgrade).find(|p| p.pid == pid && p.instance == instance) {
@@ -168,7 +181,13 @@ impl Producer {
         let at = match state.words.iter().position(|w| w.chunk.id == chunk.id && w.offset == offset) {
             Some(at) => at,
             None => {
-                self.watch();
+                self.open(&mut state);
+                Watcher::start();
+                if !state.dead && self.process().is_some_and(|p| !p.is_alive().unwrap_or(true)) {
+                    // Exited (not reaped yet) before the watcher heard: rescue its words now,
+                    // so that no wait on this one is queued.
+                    self.rescue_locked(&mut state);
+                }
                 let fate = Arc::new(WordFate(AtomicU64::new(u64::MAX)));
                 state.words.push(Word { chunk: chunk.clone(), offset, awaited: 0, fate });
                 state.words.len() - 1
@@ -200,17 +219,21 @@ impl Producer {
         lock(&self.state).dead
     }
 
-    /// Opens the producer's pidfd (once) and makes sure the watcher runs.
-    fn watch(&self) {
+    /// Opens the producer's pidfd, once. A producer that no longer exists is dead from now on.
+    fn open(&self, state: &mut ProducerState) {
         self.process.get_or_init(|| match ProcessHandle::open(self.pid) {
             Ok(process) => Some(process),
+            Err(ipc_core::Error::NoSuchProcess { .. }) => {
+                tracing::debug!(pid = self.pid, "a producer was gone before its fences were seen");
+                state.dead = true;
+                None
+            }
             Err(error) => {
                 let pid = self.pid;
                 tracing::warn!(pid, %error, "cannot watch a producer: if it dies with GPU work queued, waits on it stay");
                 None
             }
         });
-        Watcher::start();
     }
 
     fn process(&self) -> Option<&ProcessHandle> {
@@ -219,7 +242,10 @@ impl Producer {
 
     /// The producer is dead: note how far each word got, and release every wait on it.
     fn rescue(&self) {
-        let mut state = lock(&self.state);
+        self.rescue_locked(&mut lock(&self.state));
+    }
+
+    fn rescue_locked(&self, state: &mut ProducerState) {
         if state.dead {
             return;
         }
@@ -309,5 +335,65 @@ impl Watcher {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use super::*;
+    use crate::arena::ChunkMemory;
+
+    /// A host word, as the host and staged routes use.
+    fn host_word() -> Arc<Chunk> {
+        let memory = ipc_core::SharedMemory::create("tq-fences-test", 4096).unwrap();
+        Chunk::writable(ChunkMemory::Host(memory)).unwrap()
+    }
+
+    /// A producer that exited and was reaped before its hello was read (its pid names nothing
+    /// now): its messages whose word it wrote are complete, the others failed and never waited for.
+    #[test]
+    fn a_producer_reaped_before_its_hello_is_dead() {
+        let mut child = Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        let producer = producer(pid, 0xdead, true);
+        let chunk = host_word();
+        chunk.host().unwrap().store_u64(8, 5).unwrap();
+        let unfinished = producer.wait_on_cpu(&chunk, 0, 1).unwrap();
+        assert!(unfinished.ready_on_cpu().unwrap(), "no wait on a dead producer");
+        assert!(unfinished.failed(), "its word never reached the message's value");
+        let finished = producer.wait_on_cpu(&chunk, 8, 5).unwrap();
+        assert!(finished.ready_on_cpu().unwrap() && !finished.failed(), "written before it died: complete");
+    }
+
+    /// A producer that exited (not reaped yet) before its first fence is rescued at that fence,
+    /// without waiting for the watcher.
+    #[test]
+    fn a_producer_exited_before_its_first_fence_is_rescued_at_once() {
+        let mut child = Command::new("sleep").arg("30").spawn().unwrap();
+        let producer = producer(child.id(), 0xbeef, true);
+        child.kill().unwrap();
+        // Exited once its pidfd says so; not reaped: the pid stays its own.
+        let process = ProcessHandle::open(child.id()).unwrap();
+        while process.is_alive().unwrap() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let chunk = host_word();
+        let wait = producer.wait_on_cpu(&chunk, 0, 3).unwrap();
+        assert!(wait.failed() && wait.ready_on_cpu().unwrap());
+        child.wait().unwrap();
+    }
+
+    /// A live producer's fence waits for its word, and is complete once it is written.
+    #[test]
+    fn a_live_producer_is_waited_for() {
+        let producer = producer(std::process::id(), 0xa11e, true);
+        let chunk = host_word();
+        let wait = producer.wait_on_cpu(&chunk, 16, 2).unwrap();
+        assert!(!wait.ready_on_cpu().unwrap() && !wait.failed());
+        chunk.host().unwrap().store_u64(16, 2).unwrap();
+        assert!(wait.ready_on_cpu().unwrap() && !wait.failed());
     }
 }

@@ -72,7 +72,8 @@ impl Connected {
         let piece = route::staging_piece(len);
         for k in 0..len.div_ceil(piece) {
             if !super::switches::skip_ordering() {
-                fences.push(producer.wait(stream, &signal, offset, value + k as u64).map_err(|e| match e {
+                let value = value.checked_add(k as u64).ok_or_else(|| bad(format!("signal value {value}")))?;
+                fences.push(producer.wait(stream, &signal, offset, value).map_err(|e| match e {
                     Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
                         bad(format!("signal word {offset}: {e}"))
                     }
@@ -87,9 +88,15 @@ impl Connected {
     }
 
     /// Notes the host word a host-route tensor's data waits for; `recv` waits for it on the CPU.
+    /// The sender copied the storage in pieces, each followed by the next value of the word (see
+    /// `signal::host_signal_pieces`): the data is whole only once the last piece's value is there.
     pub(super) fn fence_on_cpu(&self, index: usize, desc: &TensorDesc) -> Result<Option<FenceWait>> {
-        let (signal, offset, value) = self.host_signal(index, desc)?;
+        let (signal, offset, first) = self.host_signal(index, desc)?;
         let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+        let len = desc.storage_len as usize;
+        let pieces = len.div_ceil(route::staging_piece(len)).max(1);
+        let value =
+            first.checked_add(pieces as u64 - 1).ok_or_else(|| self.refusal(index, format!("signal value {first}")))?;
         producer.wait_on_cpu(&signal, offset, value).map(Some).map_err(|e| match e {
             Error::Core(_) => self.refusal(index, format!("signal word {offset}: {e}")),
             other => other,

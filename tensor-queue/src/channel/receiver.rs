@@ -586,10 +586,22 @@ impl<T: DeserializeOwned> Receiver<T> {
         std::mem::take(&mut self.errors)
     }
 
-    /// The stream that received GPU tensors of `device` are ordered on, if one was set with
-    /// [`Receiver::set_stream`]. Otherwise each sender's tensors have a stream of their own
-    /// ([`Tensor::stream`](crate::Tensor::stream)), so that one producer's slow work never holds
-    /// up another's tensors; this returns a new stream of the device then, for the caller's use.
+    /// A stream of `device` to queue the caller's own work on: the one set with
+    /// [`Receiver::set_stream`], if any, else a new stream of that GPU. It is not, in general,
+    /// the stream received tensors are ordered on: each sender's tensors have a stream of their
+    /// own ([`Tensor::stream`](crate::Tensor::stream)), so that one producer's slow work never
+    /// holds up another's; order work after a tensor with
+    /// [`Tensor::copy_on`](crate::Tensor::copy_on) or a wait on its stream.
+    ///
+    /// (Named `stream` before, when it was always the stream tensors were ordered on; the new
+    /// name makes code written for that meaning fail to compile instead of reading unfinished
+    /// data.)
+    ///
+    /// ```compile_fail
+    /// # fn old(receiver: &tensor_queue::Receiver<tensor_queue::Tensor>, device: &tensor_queue::Uuid) {
+    /// let ordered_on = receiver.stream(device); // the old name is gone
+    /// # }
+    /// ```
     ///
     /// ```no_run
     /// # fn main() -> tensor_queue::Result<()> {
@@ -597,12 +609,12 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// let mut receiver = Receiver::<Tensor>::bind("/tmp/activations.sock")?;
     /// let x = receiver.recv()?;
     /// let TensorDevice::Cuda(device) = x.device() else { panic!("a host tensor") };
-    /// let work = receiver.stream(&device)?; // a new stream of x's GPU: none was set
+    /// let work = receiver.work_stream(&device)?; // a new stream of x's GPU: none was set
     /// let y = x.copy_on(&work)?; // after x's producer, on `work`
     /// # drop(y);
     /// # Ok(()) }
     /// ```
-    pub fn stream(&self, device: &Uuid) -> Result<Arc<Stream>> {
+    pub fn work_stream(&self, device: &Uuid) -> Result<Arc<Stream>> {
         match self.devices.chosen(device) {
             Some(stream) => Ok(stream),
             None => Ok(Arc::new(Stream::new(&self.devices.context(device)?)?)),

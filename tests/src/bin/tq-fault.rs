@@ -15,13 +15,21 @@
 //!   `error <thread> <what>` if sending stopped early, `released <thread>` or `unreleased
 //!   <thread> <n>` once the receiver gave every lease back (10 s at most), and at the end
 //!   `cuda ok` (or `cuda error <what>`) after a kernel and a sync on a fresh stream.
-//! - `consume --listen P --len L`: bind a receiver of items at `P`, print `ready`, then check each
+//! - `consume --listen P --len L [--landing W]`: bind a receiver of items at `P` whose tensors
+//!   come the way `W` says (`same`, the default: mapped in place; `staged`: through pinned host
+//!   memory onto the same GPU; `host`: landed in host memory; `peer-copy`, `peer-map`,
+//!   `staged-across`: onto GPU 1), print `ready`, then check each
 //!   message's tensor on the GPU and print `ok <pid> <seed> <seq>`, `lost producer-failed <pid>
 //!   <seq>` (`recv` said `Error::ProducerFailed`), `lost flag <pid> <seed> <match|mismatch>`
 //!   (delivered, then `Tensor::producer_failed()` turned true), `failed <seed> <pid>` (delivered
 //!   as complete with the wrong bytes) or `error <what>` (anything else). Closed connections'
 //!   errors are printed as `conn-error <what>`. When stdin closes it drains what is left (5 s at
 //!   most), prints `cuda ok` as `produce` does, and `done ok=<n> lost=<n> failed=<n>`.
+//! - `batch --to P --tensors K --len L --seed S [--device D] [--spin-us U]`: one
+//!   [`FaultBatch`](integration_tests::queue::FaultBatch) of `K` fresh `L`-byte tensors on GPU `D`
+//!   (tensor `k` filled with the pattern of `S + k`, the first fill behind `U` µs of GPU time),
+//!   sent with `send_on` on one stream. Prints `ready`, `sent` once `send_on` returned, then
+//!   `released` (or `unreleased <n>` after 30 s) and `cuda ok`: killed tests kill it after `sent`.
 //! - `hold`: take items from the parent ([`tensor_queue::from_parent`]), check each on the GPU
 //!   (`holding <n> ok|bad`), keep them all, and wait to be killed.
 //!
@@ -35,11 +43,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
-use integration_tests::queue::{FaultItem, checksum, fault_seed};
+use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed};
 use integration_tests::{arg, number};
-use ipc_core::{Context, DeviceBuffer, Stream};
+use ipc_core::{Context, Device, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
-use tensor_queue::{DType, Error, Receiver, Sender, Tensor, from_parent};
+use tensor_queue::route::{Landing, PeerMode, Routing};
+use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor, from_parent};
 
 /// How long a helper may live at most, unless `--deadline-s` says otherwise.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
@@ -66,6 +75,7 @@ fn run() -> Result<()> {
     match args[0].as_str() {
         "produce" => produce(&args),
         "consume" => consume(&args),
+        "batch" => batch(&args),
         "hold" => hold(),
         other => bail!("unknown role {other}"),
     }
@@ -237,7 +247,8 @@ fn consume(args: &[String]) -> Result<()> {
     let listen = arg(args, "--listen").context("--listen <path>")?;
     let len = number(args, "--len", 65536)? as usize;
     let context = if args.iter().any(|a| a == "--host") { None } else { Some(gpu()?) };
-    let mut items = Receiver::<FaultItem>::bind(&listen)?;
+    let routing = landing(arg(args, "--landing").as_deref().unwrap_or("same"))?;
+    let mut items = Receiver::<FaultItem>::bind_with(&listen, ReceiverOptions { routing, ..Default::default() })?;
     std::thread::spawn(|| {
         for line in std::io::stdin().lock().lines() {
             if line.is_err() {
@@ -321,6 +332,20 @@ fn consume(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The routing of a receiver whose tensors come the way `name` says (see `consume`).
+fn landing(name: &str) -> Result<Routing> {
+    let gpu1 = || -> Result<Routing> { Ok(Routing::default().land(Landing::Device(Device::get(1)?.uuid()?))) };
+    Ok(match name {
+        "same" => Routing::default(),
+        "staged" => Routing::default().peer(PeerMode::Stage),
+        "host" => Routing::default().land(Landing::Host),
+        "peer-copy" => gpu1()?.peer(PeerMode::Copy),
+        "peer-map" => gpu1()?.peer(PeerMode::Map),
+        "staged-across" => gpu1()?.peer(PeerMode::Stage),
+        other => bail!("unknown landing {other}"),
+    })
+}
+
 /// Whether `tensor.producer_failed()` turns true within `timeout`.
 fn wait_for_flag(tensor: &Tensor, timeout: Duration) -> bool {
     let start = Instant::now();
@@ -331,6 +356,41 @@ fn wait_for_flag(tensor: &Tensor, timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(1));
     }
     tensor.producer_failed()
+}
+
+fn batch(args: &[String]) -> Result<()> {
+    let to = arg(args, "--to").context("--to <path>")?;
+    let count = number(args, "--tensors", 1)?;
+    let len = number(args, "--len", 4096)? as usize;
+    let seed = number(args, "--seed", 0)?;
+    let spin = Duration::from_micros(number(args, "--spin-us", 0)?);
+    let context = Context::on_ordinal(number(args, "--device", 0)? as i32)?;
+    let kernels = Kernels::get(&context)?;
+    let stream = Stream::new(&context)?;
+    let sender = Sender::<FaultBatch>::connect(&to)?;
+    sender.wait_ready(Duration::from_secs(30))?;
+    let mut tensors = Vec::new();
+    for k in 0..count {
+        let tensor = Tensor::empty_cuda(&context, DType::U8, &[len as u64])?;
+        let view = tensor.cuda_view()?;
+        if k == 0 && !spin.is_zero() {
+            kernels.spin_then_fill(&view, len, seed + k, spin, &stream)?;
+        } else {
+            kernels.fill(&view, 0, len, seed + k, &stream)?;
+        }
+        tensors.push(tensor);
+    }
+    // Every allocation and fill is queued before `ready`: the sends that follow take little time.
+    println!("ready");
+    sender.send_on(&FaultBatch { pid: std::process::id(), seed, tensors }, &stream)?;
+    println!("sent");
+    if sender.wait_released(Duration::from_secs(30)) {
+        println!("released");
+    } else {
+        println!("unreleased {}", sender.outstanding_leases());
+    }
+    report_cuda(Some(&context));
+    Ok(())
 }
 
 fn hold() -> Result<()> {

@@ -224,7 +224,8 @@ fn drain(
 ) -> Result<()> {
     let gpu = match context {
         Some(context) => {
-            let stream = items.stream(&context.device().uuid()?)?;
+            // The stream set above, which every sender's tensors are ordered on.
+            let stream = items.work_stream(&context.device().uuid()?)?;
             let counter = DeviceBuffer::alloc(context, 8)?;
             Some((context.clone(), stream, Kernels::get(context)?, counter))
         }
