@@ -476,7 +476,7 @@ fn received_host_tensors_are_read_only_unless_shared_writable() {
     sender.send(&vec![private.clone(), shared.clone()]).unwrap();
     let received = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
     assert!(received[0].set(&[0], 9.0f32).is_err(), "a read-only tensor cannot be written");
-    assert_eq!(received[0].as_slice::<f32>().unwrap(), [1.0, 2.0], "but it reads");
+    assert_eq!(received[0].to_vec::<f32>().unwrap(), [1.0, 2.0], "but it reads");
     received[1].set(&[1], 7.0f32).unwrap();
     assert_eq!(shared.get::<f32>(&[1]).unwrap(), 7.0, "a writable one is shared both ways");
 }
@@ -563,7 +563,7 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
     let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
     let honest = Sender::<Probe>::connect(&path).unwrap();
     let stalled = raw_client(&path);
-    let (data, mut word) =
+    let (data, word) =
         (SharedMemory::create("parked-data", 4096).unwrap(), SharedMemory::create("parked-word", 4096).unwrap());
     let host =
         |id, writable| Frame::Chunk { id, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable };
@@ -588,7 +588,7 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
     honest.send(&probe_again()).unwrap();
     assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2, "the honest message is not held up");
     assert!(matches!(receiver.recv_timeout(Duration::from_millis(100)), Err(Error::Timeout)), "still parked");
-    word.as_mut_slice().unwrap()[..8].copy_from_slice(&1u64.to_le_bytes()); // the producer's copy is done
+    word.write(0, &1u64.to_le_bytes()).unwrap(); // the producer's copy is done
     match receiver.recv_timeout(Duration::from_secs(10)) {
         Err(Error::Rejected { .. }) => {} // delivered: its one-byte payload is not a Probe, so refused
         other => panic!("expected the parked message, got {:?}", other.map(|p| p.id)),
