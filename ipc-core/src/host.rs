@@ -47,14 +47,23 @@ impl PinnedHostBuffer {
     }
 
     /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid for `len` bytes for the life of `self`, and initialised.
+    ///
+    /// # Safety
+    /// The GPUs reach this memory through `&self` (it is [`crate::DeviceMemory`]): no copy or
+    /// kernel may write it while the slice lives (synchronize the work queued on it first).
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` bytes for the life of `self`, and initialised; the
+        // caller promises that no GPU work writes it meanwhile.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     /// The bytes, writable.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive.
+    ///
+    /// # Safety
+    /// As for [`PinnedHostBuffer::as_slice`]: no GPU work may read or write the memory while the
+    /// slice lives.
+    pub unsafe fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes the access exclusive within the CPU.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
@@ -276,19 +285,75 @@ impl SharedMemory {
         self.ptr
     }
 
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping is valid for `len` bytes while `self` lives; files are zero-filled.
+    /// Copies `dst.len()` bytes from `offset` into `dst` (a copy through raw pointers: other
+    /// processes, or other mappings of the file here, may write the memory meanwhile, which
+    /// gives a torn copy, never undefined behaviour).
+    ///
+    /// ```
+    /// # fn main() -> ipc_core::Result<()> {
+    /// use ipc_core::SharedMemory;
+    /// let memory = SharedMemory::create("doc", 4096)?;
+    /// memory.write(8, b"hello")?;
+    /// let mut back = [0u8; 5];
+    /// memory.read(8, &mut back)?;
+    /// assert_eq!(&back, b"hello");
+    /// assert!(memory.read(4095, &mut back).is_err(), "outside the mapping");
+    /// # Ok(()) }
+    /// ```
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        crate::error::check_range(offset, dst.len(), self.len)?;
+        // SAFETY: the range lies in the live mapping (checked above); `dst` is another object.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` to `offset` ([`Error::ReadOnlyMemory`] if the mapping is read-only); see
+    /// [`SharedMemory::read`].
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        if !self.writable {
+            return Err(Error::ReadOnlyMemory);
+        }
+        crate::error::check_range(offset, src.len(), self.len)?;
+        // SAFETY: the range lies in the live mapping, which is writable (both checked above);
+        // `src` is another object, and no reference into the mapping is handed out safely.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// The bytes, borrowed in place.
+    ///
+    /// # Safety
+    /// The memory is shared: no one may write it while the slice lives, neither this process
+    /// (through another mapping of the file, [`SharedMemory::store_u64`], [`SharedMemory::write`]
+    /// or [`SharedMemory::as_ptr`]) nor another process that holds the file writable. Where that
+    /// cannot be promised, use [`SharedMemory::read`].
+    ///
+    /// ```compile_fail,E0133
+    /// # fn main() -> ipc_core::Result<()> {
+    /// let memory = ipc_core::SharedMemory::create("doc", 4096)?;
+    /// let bytes: &[u8] = memory.as_slice(); // unsafe: `store_u64` below would write under it
+    /// memory.store_u64(0, 7)?;
+    /// assert_eq!(bytes[0], 0);
+    /// # Ok(()) }
+    /// ```
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is valid for `len` bytes while `self` lives; files are zero-filled;
+        // the caller promises that nobody writes it meanwhile.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     /// The bytes, writable; [`Error::ReadOnlyMemory`] if the mapping is read-only.
-    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+    ///
+    /// # Safety
+    /// As for [`SharedMemory::as_slice`]: no one else (another mapping here, another process)
+    /// may read or write the memory while the slice lives. Where that cannot be promised, use
+    /// [`SharedMemory::write`].
+    pub unsafe fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         if !self.writable {
             return Err(Error::ReadOnlyMemory);
         }
         // SAFETY: as in `as_slice`; the pages are mapped writable (checked above), and `&mut self`
-        // makes access through this process exclusive.
+        // makes access through this mapping exclusive; the caller promises the rest.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
     }
 
@@ -346,12 +411,13 @@ mod tests {
 
     #[test]
     fn two_mappings_of_one_file_share_bytes() {
-        let mut first = SharedMemory::create("test", 4096).unwrap();
-        first.as_mut_slice().unwrap()[..5].copy_from_slice(b"hello");
+        let first = SharedMemory::create("test", 4096).unwrap();
+        first.write(0, b"hello").unwrap();
         let fd = first.fd().try_clone_to_owned().unwrap();
         let second = SharedMemory::from_fd(fd, 4096).unwrap();
-        assert_eq!(&second.as_slice()[..5], b"hello");
-        assert_eq!(second.as_slice()[5], 0);
+        let mut back = [0u8; 6];
+        second.read(0, &mut back).unwrap();
+        assert_eq!(&back, b"hello\0");
     }
 
     #[test]
@@ -404,17 +470,22 @@ mod tests {
 
     #[test]
     fn a_read_only_descriptor_maps_read_only_and_sees_writes() {
-        let mut creator = SharedMemory::create("read-only", 4096).unwrap();
+        let creator = SharedMemory::create("read-only", 4096).unwrap();
         assert!(creator.is_writable());
-        creator.as_mut_slice().unwrap()[0] = 7;
+        creator.write(0, &[7]).unwrap();
         let mut reader = SharedMemory::from_fd(creator.read_only_fd().unwrap(), 4096).unwrap();
         assert!(!reader.is_writable());
-        assert!(matches!(reader.as_mut_slice(), Err(Error::ReadOnlyMemory)));
+        // SAFETY: refused before any slice is made.
+        assert!(matches!(unsafe { reader.as_mut_slice() }, Err(Error::ReadOnlyMemory)));
+        assert!(matches!(reader.write(0, &[1]), Err(Error::ReadOnlyMemory)));
         let fl = fcntl_getfl(reader.fd()).unwrap();
         assert_eq!(fl & OFlags::RWMODE, OFlags::RDONLY);
-        assert_eq!(reader.as_slice()[0], 7);
-        creator.as_mut_slice().unwrap()[1] = 9;
-        assert_eq!(reader.as_slice()[1], 9, "later writes show through the read-only mapping");
+        let mut back = [0u8; 2];
+        reader.read(0, &mut back).unwrap();
+        assert_eq!(back[0], 7);
+        creator.write(1, &[9]).unwrap();
+        reader.read(0, &mut back).unwrap();
+        assert_eq!(back[1], 9, "later writes show through the read-only mapping");
         // SAFETY: a writable shared mapping of the read-only descriptor is refused by the kernel
         // before anything is mapped.
         let writable = unsafe {

@@ -42,10 +42,12 @@ pub enum Error {
     Full,
     /// The receiver refused one message (it holds nothing of it); the channel goes on. `recv`
     /// returns it for that message; a sender finds it in `Sender::take_rejected`.
-    #[error("message {seq} from pid {pid} was rejected: {reason}")]
+    #[error("message {seq} from pid {pid} (connection {connection}) was rejected: {reason}")]
     Rejected {
         /// The sender's process id.
         pid: u32,
+        /// The receiver's number for the sender's connection ([`crate::MessageInfo::connection`]).
+        connection: u64,
         /// The message's sequence number on its connection.
         seq: u64,
         /// Why.
@@ -53,10 +55,12 @@ pub enum Error {
     },
     /// The producer of a message died before its GPU work on the message's tensors was done: the
     /// data is not what it meant to send. The message was dropped; `recv` again goes on.
-    #[error("the producer (pid {pid}) died before its GPU work on message {seq} was done")]
+    #[error("the producer (pid {pid}, connection {connection}) died before its GPU work on message {seq} was done")]
     ProducerFailed {
         /// The producer's process id.
         pid: u32,
+        /// The receiver's number for the producer's connection ([`crate::MessageInfo::connection`]).
+        connection: u64,
         /// The message's sequence number on its connection.
         seq: u64,
     },

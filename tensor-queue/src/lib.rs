@@ -13,7 +13,7 @@
 //! let sender = Sender::<Batch>::connect("/tmp/batches.sock")?;        // in another
 //! sender.send(&Batch { x: Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[2])?, step: 1 })?;
 //! let batch = receiver.recv()?;
-//! assert_eq!(batch.x.as_slice::<f32>()?, [1.0, 2.0]);
+//! assert_eq!(batch.x.to_vec::<f32>()?, [1.0, 2.0]);
 //! println!("arrived by {:?}", batch.x.path());                          // HostSharedMemory
 //! # Ok(()) }
 //! ```

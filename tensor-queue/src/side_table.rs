@@ -124,8 +124,8 @@ mod tests {
         let (bytes, tensors) = encode(&message).unwrap();
         assert_eq!(tensors.len(), 5);
         let back: Outer = decode(&bytes, tensors).unwrap();
-        assert_eq!(back.inner.weights[1].as_slice::<f32>().unwrap(), [3.0]);
-        assert_eq!(back.by_name["b"].as_slice::<f32>().unwrap(), [5.0]);
+        assert_eq!(back.inner.weights[1].to_vec::<f32>().unwrap(), [3.0]);
+        assert_eq!(back.by_name["b"].to_vec::<f32>().unwrap(), [5.0]);
         assert_eq!((back.step, back.inner.name.as_str()), (9, "w"));
     }
 

@@ -17,7 +17,7 @@ use crate::{DType, Element, Error, Result};
 /// use tensor_queue::{DType, Tensor, TensorDevice};
 /// let t = Tensor::zeros(DType::F32, &[4])?;
 /// match t.device() {
-///     TensorDevice::Host => assert_eq!(t.as_slice::<f32>()?, [0.0; 4]), // readable in place
+///     TensorDevice::Host => assert_eq!(t.to_vec::<f32>()?, [0.0; 4]), // readable on the CPU
 ///     TensorDevice::Cuda(uuid) => println!("on GPU {uuid}: read it with to_vec"),
 /// }
 /// # Ok(()) }
@@ -592,20 +592,95 @@ impl Tensor {
         Ok(unsafe { memory.as_ptr().add(self.storage.offset) })
     }
 
-    /// The elements of a contiguous host tensor, typed.
+    /// The elements of a contiguous host tensor, typed, borrowed in place (no copy).
     ///
-    /// Host tensors are shared memory: a peer that holds the same tensor may write it. Who writes
-    /// when is for the program to agree on, as with any shared buffer.
+    /// # Safety
+    /// Host tensors are shared memory, written through `&self` and by other processes, so the
+    /// compiler cannot see the writes a `&[T]` must never overlap. While the returned slice
+    /// lives, nobody may write its bytes:
+    /// - not this process: [`Tensor::set`], [`Tensor::fill`], [`Tensor::copy_into`] (as the
+    ///   destination) or a GPU copy into it, on this tensor, a clone or any view of its storage,
+    ///   from any thread;
+    /// - not another process: the receivers of a [`Tensor::zeros_writable`] tensor, or, for a
+    ///   received tensor, its sender, which may go on writing its own memory.
+    ///
+    /// Where that cannot be promised, copy instead ([`Tensor::to_vec`], [`Tensor::get`]).
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {
     /// use tensor_queue::{DType, Tensor};
     /// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2])?;
-    /// assert_eq!(t.as_slice::<i32>()?, [1, 2, 3, 4]); // no copy
-    /// assert!(t.transpose(0, 1)?.as_slice::<i32>().is_err(), "strided: use to_vec");
+    /// // SAFETY: `t` has no clone or view, was never sent, and is not written while `s` lives.
+    /// let s = unsafe { t.as_slice::<i32>()? };
+    /// assert_eq!(s, [1, 2, 3, 4]); // no copy
+    /// let strided = t.transpose(0, 1)?;
+    /// assert!(unsafe { strided.as_slice::<i32>() }.is_err(), "strided: use to_vec");
+    /// assert_eq!(t.to_vec::<i32>()?, [1, 2, 3, 4]); // the safe way: a copy
     /// # Ok(()) }
     /// ```
-    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+    ///
+    /// Safe code cannot hold the slice across a write (each of these fails to compile, E0133):
+    /// a write through a clone,
+    /// ```compile_fail,E0133
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[2])?;
+    /// let other = t.clone();
+    /// let view: &[f32] = t.as_slice::<f32>()?;
+    /// other.set(&[0], 99.0f32)?; // would change view[0] under a live shared borrow
+    /// assert_eq!(view[0], 1.0);
+    /// # Ok(()) }
+    /// ```
+    /// through a view of the same storage,
+    /// ```compile_fail,E0133
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::F32, &[2, 2])?;
+    /// let view: &[f32] = t.as_slice::<f32>()?;
+    /// t.select(0, 1)?.fill(3.0f32)?;
+    /// assert_eq!(view[2], 0.0);
+    /// # Ok(()) }
+    /// ```
+    /// by a copy into it,
+    /// ```compile_fail,E0133
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::zeros(DType::U8, &[4])?;
+    /// let view: &[u8] = t.as_slice::<u8>()?;
+    /// Tensor::from_slice(&[1u8; 4], DType::U8, &[4])?.copy_into(&t)?;
+    /// assert_eq!(view, [0; 4]);
+    /// # Ok(()) }
+    /// ```
+    /// by a receiver of writable memory,
+    /// ```compile_fail,E0133
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Receiver, Sender, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-as-slice-writable.sock", std::process::id()));
+    /// let mut receiver = Receiver::<Tensor>::bind(&path)?;
+    /// let sender = Sender::<Tensor>::connect(&path)?;
+    /// let result = Tensor::zeros_writable(DType::F32, &[2])?;
+    /// let mine: &[f32] = result.as_slice::<f32>()?;
+    /// sender.send(&result)?;
+    /// receiver.recv()?.set(&[0], 5.0f32)?; // a worker (another process, usually) writes it
+    /// assert_eq!(mine[0], 0.0);
+    /// # Ok(()) }
+    /// ```
+    /// or by the sender of a received tensor.
+    /// ```compile_fail,E0133
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Receiver, Sender, Tensor};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-as-slice-received.sock", std::process::id()));
+    /// let mut receiver = Receiver::<Tensor>::bind(&path)?;
+    /// let sender = Sender::<Tensor>::connect(&path)?;
+    /// let t = Tensor::zeros(DType::F32, &[2])?;
+    /// sender.send(&t)?;
+    /// let received = receiver.recv()?;
+    /// let view: &[f32] = received.as_slice::<f32>()?;
+    /// t.set(&[0], 1.0f32)?; // the sender (another process, usually) writes its own memory
+    /// assert_eq!(view[0], 0.0);
+    /// # Ok(()) }
+    /// ```
+    pub unsafe fn as_slice<T: Element>(&self) -> Result<&[T]> {
         if !T::matches(self.dtype) {
             return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
         }
@@ -614,7 +689,8 @@ impl Tensor {
         }
         let base = self.host_base()?;
         // SAFETY: the range lies in the live mapping (checked when the view was made or received);
-        // alignment holds since allocations are 512-aligned and offsets are element multiples.
+        // alignment holds since allocations are 512-aligned and offsets are element multiples;
+        // the caller promises that nobody writes it while the slice lives.
         let bytes = unsafe { std::slice::from_raw_parts(base.add(self.offset), self.nbytes()) };
         bytemuck::try_cast_slice(bytes).map_err(|e| Error::Invalid(format!("unaligned view: {e}")))
     }
@@ -702,9 +778,20 @@ impl Tensor {
     /// The elements of a host tensor in row-major order, as bytes (a copy; any strides).
     pub(crate) fn host_bytes(&self) -> Result<Vec<u8>> {
         let base = self.host_base()?;
+        // Copied through raw pointers, never through a `&[u8]`: the memory is shared, and
+        // others may write it meanwhile (they then get a torn copy, never undefined behaviour
+        // of a reference whose bytes changed under it).
         if self.is_contiguous() {
-            // SAFETY: a contiguous view's bytes lie in the live storage (checked when it was made).
-            return Ok(unsafe { std::slice::from_raw_parts(base.add(self.offset), self.nbytes()) }.to_vec());
+            let mut out = Vec::new();
+            out.try_reserve_exact(self.nbytes())
+                .map_err(|_| Error::Invalid(format!("{} bytes do not fit in memory", self.nbytes())))?;
+            // SAFETY: a contiguous view's bytes lie in the live storage (checked when it was
+            // made); `out` has room for them and is another allocation.
+            unsafe {
+                std::ptr::copy_nonoverlapping(base.add(self.offset), out.as_mut_ptr(), self.nbytes());
+                out.set_len(self.nbytes());
+            }
+            return Ok(out);
         }
         let size = self.dtype.size();
         let mut out = Vec::new();
@@ -714,9 +801,17 @@ impl Tensor {
         let mut index = vec![0u64; self.shape.len()];
         for _ in 0..self.numel() {
             let at: i64 = index.iter().zip(&self.strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
-            // SAFETY: every index is inside the shape and the view inside the live storage.
-            let element = unsafe { std::slice::from_raw_parts(base.offset(self.offset as isize + at as isize), size) };
-            out.extend_from_slice(element);
+            let mut element = [0u8; 16];
+            // SAFETY: every index is inside the shape and the view inside the live storage; an
+            // element is at most 16 bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    base.offset(self.offset as isize + at as isize),
+                    element.as_mut_ptr(),
+                    size,
+                )
+            };
+            out.extend_from_slice(&element[..size]);
             for d in (0..index.len()).rev() {
                 index[d] += 1;
                 if index[d] < self.shape[d] {
@@ -823,7 +918,7 @@ mod tests {
         let transposed: Vec<f32> = bytemuck::pod_collect_to_vec(&tt.to_bytes().unwrap());
         assert_eq!(transposed[..4], [0.0, 4.0, 8.0, 1.0]);
         let row = t.narrow(0, 1, 1).unwrap();
-        assert_eq!(row.as_slice::<f32>().unwrap(), [4.0, 5.0, 6.0, 7.0]);
+        assert_eq!(row.to_vec::<f32>().unwrap(), [4.0, 5.0, 6.0, 7.0]);
         row.set(&[0, 0], 40.0f32).unwrap();
         assert_eq!(t.get::<f32>(&[1, 0]).unwrap(), 40.0, "writes through a view reach the original");
         assert!(t.reshape(&[2, 6]).is_ok());
@@ -831,7 +926,8 @@ mod tests {
         assert_eq!(contiguous_strides(&[0, 1 << 40, 1 << 40]), [i64::MAX, 1 << 40, 1], "no overflow");
         let bytes = Tensor::zeros(DType::U8, &[512]).unwrap();
         assert!(bytes.reshape(&[(1 << 55) + 1, 512]).is_err(), "a product that wraps to 512 is refused");
-        assert!(t.as_slice::<i32>().is_err(), "the element type must match");
+        // SAFETY: nothing writes `t` (and the call fails before borrowing).
+        assert!(unsafe { t.as_slice::<i32>() }.is_err(), "the element type must match");
         assert!(t.get::<f32>(&[3, 0]).is_err());
         assert_eq!(t.device(), TensorDevice::Host);
         assert_eq!(t.path(), TransferPath::Local);
@@ -842,6 +938,6 @@ mod tests {
         let first = Tensor::from_slice(&[7u8; 4096], DType::U8, &[4096]).unwrap();
         drop(first);
         let again = Tensor::zeros(DType::U8, &[4096]).unwrap();
-        assert!(again.as_slice::<u8>().unwrap().iter().all(|&b| b == 0));
+        assert!(again.to_vec::<u8>().unwrap().iter().all(|&b| b == 0));
     }
 }

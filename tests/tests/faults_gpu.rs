@@ -452,7 +452,7 @@ fn producer_killed_with_work_queued() -> Result<()> {
                 doomed_message = DoomedMessage::Delivered { item, flagged: None };
             }
             Ok((_, info)) => bail!("a message from pid {}, which is neither producer", info.sender_pid),
-            Err(Error::ProducerFailed { pid, seq }) => {
+            Err(Error::ProducerFailed { pid, seq, .. }) => {
                 ensure!(pid == doomed.pid() && seq == 1, "ProducerFailed for pid {pid} seq {seq}");
                 ensure!(matches!(doomed_message, DoomedMessage::Pending), "the doomed message was reported twice");
                 doomed_message = DoomedMessage::Refused;

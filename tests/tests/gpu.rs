@@ -229,8 +229,8 @@ fn without_the_wait_the_consumer_sees_unfinished_data() -> Result<()> {
 fn pinned_shared_memory_is_readable_by_the_gpu() -> Result<()> {
     let (context, stream, kernels) = setup()?;
     let len = 3 << 20;
-    let mut shared = SharedMemory::create("pinned-test", len)?;
-    reference::fill(shared.as_mut_slice()?, 31);
+    let shared = SharedMemory::create("pinned-test", len)?;
+    shared.write(0, &reference::pattern(len, 31))?;
     let pinned = shared.pin(&context)?;
     let sum = kernels.checksum(&pinned, 0, len, &stream)?;
     ensure!(sum == reference::checksum(&reference::pattern(len, 31)), "the GPU read other bytes");

@@ -476,7 +476,7 @@ fn received_host_tensors_are_read_only_unless_shared_writable() {
     sender.send(&vec![private.clone(), shared.clone()]).unwrap();
     let received = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
     assert!(received[0].set(&[0], 9.0f32).is_err(), "a read-only tensor cannot be written");
-    assert_eq!(received[0].as_slice::<f32>().unwrap(), [1.0, 2.0], "but it reads");
+    assert_eq!(received[0].to_vec::<f32>().unwrap(), [1.0, 2.0], "but it reads");
     received[1].set(&[1], 7.0f32).unwrap();
     assert_eq!(shared.get::<f32>(&[1]).unwrap(), 7.0, "a writable one is shared both ways");
 }
@@ -563,7 +563,7 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
     let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
     let honest = Sender::<Probe>::connect(&path).unwrap();
     let stalled = raw_client(&path);
-    let (data, mut word) =
+    let (data, word) =
         (SharedMemory::create("parked-data", 4096).unwrap(), SharedMemory::create("parked-word", 4096).unwrap());
     let host =
         |id, writable| Frame::Chunk { id, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable };
@@ -588,9 +588,72 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
     honest.send(&probe_again()).unwrap();
     assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2, "the honest message is not held up");
     assert!(matches!(receiver.recv_timeout(Duration::from_millis(100)), Err(Error::Timeout)), "still parked");
-    word.as_mut_slice().unwrap()[..8].copy_from_slice(&1u64.to_le_bytes()); // the producer's copy is done
+    word.write(0, &1u64.to_le_bytes()).unwrap(); // the producer's copy is done
     match receiver.recv_timeout(Duration::from_secs(10)) {
-        Err(Error::Decode(_)) => {} // delivered: its one-byte payload is not a Probe
+        Err(Error::Rejected { .. }) => {} // delivered: its one-byte payload is not a Probe, so refused
         other => panic!("expected the parked message, got {:?}", other.map(|p| p.id)),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Careless peers (issue 22): each started as a separate program, `tq-hostile`.
+
+/// Starts `tq-hostile <args>` with its stdout piped, for the test to read its lines.
+fn hostile(args: &[&str]) -> (Child, std::io::Lines<std::io::BufReader<std::process::ChildStdout>>) {
+    use std::io::BufRead as _;
+    let mut child = Command::new(bin_path("tq-hostile").unwrap())
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    (child, lines)
+}
+
+#[test]
+fn a_message_of_another_type_is_rejected_alone_on_both_sides() {
+    let path = socket_path("wrong-type");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let (mut child, lines) = hostile(&["wrong-type", path.to_str().unwrap()]);
+    let error = receiver.recv_timeout(Duration::from_secs(30)).unwrap_err();
+    let Error::Rejected { seq, reason, .. } = &error else { panic!("expected Error::Rejected, got {error:?}") };
+    assert_eq!(*seq, 1);
+    assert!(reason.contains("Probe") && !reason.trim_end().ends_with(':'), "a clear text: {reason}");
+    assert!(receiver.take_errors().iter().any(|e| matches!(e, Error::Rejected { .. })), "take_errors has it too");
+    let said: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(child.wait().unwrap().success(), "{said:?}");
+    assert!(said.iter().any(|l| l.starts_with("rejected 1 ") && l.contains("Probe")), "the sender heard: {said:?}");
+    // The channel goes on: an honest sender is served.
+    let sender = Sender::<Probe>::connect(&path).unwrap();
+    sender.send(&Probe { id: 5, tensors: Vec::new(), expected: Vec::new(), note: String::new() }).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(30)).unwrap().id, 5);
+}
+
+#[test]
+fn several_senders_of_one_process_are_told_apart() {
+    let path = socket_path("four-senders");
+    let mut receiver = Receiver::<u64>::bind(&path).unwrap();
+    receiver.expect_senders(4);
+    let (mut child, _lines) = hostile(&["senders", path.to_str().unwrap(), "4", "50"]);
+    let mut keys = std::collections::HashSet::new();
+    let mut by_connection: std::collections::HashMap<u64, Vec<u64>> = std::collections::HashMap::new();
+    loop {
+        match receiver.recv_with_info(Some(Duration::from_secs(30))) {
+            Ok((value, info)) => {
+                assert!(keys.insert((info.sender_pid, info.connection, info.seq)), "a key seen twice: {info:?}");
+                by_connection.entry(info.connection).or_default().push(value);
+            }
+            Err(Error::Disconnected) => break,
+            Err(other) => panic!("{other}"),
+        }
+    }
+    assert!(child.wait().unwrap().success());
+    assert_eq!(keys.len(), 200, "every message has its own (pid, connection, seq)");
+    assert_eq!(by_connection.len(), 4, "one connection number per sender");
+    for values in by_connection.values() {
+        let sender = values[0] / 1000;
+        assert!(values.iter().all(|v| v / 1000 == sender), "one connection, one sender: {values:?}");
+        assert_eq!(values.len(), 50);
     }
 }

@@ -47,6 +47,11 @@ use crate::{Error, Result, Tensor, TransferPath};
 pub struct MessageInfo {
     /// The sender's process id.
     pub sender_pid: u32,
+    /// This process's number for the sender's connection, unique for the life of the process:
+    /// it tells apart several senders of one process (which share `sender_pid` and each number
+    /// their messages from 1), and a sender that connected again. (`connection`, `seq`) names
+    /// one message; so it does in [`crate::Error::Rejected`] and [`crate::Error::ProducerFailed`].
+    pub connection: u64,
     /// Sequence number on its connection.
     pub seq: u64,
     /// When the sender called `send`.
@@ -80,7 +85,7 @@ pub(super) enum Arrival {
     /// Validated and ordered; ready to decode.
     Ready(Ready),
     /// Refused: the sender was told, and `recv` reports it.
-    Rejected { pid: u32, seq: u64, reason: String },
+    Rejected { pid: u32, connection: u64, seq: u64, reason: String },
 }
 
 /// A validated message waiting for `recv`.
@@ -298,6 +303,7 @@ impl Connected {
                 self.last_seq = seq;
                 let info = MessageInfo {
                     sender_pid: self.pid(),
+                    connection: self.peer.connection,
                     seq,
                     sent_ns,
                     encoded_ns,
@@ -325,7 +331,7 @@ impl Connected {
                         let reason = error.to_string();
                         self.peer.reject(seq, reason.clone());
                         self.took(capacity);
-                        Arrival::Rejected { pid: self.pid(), seq, reason }
+                        Arrival::Rejected { pid: self.pid(), connection: self.peer.connection, seq, reason }
                     }
                 }));
             }

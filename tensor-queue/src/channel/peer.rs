@@ -18,6 +18,8 @@ use crate::wire::{Frame, MAX_RELEASES};
 /// A sender's connection as the receiving process sees it.
 pub(crate) struct Peer {
     pub link: Link,
+    /// This process's number for the connection ([`crate::MessageInfo::connection`]).
+    pub connection: u64,
     outbox: Mutex<Outbox>,
 }
 
@@ -33,7 +35,11 @@ struct Outbox {
 
 impl Peer {
     pub fn new(link: Link) -> Arc<Peer> {
-        Arc::new(Peer { link, outbox: Mutex::new(Outbox::default()) })
+        // Unique for the life of the process: several senders of one process, or one that
+        // reconnected, are told apart by it.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let connection = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Arc::new(Peer { link, connection, outbox: Mutex::new(Outbox::default()) })
     }
 
     /// Returns `count` credits.

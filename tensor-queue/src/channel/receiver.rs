@@ -89,7 +89,7 @@ impl ReceiverOptions {
 /// loop {
 ///     match receiver.recv() {
 ///         Ok(tensors) => println!("{} tensors", tensors.len()),
-///         Err(Error::Rejected { pid, seq, reason }) => eprintln!("pid {pid} message {seq}: {reason}"),
+///         Err(Error::Rejected { pid, seq, reason, .. }) => eprintln!("pid {pid} message {seq}: {reason}"),
 ///         Err(Error::ProducerFailed { pid, .. }) => eprintln!("pid {pid} died before its data was done"),
 ///         Err(Error::Disconnected) => break,
 ///         Err(other) => return Err(other),
@@ -413,7 +413,9 @@ impl<T: DeserializeOwned> Receiver<T> {
                     continue;
                 }
                 Some(Arrival::Ready(ready)) => return self.deliver(ready),
-                Some(Arrival::Rejected { pid, seq, reason }) => return Err(Error::Rejected { pid, seq, reason }),
+                Some(Arrival::Rejected { pid, connection, seq, reason }) => {
+                    return Err(Error::Rejected { pid, connection, seq, reason });
+                }
                 None => {}
             }
             let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
@@ -486,9 +488,28 @@ impl<T: DeserializeOwned> Receiver<T> {
         // Asked now, not when the message was read: the producer may have died since. The
         // message's tensors share these fences, and with them the answer.
         if super::failed(&fences) {
-            return Err(Error::ProducerFailed { pid: info.sender_pid, seq: info.seq });
+            return Err(Error::ProducerFailed { pid: info.sender_pid, connection: info.connection, seq: info.seq });
         }
-        let message = side_table::decode(&payload, tensors)?;
+        // A payload that is not a `T` is refused alone, like any message the receiver cannot
+        // use, at this one point whatever the codec: the sender hears why (`take_rejected`),
+        // and its tensors, dropped by the decoder, go back to it.
+        // Holds the message's lease (its tensors share it) until the sender has been told, so
+        // that the refusal reaches it before the release does: `wait_released` then implies
+        // `take_rejected` knows.
+        let hold = tensors.first().cloned();
+        let message = side_table::decode(&payload, tensors).map_err(|error| {
+            let cause = match error {
+                Error::Decode(cause) => cause,
+                other => other.to_string(),
+            };
+            let reason = undecodable::<T>(&cause);
+            peer.reject(info.seq, reason.clone());
+            let (pid, connection, seq) = (info.sender_pid, info.connection, info.seq);
+            self.errors.push(Error::Rejected { pid, connection, seq, reason: reason.clone() });
+            Error::Rejected { pid, connection, seq, reason }
+        });
+        drop(hold);
+        let message = message?;
         info.decoded_ns = monotonic_ns();
         Ok((message, info))
     }
@@ -719,8 +740,9 @@ impl<T: DeserializeOwned> Receiver<T> {
                 }
                 Ok(Progress::Arrived(arrival)) => {
                     read = true;
-                    if let Arrival::Rejected { pid, seq, reason } = &arrival {
-                        self.errors.push(Error::Rejected { pid: *pid, seq: *seq, reason: reason.clone() });
+                    if let Arrival::Rejected { pid, connection, seq, reason } = &arrival {
+                        let (pid, connection, seq, reason) = (*pid, *connection, *seq, reason.clone());
+                        self.errors.push(Error::Rejected { pid, connection, seq, reason });
                     }
                     self.arrivals.push_back(arrival);
                 }
@@ -760,6 +782,18 @@ impl<T: DeserializeOwned> Receiver<T> {
 
 /// How long `recv` naps between looks at parked messages (without spinning).
 const PARKED_POLL: Duration = Duration::from_micros(20);
+
+/// Why a payload was refused: the receiver's type, and the codec's cause, which may be empty
+/// (an input that ended early says nothing more).
+fn undecodable<T>(cause: &str) -> String {
+    let cause = cause.trim().trim_end_matches(':').trim();
+    let cause =
+        if cause.is_empty() || cause == "io error" { "the payload ended before the message did" } else { cause };
+    format!(
+        "the message does not decode as the receiver's type `{}` (do both sides use the same message type?): {cause}",
+        std::any::type_name::<T>()
+    )
+}
 
 /// Whether every host word `ready` waits for on the CPU was written (or its producer died).
 fn on_cpu_ready(ready: &Ready) -> Result<bool> {

@@ -83,9 +83,11 @@ fn shm_check(connection: &Connection) -> Result<()> {
     let (bytes, mut fds) = recv(connection)?;
     let [len, seed] = decode_u64s(&bytes)[..] else { bail!("expected [len, seed]") };
     let fd = fds.pop().context("expected a descriptor")?;
-    let mut memory = SharedMemory::from_fd(fd, len as usize)?;
-    let sum = kernels::reference::checksum(memory.as_slice());
-    kernels::reference::fill(memory.as_mut_slice()?, seed + 1);
+    let memory = SharedMemory::from_fd(fd, len as usize)?;
+    let mut bytes = vec![0u8; len as usize];
+    memory.read(0, &mut bytes)?;
+    let sum = kernels::reference::checksum(&bytes);
+    memory.write(0, &kernels::reference::pattern(len as usize, seed + 1))?;
     reply(connection, &[sum])
 }
 

@@ -622,7 +622,7 @@ fn consume(args: &[String]) -> Result<()> {
                     }
                 }
             }
-            Err(Error::ProducerFailed { pid, seq }) => println!("producer-failed {pid} {seq}"),
+            Err(Error::ProducerFailed { pid, seq, .. }) => println!("producer-failed {pid} {seq}"),
             Err(Error::Timeout) => {}
             // No sender right now; another may still connect.
             Err(Error::Disconnected) => std::thread::sleep(Duration::from_millis(5)),

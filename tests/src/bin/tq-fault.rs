@@ -307,7 +307,7 @@ fn consume(args: &[String]) -> Result<()> {
                     println!("failed {} {}", item.seed, item.pid);
                 }
             }
-            Err(Error::ProducerFailed { pid, seq }) => {
+            Err(Error::ProducerFailed { pid, seq, .. }) => {
                 lost += 1;
                 println!("lost producer-failed {pid} {seq}");
             }

@@ -284,7 +284,7 @@ fn drain(
             }
             None => {
                 for tensor in item.tensors.iter().filter(|_| read) {
-                    host_sum = host_sum.wrapping_add(reference::word_sum(tensor.as_slice::<u8>()?));
+                    host_sum = host_sum.wrapping_add(reference::word_sum(&tensor.to_vec::<u8>()?));
                 }
                 lap(&mut steps_ns[1]);
                 None

@@ -659,7 +659,7 @@ impl Bench {
         });
         eprintln!("      CPU us per item: {cpu}");
         Bench::finish_peer(&mut child, sender)?;
-        let flat: Vec<i64> = ack.completions.context("no completions")?.as_slice::<i64>()?.to_vec();
+        let flat: Vec<i64> = ack.completions.context("no completions")?.to_vec::<i64>()?;
         let completions: Vec<(u64, u64)> = flat.chunks_exact(2).map(|pair| (pair[0] as u64, pair[1] as u64)).collect();
         ensure!(completions.len() == total, "the consumer saw {} of {total} items", completions.len());
         let measured = &completions[warmup as usize..];

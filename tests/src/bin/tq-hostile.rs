@@ -1,0 +1,166 @@
+//! Careless and hostile peers for the attack tests (`tests/tests/queue_host.rs`,
+//! `tests/tests/tcp_host.rs`): each role is a second process doing one thing a user or an
+//! attacker may do, written against the public API or the wire as an outsider would.
+//! `tq-hostile <role> [args]`:
+//!
+//! - `wrong-type PATH`: a `Sender<(String, Tensor)>` to a receiver that expects another type; sends one
+//!   message, waits until it is released, and says `rejected SEQ REASON` for each refusal it
+//!   heard of (`take_rejected`), then `done`;
+//! - `senders PATH N COUNT`: `N` `Sender<u64>`s of this one process each send `COUNT` messages
+//!   (`1000 * k + i`), then say `done`;
+//! - `silent-tcp ADDR N`: opens `N` TCP connections to `ADDR` and says nothing on them; says
+//!   `ready`, and holds them until stdin closes;
+//! - `claim-tcp ADDR N`: opens `N` connections, each authenticated with `TQ_SECRET`, and on each
+//!   writes a record header claiming the largest record followed by one byte; says `ready`, and
+//!   holds them until stdin closes;
+//! - `parts-tcp ADDR MIB`: one authenticated connection that says hello and then writes `MIB` MiB
+//!   of frame parts that never end; says `ready`, and holds it until stdin closes;
+//! - `mid-message-tcp ADDR`: says hello and the first part of a two-part message, says `ready`,
+//!   and waits to be killed.
+//!
+//! Any error: `error DEBUG` on stdout and exit status 1.
+
+use std::io::{BufRead as _, Write as _};
+use std::net::TcpStream;
+use std::os::fd::AsFd as _;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail};
+use ipc_core::tcp::{Secret, TcpLink};
+use tensor_queue::wire::{Frame, MAX_PACKET, packets};
+use tensor_queue::{DEFAULT_CAPACITY, DType, Sender, Tensor};
+
+fn main() {
+    if let Err(error) = run() {
+        say(&format!("error {error:?}"));
+        std::process::exit(1);
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Waits until stdin closes (the test's way of ending a role).
+fn until_stdin_closes() {
+    for line in std::io::stdin().lock().lines() {
+        if line.is_err() {
+            break;
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize| args.get(i).cloned().with_context(|| format!("argument {i} missing: {args:?}"));
+    let number = |i: usize| -> Result<u64> { Ok(arg(i)?.parse()?) };
+    match arg(0)?.as_str() {
+        "wrong-type" => wrong_type(&arg(1)?),
+        "senders" => senders(&arg(1)?, number(2)?, number(3)?),
+        "silent-tcp" => {
+            let addr = arg(1)?.trim_start_matches("tcp://").to_string();
+            let held: Vec<TcpStream> = (0..number(2)?).map(|_| TcpStream::connect(&addr)).collect::<Result<_, _>>()?;
+            say("ready");
+            until_stdin_closes();
+            drop(held);
+            Ok(())
+        }
+        "claim-tcp" => {
+            let mut held = Vec::new();
+            for _ in 0..number(2)? {
+                let link = authenticated(&arg(1)?)?;
+                let mut raw = std::fs::File::from(link.as_fd().try_clone_to_owned()?);
+                raw.write_all(&[&(ipc_core::tcp::MAX_MESSAGE as u32).to_le_bytes()[..], &[7u8]].concat())?;
+                held.push(link);
+            }
+            say("ready");
+            until_stdin_closes();
+            Ok(())
+        }
+        "parts-tcp" => {
+            let link = authenticated(&arg(1)?)?;
+            link.send(&hello())?;
+            // One frame larger than everything that follows: its parts never end.
+            let whole = Frame::Bytes { data: vec![5u8; ((number(2)? + 1) << 20) as usize] }.encode();
+            let parts = packets(&whole);
+            let mut sent = 0u64;
+            for part in &parts[..parts.len() - 1] {
+                if sent >= number(2)? << 20 {
+                    break;
+                }
+                link.send(part)?;
+                sent += part.len() as u64;
+            }
+            say("ready");
+            until_stdin_closes();
+            Ok(())
+        }
+        "mid-message-tcp" => {
+            let link = authenticated(&arg(1)?)?;
+            link.send(&hello())?;
+            let whole = Frame::Bytes { data: vec![5u8; 2 * MAX_PACKET] }.encode();
+            link.send(&packets(&whole)[0])?;
+            say("ready");
+            until_stdin_closes();
+            Ok(())
+        }
+        other => bail!("unknown role {other}"),
+    }
+}
+
+/// A sender whose type is not the receiver's.
+fn wrong_type(path: &str) -> Result<()> {
+    let sender = Sender::<(String, Tensor)>::connect(path)?;
+    let tensor = Tensor::from_slice(&[1.0f32; 16], DType::F32, &[16])?;
+    sender.send(&("not what the receiver expects".to_string(), tensor))?;
+    if !sender.wait_released(Duration::from_secs(30)) {
+        bail!("the message was not released within 30 s");
+    }
+    for rejection in sender.take_rejected() {
+        say(&format!("rejected {} {}", rejection.seq, rejection.reason));
+    }
+    say("done");
+    Ok(())
+}
+
+/// Several senders in one process.
+fn senders(path: &str, count: u64, messages: u64) -> Result<()> {
+    let threads: Vec<_> = (0..count)
+        .map(|k| {
+            let path = path.to_string();
+            std::thread::spawn(move || -> Result<()> {
+                let sender = Sender::<u64>::connect(&path)?;
+                for i in 0..messages {
+                    sender.send(&(1000 * k + i))?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
+    }
+    say("done");
+    Ok(())
+}
+
+/// A TCP connection past the handshake, with the secret in `TQ_SECRET`.
+fn authenticated(addr: &str) -> Result<TcpLink> {
+    let addr = addr.trim_start_matches("tcp://");
+    Ok(TcpLink::connect(addr, &Secret::from_env()?, Duration::from_secs(30))?)
+}
+
+/// The sender's first frame, as a plain host sender sends it.
+fn hello() -> Vec<u8> {
+    Frame::Hello {
+        pid: std::process::id(),
+        host: [0; 16],
+        capacity: DEFAULT_CAPACITY,
+        instance: 1,
+        reach: Default::default(),
+        routing: Default::default(),
+    }
+    .encode()
+}
