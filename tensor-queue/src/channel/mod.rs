@@ -109,6 +109,7 @@ mod connection;
 mod endpoint;
 mod fences;
 mod imports;
+pub mod iter;
 mod landing;
 mod link;
 mod outgoing;
