@@ -71,3 +71,95 @@ fn try_iter_takes_what_is_there_and_never_waits() {
     assert_eq!(receiver.try_iter().count(), 0, "every sender has gone: it ends");
     assert!(matches!(receiver.try_recv(), Err(Error::Disconnected)));
 }
+
+/// Whether `fd` is readable now.
+fn readable(fd: &impl std::os::fd::AsFd) -> bool {
+    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+    rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap() > 0
+}
+
+/// Waits up to a minute for `fd` to be readable.
+fn wait_readable(fd: &impl std::os::fd::AsFd) {
+    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+    let n = rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 60, tv_nsec: 0 })).unwrap();
+    assert_eq!(n, 1, "not readable after a minute");
+}
+
+#[test]
+fn a_receiver_s_descriptor_is_readable_exactly_while_recv_can_make_progress() {
+    let path = socket_path("as-fd");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    assert!(!readable(&receiver), "nothing has happened yet");
+    receiver.expect_senders(1);
+    let mut child = sender_process(&path, 3, 5, false);
+    let mut received = 0;
+    loop {
+        wait_readable(&receiver);
+        match receiver.try_recv() {
+            Ok(_) => received += 1,
+            Err(Error::Empty) => {} // a greeting or a hang-up being read, not a message
+            Err(Error::Disconnected) => break,
+            Err(other) => panic!("{other}"),
+        }
+    }
+    assert_eq!(received, 3);
+    assert!(child.wait().unwrap().success());
+    // The end stays visible: whoever waits on it learns it at once.
+    assert!(readable(&receiver));
+    assert!(matches!(receiver.try_recv(), Err(Error::Disconnected)));
+}
+
+#[test]
+fn an_idle_connected_receiver_is_not_readable_and_a_held_message_keeps_it_readable() {
+    use tensor_queue::Sender;
+    let path = socket_path("as-fd-idle");
+    let mut receiver = Receiver::<u32>::bind(&path).unwrap();
+    let sender = Sender::<u32>::connect(&path).unwrap();
+    for i in 0..3 {
+        sender.send(&i).unwrap();
+    }
+    assert_eq!(receiver.recv().unwrap(), 0);
+    // Two more were read with the first, or are on the socket: readable either way.
+    assert!(readable(&receiver), "messages wait, but the descriptor says nothing");
+    assert_eq!(receiver.recv().unwrap(), 1);
+    assert_eq!(receiver.recv().unwrap(), 2);
+    // Drain what is not a message (the greeting, if not read yet), then nothing is left.
+    assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "a fourth message?");
+    assert!(!readable(&receiver), "an idle receiver must not wake its waiter (a busy loop in async code)");
+    drop(sender);
+    wait_readable(&receiver);
+}
+
+#[test]
+fn select_waits_on_receivers_fed_by_several_processes_until_all_have_ended() {
+    use tensor_queue::channel::Select;
+    let paths = [socket_path("select-a"), socket_path("select-b")];
+    let mut receivers: Vec<Receiver<Probe>> = paths.iter().map(|p| Receiver::bind(p).unwrap()).collect();
+    let mut select = Select::new();
+    for receiver in &mut receivers {
+        receiver.expect_senders(2);
+        select.add(receiver).unwrap();
+    }
+    let children: Vec<Child> =
+        (0..4).map(|k| sender_process(&paths[k % 2], 6 + k as u32, k as u64 * 10, k == 3)).collect();
+    let mut counts = [0usize; 2];
+    let mut open = 2;
+    while open > 0 {
+        let i = select.ready_timeout(std::time::Duration::from_secs(60)).expect("nothing ready for a minute");
+        for probe in receivers[i].try_iter() {
+            let probe = probe.unwrap();
+            assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0]);
+            counts[i] += 1;
+        }
+        if matches!(receivers[i].try_recv(), Err(Error::Disconnected)) {
+            select.remove(i);
+            open -= 1;
+        }
+    }
+    // a: senders 0 and 2 (6 + 8); b: senders 1 and 3 (7 + 9, the last one aborting after its sends).
+    assert_eq!(counts, [14, 16]);
+    for (k, mut child) in children.into_iter().enumerate() {
+        assert_eq!(child.wait().unwrap().success(), k != 3);
+    }
+    assert!(matches!(select.try_ready(), Err(Error::Invalid(_))), "nothing left to wait for");
+}
