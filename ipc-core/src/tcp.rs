@@ -51,6 +51,7 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use zeroize::Zeroizing;
 
 use crate::seqpacket::wait_readable;
 use crate::{Error, Result};
@@ -72,16 +73,16 @@ const HELLO_LEN: usize = TAG.len() + 1 + NONCE_LEN;
 const PROOF_LEN: usize = 32;
 
 /// A shared secret of at least [`MIN_SECRET_LEN`] bytes. Its `Debug` shows only its length, and
-/// its bytes are overwritten with zeros (best effort) when it drops.
+/// its bytes are overwritten with zeros when it drops (`zeroize`: stores the compiler keeps).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret {
-    bytes: Vec<u8>,
+    bytes: Zeroizing<Vec<u8>>,
 }
 
 impl Secret {
     /// A secret from bytes; [`Error::InvalidArgument`] if shorter than [`MIN_SECRET_LEN`].
     pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Secret> {
-        let secret = Secret { bytes: bytes.into() };
+        let secret = Secret { bytes: Zeroizing::new(bytes.into()) };
         if secret.bytes.len() < MIN_SECRET_LEN {
             return Err(Error::InvalidArgument(format!(
                 "a secret needs at least {MIN_SECRET_LEN} bytes; this one has {}",
@@ -119,14 +120,6 @@ impl Secret {
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Secret").field("len", &self.bytes.len()).finish_non_exhaustive()
-    }
-}
-
-impl Drop for Secret {
-    fn drop(&mut self) {
-        self.bytes.fill(0);
-        // Keeps the compiler from dropping the stores as dead: the zeros are "observed".
-        std::hint::black_box(&mut self.bytes);
     }
 }
 

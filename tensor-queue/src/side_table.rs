@@ -13,15 +13,32 @@ use crate::{Error, Result, Tensor};
 thread_local! {
     static OUTGOING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
     static INCOMING: RefCell<Option<Vec<Option<Tensor>>>> = const { RefCell::new(None) };
+    /// The text of the tensor table's own refusal, which postcard's error cannot carry.
+    static REFUSAL: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
-/// The serde format is bincode with variable-length integers (compact). It keeps the text of
-/// custom errors (a message type's own `serialize` or `deserialize` errors reach the caller
-/// whole), which postcard drops. Decoding is limited to the payload's own length, so a hostile
-/// length prefix cannot make it allocate more.
-fn decoding(limit: usize) -> impl bincode::Options {
-    use bincode::Options;
-    bincode::DefaultOptions::new().with_limit(limit as u64)
+/// Raises a custom serde error and keeps its text in [`REFUSAL`] for the caller.
+fn refuse<E: std::fmt::Display, R>(text: String, custom: impl FnOnce(String) -> E) -> std::result::Result<R, E> {
+    REFUSAL.with(|refusal| *refusal.borrow_mut() = Some(text.clone()));
+    Err(custom(text))
+}
+
+/// The serde format is postcard (a specified, compact format: variable-length integers, no field
+/// names). Decoding reads only from the payload, so a hostile length prefix cannot make it
+/// allocate more than the payload holds (serde's collections cap what they reserve up front).
+///
+/// postcard keeps no text of a custom error (one a message type's own `serialize` or
+/// `deserialize` raises): those reach the caller as "the message type's own ... failed". The
+/// tensor table's own refusals keep their text through [`REFUSAL`].
+fn refusal_text(error: postcard::Error, own: &str) -> String {
+    let ours = REFUSAL.with(|refusal| refusal.borrow_mut().take());
+    match (ours, error) {
+        (Some(text), _) => text,
+        (None, postcard::Error::SerdeSerCustom | postcard::Error::SerdeDeCustom) => {
+            format!("the message type's own {own} failed (postcard carries no text of its reason)")
+        }
+        (None, other) => other.to_string(),
+    }
 }
 
 /// Clears a table when encoding or decoding ends, even by panic.
@@ -37,11 +54,9 @@ impl Drop for Reset {
 pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)> {
     OUTGOING.with(|table| *table.borrow_mut() = Some(Vec::new()));
     let _reset = Reset(&OUTGOING);
-    // Written in one pass: with a limit, bincode first walks the message to size it, and each
-    // tensor would be set aside twice. The frame's size is checked when it is sent.
-    let mut bytes = Vec::new();
-    bincode::Options::serialize_into(bincode::DefaultOptions::new(), &mut bytes, message)
-        .map_err(|e| Error::Encode(e.to_string()))?;
+    REFUSAL.with(|refusal| refusal.borrow_mut().take());
+    // The frame's size is checked when it is sent.
+    let bytes = postcard::to_stdvec(message).map_err(|e| Error::Encode(refusal_text(e, "Serialize")))?;
     let tensors = OUTGOING.with(|table| table.borrow_mut().take()).unwrap_or_default();
     Ok((bytes, tensors))
 }
@@ -50,7 +65,12 @@ pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)
 /// are dropped (and so released).
 pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: Vec<Tensor>) -> Result<T> {
     INCOMING.with(|table| *table.borrow_mut() = Some(tensors.into_iter().map(Some).collect()));
-    let result = bincode::Options::deserialize(decoding(bytes.len()), bytes).map_err(|e| Error::Decode(e.to_string()));
+    REFUSAL.with(|refusal| refusal.borrow_mut().take());
+    let result = match postcard::take_from_bytes(bytes) {
+        Ok((message, [])) => Ok(message),
+        Ok((_, rest)) => Err(Error::Decode(format!("{} bytes follow the message", rest.len()))),
+        Err(e) => Err(Error::Decode(refusal_text(e, "Deserialize"))),
+    };
     INCOMING.with(|table| table.borrow_mut().take());
     result
 }
@@ -65,7 +85,7 @@ impl Serialize for Tensor {
         });
         match index {
             Some(index) => serializer.serialize_u32(index as u32),
-            None => Err(S::Error::custom("a Tensor can only be serialized by a tensor-queue Sender")),
+            None => refuse("a Tensor can only be serialized by a tensor-queue Sender".to_string(), S::Error::custom),
         }
     }
 }
@@ -83,7 +103,10 @@ impl<'de> Deserialize<'de> for Tensor {
                 Some(slot) => slot.take().ok_or_else(|| format!("the message names tensor {index} twice")),
             }
         });
-        taken.map_err(D::Error::custom)
+        match taken {
+            Ok(tensor) => Ok(tensor),
+            Err(text) => refuse(text, D::Error::custom),
+        }
     }
 }
 
@@ -135,8 +158,7 @@ mod tests {
         tensors.clear();
         assert!(matches!(decode::<(Tensor, u8)>(&bytes, tensors), Err(Error::Decode(_))));
         let t = Tensor::zeros(DType::U8, &[1]).unwrap();
-        let outside = bincode::serialize(&t).unwrap_err().to_string();
-        assert!(outside.contains("only be serialized by a tensor-queue Sender"), "{outside}");
+        assert!(postcard::to_stdvec(&t).is_err(), "a tensor outside a Sender has no table to go to");
         let twice = encode(&(0u32, 0u32)).unwrap().0;
         assert!(matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice")));
     }
@@ -161,13 +183,32 @@ mod custom_errors {
         }
     }
 
-    /// Found by an outside test: postcard dropped the text of a type's own errors.
+    /// postcard drops the text of a type's own errors: the caller still learns whose code failed.
     #[test]
-    fn a_type_s_own_error_text_reaches_the_caller() {
-        assert!(matches!(encode(&Picky), Err(Error::Encode(m)) if m.contains("picky refuses to be sent")));
+    fn a_type_s_own_error_names_the_type_s_code() {
+        assert!(matches!(encode(&Picky), Err(Error::Encode(m)) if m.contains("own Serialize failed")));
         let (bytes, tensors) = encode(&0u8).unwrap();
         assert!(
-            matches!(decode::<Picky>(&bytes, tensors), Err(Error::Decode(m)) if m.contains("picky refuses to arrive"))
+            matches!(decode::<Picky>(&bytes, tensors), Err(Error::Decode(m)) if m.contains("own Deserialize failed"))
+        );
+    }
+
+    /// Bytes after the message mean the sender's type is not the receiver's.
+    #[test]
+    fn trailing_bytes_are_refused() {
+        let (bytes, tensors) = encode(&(1u8, 2u8)).unwrap();
+        assert!(matches!(decode::<u8>(&bytes, tensors), Err(Error::Decode(m)) if m.contains("1 bytes follow")));
+    }
+
+    /// A refusal of the tensor table is not taken for a later, unrelated failure's reason.
+    #[test]
+    fn a_stale_refusal_does_not_name_a_later_failure() {
+        let t = Tensor::zeros(crate::DType::U8, &[1]).unwrap();
+        let twice = encode(&(0u32, 0u32)).unwrap().0;
+        assert!(matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice")));
+        let (bytes, tensors) = encode(&0u8).unwrap();
+        assert!(
+            matches!(decode::<Picky>(&bytes, tensors), Err(Error::Decode(m)) if m.contains("own Deserialize failed"))
         );
     }
 }

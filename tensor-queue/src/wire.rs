@@ -33,7 +33,7 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
 /// assert_eq!(Frame::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 
 const FENCE_NONE: u8 = 0;
 const FENCE_EVENT: u8 = 1;

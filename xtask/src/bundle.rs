@@ -53,7 +53,8 @@ pub fn build() -> Result<()> {
     }
 
     check_helpers(&root)?;
-    cargo(&["build", "--release", "--workspace", "--bins", "--examples"])?;
+    // `bench` brings tq-bench and its plotting crates, which test runs leave out.
+    cargo(&["build", "--release", "--workspace", "--bins", "--examples", "--features", "integration-tests/bench"])?;
     for name in BINARIES {
         copy(&root.join("target/release").join(name), &bundle.join("bin").join(name))?;
     }
@@ -180,8 +181,15 @@ fn release_examples(root: &Path) -> Result<Vec<PathBuf>> {
 
 /// Builds the test targets in release and returns `(package-target, executable)` pairs.
 fn release_test_executables() -> Result<Vec<(String, PathBuf)>> {
-    let mut command =
-        cargo_command(&["test", "--release", "--workspace", "--no-run", "--message-format=json-render-diagnostics"])?;
+    let mut command = cargo_command(&[
+        "test",
+        "--release",
+        "--workspace",
+        "--no-run",
+        "--features",
+        "integration-tests/bench",
+        "--message-format=json-render-diagnostics",
+    ])?;
     let output = command.stderr(Stdio::inherit()).output()?;
     if !output.status.success() {
         bail!("building release tests failed");

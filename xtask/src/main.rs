@@ -2,6 +2,7 @@
 //!
 //! Every command is safe to run on a fresh machine: `setup` installs what the others need.
 
+mod audit;
 mod bundle;
 mod codegen;
 mod kernels;
@@ -36,6 +37,8 @@ enum Task {
         #[arg(long)]
         check: bool,
     },
+    /// Check the dependency policy (`deny.toml`) with cargo-deny: advisories, licenses, bans, sources.
+    Audit,
     /// Build every crate, test and example (debug).
     Build,
     /// Set up, then run everything that runs on this machine (the README's test command).
@@ -62,6 +65,7 @@ fn main() -> Result<()> {
         Task::Setup => toolchain::setup(),
         Task::Codegen { check } => codegen::run(check),
         Task::Kernels { check } => kernels::run(check),
+        Task::Audit => audit::run_audit(),
         Task::Build => cargo(&["build", "--workspace", "--all-targets"]),
         Task::Test => test(),
         Task::GpuBundle => bundle::build(),

@@ -109,13 +109,16 @@ mod connection;
 mod endpoint;
 mod fences;
 mod imports;
+pub mod iter;
 mod landing;
 mod link;
 mod outgoing;
 mod peer;
+mod readiness;
 mod receiver;
 mod release;
 mod remote;
+mod select;
 mod sender;
 pub(crate) mod switches;
 
@@ -129,6 +132,7 @@ pub use connection::MessageInfo;
 pub use endpoint::{ConnectOptions, Endpoint, TCP_PREFIX};
 pub use receiver::{Receiver, ReceiverOptions};
 pub(crate) use release::{Fences, ReceivedLease, failed};
+pub use select::Select;
 pub use sender::{Rejection, Sender};
 
 /// Messages a sender may have in flight to a receiver unless the receiver says otherwise.

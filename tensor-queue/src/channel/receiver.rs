@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::marker::PhantomData;
+use std::os::fd::AsFd as _;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,6 +19,7 @@ use super::acceptor::{Acceptor, Listening};
 use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
 use super::endpoint::{self, Endpoint};
 use super::link::Link;
+use super::readiness::Readiness;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
 use crate::route::{MAX_SOURCES, Reach, Routing};
 use crate::wire::MAX_PACKET;
@@ -113,6 +115,8 @@ pub struct Receiver<T> {
     /// How long `recv` polls without sleeping before it blocks (zero: it blocks at once).
     spin: Duration,
     buf: Vec<u8>,
+    /// Readable whenever `recv` may make progress (`AsFd`).
+    readiness: Readiness,
     _message: PhantomData<fn() -> T>,
 }
 
@@ -173,7 +177,9 @@ impl<T: DeserializeOwned> Receiver<T> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options)?;
         let listening = options.listen(endpoint.into())?;
-        receiver.acceptor = Some(Acceptor::start(listening, options)?);
+        let acceptor = Acceptor::start(listening, options)?;
+        receiver.readiness.watch(acceptor.doorbell.as_fd())?;
+        receiver.acceptor = Some(acceptor);
         Ok(receiver)
     }
 
@@ -213,23 +219,28 @@ impl<T: DeserializeOwned> Receiver<T> {
         let mut receiver = Receiver::new(&options)?;
         let link = Link::new(Box::new(connection))?;
         options.greet(&link)?;
+        receiver.readiness.watch(link.fd())?;
         receiver.connected.push(Connected::new(link));
         Ok(receiver)
     }
 
     fn new(options: &ReceiverOptions) -> Result<Receiver<T>> {
+        let devices = Devices::new(options.routing.clone())?;
+        let readiness = Readiness::new()?;
+        readiness.watch(devices.nccl_wake.fd())?;
         Ok(Receiver {
             acceptor: None,
             connected: Vec::new(),
             arrivals: VecDeque::new(),
             parked: VecDeque::new(),
-            devices: Devices::new(options.routing.clone())?,
+            devices,
             capacity: options.capacity,
             errors: Vec::new(),
             joined: 0,
             expected: None,
             spin: Duration::ZERO,
             buf: vec![0; MAX_PACKET],
+            readiness,
             _message: PhantomData,
         })
     }
@@ -402,6 +413,28 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn recv_with_info(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
+        let result = self.next_message(timeout);
+        self.note_pending();
+        result
+    }
+
+    /// Whether work inside the process waits for `recv` (see `readiness.rs`): messages read but
+    /// not taken, packets a TCP link read ahead, parked messages, or the end of the stream.
+    fn note_pending(&mut self) {
+        let pending = !self.arrivals.is_empty()
+            || !self.parked.is_empty()
+            || self.connected.iter().any(|c| c.peer.link.has_buffered())
+            || self.at_end();
+        self.readiness.set_pending(pending);
+    }
+
+    /// Whether `recv` returns [`Error::Disconnected`] now, with nothing left to read.
+    fn at_end(&self) -> bool {
+        let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
+        self.connected.is_empty() && self.parked.is_empty() && (all_joined || self.acceptor.is_none())
+    }
+
+    fn next_message(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
             if let Some(ready) = self.unpark()? {
@@ -418,8 +451,7 @@ impl<T: DeserializeOwned> Receiver<T> {
                 }
                 None => {}
             }
-            let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
-            if self.connected.is_empty() && self.parked.is_empty() && (all_joined || self.acceptor.is_none()) {
+            if self.at_end() {
                 // Connections the accept thread already took may be waiting at the doorbell.
                 if self.acceptor.is_some() && self.pump(Some(Duration::ZERO))? {
                     continue;
@@ -570,6 +602,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         }
         while self.accept_waiting()? {}
         self.acceptor = None;
+        self.note_pending();
         Ok(())
     }
 
@@ -758,7 +791,8 @@ impl<T: DeserializeOwned> Receiver<T> {
         read |= !closed.is_empty();
         for index in closed.into_iter().rev() {
             // Tensors received from it keep its socket open for their releases.
-            self.connected.remove(index);
+            let gone = self.connected.remove(index);
+            self.readiness.forget(gone.peer.link.fd());
         }
         if self.expected.is_some_and(|n| self.joined >= n) && self.acceptor.is_some() {
             // Every expected sender is here: no more join (and the socket file goes).
@@ -774,7 +808,10 @@ impl<T: DeserializeOwned> Receiver<T> {
         let Some((n, _)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
         let handed = std::mem::take(&mut *lock(&acceptor.handed));
         self.errors.extend(handed.refused);
-        self.connected.extend(handed.links.into_iter().map(Connected::new));
+        for link in handed.links {
+            self.readiness.watch(link.fd())?;
+            self.connected.push(Connected::new(link));
+        }
         // 0: the accept thread has ended (`stop_accepting`): nothing more comes.
         Ok(n > 0)
     }
@@ -806,6 +843,38 @@ fn on_cpu_ready(ready: &Ready) -> Result<bool> {
         }
     }
     Ok(true)
+}
+
+/// A descriptor that becomes readable when [`recv`](Receiver::recv) may make progress: a message
+/// or a hang-up arrived, a sender joined, or a message read earlier waits to be taken (also the
+/// end of the stream, when `recv` would return [`Error::Disconnected`]). Wait on it with `poll`,
+/// epoll, mio or [`Select`](super::Select), then take what is there with
+/// [`try_recv`](Receiver::try_recv), which may answer [`Error::Empty`] when what woke it was not
+/// a message (a credit or a release): wait again. It is level-triggered: it stays readable until
+/// `try_recv` has taken what made it so.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use std::os::fd::AsFd;
+/// use rustix::event::{PollFd, PollFlags, poll};
+/// use tensor_queue::{Receiver, Sender};
+/// # let path = std::env::temp_dir().join(format!("doc-{}-as-fd.sock", std::process::id()));
+/// let mut receiver = Receiver::<u32>::bind(&path)?;
+/// Sender::<u32>::connect(&path)?.send(&9)?;
+/// let value = loop {
+///     let mut fds = [PollFd::new(&receiver, PollFlags::IN)]; // with any other descriptors
+///     poll(&mut fds, None).expect("poll");
+///     if let Ok(value) = receiver.try_recv() {
+///         break value;
+///     }
+/// };
+/// assert_eq!(value, 9);
+/// # Ok(()) }
+/// ```
+impl<T> std::os::fd::AsFd for Receiver<T> {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.readiness.fd()
+    }
 }
 
 impl<T> Drop for Receiver<T> {

@@ -1,0 +1,165 @@
+//! What users of crossbeam-channel, flume, ipc-channel and tokio reach for, tried as an outside
+//! program would: iteration, waiting on several receivers, and naming mistakes. The senders are
+//! other processes (`tq-peer send`).
+
+use std::process::{Child, Command};
+
+use integration_tests::queue::{Probe, checksum};
+use integration_tests::{bin_path, socket_path};
+use tensor_queue::{Error, Receiver};
+
+/// `tq-peer send`: connects to `path`, sends `count` probes, and exits (or aborts with `die`).
+fn sender_process(path: &std::path::Path, count: u32, seed: u64, die: bool) -> Child {
+    let mut command = Command::new(bin_path("tq-peer").unwrap());
+    command.args(["send", "--count", &count.to_string(), "--seed", &seed.to_string(), "--to"]).arg(path);
+    if die {
+        command.arg("--die");
+    }
+    command.spawn().unwrap()
+}
+
+#[test]
+fn for_over_a_receiver_ends_once_every_expected_sender_has_gone() {
+    let path = socket_path("iter");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    receiver.expect_senders(3);
+    // One of them aborts right after its last send: its messages still count, and it has gone.
+    let children: Vec<Child> = (0..3).map(|k| sender_process(&path, 7, k * 100, k == 2)).collect();
+    let mut received = 0;
+    for probe in &mut receiver {
+        let probe = probe.unwrap();
+        assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0], "{}", probe.note);
+        received += 1;
+    }
+    assert_eq!(received, 21, "the loop ended before every sender's messages were in");
+    for (k, mut child) in children.into_iter().enumerate() {
+        let status = child.wait().unwrap();
+        assert_eq!(status.success(), k != 2, "sender {k}: {status}");
+    }
+    // Ended for good: the iterator and recv agree.
+    assert!(receiver.iter().next().is_none());
+    assert!(matches!(receiver.recv(), Err(Error::Disconnected)));
+}
+
+#[test]
+fn an_owning_iterator_collects_everything_one_sender_sent() {
+    let path = socket_path("into-iter");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    receiver.expect_senders(1);
+    let mut child = sender_process(&path, 5, 1, false);
+    let probes: Vec<Probe> = receiver.into_iter().collect::<Result<_, _>>().unwrap();
+    assert_eq!(probes.len(), 5);
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn try_iter_takes_what_is_there_and_never_waits() {
+    let path = socket_path("try-iter");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    assert_eq!(receiver.try_iter().count(), 0, "nobody has connected: nothing, at once");
+    receiver.expect_senders(1);
+    let mut child = sender_process(&path, 4, 2, false);
+    // The first message by waiting; the rest as they are there, without a wait.
+    let mut received = vec![receiver.recv().unwrap()];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while received.len() < 4 {
+        assert!(std::time::Instant::now() < deadline, "only {} of 4 after a minute", received.len());
+        received.extend(receiver.try_iter().map(Result::unwrap));
+        std::thread::yield_now();
+    }
+    assert!(child.wait().unwrap().success());
+    assert_eq!(receiver.try_iter().count(), 0, "every sender has gone: it ends");
+    assert!(matches!(receiver.try_recv(), Err(Error::Disconnected)));
+}
+
+/// Whether `fd` is readable now.
+fn readable(fd: &impl std::os::fd::AsFd) -> bool {
+    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+    rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap() > 0
+}
+
+/// Waits up to a minute for `fd` to be readable.
+fn wait_readable(fd: &impl std::os::fd::AsFd) {
+    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+    let n = rustix::event::poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 60, tv_nsec: 0 })).unwrap();
+    assert_eq!(n, 1, "not readable after a minute");
+}
+
+#[test]
+fn a_receiver_s_descriptor_is_readable_exactly_while_recv_can_make_progress() {
+    let path = socket_path("as-fd");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    assert!(!readable(&receiver), "nothing has happened yet");
+    receiver.expect_senders(1);
+    let mut child = sender_process(&path, 3, 5, false);
+    let mut received = 0;
+    loop {
+        wait_readable(&receiver);
+        match receiver.try_recv() {
+            Ok(_) => received += 1,
+            Err(Error::Empty) => {} // a greeting or a hang-up being read, not a message
+            Err(Error::Disconnected) => break,
+            Err(other) => panic!("{other}"),
+        }
+    }
+    assert_eq!(received, 3);
+    assert!(child.wait().unwrap().success());
+    // The end stays visible: whoever waits on it learns it at once.
+    assert!(readable(&receiver));
+    assert!(matches!(receiver.try_recv(), Err(Error::Disconnected)));
+}
+
+#[test]
+fn an_idle_connected_receiver_is_not_readable_and_a_held_message_keeps_it_readable() {
+    use tensor_queue::Sender;
+    let path = socket_path("as-fd-idle");
+    let mut receiver = Receiver::<u32>::bind(&path).unwrap();
+    let sender = Sender::<u32>::connect(&path).unwrap();
+    for i in 0..3 {
+        sender.send(&i).unwrap();
+    }
+    assert_eq!(receiver.recv().unwrap(), 0);
+    // Two more were read with the first, or are on the socket: readable either way.
+    assert!(readable(&receiver), "messages wait, but the descriptor says nothing");
+    assert_eq!(receiver.recv().unwrap(), 1);
+    assert_eq!(receiver.recv().unwrap(), 2);
+    // Drain what is not a message (the greeting, if not read yet), then nothing is left.
+    assert!(matches!(receiver.try_recv(), Err(Error::Empty)), "a fourth message?");
+    assert!(!readable(&receiver), "an idle receiver must not wake its waiter (a busy loop in async code)");
+    drop(sender);
+    wait_readable(&receiver);
+}
+
+#[test]
+fn select_waits_on_receivers_fed_by_several_processes_until_all_have_ended() {
+    use tensor_queue::channel::Select;
+    let paths = [socket_path("select-a"), socket_path("select-b")];
+    let mut receivers: Vec<Receiver<Probe>> = paths.iter().map(|p| Receiver::bind(p).unwrap()).collect();
+    let mut select = Select::new();
+    for receiver in &mut receivers {
+        receiver.expect_senders(2);
+        select.add(receiver).unwrap();
+    }
+    let children: Vec<Child> =
+        (0..4).map(|k| sender_process(&paths[k % 2], 6 + k as u32, k as u64 * 10, k == 3)).collect();
+    let mut counts = [0usize; 2];
+    let mut open = 2;
+    while open > 0 {
+        let i = select.ready_timeout(std::time::Duration::from_secs(60)).expect("nothing ready for a minute");
+        for probe in receivers[i].try_iter() {
+            let probe = probe.unwrap();
+            assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0]);
+            counts[i] += 1;
+        }
+        if matches!(receivers[i].try_recv(), Err(Error::Disconnected)) {
+            select.remove(i);
+            open -= 1;
+        }
+    }
+    // a: senders 0 and 2 (6 + 8); b: senders 1 and 3 (7 + 9, the last one aborting after its sends).
+    assert_eq!(counts, [14, 16]);
+    for (k, mut child) in children.into_iter().enumerate() {
+        assert_eq!(child.wait().unwrap().success(), k != 3);
+    }
+    assert!(matches!(select.try_ready(), Err(Error::Invalid(_))), "nothing left to wait for");
+}
