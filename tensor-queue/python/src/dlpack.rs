@@ -1,0 +1,514 @@
+//! Arrays at the language boundary, through DLPack.
+//!
+//! Sending: the array's `__dlpack__` capsule is read (not consumed: its own destructor gives it
+//! back) and its elements are copied once into channel memory; a framework's own memory is never
+//! exported. Receiving: the tensor is wrapped in an [`Array`] that keeps the channel memory alive
+//! and hands it to NumPy through `__array_interface__` (read-only, no copy), to torch through a
+//! DLPack capsule (host tensors copied into memory torch owns, since torch has no read-only
+//! tensors and a write to read-only shared memory would kill the process), and to anything else
+//! as the `Array` itself (`__dlpack__`, `__array_interface__`).
+
+use std::ffi::{CStr, c_void};
+
+use dlpark::DlpackFlags;
+use dlpark::ffi::{
+    DLDataType, DLDataTypeCode, DLDevice, DLDeviceType, DLManagedTensor, DLManagedTensorVersioned, DLPackVersion,
+    DLTensor,
+};
+use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use tensor_queue::{DType, Tensor, TensorDevice};
+
+use crate::stats;
+use crate::value::Framework;
+
+const VERSIONED: &CStr = c"dltensor_versioned";
+const LEGACY: &CStr = c"dltensor";
+
+/// Why an object could not be imported as an array.
+pub enum ImportError {
+    /// Python raised while asking the object.
+    Python(PyErr),
+    /// The object is an array the channel cannot carry (the text says why, after its location).
+    Refused(String),
+}
+
+impl From<PyErr> for ImportError {
+    fn from(error: PyErr) -> ImportError {
+        ImportError::Python(error)
+    }
+}
+
+fn framework_of(value: &Bound<'_, PyAny>) -> PyResult<Framework> {
+    let module = value.get_type().module()?.to_string();
+    Ok(if module == "numpy" || module.starts_with("numpy.") {
+        if value.hasattr("__dlpack__")? { Framework::Numpy } else { Framework::NumpyScalar }
+    } else if module == "torch" || module.starts_with("torch.") {
+        Framework::Torch
+    } else {
+        Framework::Other
+    })
+}
+
+/// The tensor for an array (copied into channel memory), `None` for an object that is no array.
+pub fn import(value: &Bound<'_, PyAny>) -> Result<Option<(Tensor, Framework)>, ImportError> {
+    if let Ok(array) = value.cast::<Array>() {
+        // A received array sent on: its channel memory goes again, without a copy.
+        let array = array.get();
+        return Ok(Some((array.tensor.clone(), array.framework)));
+    }
+    let py = value.py();
+    let framework = framework_of(value)?;
+    let array = match framework {
+        // NumPy scalars have no `__dlpack__`; a 0-d array holds the same.
+        Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (value,))?,
+        _ if value.hasattr("__dlpack__")? => value.clone(),
+        _ => return Ok(None),
+    };
+    if let Ok(device) = array.call_method0("__dlpack_device__") {
+        let (device_type, _): (i32, i32) = device.extract()?;
+        if device_type != DLDeviceType::CPU.0 as i32 && device_type != DLDeviceType::CUDAHOST.0 as i32 {
+            return Err(ImportError::Refused(format!(
+                "is an array on DLPack device type {device_type}: this build of the Python package carries \
+                 host arrays only (move it to the CPU first)"
+            )));
+        }
+    }
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("max_version", (1, 0))?;
+    let capsule = match array.call_method("__dlpack__", (), Some(&kwargs)) {
+        Ok(capsule) => capsule,
+        // Producers older than DLPack 1.0 take no `max_version`.
+        Err(error) if error.is_instance_of::<PyTypeError>(py) => {
+            array.call_method0("__dlpack__").map_err(|e| refused_export(py, e))?
+        }
+        Err(error) => return Err(refused_export(py, error)),
+    };
+    let tensor = read_capsule(&capsule).map_err(ImportError::Refused)?;
+    stats::SEND_COPIES.add(1);
+    stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
+    Ok(Some((tensor, framework)))
+}
+
+fn refused_export(py: Python<'_>, error: PyErr) -> ImportError {
+    if error.is_instance_of::<PyBufferError>(py) || error.is_instance_of::<pyo3::exceptions::PyRuntimeError>(py) {
+        ImportError::Refused(format!("could not be exported through DLPack: {error}"))
+    } else {
+        ImportError::Python(error)
+    }
+}
+
+/// Copies the array a DLPack capsule describes into a new host tensor; the capsule stays
+/// unconsumed (its destructor calls the producer's deleter).
+fn read_capsule(capsule: &Bound<'_, PyAny>) -> Result<Tensor, String> {
+    let ptr = capsule.as_ptr();
+    // SAFETY: `ptr` is a live object; `PyCapsule_IsValid` checks its type and name without
+    // raising, and the capsule's pointer is the managed tensor its name promises (the DLPack
+    // protocol). The capsule outlives this function, so the tensor it describes stays alive.
+    unsafe {
+        if ffi::PyCapsule_IsValid(ptr, VERSIONED.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(ptr, VERSIONED.as_ptr()).cast::<DLManagedTensorVersioned>();
+            if managed.is_null() || (*managed).version.major != 1 {
+                return Err("is a DLPack array of an unknown major version".into());
+            }
+            copy_in(&(*managed).dl_tensor)
+        } else if ffi::PyCapsule_IsValid(ptr, LEGACY.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(ptr, LEGACY.as_ptr()).cast::<DLManagedTensor>();
+            if managed.is_null() {
+                return Err("gave a DLPack capsule without a tensor".into());
+            }
+            copy_in(&(*managed).dl_tensor)
+        } else {
+            Err("has a __dlpack__ that returned no unused DLPack capsule".into())
+        }
+    }
+}
+
+fn dtype_of(dtype: DLDataType) -> Option<DType> {
+    if dtype.lanes != 1 {
+        return None;
+    }
+    Some(match (dtype.code, dtype.bits) {
+        (DLDataTypeCode::BOOL, 8) => DType::Bool,
+        (DLDataTypeCode::UINT, 8) => DType::U8,
+        (DLDataTypeCode::INT, 8) => DType::I8,
+        (DLDataTypeCode::INT, 16) => DType::I16,
+        (DLDataTypeCode::INT, 32) => DType::I32,
+        (DLDataTypeCode::INT, 64) => DType::I64,
+        (DLDataTypeCode::FLOAT, 16) => DType::F16,
+        (DLDataTypeCode::BFLOAT, 16) => DType::BF16,
+        (DLDataTypeCode::FLOAT, 32) => DType::F32,
+        (DLDataTypeCode::FLOAT, 64) => DType::F64,
+        _ => return None,
+    })
+}
+
+fn dl_dtype(dtype: DType) -> DLDataType {
+    let (code, bits) = match dtype {
+        DType::Bool => (DLDataTypeCode::BOOL, 8),
+        DType::U8 => (DLDataTypeCode::UINT, 8),
+        DType::I8 => (DLDataTypeCode::INT, 8),
+        DType::I16 => (DLDataTypeCode::INT, 16),
+        DType::I32 => (DLDataTypeCode::INT, 32),
+        DType::I64 => (DLDataTypeCode::INT, 64),
+        DType::F16 => (DLDataTypeCode::FLOAT, 16),
+        DType::BF16 => (DLDataTypeCode::BFLOAT, 16),
+        DType::F32 => (DLDataTypeCode::FLOAT, 32),
+        DType::F64 => (DLDataTypeCode::FLOAT, 64),
+    };
+    DLDataType { code, bits, lanes: 1 }
+}
+
+/// The name Python users know a dtype by (NumPy's and torch's spelling).
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::Bool => "bool",
+        DType::U8 => "uint8",
+        DType::I8 => "int8",
+        DType::I16 => "int16",
+        DType::I32 => "int32",
+        DType::I64 => "int64",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+    }
+}
+
+/// NumPy's type string, `None` for bfloat16 (NumPy has none).
+fn typestr(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::Bool => "|b1",
+        DType::U8 => "|u1",
+        DType::I8 => "|i1",
+        DType::I16 => "<i2",
+        DType::I32 => "<i4",
+        DType::I64 => "<i8",
+        DType::F16 => "<f2",
+        DType::BF16 => return None,
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+    })
+}
+
+/// Copies a host DLTensor into a new host tensor (gathering a strided one).
+///
+/// # Safety
+/// `t` describes live host memory, as the DLPack protocol promises for a capsule not yet deleted.
+unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, String> {
+    if t.device.device_type != DLDeviceType::CPU && t.device.device_type != DLDeviceType::CUDAHOST {
+        return Err(format!("is an array on DLPack device type {}: host arrays only", t.device.device_type.0));
+    }
+    let dtype = dtype_of(t.dtype).ok_or_else(|| {
+        format!(
+            "has a DLPack dtype (code {}, {} bits, {} lanes) a tensor cannot hold (bool, uint8, int8, int16, int32, \
+             int64, float16, bfloat16, float32, float64)",
+            t.dtype.code.0, t.dtype.bits, t.dtype.lanes
+        )
+    })?;
+    let ndim = usize::try_from(t.ndim).map_err(|_| "has a negative number of dimensions".to_string())?;
+    let (shape, strides): (&[i64], Option<&[i64]>) = if ndim == 0 {
+        (&[], None)
+    } else {
+        // SAFETY: DLPack gives `ndim` shape entries, and `ndim` strides unless `strides` is null.
+        unsafe {
+            (
+                std::slice::from_raw_parts(t.shape, ndim),
+                (!t.strides.is_null()).then(|| std::slice::from_raw_parts(t.strides, ndim)),
+            )
+        }
+    };
+    if shape.iter().any(|&n| n < 0) {
+        return Err("has a negative extent".into());
+    }
+    let dims: Vec<u64> = shape.iter().map(|&n| n as u64).collect();
+    let numel: u64 = dims.iter().product();
+    if numel == 0 {
+        return Tensor::zeros(dtype, &dims).map_err(|e| e.to_string());
+    }
+    let size = dtype.size();
+    // SAFETY: the data pointer plus the byte offset is the first element (DLPack).
+    let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
+    let contiguous = tensor_queue::contiguous_strides(&dims);
+    let is_contiguous =
+        strides.is_none_or(|s| s.iter().zip(&contiguous).zip(&dims).all(|((a, b), &n)| n == 1 || a == b));
+    let nbytes = numel as usize * size;
+    if is_contiguous {
+        // SAFETY: a contiguous array of `numel` elements starts at `base`.
+        let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };
+        return Tensor::from_bytes(bytes, dtype, &dims).map_err(|e| e.to_string());
+    }
+    let strides = strides.unwrap_or(&contiguous);
+    let mut gathered = Vec::with_capacity(nbytes);
+    let mut index = vec![0u64; ndim];
+    for _ in 0..numel {
+        let at: i64 = index.iter().zip(strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
+        // SAFETY: the index lies inside the shape, so the element lies inside the producer's array.
+        gathered.extend_from_slice(unsafe { std::slice::from_raw_parts(base.offset(at as isize), size) });
+        for d in (0..ndim).rev() {
+            index[d] += 1;
+            if index[d] < dims[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    Tensor::from_bytes(&gathered, dtype, &dims).map_err(|e| e.to_string())
+}
+
+/// A received array: channel memory, kept alive while this object or anything made from it lives.
+///
+/// NumPy takes it without a copy (`numpy.asarray(a)`, read-only); any DLPack consumer takes it
+/// through `__dlpack__`. Arrays from frameworks other than NumPy and torch arrive as this type.
+#[pyclass(module = "tensor_queue._native", name = "Array", frozen)]
+pub struct Array {
+    tensor: Tensor,
+    framework: Framework,
+}
+
+impl Array {
+    fn dlpack_device(&self) -> DLDevice {
+        // Only host arrays reach Python in this build (a GPU tensor from a Rust peer fails at
+        // `host_address` with a clear error).
+        let _: TensorDevice = self.tensor.device();
+        DLDevice { device_type: DLDeviceType::CPU, device_id: 0 }
+    }
+
+    fn dl_tensor(&self, shape: &mut [i64], strides: &mut [i64]) -> PyResult<DLTensor> {
+        let (data, _) = self.tensor.host_address().map_err(crate::errors::to_py)?;
+        Ok(DLTensor {
+            data: data.cast::<c_void>(),
+            device: self.dlpack_device(),
+            ndim: shape.len() as i32,
+            dtype: dl_dtype(self.tensor.dtype()),
+            shape: shape.as_mut_ptr(),
+            strides: strides.as_mut_ptr(),
+            byte_offset: 0,
+        })
+    }
+
+    /// A DLPack capsule over this array's memory; `versioned` picks the DLPack 1.x struct (with
+    /// the read-only flag where the memory is read-only here), else the legacy one.
+    fn capsule<'py>(&self, py: Python<'py>, versioned: bool) -> PyResult<Bound<'py, PyAny>> {
+        let shape: Vec<i64> = self.tensor.shape().iter().map(|&n| n as i64).collect();
+        let strides = self.tensor.strides().to_vec();
+        let (_, writable) = self.tensor.host_address().map_err(crate::errors::to_py)?;
+        if versioned {
+            let mut export = Box::new(Exported {
+                managed: DLManagedTensorVersioned {
+                    version: DLPackVersion { major: 1, minor: 0 },
+                    manager_ctx: std::ptr::null_mut(),
+                    deleter: Some(delete_versioned),
+                    flags: if writable { DlpackFlags::empty() } else { DlpackFlags::READ_ONLY },
+                    dl_tensor: unused_dl_tensor(),
+                },
+                shape,
+                strides,
+                _tensor: self.tensor.clone(),
+            });
+            export.managed.dl_tensor = self.dl_tensor(&mut export.shape, &mut export.strides)?;
+            let managed = Box::into_raw(export).cast::<c_void>();
+            // SAFETY: `managed` is the boxed struct (its first field is the DLPack struct); the
+            // capsule's destructor deletes it unless a consumer renamed the capsule (took it).
+            unsafe { owned_capsule(py, managed, VERSIONED, destroy_versioned_capsule) }
+        } else {
+            let mut export = Box::new(Exported {
+                managed: DLManagedTensor {
+                    dl_tensor: unused_dl_tensor(),
+                    manager_ctx: std::ptr::null_mut(),
+                    deleter: Some(delete_legacy),
+                },
+                shape,
+                strides,
+                _tensor: self.tensor.clone(),
+            });
+            export.managed.dl_tensor = self.dl_tensor(&mut export.shape, &mut export.strides)?;
+            let managed = Box::into_raw(export).cast::<c_void>();
+            // SAFETY: as above, with the legacy struct.
+            unsafe { owned_capsule(py, managed, LEGACY, destroy_legacy_capsule) }
+        }
+    }
+}
+
+fn unused_dl_tensor() -> DLTensor {
+    DLTensor {
+        data: std::ptr::null_mut(),
+        device: DLDevice { device_type: DLDeviceType::CPU, device_id: 0 },
+        ndim: 0,
+        dtype: dl_dtype(DType::U8),
+        shape: std::ptr::null_mut(),
+        strides: std::ptr::null_mut(),
+        byte_offset: 0,
+    }
+}
+
+/// A DLPack struct and what it points into; the struct comes first so that a pointer to it is a
+/// pointer to the whole (what the deleter gets back).
+#[repr(C)]
+struct Exported<M> {
+    managed: M,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    _tensor: Tensor,
+}
+
+unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+    // SAFETY: `managed` came from `Box::into_raw` of an `Exported` whose first field it is; the
+    // DLPack protocol calls the deleter once.
+    drop(unsafe { Box::from_raw(managed.cast::<Exported<DLManagedTensorVersioned>>()) });
+}
+
+unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+    // SAFETY: as in `delete_versioned`.
+    drop(unsafe { Box::from_raw(managed.cast::<Exported<DLManagedTensor>>()) });
+}
+
+unsafe extern "C" fn destroy_versioned_capsule(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by Python with the dying capsule; a capsule still named "dltensor_versioned"
+    // was never taken by a consumer, so its tensor is ours to delete (`IsValid` raises nothing).
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, VERSIONED.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, VERSIONED.as_ptr()).cast::<DLManagedTensorVersioned>();
+            if let Some(deleter) = (*managed).deleter {
+                deleter(managed);
+            }
+        }
+    }
+}
+
+unsafe extern "C" fn destroy_legacy_capsule(capsule: *mut ffi::PyObject) {
+    // SAFETY: as in `destroy_versioned_capsule`.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, LEGACY.as_ptr()) == 1 {
+            let managed = ffi::PyCapsule_GetPointer(capsule, LEGACY.as_ptr()).cast::<DLManagedTensor>();
+            if let Some(deleter) = (*managed).deleter {
+                deleter(managed);
+            }
+        }
+    }
+}
+
+/// A capsule named `name` over `pointer`, destroyed by `destructor`.
+///
+/// # Safety
+/// `pointer` is what `destructor` expects under `name`; on failure it is leaked (no double free).
+unsafe fn owned_capsule<'py>(
+    py: Python<'py>,
+    pointer: *mut c_void,
+    name: &'static CStr,
+    destructor: unsafe extern "C" fn(*mut ffi::PyObject),
+) -> PyResult<Bound<'py, PyAny>> {
+    // SAFETY: `name` is static (capsules keep the pointer); the caller vouches for `pointer`.
+    unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyCapsule_New(pointer, name.as_ptr(), Some(destructor))) }
+}
+
+#[pymethods]
+impl Array {
+    /// The extents.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.tensor.shape())
+    }
+
+    /// The element type's name (`"float32"`, `"bfloat16"`, ...).
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        dtype_name(self.tensor.dtype())
+    }
+
+    /// Bytes of the elements.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.tensor.nbytes()
+    }
+
+    /// How the array came: `"Local"`, `"HostSharedMemory"`, ... (the Rust `TransferPath`).
+    #[getter]
+    fn path(&self) -> String {
+        format!("{:?}", self.tensor.path())
+    }
+
+    /// Whether this process may write the memory (received host memory is read-only).
+    #[getter]
+    fn writable(&self) -> PyResult<bool> {
+        Ok(self.tensor.host_address().map_err(crate::errors::to_py)?.1)
+    }
+
+    /// NumPy's array interface: the memory without a copy, read-only where it is read-only here.
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let typestr = typestr(self.tensor.dtype())
+            .ok_or_else(|| PyTypeError::new_err("bfloat16 has no NumPy dtype: take this array with torch"))?;
+        let (data, writable) = self.tensor.host_address().map_err(crate::errors::to_py)?;
+        let size = self.tensor.dtype().size() as i64;
+        let strides: Vec<i64> = self.tensor.strides().iter().map(|s| s * size).collect();
+        let dict = PyDict::new(py);
+        dict.set_item("version", 3)?;
+        dict.set_item("shape", PyTuple::new(py, self.tensor.shape())?)?;
+        dict.set_item("typestr", typestr)?;
+        dict.set_item("data", (data as usize, !writable))?;
+        dict.set_item("strides", PyTuple::new(py, strides)?)?;
+        Ok(dict)
+    }
+
+    /// `(device_type, device_id)` as DLPack numbers them.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        let device = self.dlpack_device();
+        (device.device_type.0 as i32, device.device_id)
+    }
+
+    /// A DLPack capsule over the memory (no copy); `copy=True` is refused (copy after taking it).
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = stream; // host memory: nothing to order
+        if let Some((device_type, device_id)) = dl_device {
+            let own = self.dlpack_device();
+            if (device_type, device_id) != (own.device_type.0 as i32, own.device_id) {
+                return Err(PyBufferError::new_err("tensor_queue.Array cannot move itself to another device"));
+            }
+        }
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err("tensor_queue.Array does not copy itself: take it, then copy"));
+        }
+        self.capsule(py, max_version.is_some_and(|(major, _)| major >= 1))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "tensor_queue.Array(shape={:?}, dtype={}, path={:?})",
+            self.tensor.shape(),
+            self.dtype(),
+            self.tensor.path()
+        )
+    }
+}
+
+/// The Python object for a received array, as the framework it left.
+pub fn export(py: Python<'_>, tensor: Tensor, framework: Framework) -> PyResult<Bound<'_, PyAny>> {
+    stats::ARRAYS_RECEIVED.add(1);
+    let array = Bound::new(py, Array { tensor, framework })?;
+    match framework {
+        Framework::Numpy => py.import("numpy")?.call_method1("asarray", (array,)),
+        Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (array,))?.get_item(()),
+        Framework::Torch => {
+            let nbytes = array.get().tensor.nbytes() as u64;
+            // Legacy capsule: torch takes it whatever its version; the clone gives torch memory
+            // it owns and may write (torch has no read-only tensors).
+            let capsule = array.get().capsule(py, false)?;
+            let tensor = py.import("torch.utils.dlpack")?.call_method1("from_dlpack", (capsule,))?;
+            stats::RECEIVE_COPIES.add(1);
+            stats::RECEIVE_COPY_BYTES.add(nbytes);
+            tensor.call_method0("clone")
+        }
+        Framework::Other => Ok(array.into_any()),
+    }
+}
