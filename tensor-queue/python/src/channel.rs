@@ -8,10 +8,12 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use cuda_sys::CUstream;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use tensor_queue::{ConnectOptions, Error, MessageInfo};
+use tensor_queue::{ConnectOptions, Error, MessageInfo, Stream};
 
+use crate::dlpack::SendOrder;
 use crate::errors::{raise, to_py};
 use crate::stats;
 use crate::value::{Value, count_arrays, decode, encode};
@@ -236,22 +238,62 @@ impl Sender {
     }
 }
 
-/// Sends `value` on `send` (one sender, or each of a broadcast's) in slices, checking signals.
+/// The options every `send` takes: `stream` (a `torch.cuda.Stream`, or a raw `CUstream` as an
+/// int) to order GPU arrays after instead of torch's current stream, and `copy` (`"auto"`, or
+/// `"never"` to refuse arrays that would be copied).
+fn send_order(stream: Option<&Bound<'_, PyAny>>, copy: &str) -> PyResult<SendOrder> {
+    let explicit = match stream {
+        None => None,
+        Some(s) if s.is_none() => None,
+        Some(s) => {
+            let raw: usize = match s.getattr("cuda_stream") {
+                Ok(raw) => raw.extract()?,
+                Err(_) => s.extract()?,
+            };
+            Some(raw as CUstream)
+        }
+    };
+    let never_copy = match copy {
+        "auto" => false,
+        "never" => true,
+        other => return Err(raise("InvalidArgument", format!("copy must be \"auto\" or \"never\", not {other:?}"))),
+    };
+    Ok(SendOrder { explicit, never_copy, ..SendOrder::default() })
+}
+
+/// The stream a message's GPU copies were queued on, to send it ordered after them; a message
+/// with copies on several GPUs waits for them all here instead.
+fn copies_stream(order: &SendOrder) -> PyResult<Option<&Stream>> {
+    match order.devices.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(&one.stream)),
+        several => {
+            for device in several {
+                device.stream.synchronize().map_err(|e| to_py(Error::Core(e)))?;
+            }
+            Ok(None)
+        }
+    }
+}
+
+/// Sends `message` by `send` (one sender, or each of a broadcast's) in slices, checking signals.
 fn send_in_slices(
     py: Python<'_>,
     message: &Bound<'_, PyAny>,
     timeout: Option<f64>,
-    send: impl Fn(&Value, Duration) -> Result<(), Error> + Sync,
+    mut order: SendOrder,
+    send: impl Fn(&Value, Option<&Stream>, Duration) -> Result<(), Error> + Sync,
     receivers: u64,
 ) -> PyResult<()> {
-    let value = encode(message)?;
+    let value = encode(message, &mut order)?;
+    let stream = copies_stream(&order)?;
     let deadline = match timeout {
         Some(t) => Some(Instant::now() + duration(t, "timeout")?),
         None => None,
     };
     loop {
         let slice = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
-        match py.detach(|| send(&value, slice)) {
+        match py.detach(|| send(&value, stream, slice)) {
             Ok(()) => {
                 stats::MESSAGES_SENT.add(receivers);
                 stats::ARRAYS_SENT.add(count_arrays(&value) * receivers);
@@ -289,16 +331,41 @@ impl Sender {
 
     /// Sends `message`, waiting (up to `timeout` seconds) while the receiver's queue is full.
     /// Raises `NotSendable` (a `TypeError`) naming where a value that cannot be carried sits.
-    #[pyo3(signature = (message, timeout = None))]
-    fn send(&self, py: Python<'_>, message: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<()> {
+    /// GPU arrays are ordered after `stream` (default: torch's current stream); `copy="never"`
+    /// refuses arrays that would be copied.
+    #[pyo3(signature = (message, timeout = None, *, stream = None, copy = "auto"))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        message: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        stream: Option<&Bound<'_, PyAny>>,
+        copy: &str,
+    ) -> PyResult<()> {
         let sender = self.inner()?;
-        send_in_slices(py, message, timeout, |value, slice| sender.send_timeout(value, slice), 1)
+        let order = send_order(stream, copy)?;
+        send_in_slices(
+            py,
+            message,
+            timeout,
+            order,
+            |value, stream, slice| match stream {
+                Some(stream) => sender.send_on_timeout(value, stream, slice),
+                None => sender.send_timeout(value, slice),
+            },
+            1,
+        )
     }
 
     /// Sends `message` if the receiver's queue has room now, else raises `Full`.
     fn try_send(&self, py: Python<'_>, message: &Bound<'_, PyAny>) -> PyResult<()> {
         let sender = self.inner()?;
-        let value = encode(message)?;
+        let mut order = SendOrder::default();
+        let value = encode(message, &mut order)?;
+        // No stream-ordered variant: the copies are waited for.
+        for device in &order.devices {
+            device.stream.synchronize().map_err(|e| to_py(Error::Core(e)))?;
+        }
         py.detach(|| sender.try_send(&value)).map_err(to_py)?;
         stats::MESSAGES_SENT.add(1);
         stats::ARRAYS_SENT.add(count_arrays(&value));
@@ -383,11 +450,29 @@ impl Broadcast {
     }
 
     /// Sends `message` to every receiver (the same memory for all), waiting while any
-    /// receiver's queue is full.
-    fn send(&self, py: Python<'_>, message: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// receiver's queue is full; `stream` and `copy` as for `Sender.send`.
+    #[pyo3(signature = (message, *, stream = None, copy = "auto"))]
+    fn send(
+        &self,
+        py: Python<'_>,
+        message: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+        copy: &str,
+    ) -> PyResult<()> {
         let broadcast = tensor_queue::Broadcast::new(self.senders()?);
         let receivers = broadcast.senders().len() as u64;
-        send_in_slices(py, message, None, |value, _| broadcast.send(value), receivers)
+        let order = send_order(stream, copy)?;
+        send_in_slices(
+            py,
+            message,
+            None,
+            order,
+            |value, stream, _| match stream {
+                Some(stream) => broadcast.send_on(value, stream),
+                None => broadcast.send(value),
+            },
+            receivers,
+        )
     }
 
     /// For each receiver, how many of the arrays sent it still holds.

@@ -21,8 +21,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use tensor_queue::{DType, Tensor, TensorDevice};
 
-use crate::stats;
+use std::sync::Arc;
+
+use cuda_sys::CUstream;
+
 use crate::value::Framework;
+use crate::{exchange, gpu, stats};
 
 const VERSIONED: &CStr = c"dltensor_versioned";
 const LEGACY: &CStr = c"dltensor";
@@ -52,8 +56,28 @@ fn framework_of(value: &Bound<'_, PyAny>) -> PyResult<Framework> {
     })
 }
 
+/// What sending a message's arrays needs besides their bytes: the GPUs whose streams its copies
+/// were queued on, the stream the caller gave, and whether copies are allowed.
+#[derive(Default)]
+pub struct SendOrder {
+    /// The GPUs whose extension streams hold the message's copies (in first-use order).
+    pub devices: Vec<Arc<gpu::DeviceState>>,
+    /// `send(stream=...)`: GPU arrays are ordered after this stream instead of the current one.
+    pub explicit: Option<CUstream>,
+    /// `send(copy="never")`: an array that would be copied is refused instead.
+    pub never_copy: bool,
+}
+
+impl SendOrder {
+    fn used(&mut self, state: Arc<gpu::DeviceState>) {
+        if !self.devices.iter().any(|d| d.ordinal == state.ordinal) {
+            self.devices.push(state);
+        }
+    }
+}
+
 /// The tensor for an array (copied into channel memory), `None` for an object that is no array.
-pub fn import(value: &Bound<'_, PyAny>) -> Result<Option<(Tensor, Framework)>, ImportError> {
+pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<(Tensor, Framework)>, ImportError> {
     if let Ok(array) = value.cast::<Array>() {
         // A received array sent on: its channel memory goes again, without a copy.
         let array = array.get();
@@ -67,29 +91,94 @@ pub fn import(value: &Bound<'_, PyAny>) -> Result<Option<(Tensor, Framework)>, I
         _ if value.hasattr("__dlpack__")? => value.clone(),
         _ => return Ok(None),
     };
+    if order.never_copy {
+        return Err(ImportError::Refused(
+            "would be copied into channel memory, and copy=\"never\" was asked (only arrays received from a \
+             channel are sent without a copy)"
+                .into(),
+        ));
+    }
+    if framework == Framework::Torch && array.getattr("requires_grad")?.is_truthy()? {
+        return Err(ImportError::Refused("requires grad: send x.detach() (gradients do not cross processes)".into()));
+    }
+    let tensor = match exchange::api_of(&array) {
+        Some(api) => import_described(&array, api, order)?,
+        None => import_dlpack(&array, order)?,
+    };
+    stats::SEND_COPIES.add(1);
+    stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
+    Ok(Some((tensor, framework)))
+}
+
+/// Through the framework's exchange table: no Python calls.
+fn import_described(
+    array: &Bound<'_, PyAny>,
+    api: exchange::Api,
+    order: &mut SendOrder,
+) -> Result<Tensor, ImportError> {
+    let py = array.py();
+    let described = api.describe(array).map_err(|e| refused_export(py, e))?;
+    if described.device.device_type != DLDeviceType::CUDA {
+        // SAFETY: `described` is valid while `array` lives and Python is not re-entered.
+        return unsafe { copy_in(&described) }.map_err(ImportError::Refused);
+    }
+    let ordinal = described.device.device_id;
+    let producer = match order.explicit {
+        Some(stream) => stream,
+        None => api.current_stream(py, ordinal)?,
+    };
+    // SAFETY: as above.
+    if unsafe { layout(&described) }.map_err(ImportError::Refused)?.contiguous {
+        // SAFETY: as above.
+        return unsafe { copy_device(&described, producer, order) }.map_err(ImportError::Refused);
+    }
+    // Strided: the framework makes it contiguous on the same stream first.
+    let contiguous = array.call_method0("contiguous")?;
+    let described = api.describe(&contiguous).map_err(|e| refused_export(py, e))?;
+    // SAFETY: `described` is valid while `contiguous` lives (to the end of this function).
+    unsafe { copy_device(&described, producer, order) }.map_err(ImportError::Refused)
+}
+
+/// Through `__dlpack__` (other frameworks, older torch).
+fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tensor, ImportError> {
+    let py = array.py();
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("max_version", (1, 0))?;
+    let mut cuda = None;
     if let Ok(device) = array.call_method0("__dlpack_device__") {
-        let (device_type, _): (i32, i32) = device.extract()?;
-        if device_type != DLDeviceType::CPU.0 as i32 && device_type != DLDeviceType::CUDAHOST.0 as i32 {
+        let (device_type, device_id): (i32, i32) = device.extract()?;
+        if device_type == DLDeviceType::CUDA.0 as i32 {
+            // The producer orders its work before our stream (the DLPack stream protocol).
+            let state = gpu::device(device_id).map_err(ImportError::Refused)?;
+            kwargs.set_item("stream", state.stream.raw() as usize)?;
+            cuda = Some(state);
+        } else if device_type != DLDeviceType::CPU.0 as i32 && device_type != DLDeviceType::CUDAHOST.0 as i32 {
             return Err(ImportError::Refused(format!(
-                "is an array on DLPack device type {device_type}: this build of the Python package carries \
-                 host arrays only (move it to the CPU first)"
+                "is an array on DLPack device type {device_type}: host and CUDA arrays only"
             )));
         }
     }
-    let kwargs = PyDict::new(py);
-    kwargs.set_item("max_version", (1, 0))?;
     let capsule = match array.call_method("__dlpack__", (), Some(&kwargs)) {
         Ok(capsule) => capsule,
         // Producers older than DLPack 1.0 take no `max_version`.
         Err(error) if error.is_instance_of::<PyTypeError>(py) => {
-            array.call_method0("__dlpack__").map_err(|e| refused_export(py, e))?
+            kwargs.del_item("max_version")?;
+            array.call_method("__dlpack__", (), Some(&kwargs)).map_err(|e| refused_export(py, e))?
         }
         Err(error) => return Err(refused_export(py, error)),
     };
-    let tensor = read_capsule(&capsule).map_err(ImportError::Refused)?;
-    stats::SEND_COPIES.add(1);
-    stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
-    Ok(Some((tensor, framework)))
+    read_capsule(&capsule, |described| match &cuda {
+        // SAFETY: `described` comes from the live capsule.
+        None => unsafe { copy_in(described) },
+        Some(state) => {
+            // SAFETY: as above; the producer may free the memory once the capsule goes, so the
+            // copy is waited for here (this fallback cannot order the producer after it).
+            let tensor = unsafe { copy_device(described, state.stream.raw(), order) }?;
+            state.stream.synchronize().map_err(|e| e.to_string())?;
+            Ok(tensor)
+        }
+    })
+    .map_err(ImportError::Refused)
 }
 
 fn refused_export(py: Python<'_>, error: PyErr) -> ImportError {
@@ -100,9 +189,12 @@ fn refused_export(py: Python<'_>, error: PyErr) -> ImportError {
     }
 }
 
-/// Copies the array a DLPack capsule describes into a new host tensor; the capsule stays
-/// unconsumed (its destructor calls the producer's deleter).
-fn read_capsule(capsule: &Bound<'_, PyAny>) -> Result<Tensor, String> {
+/// Hands the DLTensor of a DLPack capsule to `read`; the capsule stays unconsumed (its
+/// destructor calls the producer's deleter).
+fn read_capsule(
+    capsule: &Bound<'_, PyAny>,
+    read: impl FnOnce(&DLTensor) -> Result<Tensor, String>,
+) -> Result<Tensor, String> {
     let ptr = capsule.as_ptr();
     // SAFETY: `ptr` is a live object; `PyCapsule_IsValid` checks its type and name without
     // raising, and the capsule's pointer is the managed tensor its name promises (the DLPack
@@ -113,17 +205,76 @@ fn read_capsule(capsule: &Bound<'_, PyAny>) -> Result<Tensor, String> {
             if managed.is_null() || (*managed).version.major != 1 {
                 return Err("is a DLPack array of an unknown major version".into());
             }
-            copy_in(&(*managed).dl_tensor)
+            read(&(*managed).dl_tensor)
         } else if ffi::PyCapsule_IsValid(ptr, LEGACY.as_ptr()) == 1 {
             let managed = ffi::PyCapsule_GetPointer(ptr, LEGACY.as_ptr()).cast::<DLManagedTensor>();
             if managed.is_null() {
                 return Err("gave a DLPack capsule without a tensor".into());
             }
-            copy_in(&(*managed).dl_tensor)
+            read(&(*managed).dl_tensor)
         } else {
             Err("has a __dlpack__ that returned no unused DLPack capsule".into())
         }
     }
+}
+
+/// Copies a contiguous CUDA DLTensor into channel memory on its GPU, ordered after `producer`.
+///
+/// # Safety
+/// `t` describes live device memory.
+unsafe fn copy_device(t: &DLTensor, producer: CUstream, order: &mut SendOrder) -> Result<Tensor, String> {
+    // SAFETY: the caller's promise.
+    let Layout { dtype, dims, contiguous, .. } = unsafe { layout(t) }?;
+    if !contiguous {
+        return Err("is a strided CUDA array: make it contiguous first".into());
+    }
+    let ptr = t.data as u64 + t.byte_offset;
+    let (tensor, state) = gpu::copy_in(t.device.device_id, ptr, dtype, &dims, producer)?;
+    order.used(state);
+    Ok(tensor)
+}
+
+/// A DLTensor's element type and layout.
+struct Layout {
+    dtype: DType,
+    dims: Vec<u64>,
+    /// In elements; `None`: contiguous by omission.
+    strides: Option<Vec<i64>>,
+    /// Whether the elements are contiguous (row-major).
+    contiguous: bool,
+}
+
+/// The layout of `t`.
+///
+/// # Safety
+/// `t` comes from a live DLPack producer (its shape and strides arrays are readable).
+unsafe fn layout(t: &DLTensor) -> Result<Layout, String> {
+    let dtype = dtype_of(t.dtype).ok_or_else(|| {
+        format!(
+            "has a DLPack dtype (code {}, {} bits, {} lanes) a tensor cannot hold (bool, uint8, int8, int16, int32, \
+             int64, float16, bfloat16, float32, float64)",
+            t.dtype.code.0, t.dtype.bits, t.dtype.lanes
+        )
+    })?;
+    let ndim = usize::try_from(t.ndim).map_err(|_| "has a negative number of dimensions".to_string())?;
+    let (shape, strides): (&[i64], Option<&[i64]>) = if ndim == 0 {
+        (&[], None)
+    } else {
+        // SAFETY: DLPack gives `ndim` shape entries, and `ndim` strides unless `strides` is null.
+        unsafe {
+            (
+                std::slice::from_raw_parts(t.shape, ndim),
+                (!t.strides.is_null()).then(|| std::slice::from_raw_parts(t.strides, ndim)),
+            )
+        }
+    };
+    if shape.iter().any(|&n| n < 0) {
+        return Err("has a negative extent".into());
+    }
+    let dims: Vec<u64> = shape.iter().map(|&n| n as u64).collect();
+    let standard = tensor_queue::contiguous_strides(&dims);
+    let contiguous = strides.is_none_or(|s| s.iter().zip(&standard).zip(&dims).all(|((a, b), &n)| n == 1 || a == b));
+    Ok(Layout { dtype, dims, strides: strides.map(<[i64]>::to_vec), contiguous })
 }
 
 fn dtype_of(dtype: DLDataType) -> Option<DType> {
@@ -201,29 +352,9 @@ unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, String> {
     if t.device.device_type != DLDeviceType::CPU && t.device.device_type != DLDeviceType::CUDAHOST {
         return Err(format!("is an array on DLPack device type {}: host arrays only", t.device.device_type.0));
     }
-    let dtype = dtype_of(t.dtype).ok_or_else(|| {
-        format!(
-            "has a DLPack dtype (code {}, {} bits, {} lanes) a tensor cannot hold (bool, uint8, int8, int16, int32, \
-             int64, float16, bfloat16, float32, float64)",
-            t.dtype.code.0, t.dtype.bits, t.dtype.lanes
-        )
-    })?;
-    let ndim = usize::try_from(t.ndim).map_err(|_| "has a negative number of dimensions".to_string())?;
-    let (shape, strides): (&[i64], Option<&[i64]>) = if ndim == 0 {
-        (&[], None)
-    } else {
-        // SAFETY: DLPack gives `ndim` shape entries, and `ndim` strides unless `strides` is null.
-        unsafe {
-            (
-                std::slice::from_raw_parts(t.shape, ndim),
-                (!t.strides.is_null()).then(|| std::slice::from_raw_parts(t.strides, ndim)),
-            )
-        }
-    };
-    if shape.iter().any(|&n| n < 0) {
-        return Err("has a negative extent".into());
-    }
-    let dims: Vec<u64> = shape.iter().map(|&n| n as u64).collect();
+    // SAFETY: the caller's promise.
+    let Layout { dtype, dims, strides, contiguous: is_contiguous } = unsafe { layout(t) }?;
+    let ndim = dims.len();
     let numel: u64 = dims.iter().product();
     if numel == 0 {
         return Tensor::zeros(dtype, &dims).map_err(|e| e.to_string());
@@ -231,20 +362,17 @@ unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, String> {
     let size = dtype.size();
     // SAFETY: the data pointer plus the byte offset is the first element (DLPack).
     let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
-    let contiguous = tensor_queue::contiguous_strides(&dims);
-    let is_contiguous =
-        strides.is_none_or(|s| s.iter().zip(&contiguous).zip(&dims).all(|((a, b), &n)| n == 1 || a == b));
     let nbytes = numel as usize * size;
     if is_contiguous {
         // SAFETY: a contiguous array of `numel` elements starts at `base`.
         let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };
         return Tensor::from_bytes(bytes, dtype, &dims).map_err(|e| e.to_string());
     }
-    let strides = strides.unwrap_or(&contiguous);
+    let strides = strides.unwrap_or_else(|| tensor_queue::contiguous_strides(&dims));
     let mut gathered = Vec::with_capacity(nbytes);
     let mut index = vec![0u64; ndim];
     for _ in 0..numel {
-        let at: i64 = index.iter().zip(strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
+        let at: i64 = index.iter().zip(&strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
         // SAFETY: the index lies inside the shape, so the element lies inside the producer's array.
         gathered.extend_from_slice(unsafe { std::slice::from_raw_parts(base.offset(at as isize), size) });
         for d in (0..ndim).rev() {
@@ -270,9 +398,8 @@ pub struct Array {
 
 impl Array {
     fn dlpack_device(&self) -> DLDevice {
-        // Only host arrays reach Python in this build (a GPU tensor from a Rust peer fails at
-        // `host_address` with a clear error).
-        let _: TensorDevice = self.tensor.device();
+        // GPU tensors reach Python as torch tensors (`export_cuda_torch`); an `Array` is a host one
+        // (a GPU tensor from a Rust peer to a non-torch receiver fails at `host_address`).
         DLDevice { device_type: DLDeviceType::CPU, device_id: 0 }
     }
 
@@ -300,13 +427,13 @@ impl Array {
                 managed: DLManagedTensorVersioned {
                     version: DLPackVersion { major: 1, minor: 0 },
                     manager_ctx: std::ptr::null_mut(),
-                    deleter: Some(delete_versioned),
+                    deleter: Some(delete_versioned::<Tensor>),
                     flags: if writable { DlpackFlags::empty() } else { DlpackFlags::READ_ONLY },
                     dl_tensor: unused_dl_tensor(),
                 },
                 shape,
                 strides,
-                _tensor: self.tensor.clone(),
+                _keep: self.tensor.clone(),
             });
             export.managed.dl_tensor = self.dl_tensor(&mut export.shape, &mut export.strides)?;
             let managed = Box::into_raw(export).cast::<c_void>();
@@ -318,11 +445,11 @@ impl Array {
                 managed: DLManagedTensor {
                     dl_tensor: unused_dl_tensor(),
                     manager_ctx: std::ptr::null_mut(),
-                    deleter: Some(delete_legacy),
+                    deleter: Some(delete_legacy::<Tensor>),
                 },
                 shape,
                 strides,
-                _tensor: self.tensor.clone(),
+                _keep: self.tensor.clone(),
             });
             export.managed.dl_tensor = self.dl_tensor(&mut export.shape, &mut export.strides)?;
             let managed = Box::into_raw(export).cast::<c_void>();
@@ -347,22 +474,22 @@ fn unused_dl_tensor() -> DLTensor {
 /// A DLPack struct and what it points into; the struct comes first so that a pointer to it is a
 /// pointer to the whole (what the deleter gets back).
 #[repr(C)]
-struct Exported<M> {
+struct Exported<M, K> {
     managed: M,
     shape: Vec<i64>,
     strides: Vec<i64>,
-    _tensor: Tensor,
+    _keep: K,
 }
 
-unsafe extern "C" fn delete_versioned(managed: *mut DLManagedTensorVersioned) {
+unsafe extern "C" fn delete_versioned<K>(managed: *mut DLManagedTensorVersioned) {
     // SAFETY: `managed` came from `Box::into_raw` of an `Exported` whose first field it is; the
     // DLPack protocol calls the deleter once.
-    drop(unsafe { Box::from_raw(managed.cast::<Exported<DLManagedTensorVersioned>>()) });
+    drop(unsafe { Box::from_raw(managed.cast::<Exported<DLManagedTensorVersioned, K>>()) });
 }
 
-unsafe extern "C" fn delete_legacy(managed: *mut DLManagedTensor) {
+unsafe extern "C" fn delete_legacy<K>(managed: *mut DLManagedTensor) {
     // SAFETY: as in `delete_versioned`.
-    drop(unsafe { Box::from_raw(managed.cast::<Exported<DLManagedTensor>>()) });
+    drop(unsafe { Box::from_raw(managed.cast::<Exported<DLManagedTensor, K>>()) });
 }
 
 unsafe extern "C" fn destroy_versioned_capsule(capsule: *mut ffi::PyObject) {
@@ -499,6 +626,11 @@ pub fn export(py: Python<'_>, tensor: Tensor, framework: Framework) -> PyResult<
     match framework {
         Framework::Numpy => py.import("numpy")?.call_method1("asarray", (array,)),
         Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (array,))?.get_item(()),
+        Framework::Torch if array.get().tensor.device() != TensorDevice::Host => {
+            let tensor = array.get().tensor.clone();
+            drop(array);
+            export_cuda_torch(py, tensor)
+        }
         Framework::Torch => {
             let nbytes = array.get().tensor.nbytes() as u64;
             // Legacy capsule: torch takes it whatever its version; the clone gives torch memory
@@ -510,5 +642,55 @@ pub fn export(py: Python<'_>, tensor: Tensor, framework: Framework) -> PyResult<
             tensor.call_method0("clone")
         }
         Framework::Other => Ok(array.into_any()),
+    }
+}
+
+/// A received CUDA tensor as a torch tensor, without a copy, ordered on torch's current stream.
+fn export_cuda_torch(py: Python<'_>, tensor: Tensor) -> PyResult<Bound<'_, PyAny>> {
+    let failed = |e: String| crate::errors::raise("TensorQueueError", e);
+    let ordinal = gpu::ordinal_of(&tensor).map_err(failed)?;
+    let api = exchange::torch_api(py)?;
+    let consumer: CUstream = match api {
+        Some(api) => api.current_stream(py, ordinal)?,
+        None => {
+            let stream = py.import("torch.cuda")?.call_method1("current_stream", (ordinal,))?;
+            stream.getattr("cuda_stream")?.extract::<usize>()? as CUstream
+        }
+    };
+    let shape: Vec<i64> = tensor.shape().iter().map(|&n| n as i64).collect();
+    let strides = tensor.strides().to_vec();
+    let dtype = dl_dtype(tensor.dtype());
+    let lent = gpu::Lent::new(tensor, consumer).map_err(failed)?;
+    let data = lent.ptr().map_err(failed)? as usize as *mut c_void;
+    let mut export = Box::new(Exported {
+        managed: DLManagedTensorVersioned {
+            version: DLPackVersion { major: 1, minor: 0 },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(delete_versioned::<gpu::Lent>),
+            flags: DlpackFlags::empty(),
+            dl_tensor: unused_dl_tensor(),
+        },
+        shape,
+        strides,
+        _keep: lent,
+    });
+    export.managed.dl_tensor = DLTensor {
+        data,
+        device: DLDevice { device_type: DLDeviceType::CUDA, device_id: ordinal },
+        ndim: export.shape.len() as i32,
+        dtype,
+        shape: export.shape.as_mut_ptr(),
+        strides: export.strides.as_mut_ptr(),
+        byte_offset: 0,
+    };
+    let managed = Box::into_raw(export).cast::<DLManagedTensorVersioned>();
+    match api {
+        // SAFETY: `managed` is a complete DLPack 1.x tensor; torch takes ownership.
+        Some(api) => unsafe { api.wrap(py, managed) },
+        None => {
+            // SAFETY: as in `Array::capsule`.
+            let capsule = unsafe { owned_capsule(py, managed.cast(), VERSIONED, destroy_versioned_capsule) }?;
+            py.import("torch")?.call_method1("from_dlpack", (capsule,))
+        }
     }
 }

@@ -8,6 +8,8 @@
 mod channel;
 mod dlpack;
 mod errors;
+mod exchange;
+mod gpu;
 mod stats;
 mod value;
 
@@ -37,6 +39,14 @@ fn is_gpu_available(py: Python<'_>) -> bool {
     py.detach(tensor_queue::is_gpu_available)
 }
 
+/// Adds `stream` (a raw `CUstream`) to the streams whose queued work a tensor received from a
+/// channel (at device address `ptr`) waits for before its memory goes back; false when no such
+/// tensor starts at `ptr`.
+#[pyfunction]
+fn record_stream(ptr: u64, stream: usize) -> bool {
+    gpu::record_stream(ptr, stream as cuda_sys::CUstream)
+}
+
 /// The extension's version (the workspace's).
 #[pyfunction]
 fn version() -> &'static str {
@@ -54,6 +64,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory_trim, m)?)?;
     m.add_function(wrap_pyfunction!(is_gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(stats::stats, m)?)?;
     m.add_function(wrap_pyfunction!(stats::reset_stats, m)?)?;
     Ok(())

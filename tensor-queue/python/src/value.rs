@@ -10,7 +10,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyT
 use serde::{Deserialize, Serialize};
 use tensor_queue::Tensor;
 
-use crate::dlpack;
+use crate::dlpack::{self, SendOrder};
 use crate::errors::raise;
 
 /// How deep a message may nest (deeper is refused at `send`; it also stops cycles).
@@ -84,17 +84,22 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
     if module == "builtins" { name } else { format!("{module}.{name}") }
 }
 
-/// Encodes a Python message.
-pub fn encode(message: &Bound<'_, PyAny>) -> PyResult<Value> {
+/// Encodes a Python message; `order` gathers what its GPU arrays' copies need.
+pub fn encode(message: &Bound<'_, PyAny>, order: &mut SendOrder) -> PyResult<Value> {
     let mut path = Vec::new();
-    encode_at(message, &mut path, false)
+    encode_at(message, &mut path, false, order)
 }
 
 fn not_sendable(path: &[Step<'_>], why: impl std::fmt::Display) -> PyErr {
     raise("NotSendable", format!("{} {why}", where_(path)))
 }
 
-fn encode_at<'py>(value: &Bound<'py, PyAny>, path: &mut Vec<Step<'py>>, key: bool) -> PyResult<Value> {
+fn encode_at<'py>(
+    value: &Bound<'py, PyAny>,
+    path: &mut Vec<Step<'py>>,
+    key: bool,
+    order: &mut SendOrder,
+) -> PyResult<Value> {
     if path.len() > MAX_DEPTH {
         return Err(not_sendable(path, format!("nests deeper than {MAX_DEPTH} levels (or refers to itself)")));
     }
@@ -123,7 +128,7 @@ fn encode_at<'py>(value: &Bound<'py, PyAny>, path: &mut Vec<Step<'py>>, key: boo
         let mut items = Vec::with_capacity(tuple.len());
         for (i, item) in tuple.iter().enumerate() {
             path.push(Step::Index(i));
-            items.push(encode_at(&item, path, key)?);
+            items.push(encode_at(&item, path, key, order)?);
             path.pop();
         }
         return Ok(Value::Tuple(items));
@@ -141,7 +146,7 @@ fn encode_at<'py>(value: &Bound<'py, PyAny>, path: &mut Vec<Step<'py>>, key: boo
         let mut items = Vec::with_capacity(list.len());
         for (i, item) in list.iter().enumerate() {
             path.push(Step::Index(i));
-            items.push(encode_at(&item, path, false)?);
+            items.push(encode_at(&item, path, false, order)?);
             path.pop();
         }
         return Ok(Value::List(items));
@@ -150,14 +155,14 @@ fn encode_at<'py>(value: &Bound<'py, PyAny>, path: &mut Vec<Step<'py>>, key: boo
         let mut items = Vec::with_capacity(dict.len());
         for (k, v) in dict.iter() {
             path.push(Step::Key(k.clone()));
-            let encoded_key = encode_at(&k, path, true)?;
-            let encoded_value = encode_at(&v, path, false)?;
+            let encoded_key = encode_at(&k, path, true, order)?;
+            let encoded_value = encode_at(&v, path, false, order)?;
             path.pop();
             items.push((encoded_key, encoded_value));
         }
         return Ok(Value::Dict(items));
     }
-    match dlpack::import(value) {
+    match dlpack::import(value, order) {
         Ok(Some((tensor, framework))) => Ok(Value::Array(tensor, framework)),
         Ok(None) => Err(not_sendable(
             path,

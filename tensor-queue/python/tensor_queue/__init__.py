@@ -9,9 +9,13 @@ array) without pickling.
 Messages are value trees: None, bool, int, float, str, bytes, list, tuple, dict and arrays,
 nested. Types are kept (a tuple stays a tuple, an array comes back as the framework it left);
 anything else raises ``NotSendable`` (a ``TypeError``) naming where it sits. Arrays are copied
-once into channel memory at ``send`` (``stats()`` counts the copies). Received host memory is
-read-only: a NumPy array arrives with ``writeable=False`` (``arr.copy()`` to write); a torch host
-tensor arrives as a copy torch owns (torch has no read-only tensors).
+once into channel memory at ``send`` (``stats()`` counts the copies; ``copy="never"`` refuses
+instead): a torch CUDA tensor on the sender's current stream, with no CPU wait, since torch's
+own memory is never exported. Received host memory is read-only: a NumPy array arrives with
+``writeable=False`` (``arr.copy()`` to write); a torch host tensor arrives as a copy torch owns
+(torch has no read-only tensors, and a write to read-only memory would kill the process). A CUDA
+tensor arrives without a copy, ordered on the receiver's current stream; its memory goes back when
+torch frees it and the work queued on it is done (see ``record_stream``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,18 @@ from ._queue import Queue
 from . import memory
 
 __version__: str = _native.version()
+
+
+def record_stream(tensor: Any, stream: Any) -> None:
+    """Makes the memory of a CUDA tensor received from a channel go back only after the work
+    queued on ``stream`` (a ``torch.cuda.Stream``) by the time torch frees the tensor is done.
+
+    A received tensor already waits for the stream that was current when it was received; call
+    this for every other stream that uses it. ``tensor.record_stream`` does nothing here: torch
+    only tracks memory its own allocator gave out. Pass the received tensor itself (not a view).
+    """
+    if not _native.record_stream(int(tensor.data_ptr()), int(stream.cuda_stream)):
+        raise InvalidArgument("not a CUDA tensor received from a tensor_queue channel (pass the received tensor, not a view)")
 
 
 def doctor() -> dict[str, Any]:
@@ -102,6 +118,7 @@ __all__ = [
     "doctor",
     "is_gpu_available",
     "memory",
+    "record_stream",
     "reset_stats",
     "stats",
 ]

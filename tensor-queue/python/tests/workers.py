@@ -88,3 +88,10 @@ def produce_many(q: tq.Queue, n: int) -> None:
     x = np.ones(256, dtype=np.float32)
     for i in range(n):
         q.put((i, x))
+
+
+def produce_torch(q: tq.Queue, n: int) -> None:
+    import torch
+
+    for i in range(n):
+        q.put({"i": i, "x": torch.full((4,), i, dtype=torch.int64)})
