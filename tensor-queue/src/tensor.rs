@@ -592,6 +592,32 @@ impl Tensor {
         Ok(unsafe { memory.as_ptr().add(self.storage.offset) })
     }
 
+    /// The address of the first element (index `[0, ..., 0]`) of a host tensor, and whether this
+    /// process may write through it, for handing the memory to another library (DLPack, NumPy's
+    /// array interface) without a copy. The address stays valid while any clone of the tensor
+    /// lives; with `strides()` (in elements) it locates every element. A received tensor is
+    /// read-only unless its sender made it with [`Tensor::zeros_writable`]: writing through a
+    /// read-only address faults.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2])?;
+    /// let (first, writable) = t.host_address()?;
+    /// let (second_row, _) = t.select(0, 1)?.host_address()?;
+    /// assert!(writable, "the sender's own tensor");
+    /// assert_eq!(second_row as usize - first as usize, 8); // one row of two i32 further on
+    /// // SAFETY: the address of a live, contiguous I32 tensor of four elements.
+    /// assert_eq!(unsafe { *(second_row as *const i32) }, 3);
+    /// # Ok(()) }
+    /// ```
+    pub fn host_address(&self) -> Result<(*mut u8, bool)> {
+        let writable = self.check_writable().is_ok();
+        // SAFETY: the view's offset lies inside the storage (checked when the view was made or
+        // received), so the sum stays inside the mapping.
+        Ok((unsafe { self.host_base()?.add(self.offset) }, writable))
+    }
+
     /// The elements of a contiguous host tensor, typed, borrowed in place (no copy).
     ///
     /// # Safety

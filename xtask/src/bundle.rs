@@ -80,6 +80,22 @@ pub fn build() -> Result<()> {
     for script in ["torch_anchor.py", "cross_anchors.py"] {
         copy(&bench.join(script), &bundle.join("bench").join(script))?;
     }
+    // The Python package: its abi3 wheel, pytest's wheels, its tests, benchmark and examples
+    // (run.sh installs the wheels with pip into a folder on PYTHONPATH: the machine is offline).
+    let python = bundle.join("python");
+    crate::python::bundle_wheels(&python)?;
+    for dir in ["tests", "bench", "examples"] {
+        let from = root.join("tensor-queue/python").join(dir);
+        if from.is_dir() {
+            std::fs::create_dir_all(python.join(dir))?;
+            for entry in std::fs::read_dir(&from)? {
+                let path = entry?.path();
+                if path.extension().is_some_and(|e| e == "py") {
+                    copy(&path, &python.join(dir).join(path.file_name().context("a file without a name")?))?;
+                }
+            }
+        }
+    }
 
     let packed = root.join("target/gpu-bundle.tar.gz");
     run(Command::new("tar").arg("czf").arg(&packed).arg("-C").arg(root.join("target")).arg("gpu-bundle"))

@@ -6,6 +6,7 @@ mod audit;
 mod bundle;
 mod codegen;
 mod kernels;
+mod python;
 mod toolchain;
 
 use std::path::{Path, PathBuf};
@@ -41,7 +42,8 @@ enum Task {
     Audit,
     /// Build every crate, test and example (debug).
     Build,
-    /// Set up, then run everything that runs on this machine (the README's test command).
+    /// Set up, then run everything that runs on this machine (the README's test command): the Rust
+    /// tests, then the Python package built into a virtual environment and its pytest suite.
     Test,
     /// Build release GPU tests, examples and benchmarks into `target/gpu-bundle` with a run script.
     GpuBundle,
@@ -84,7 +86,8 @@ fn test() -> Result<()> {
     kernels::run(true)?;
     cargo(&["test", "--workspace", "--all-targets"])?;
     // Doc tests are not part of `--all-targets`.
-    cargo(&["test", "--workspace", "--doc"])
+    cargo(&["test", "--workspace", "--doc"])?;
+    python::test()
 }
 
 /// The workspace root (the parent of this crate's directory).

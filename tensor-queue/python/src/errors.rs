@@ -1,0 +1,45 @@
+//! Rust errors as the Python exception classes of `tensor_queue._errors` (defined in Python, so
+//! that each can also subclass the builtin exception that means the same).
+
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+use tensor_queue::Error;
+
+/// The Python exception for `error`.
+pub fn to_py(error: Error) -> PyErr {
+    let class = match &error {
+        Error::Disconnected => "Disconnected",
+        Error::Timeout => "Timeout",
+        Error::Full => "Full",
+        Error::Empty => "Empty",
+        Error::Rejected { .. } => "Rejected",
+        Error::ProducerFailed { .. } => "ProducerFailed",
+        Error::TooLarge { .. } => "TooLarge",
+        Error::NotSendable(_) => "NotSendable",
+        Error::RouteRefused(_) => "RouteRefused",
+        Error::PeerRefused(_) => "PeerRefused",
+        Error::Invalid(_) => "InvalidArgument",
+        Error::Frame { .. }
+        | Error::Protocol(_)
+        | Error::ConnectionClosed { .. }
+        | Error::Decode(_)
+        | Error::Encode(_) => "ProtocolError",
+        _ => "TensorQueueError",
+    };
+    raise(class, error.to_string())
+}
+
+/// An instance of `tensor_queue._errors.<class>` with `message`.
+pub fn raise(class: &str, message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    Python::attach(|py| {
+        let found = py
+            .import("tensor_queue._errors")
+            .and_then(|module| module.getattr(class))
+            .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
+        match found {
+            Ok(class) => PyErr::from_type(class, message),
+            Err(missing) => missing,
+        }
+    })
+}

@@ -1,0 +1,217 @@
+//! The value tree: what a Python message may hold, as a serde type the Rust channel carries.
+//!
+//! None, bool, int, float, str, bytes, list, tuple, dict and arrays (NumPy, torch, any DLPack
+//! object), nested. Types are kept exactly (a tuple stays a tuple, a bool a bool, an array comes
+//! back as the framework it left); anything else is refused at `send` with a `NotSendable`
+//! (a `TypeError`) that names where it sits. Nothing is pickled and nothing runs on receipt.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use serde::{Deserialize, Serialize};
+use tensor_queue::Tensor;
+
+use crate::dlpack::{self, SendOrder};
+use crate::errors::raise;
+
+/// How deep a message may nest (deeper is refused at `send`; it also stops cycles).
+const MAX_DEPTH: usize = 64;
+
+/// One node of a message.
+#[derive(Serialize, Deserialize)]
+pub enum Value {
+    /// `None`.
+    None,
+    /// `bool`.
+    Bool(bool),
+    /// An `int` that fits 64 bits.
+    Int(i64),
+    /// A larger `int`, in decimal.
+    BigInt(String),
+    /// `float`.
+    Float(f64),
+    /// `str`.
+    Str(String),
+    /// `bytes`.
+    Bytes(Vec<u8>),
+    /// `list`.
+    List(Vec<Value>),
+    /// `tuple`.
+    Tuple(Vec<Value>),
+    /// `dict`, in insertion order.
+    Dict(Vec<(Value, Value)>),
+    /// An array and the framework it came from.
+    Array(Tensor, Framework),
+}
+
+/// The framework an array left, so that it comes back as the same.
+#[derive(Serialize, Deserialize, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Framework {
+    /// `numpy.ndarray`.
+    Numpy,
+    /// A NumPy scalar (`numpy.float32(1.5)`).
+    NumpyScalar,
+    /// `torch.Tensor`.
+    Torch,
+    /// Any other DLPack object: it arrives as a `tensor_queue.Array`.
+    Other,
+}
+
+/// One step of the way from the message's root to a value, for error messages.
+enum Step<'py> {
+    Key(Bound<'py, PyAny>),
+    Index(usize),
+}
+
+/// Where a value sits, as Python would write it: `msg["box"][1]`.
+fn where_(path: &[Step<'_>]) -> String {
+    let mut text = String::from("msg");
+    for step in path {
+        match step {
+            Step::Index(i) => text.push_str(&format!("[{i}]")),
+            Step::Key(key) => match key.cast::<PyString>() {
+                Ok(s) => text.push_str(&format!("[{:?}]", s.to_string_lossy())),
+                Err(_) => text.push_str(&format!("[{}]", key.repr().map(|r| r.to_string()).unwrap_or_default())),
+            },
+        }
+    }
+    text
+}
+
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    let class = value.get_type();
+    let module = class.module().map(|m| m.to_string()).unwrap_or_default();
+    let name = class.qualname().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    if module == "builtins" { name } else { format!("{module}.{name}") }
+}
+
+/// Encodes a Python message; `order` gathers what its GPU arrays' copies need.
+pub fn encode(message: &Bound<'_, PyAny>, order: &mut SendOrder) -> PyResult<Value> {
+    let mut path = Vec::new();
+    encode_at(message, &mut path, false, order)
+}
+
+fn not_sendable(path: &[Step<'_>], why: impl std::fmt::Display) -> PyErr {
+    raise("NotSendable", format!("{} {why}", where_(path)))
+}
+
+fn encode_at<'py>(
+    value: &Bound<'py, PyAny>,
+    path: &mut Vec<Step<'py>>,
+    key: bool,
+    order: &mut SendOrder,
+) -> PyResult<Value> {
+    if path.len() > MAX_DEPTH {
+        return Err(not_sendable(path, format!("nests deeper than {MAX_DEPTH} levels (or refers to itself)")));
+    }
+    if value.is_none() {
+        return Ok(Value::None);
+    }
+    if let Ok(b) = value.cast_exact::<PyBool>() {
+        return Ok(Value::Bool(b.is_true()));
+    }
+    if value.is_exact_instance_of::<PyInt>() {
+        return Ok(match value.extract::<i64>() {
+            Ok(i) => Value::Int(i),
+            Err(_) => Value::BigInt(value.str()?.to_string()),
+        });
+    }
+    if value.is_exact_instance_of::<PyFloat>() {
+        return Ok(Value::Float(value.extract::<f64>()?));
+    }
+    if let Ok(s) = value.cast_exact::<PyString>() {
+        return Ok(Value::Str(s.to_str()?.to_owned()));
+    }
+    if let Ok(b) = value.cast_exact::<PyBytes>() {
+        return Ok(Value::Bytes(b.as_bytes().to_vec()));
+    }
+    if let Ok(tuple) = value.cast_exact::<PyTuple>() {
+        let mut items = Vec::with_capacity(tuple.len());
+        for (i, item) in tuple.iter().enumerate() {
+            path.push(Step::Index(i));
+            items.push(encode_at(&item, path, key, order)?);
+            path.pop();
+        }
+        return Ok(Value::Tuple(items));
+    }
+    if key {
+        return Err(not_sendable(
+            path,
+            format!(
+                "is a dict key of type {}: keys may be None, bool, int, float, str, bytes or tuples of them",
+                type_name(value)
+            ),
+        ));
+    }
+    if let Ok(list) = value.cast_exact::<PyList>() {
+        let mut items = Vec::with_capacity(list.len());
+        for (i, item) in list.iter().enumerate() {
+            path.push(Step::Index(i));
+            items.push(encode_at(&item, path, false, order)?);
+            path.pop();
+        }
+        return Ok(Value::List(items));
+    }
+    if let Ok(dict) = value.cast_exact::<PyDict>() {
+        let mut items = Vec::with_capacity(dict.len());
+        for (k, v) in dict.iter() {
+            path.push(Step::Key(k.clone()));
+            let encoded_key = encode_at(&k, path, true, order)?;
+            let encoded_value = encode_at(&v, path, false, order)?;
+            path.pop();
+            items.push((encoded_key, encoded_value));
+        }
+        return Ok(Value::Dict(items));
+    }
+    match dlpack::import(value, order) {
+        Ok(Some((tensor, framework))) => Ok(Value::Array(tensor, framework)),
+        Ok(None) => Err(not_sendable(
+            path,
+            format!(
+                "is a {}, which a message cannot carry (only None, bool, int, float, str, bytes, list, tuple, \
+                 dict and arrays: NumPy, torch or any DLPack object; nothing is pickled)",
+                type_name(value)
+            ),
+        )),
+        Err(dlpack::ImportError::Python(error)) => Err(error),
+        Err(dlpack::ImportError::Refused(why)) => Err(not_sendable(path, why)),
+    }
+}
+
+/// Decodes a received message into Python objects.
+pub fn decode<'py>(py: Python<'py>, value: Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match value {
+        Value::None => py.None().into_bound(py),
+        Value::Bool(b) => PyBool::new(py, b).to_owned().into_any(),
+        Value::Int(i) => i.into_pyobject(py)?.into_any(),
+        Value::BigInt(text) => py.get_type::<PyInt>().call1((text,))?,
+        Value::Float(f) => PyFloat::new(py, f).into_any(),
+        Value::Str(s) => PyString::new(py, &s).into_any(),
+        Value::Bytes(b) => PyBytes::new(py, &b).into_any(),
+        Value::List(items) => {
+            let items = items.into_iter().map(|v| decode(py, v)).collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, items)?.into_any()
+        }
+        Value::Tuple(items) => {
+            let items = items.into_iter().map(|v| decode(py, v)).collect::<PyResult<Vec<_>>>()?;
+            PyTuple::new(py, items)?.into_any()
+        }
+        Value::Dict(items) => {
+            let dict = PyDict::new(py);
+            for (k, v) in items {
+                dict.set_item(decode(py, k)?, decode(py, v)?)?;
+            }
+            dict.into_any()
+        }
+        Value::Array(tensor, framework) => dlpack::export(py, tensor, framework)?,
+    })
+}
+
+/// How many arrays a message holds.
+pub fn count_arrays(value: &Value) -> u64 {
+    match value {
+        Value::Array(..) => 1,
+        Value::List(items) | Value::Tuple(items) => items.iter().map(count_arrays).sum(),
+        Value::Dict(items) => items.iter().map(|(k, v)| count_arrays(k) + count_arrays(v)).sum(),
+        _ => 0,
+    }
+}
