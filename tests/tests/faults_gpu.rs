@@ -1293,7 +1293,7 @@ fn take_doomed(
             held.push(batch);
             Ok(false)
         }
-        Err(Error::ProducerFailed { pid, seq }) => {
+        Err(Error::ProducerFailed { pid, seq, .. }) => {
             ensure!(pid == doomed.pid() && seq == 1, "ProducerFailed for pid {pid} seq {seq}");
             *refused += 1;
             Ok(false)
