@@ -172,6 +172,38 @@ fn no_line_is_wider_than_100_columns_when_not_a_terminal() {
     assert_fits(&text(&help.stdout), 100);
 }
 
+/// On a terminal, the terminal's width: 60 columns here, through a pseudo-terminal that
+/// util-linux's `script` gives (skipped where there is none).
+#[test]
+fn on_a_terminal_lines_fit_its_width() {
+    let tq = tq().display().to_string().replace('\'', r"'\''");
+    let shell = format!("stty cols 60 && '{tq}' doctor");
+    let Ok(output) = command(&[])
+        .get_envs()
+        .fold(Command::new("script"), |mut script, (key, value)| {
+            match value {
+                Some(value) => script.env(key, value),
+                None => script.env_remove(key),
+            };
+            script
+        })
+        .args(["-qec", &shell, "/dev/null"])
+        .stdin(Stdio::null())
+        .output()
+    else {
+        eprintln!("skipped: no `script` here to give tq a terminal");
+        return;
+    };
+    let stdout = text(&output.stdout).replace('\r', "");
+    if !output.status.success() || !stdout.contains("Summary:") {
+        eprintln!("skipped: `script` gave no terminal here ({}): {stdout}", text(&output.stderr));
+        return;
+    }
+    assert_fits(&stdout, 60);
+    let piped = text(&run(&["doctor"]).stdout);
+    assert!(piped.lines().any(|l| l.chars().count() > 60), "off a terminal the width is 100, not 60:\n{piped}");
+}
+
 #[test]
 fn measure_without_a_gpu_says_nothing_was_measured() {
     let output = run(&["doctor", "--measure"]);
