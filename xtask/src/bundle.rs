@@ -29,6 +29,7 @@ const BINARIES: &[&str] = &[
     "tq-fault",
     "tq-cross",
     "tcp-peer",
+    "tq-hostile",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",
