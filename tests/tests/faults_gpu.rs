@@ -1342,10 +1342,15 @@ fn case_seed() -> Result<u64> {
 }
 
 /// Runs `cases`, each with its own seed from [`case_seed`]: all of them, then every failure.
+/// `TQ_FAULT_CASES` (for example `SameGpu/BeforeRecv,Host/DuringCopy`) runs only those named.
 fn killed_cases(cases: &[(Way, Moment)], contexts: &[Arc<Context>]) -> Result<()> {
     let seed = case_seed()?;
+    let only = std::env::var("TQ_FAULT_CASES").ok();
     let mut failures = Vec::new();
     for (n, &(way, moment)) in cases.iter().enumerate() {
+        if only.as_ref().is_some_and(|only| !only.split(',').any(|c| c == format!("{way:?}/{moment:?}"))) {
+            continue;
+        }
         let case_seed = (seed << 8) + n as u64 * 16;
         if let Err(error) = killed_case(way, moment, contexts, case_seed) {
             println!("  {way:?} killed {moment:?}: FAILED: {error:#}");
