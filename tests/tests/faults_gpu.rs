@@ -27,6 +27,7 @@ fn main() {
         GpuTest { name: "memory_goes_back_to_the_driver", gpus: 1, run: memory_goes_back_to_the_driver },
         GpuTest { name: "fault_suite", gpus: 1, run: fault_suite },
         GpuTest { name: "producer_killed_on_every_route_of_one_gpu", gpus: 1, run: killed_on_one_gpu },
+        GpuTest { name: "host_landing_delivers_whole_tensors", gpus: 1, run: host_landing_delivers_whole_tensors },
         GpuTest { name: "producer_killed_on_every_route_across_gpus", gpus: 2, run: killed_across_gpus },
     ]);
 }
@@ -1133,8 +1134,8 @@ enum Moment {
     BeforeRecv,
     /// After `send_on` returned with 2 s of GPU work queued, while the receiver is receiving.
     DuringWork,
-    /// Right after `send_on` returned with no work before its 1 GiB of copies (4 x 256 MiB):
-    /// while they run, on the copy routes.
+    /// 3 ms after `send_on` returned with no work before its 1 GiB of copies (4 x 256 MiB):
+    /// while they run, on the copy routes (it SIGKILLs itself: `tq-fault batch --die-after-us`).
     DuringCopy,
 }
 
@@ -1170,8 +1171,11 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
         _ => (4, 32 * MIB, DOOMED_SPIN),
     };
     let batch_args = |seed: u64, tensors: usize, len: usize, spin: Duration| {
+        let die = if moment == Moment::DuringCopy && spin.is_zero() && tensors > 2 { "3000" } else { "0" };
         strings(&[
             "batch",
+            "--die-after-us",
+            die,
             "--to",
             &path,
             "--tensors",
@@ -1191,7 +1195,15 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
     let started = Instant::now();
     loop {
         doomed.poll();
-        if doomed.has_said("sent") {
+        // During its copies it kills itself, 3 ms after `send_on` returned: too soon to be hit
+        // from here (it has printed `sent` first).
+        let due = match moment {
+            Moment::DuringCopy => doomed.exited()?.is_some(),
+            _ => doomed.has_said("sent"),
+        };
+        if due {
+            doomed.finish_lines(Duration::from_millis(100));
+            ensure!(doomed.has_said("sent"), "the doomed producer ended before it sent; {}", doomed.tail(10));
             break;
         }
         ensure!(doomed.exited()?.is_none(), "the doomed producer ended before it sent; {}", doomed.tail(10));
@@ -1342,10 +1354,15 @@ fn case_seed() -> Result<u64> {
 }
 
 /// Runs `cases`, each with its own seed from [`case_seed`]: all of them, then every failure.
+/// `TQ_FAULT_CASES` (for example `SameGpu/BeforeRecv,Host/DuringCopy`) runs only those named.
 fn killed_cases(cases: &[(Way, Moment)], contexts: &[Arc<Context>]) -> Result<()> {
     let seed = case_seed()?;
+    let only = std::env::var("TQ_FAULT_CASES").ok();
     let mut failures = Vec::new();
     for (n, &(way, moment)) in cases.iter().enumerate() {
+        if only.as_ref().is_some_and(|only| !only.split(',').any(|c| c == format!("{way:?}/{moment:?}"))) {
+            continue;
+        }
         let case_seed = (seed << 8) + n as u64 * 16;
         if let Err(error) = killed_case(way, moment, contexts, case_seed) {
             println!("  {way:?} killed {moment:?}: FAILED: {error:#}");
@@ -1398,4 +1415,49 @@ fn killed_across_gpus() -> Result<()> {
         ],
         &contexts,
     )
+}
+
+/// A message of 4 x 256 MiB landed in host memory (`Landing::Host`) from a healthy producer:
+/// when `recv` returns, every byte of every tensor is there, the last ones of the last tensor
+/// included (looked at first, at once); the sender copies in 4 MiB pieces, and a receiver that
+/// took the first piece for the whole handed out tensors still being written.
+fn host_landing_delivers_whole_tensors() -> Result<()> {
+    const LEN: usize = 256 * MIB;
+    const TAIL: usize = 4096;
+    let context = gpu()?;
+    let seed = case_seed()?;
+    let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..ReceiverOptions::default() };
+    let path = socket_path("host-whole");
+    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let path = path.to_str().context("a UTF-8 socket path")?;
+    let (len, seed_text) = (LEN.to_string(), seed.to_string());
+    let args = ["batch", "--to", path, "--tensors", "4", "--len", &len, "--seed", &seed_text];
+    let mut producer = Proc::start("producer", &strings(&args))?;
+    let batch = match receiver.recv_timeout(Duration::from_secs(60)) {
+        Ok(batch) => batch,
+        Err(error) => bail!("recv: {error:?}; {}", producer.tail(10)),
+    };
+    // At once, newest bytes first: the tail of each tensor, from the last tensor back.
+    let mut tails = Vec::new();
+    for (k, tensor) in batch.tensors.iter().enumerate().rev() {
+        let bytes = tensor.as_slice::<u8>()?;
+        tails.push((
+            k,
+            bytes[LEN - TAIL..] == reference::pattern(TAIL, batch.seed + k as u64 + (LEN - TAIL) as u64 / 8)[..],
+        ));
+    }
+    for (k, whole) in tails {
+        ensure!(whole, "tensor {k}'s last {TAIL} bytes were not written yet when recv returned it");
+    }
+    for (k, tensor) in batch.tensors.iter().enumerate() {
+        ensure!(tensor.path() == TransferPath::StagedToHost, "tensor {k} came by {:?}", tensor.path());
+        ensure!(checksum(tensor)? == expected(LEN, batch.seed + k as u64), "tensor {k}: wrong bytes");
+        ensure!(!tensor.producer_failed(), "tensor {k} of a healthy producer is flagged");
+    }
+    drop(batch);
+    let status = producer.exit_within(Duration::from_secs(30))?;
+    producer.finish_lines(Duration::from_secs(2));
+    ensure!(status.is_some_and(|s| s.success()), "the producer ended with {status:?}; {}", producer.tail(10));
+    ensure!(producer.has_said("released") && producer.has_said("cuda ok"), "{}", producer.tail(10));
+    cuda_ok(&context)
 }

@@ -25,11 +25,13 @@
 //!   as complete with the wrong bytes) or `error <what>` (anything else). Closed connections'
 //!   errors are printed as `conn-error <what>`. When stdin closes it drains what is left (5 s at
 //!   most), prints `cuda ok` as `produce` does, and `done ok=<n> lost=<n> failed=<n>`.
-//! - `batch --to P --tensors K --len L --seed S [--device D] [--spin-us U]`: one
+//! - `batch --to P --tensors K --len L --seed S [--device D] [--spin-us U] [--die-after-us A]`: one
 //!   [`FaultBatch`](integration_tests::queue::FaultBatch) of `K` fresh `L`-byte tensors on GPU `D`
 //!   (tensor `k` filled with the pattern of `S + k`, the first fill behind `U` µs of GPU time),
 //!   sent with `send_on` on one stream. Prints `ready`, `sent` once `send_on` returned, then
 //!   `released` (or `unreleased <n>` after 30 s) and `cuda ok`: killed tests kill it after `sent`.
+//!   With `--die-after-us A` (not 0) it SIGKILLs itself `A` µs after `send_on` returned instead (after
+//!   printing `sent`): a moment inside its own copies, too short for another process to hit.
 //! - `hold`: take items from the parent ([`tensor_queue::from_parent`]), check each on the GPU
 //!   (`holding <n> ok|bad`), keep them all, and wait to be killed.
 //!
@@ -382,8 +384,16 @@ fn batch(args: &[String]) -> Result<()> {
     }
     // Every allocation and fill is queued before `ready`: the sends that follow take little time.
     println!("ready");
+    let die_after = Duration::from_micros(number(args, "--die-after-us", 0)?);
     sender.send_on(&FaultBatch { pid: std::process::id(), seed, tensors }, &stream)?;
+    let sent = Instant::now();
     println!("sent");
+    if !die_after.is_zero() {
+        while sent.elapsed() < die_after {
+            std::hint::spin_loop();
+        }
+        rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL)?;
+    }
     if sender.wait_released(Duration::from_secs(30)) {
         println!("released");
     } else {
