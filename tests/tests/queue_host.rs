@@ -657,3 +657,25 @@ fn several_senders_of_one_process_are_told_apart() {
         assert_eq!(values.len(), 50);
     }
 }
+
+/// A receiver of the same user (root here, in CI) attacks the memory it was given read-only
+/// with its own system calls: changing the file's mode (which an ordinary user, the file's
+/// owner, may do too), reopening it for writing, mapping it writable, writing, punching holes,
+/// `mprotect`. Every one is refused, and the sender's tensors, the one sent and one that shares
+/// its chunk but was never sent, keep their bytes.
+#[test]
+fn a_receiver_cannot_make_read_only_host_memory_writable() {
+    let path = socket_path("attack-received");
+    let (mut child, mut lines) = hostile(&["attack-received", path.to_str().unwrap()]);
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let sender = Sender::<Tensor>::connect(&path).unwrap();
+    let sent = Tensor::from_slice(&[1u8; 4096], DType::U8, &[4096]).unwrap();
+    let never_sent = Tensor::from_slice(&[2u8; 4096], DType::U8, &[4096]).unwrap();
+    sender.send(&sent).unwrap();
+    let said: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(child.wait().unwrap().success(), "{said:?}");
+    assert!(said.iter().any(|l| l.starts_with("refused")), "the attacks ran: {said:?}");
+    assert!(!said.iter().any(|l| l.starts_with("wrote")), "a write got through: {said:?}");
+    assert_eq!(sent.to_vec::<u8>().unwrap(), [1u8; 4096], "the sent tensor is intact");
+    assert_eq!(never_sent.to_vec::<u8>().unwrap(), [2u8; 4096], "its chunk neighbour is intact");
+}
