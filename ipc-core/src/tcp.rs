@@ -39,11 +39,14 @@
 //! `accept` again. (Looping inside `accept` would hide refusals from a caller that wants to count
 //! or rate-limit them, and would give `timeout` two meanings.) Handshakes run one at a time, so a
 //! connector that says nothing delays the next one by up to the handshake timeout
-//! ([`TcpListener::with_handshake_timeout`]).
+//! ([`TcpListener::with_handshake_timeout`]). A server that must not be held up runs each on a
+//! thread of its own ([`TcpListener::accept_unverified`], [`Unverified::verify`]) and bounds how
+//! many run at once by dropping the oldest ([`Unverified::abort_handle`]).
 
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -196,7 +199,8 @@ impl TcpListener {
         };
         // Linux does not pass O_NONBLOCK on to accepted sockets; say so anyway.
         stream.set_nonblocking(false).map_err(|e| Error::os("clearing O_NONBLOCK", e))?;
-        Ok(Unverified { stream, peer, timeout: self.handshake_timeout })
+        let aborted = Arc::new(AtomicBool::new(false));
+        Ok(Unverified { stream, peer, timeout: self.handshake_timeout, started: Instant::now(), aborted })
     }
 }
 
@@ -207,6 +211,9 @@ pub struct Unverified {
     stream: TcpStream,
     peer: SocketAddr,
     timeout: Duration,
+    started: Instant,
+    /// Why [`HandshakeAbort::abort`] dropped it, if it did.
+    aborted: Arc<AtomicBool>,
 }
 
 impl Unverified {
@@ -215,13 +222,55 @@ impl Unverified {
         self.peer
     }
 
+    /// A handle that ends this handshake from another thread: [`Unverified::verify`] then
+    /// fails at once with [`Error::HandshakeShed`].
+    pub fn abort_handle(&self) -> Result<HandshakeAbort> {
+        let stream = self.stream.try_clone().map_err(|e| Error::os("duplicating a TCP socket", e))?;
+        Ok(HandshakeAbort { stream, peer: self.peer, started: self.started, aborted: self.aborted.clone() })
+    }
+
     /// Runs the listener's side of the handshake, bounded by the listener's handshake timeout:
     /// the link, or the typed error for this connection (logged, and the connection closed).
     pub fn verify(self, secret: &Secret) -> Result<TcpLink> {
-        let Unverified { stream, peer, timeout } = self;
-        handshake(stream, peer, Side::Listener, secret, Instant::now() + timeout, timeout).inspect_err(|error| {
-            tracing::warn!(%peer, %error, "refused a TCP connection");
-        })
+        let Unverified { stream, peer, timeout, started, aborted } = self;
+        handshake(stream, peer, Side::Listener, secret, started + timeout, timeout)
+            .map_err(|error| match aborted.load(Ordering::Acquire) {
+                true => Error::HandshakeShed { peer, waited: started.elapsed(), why: SHED },
+                false => error,
+            })
+            .inspect_err(|error| {
+                tracing::warn!(%peer, %error, "refused a TCP connection");
+            })
+    }
+}
+
+const SHED: &str = "more handshakes were under way than the listener allows, and this one was the oldest";
+
+/// Ends an [`Unverified`] handshake from another thread (see [`Unverified::abort_handle`]).
+#[derive(Debug)]
+pub struct HandshakeAbort {
+    stream: TcpStream,
+    peer: SocketAddr,
+    started: Instant,
+    aborted: Arc<AtomicBool>,
+}
+
+impl HandshakeAbort {
+    /// The address at the other end.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// When the connection was accepted.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Closes the connection: its handshake fails with [`Error::HandshakeShed`]. Nothing if it
+    /// is over already.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(Shutdown::Both);
     }
 }
 
@@ -657,7 +706,9 @@ fn handshake(
         Stop::Gone => refused(hung_up),
         Stop::Os(e) => Error::os("the TCP handshake", e),
     };
-    const HUNG_UP: &str = "it hung up during the handshake";
+    // No secret is used before the answers: a hang-up there is not a secret's fault.
+    const HUNG_UP: &str = "it hung up during the greeting, before any secret was used (a listener shedding \
+                           handshakes under load, a connector that gave up, or another protocol)";
     let deadline = Some(deadline);
 
     let mut own = [0u8; NONCE_LEN];
@@ -682,19 +733,25 @@ fn handshake(
         secret
             .answer(side.peer_role(), &peer_nonce, &own)
             .verify_slice(answer)
-            .map_err(|_| refused("its answer to our challenge is wrong (a different secret, or a replay)"))
+            .map_err(|_| refused("its answer to our challenge is wrong (a different TQ_SECRET, or a replay)"))
     };
     let mut answer = [0u8; PROOF_LEN];
     let ours = secret.answer(side.role(), &own, &peer_nonce).finalize().into_bytes();
     match side {
         Side::Connector => {
             write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
-            read_exact_by(&stream, &mut answer, deadline)
-                .map_err(|stop| stopped(stop, "the listener hung up instead of answering: it refused our answer"))?;
+            read_exact_by(&stream, &mut answer, deadline).map_err(|stop| {
+                stopped(
+                    stop,
+                    "the listener hung up instead of answering: it refused our answer (do both sides hold \
+                     the same TQ_SECRET?), or dropped the handshake under load",
+                )
+            })?;
             check(&answer)?;
         }
         Side::Listener => {
-            read_exact_by(&stream, &mut answer, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+            read_exact_by(&stream, &mut answer, deadline)
+                .map_err(|stop| stopped(stop, "it hung up instead of answering our challenge"))?;
             check(&answer)?;
             write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
         }

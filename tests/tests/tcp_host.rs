@@ -1539,3 +1539,54 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
     assert!(first.is_ok(), "{first:?}");
     assert_eq!(messages, 2, "both messages arrived");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hostile and careless peers (issue 22): the hostile side is `tq-hostile`, a program of its own.
+
+/// Starts `tq-hostile <args>` with `TQ_SECRET` set to `secret` (or unset).
+fn hostile(args: &[&str], secret: Option<&str>) -> Peer {
+    let mut command = Command::new(bin_path("tq-hostile").expect("tq-hostile is built"));
+    command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    match secret {
+        Some(secret) => command.env(SECRET_ENV, secret),
+        None => command.env_remove(SECRET_ENV),
+    };
+    let mut child = command.spawn().expect("starting tq-hostile");
+    let stdin = child.stdin.take();
+    let tag = format!("tq-hostile {} {}", args.first().unwrap_or(&""), child.id());
+    let lines = integration_tests::stdout_lines(&mut child, Some(tag));
+    Peer { child, lines, stdin, seen: Vec::new() }
+}
+
+/// Errors the receiver reports until `enough` holds of them (10 s at most), while it serves.
+fn reported_until(receiver: &mut Receiver<Probe>, enough: impl Fn(&[Error]) -> bool) -> Vec<Error> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut reported = Vec::new();
+    while !enough(&reported) && Instant::now() < deadline {
+        let _ = receiver.recv_timeout(Duration::from_millis(50));
+        reported.extend(receiver.take_errors());
+    }
+    reported
+}
+
+/// Hundreds of silent connections, from the honest sender's own address, cannot keep it out:
+/// the oldest unfinished handshakes make room for new ones, and each one dropped is reported,
+/// not blamed on the secret.
+#[test]
+fn silent_connections_cannot_lock_out_an_honest_sender() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let mut silent = hostile(&["silent-tcp", &endpoint, "300"], None);
+    silent.expect("ready", Duration::from_secs(30));
+    let sender = connect::<Probe>(&endpoint, KEY).expect("the honest sender is let in");
+    sender.send(&make_probe(5, 5, 10).unwrap()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 5);
+    let reported = reported_until(&mut receiver, |errors| {
+        errors.iter().any(|e| matches!(e, Error::Core(ipc_core::Error::HandshakeShed { .. })))
+    });
+    assert!(
+        reported.iter().any(|e| matches!(e, Error::Core(ipc_core::Error::HandshakeShed { .. }))),
+        "dropped handshakes are reported: {reported:?}"
+    );
+    assert!(!reported.iter().any(|e| e.to_string().contains("TQ_SECRET")), "nobody blames the secret: {reported:?}");
+    silent.close_stdin();
+}
