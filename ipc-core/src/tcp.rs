@@ -326,7 +326,6 @@ struct Outbox {
 #[derive(Clone, Copy, Debug)]
 enum Broken {
     Gone,
-    Stalled,
 }
 
 impl TcpLink {
@@ -394,7 +393,7 @@ impl TcpLink {
             outbox = self.shared.drained.wait_timeout(outbox, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         match outbox.broken {
-            Some(Broken::Gone | Broken::Stalled) => Err(Error::PeerGone),
+            Some(Broken::Gone) => Err(Error::PeerGone),
             None => Ok(()),
         }
     }
@@ -435,10 +434,9 @@ impl TcpLink {
             if !outbox.flushing {
                 outbox.flushing = true;
                 let shared = self.shared.clone();
-                let stall = lock(&self.send_timeout).unwrap_or(DEFAULT_SEND_TIMEOUT);
                 std::thread::Builder::new()
                     .name("tq-tcp-flush".into())
-                    .spawn(move || shared.flush(stall))
+                    .spawn(move || shared.flush())
                     .map_err(|e| Error::os("spawning a TCP flusher", e))?;
             }
         }
@@ -593,27 +591,18 @@ impl Shared {
         Ok(())
     }
 
-    /// The flusher thread: writes the pending bytes as the socket takes them. A peer that takes
-    /// nothing for `stall` has the link shut down.
-    fn flush(&self, stall: Duration) {
-        let mut last_progress = Instant::now();
+    /// The flusher thread: writes the pending bytes as the socket takes them, however slowly:
+    /// a peer that reads slowly (a consumer busy between two `recv`s) only slows its sender.
+    /// A peer that is gone is seen by the socket (a reset, or the keepalive probes of
+    /// [`KEEPALIVE`] going unanswered), which ends the wait with an error.
+    fn flush(&self) {
         loop {
             let mut outbox = lock(&self.outbox);
-            let before = outbox.pending.len();
-            if self.write_pending(&mut outbox).is_err() || outbox.pending.is_empty() {
-                if outbox.close_after {
+            if self.write_pending(&mut outbox).is_err() || outbox.pending.is_empty() || outbox.broken.is_some() {
+                if outbox.close_after && outbox.broken.is_none() {
                     let _ = self.stream.shutdown(Shutdown::Write);
                 }
                 outbox.flushing = false;
-                self.drained.notify_all();
-                return;
-            }
-            if outbox.pending.len() < before {
-                last_progress = Instant::now();
-            } else if last_progress.elapsed() > stall {
-                outbox.broken = Some(Broken::Stalled);
-                outbox.flushing = false;
-                let _ = self.stream.shutdown(Shutdown::Both);
                 self.drained.notify_all();
                 return;
             }
@@ -642,7 +631,7 @@ impl Shared {
 impl From<Broken> for Error {
     fn from(broken: Broken) -> Error {
         match broken {
-            Broken::Gone | Broken::Stalled => Error::PeerGone,
+            Broken::Gone => Error::PeerGone,
         }
     }
 }
@@ -757,8 +746,23 @@ fn handshake(
         }
     }
     stream.set_nonblocking(true).map_err(|e| Error::os("O_NONBLOCK on a TCP link", e))?;
+    keep_alive(&stream).map_err(|e| Error::os("TCP keepalive", std::io::Error::from(e)))?;
     let shared = Shared { stream, inbox: Mutex::default(), outbox: Mutex::default(), drained: Condvar::new() };
     Ok(TcpLink { shared: Arc::new(shared), peer, send_timeout: Mutex::new(Some(DEFAULT_SEND_TIMEOUT)) })
+}
+
+/// Keepalive on an authenticated link: (idle time, interval, unanswered probes). A host that
+/// vanished (powered off, cut off) is seen within about 25 s of silence; a peer that is alive
+/// answers the probes however slowly it reads, so nothing else ever cuts a slow peer.
+pub const KEEPALIVE: (Duration, Duration, u32) = (Duration::from_secs(10), Duration::from_secs(5), 3);
+
+fn keep_alive(stream: &TcpStream) -> rustix::io::Result<()> {
+    use rustix::net::sockopt;
+    let (idle, interval, count) = KEEPALIVE;
+    sockopt::set_socket_keepalive(stream, true)?;
+    sockopt::set_tcp_keepidle(stream, idle)?;
+    sockopt::set_tcp_keepintvl(stream, interval)?;
+    sockopt::set_tcp_keepcnt(stream, count)
 }
 
 /// Why a read or write by a deadline stopped.

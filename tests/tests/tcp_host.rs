@@ -1590,3 +1590,31 @@ fn silent_connections_cannot_lock_out_an_honest_sender() {
     assert!(!reported.iter().any(|e| e.to_string().contains("TQ_SECRET")), "nobody blames the secret: {reported:?}");
     silent.close_stdin();
 }
+
+/// A consumer that spends longer than any timeout of the link (35 s) between two `recv`s, while
+/// its sender has more queued than the sockets hold, only slows that sender: every message
+/// arrives intact afterwards, and neither side is cut or reports anything.
+#[test]
+fn a_slow_tcp_consumer_only_slows_its_sender() {
+    let (mut consumer, endpoint) = Peer::receiver(&["--idle"]);
+    let sender = Arc::new(connect::<Probe>(&endpoint, KEY).unwrap());
+    let sending = {
+        let sender = sender.clone();
+        std::thread::spawn(move || -> tensor_queue::Result<()> {
+            for i in 0..6 {
+                sender.send(&make_probe(i, i, 8 << 20).expect("a probe"))?;
+            }
+            Ok(())
+        })
+    };
+    std::thread::sleep(Duration::from_secs(35));
+    assert!(sender.is_connected(), "the sender was cut from a slow consumer");
+    consumer.tell("read 6");
+    let got = consumer.got(6, Duration::from_secs(60));
+    assert!(got.iter().all(|line| parse_got(line).1), "{got:?}");
+    sending.join().unwrap().expect("every send succeeds");
+    sender.send(&make_probe(9, 9, 100).unwrap()).unwrap();
+    consumer.tell("read 1");
+    assert_eq!(parse_got(&consumer.expect("got", Duration::from_secs(30))).0, 9);
+    assert!(!consumer.drain().iter().any(|l| l.starts_with("recv-error")), "{:?}", consumer.seen);
+}
