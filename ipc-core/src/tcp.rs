@@ -30,7 +30,8 @@
 //!
 //! # Framing
 //! After the handshake each message is a `u32` little-endian length and that many bytes, at most
-//! [`MAX_MESSAGE`]. `TCP_NODELAY` is set.
+//! [`MAX_MESSAGE`]. `TCP_NODELAY` is set. A receiving link's buffer grows with the bytes that
+//! arrive (at most twice what came, plus 64 KiB), never with the length a header claims.
 //!
 //! # Refused connections
 //! [`TcpListener::accept`] takes one connection and returns its outcome: a link, or the typed
@@ -505,7 +506,9 @@ impl TcpLink {
                 inbox.start = 0;
             }
             let filled = inbox.data.len();
-            let want = inbox.needed().max(READ_SIZE);
+            // Grown by what arrived, never by what a header claims: a record that says 16 MiB
+            // and sends one byte costs one read's worth. Doubling keeps large records cheap.
+            let want = READ_SIZE.max(inbox.needed().min(filled));
             inbox.data.resize(filled + want, 0);
             let read = (&self.shared.stream).read(&mut inbox.data[filled..]);
             inbox.data.truncate(filled + *read.as_ref().unwrap_or(&0));

@@ -1618,3 +1618,83 @@ fn a_slow_tcp_consumer_only_slows_its_sender() {
     assert_eq!(parse_got(&consumer.expect("got", Duration::from_secs(30))).0, 9);
     assert!(!consumer.drain().iter().any(|l| l.starts_with("recv-error")), "{:?}", consumer.seen);
 }
+
+/// Resident memory of process `pid`, in bytes.
+fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("its status");
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
+    line.split_whitespace().nth(1).and_then(|kib| kib.parse::<u64>().ok()).expect("a size") << 10
+}
+
+/// Record headers that claim the largest record and then send one byte cost the receiver what
+/// arrived, not what they claimed: 32 such peers (16 MiB each, 512 MiB claimed) leave the
+/// receiver process's memory near where it was, and it goes on serving.
+#[test]
+fn record_headers_that_claim_much_and_send_little_cost_what_arrived() {
+    let (mut consumer, endpoint) = Peer::receiver(&[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let before = rss_of(consumer.id());
+    let mut claims = hostile(&["claim-tcp", &endpoint, "32"], Some(KEY));
+    claims.expect("ready", Duration::from_secs(60));
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    sender.send(&make_probe(1, 1, 1000).unwrap()).unwrap();
+    let (id, ok, _, _) = parse_got(&consumer.expect("got", Duration::from_secs(30)));
+    assert_eq!((id, ok), (1, true), "the receiver goes on serving");
+    let grown = rss_of(consumer.id()).saturating_sub(before);
+    assert!(grown < 128 << 20, "the receiver grew by {} MiB for 32 one-byte records", grown >> 20);
+    claims.close_stdin();
+}
+
+/// A sender that sends the parts of a frame and never its end, then stays connected and
+/// silent, loses its connection once nothing more came for `UNFINISHED_IDLE`, and the receiver
+/// reports the unfinished message (memory held by an unfinished frame does not outlive it).
+#[test]
+fn an_unfinished_frame_does_not_outlive_its_idle_bound() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let mut parts = hostile(&["parts-tcp", &endpoint, "20"], Some(KEY));
+    let deadline = Instant::now() + tensor_queue::channel::UNFINISHED_IDLE + Duration::from_secs(30);
+    let mut reported = Vec::new();
+    while Instant::now() < deadline && !reported.iter().any(is_unfinished) {
+        let _ = receiver.recv_timeout(Duration::from_millis(200));
+        reported.extend(receiver.take_errors());
+    }
+    assert!(
+        reported.iter().any(is_unfinished),
+        "the idle unfinished frame is given up and reported: {reported:?}; the sender said {:?}",
+        parts.drain()
+    );
+    let said = parts.drain().to_vec();
+    assert!(said.iter().any(|l| l == "ready"), "it sent its parts and stays: {said:?}");
+    let idle =
+        |e: &Error| matches!(e, Error::ConnectionClosed { cause, .. } if cause.to_string().contains("nothing more"));
+    assert!(reported.iter().any(idle), "given up for idleness, not a hang-up: {reported:?}");
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    sender.send(&make_probe(3, 3, 1000).unwrap()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 3, "others are served");
+    parts.close_stdin();
+}
+
+fn is_unfinished(error: &Error) -> bool {
+    matches!(error, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Unfinished { .. }))
+}
+
+/// A sender killed in the middle of a message leaves an entry in the receiver's `take_errors`:
+/// the receiver can tell a death mid-message from a clean goodbye (issue 21, item 3).
+#[test]
+fn a_tcp_sender_killed_mid_message_is_reported() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let mut doomed = hostile(&["mid-message-tcp", &endpoint], Some(KEY));
+    doomed.expect("ready", Duration::from_secs(60));
+    // Read up to the middle of the message before the kill.
+    let _ = receiver.recv_timeout(Duration::from_millis(500));
+    doomed.kill();
+    let reported = reported_until(&mut receiver, |errors| errors.iter().any(is_unfinished));
+    assert!(reported.iter().any(is_unfinished), "the lost message is reported: {reported:?}");
+    // A clean goodbye reports nothing.
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    sender.send(&make_probe(4, 4, 1000).unwrap()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 4);
+    drop(sender);
+    assert!(matches!(receiver.recv_timeout(Duration::from_secs(10)), Err(Error::Disconnected)));
+    assert!(receiver.take_errors().is_empty(), "a clean goodbye is not a loss");
+}

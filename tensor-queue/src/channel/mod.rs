@@ -151,6 +151,15 @@ pub use sender::{Rejection, Sender};
 /// ```
 pub const DEFAULT_CAPACITY: u32 = 16;
 
+/// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
+/// of a message over TCP) while nothing more of it comes: then the connection is closed and the
+/// loss reported (`Receiver::take_errors`, [`crate::Error::Unfinished`]). The memory a sender can
+/// hold in a receiver is what it sent, never what it claimed: one frame's parts (at most
+/// [`crate::wire::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most
+/// [`crate::wire::MAX_INLINE_BYTES`]) and one TCP record (grown as its bytes arrive), and no
+/// longer than this without a new byte.
+pub const UNFINISHED_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The environment variable through which [`spawn`] tells a child the number of the inherited
 /// descriptor that is its end of the channel.
 ///
