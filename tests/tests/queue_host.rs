@@ -679,3 +679,47 @@ fn a_receiver_cannot_make_read_only_host_memory_writable() {
     assert_eq!(sent.to_vec::<u8>().unwrap(), [1u8; 4096], "the sent tensor is intact");
     assert_eq!(never_sent.to_vec::<u8>().unwrap(), [2u8; 4096], "its chunk neighbour is intact");
 }
+
+/// `try_send` and `send_timeout` keep their promise whatever the message's size: with credits
+/// available, a message of 1 MiB of plain data (more than the socket holds) is taken at once
+/// while the receiver is not inside `recv`, and arrives whole.
+#[test]
+fn non_blocking_sends_of_large_messages_return_at_once() {
+    let path = socket_path("large-try-send");
+    let mut receiver = Receiver::<Vec<u8>>::bind(&path).unwrap();
+    let sender = Sender::<Vec<u8>>::connect(&path).unwrap();
+    sender.wait_ready(Duration::from_secs(10)).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    let sending = sender.clone();
+    std::thread::spawn(move || {
+        let tried = sending.try_send(&vec![1u8; 1 << 20]);
+        let timed = sending.send_timeout(&vec![2u8; 1 << 20], Duration::from_millis(100));
+        let _ = done.send((tried.is_ok(), timed.is_ok()));
+    });
+    let outcome = finished.recv_timeout(Duration::from_secs(10));
+    assert_eq!(outcome, Ok((true, true)), "try_send and send_timeout returned Ok at once (not blocked)");
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), vec![1u8; 1 << 20]);
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), vec![2u8; 1 << 20]);
+}
+
+/// Two processes that each send a large message to the other before receiving do not wait for
+/// each other (the other process is `tq-hostile exchange`).
+#[test]
+fn two_processes_that_each_send_first_do_not_deadlock() {
+    let (ours, theirs) = (socket_path("exchange-ours"), socket_path("exchange-theirs"));
+    let mut receiver = Receiver::<Vec<u8>>::bind(&ours).unwrap();
+    let (mut child, mut lines) = hostile(&["exchange", theirs.to_str().unwrap(), ours.to_str().unwrap()]);
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let sender = Sender::<Vec<u8>>::connect(&theirs).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let sent = sender.send(&vec![4u8; 8 << 20]).is_ok();
+        let _ = done.send(sent);
+        sender
+    });
+    assert_eq!(finished.recv_timeout(Duration::from_secs(20)), Ok(true), "our send returned");
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(30)).unwrap(), vec![3u8; 8 << 20]);
+    let said: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(said.contains(&format!("received {}", 8 << 20)), "{said:?}");
+    assert!(child.wait().unwrap().success(), "{said:?}");
+}

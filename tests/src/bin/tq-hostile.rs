@@ -24,6 +24,11 @@
 //!   for writing, map it shared read-write, `write`, punch a hole, `mprotect` a read-only
 //!   mapping): says `wrote HOW` for each way that wrote, `refused HOW` otherwise, then `done`.
 //!
+//! - `exchange BIND CONNECT`: binds a `Receiver<Vec<u8>>` at `BIND` and says `listening`, then
+//!   connects a `Sender<Vec<u8>>` to `CONNECT`, sends 8 MiB of plain data before receiving,
+//!   receives one message, says `received LEN`, then `done` (not a hostile peer: the other half
+//!   of a pair that each send first).
+//!
 //! Any error: `error DEBUG` on stdout and exit status 1.
 
 use std::io::{BufRead as _, Write as _};
@@ -113,6 +118,17 @@ fn run() -> Result<()> {
             Ok(())
         }
         "attack-received" => attack_received(&arg(1)?),
+        "exchange" => {
+            let mut receiver = tensor_queue::Receiver::<Vec<u8>>::bind(arg(1)?)?;
+            say("listening");
+            let sender = Sender::<Vec<u8>>::connect(arg(2)?)?;
+            sender.send(&vec![3u8; 8 << 20])?;
+            let got = receiver.recv()?;
+            say(&format!("received {}", got.len()));
+            drop(sender);
+            say("done");
+            Ok(())
+        }
         other => bail!("unknown role {other}"),
     }
 }
