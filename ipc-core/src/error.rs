@@ -82,6 +82,9 @@ pub enum Error {
     DescriptorTableFull {
         /// The soft limit (`RLIMIT_NOFILE`).
         limit: u64,
+        /// The bytes of the message that did arrive (in the caller's buffer): a protocol may
+        /// still use them, knowing that the descriptors are lost.
+        received: usize,
     },
     /// The listener was stopped with [`crate::seqpacket::Listener::wake`]: it accepts no more
     /// connections.

@@ -723,3 +723,33 @@ fn two_processes_that_each_send_first_do_not_deadlock() {
     assert!(said.contains(&format!("received {}", 8 << 20)), "{said:?}");
     assert!(child.wait().unwrap().success(), "{said:?}");
 }
+
+/// A receiver that runs out of descriptors while a new chunk's descriptor is on its way does not
+/// lose the message whose `send` returned `Ok`: it is refused alone, on both sides, with a text
+/// that names the limit, and the connection goes on.
+#[test]
+fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
+    let path = socket_path("fd-starved");
+    let (mut child, mut lines) = hostile(&["fd-starved", path.to_str().unwrap()]);
+    let mut next = || lines.next().expect("a line").expect("a line");
+    assert_eq!(next(), "listening");
+    let sender = Sender::<Tensor>::connect(&path).unwrap();
+    sender.send(&Tensor::zeros(DType::U8, &[16]).unwrap()).unwrap();
+    assert_eq!(next(), "got 16");
+    assert_eq!(next(), "starved");
+    // 65 MiB: a chunk of its own, whose descriptor cannot fit the receiver's table.
+    let big = Tensor::zeros(DType::U8, &[65 << 20]).unwrap();
+    sender.send(&big).expect("the send is taken");
+    let said = next();
+    assert!(said.starts_with("rejected") && said.contains("open files"), "refused with why: {said}");
+    let mut rejected = Vec::new();
+    wait_until("the sender hears of the refusal", || {
+        rejected.extend(sender.take_rejected());
+        !rejected.is_empty()
+    });
+    assert!(rejected[0].reason.contains("open files"), "{:?}", rejected[0].reason);
+    sender.send(&Tensor::zeros(DType::U8, &[32]).unwrap()).expect("the connection goes on");
+    assert_eq!(next(), "got 32");
+    assert_eq!(next(), "done");
+    assert!(child.wait().unwrap().success());
+}

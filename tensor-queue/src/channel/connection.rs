@@ -271,7 +271,8 @@ impl Connected {
     /// connection.
     pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Progress> {
         let held = self.assembler.held();
-        let (frame, mut fds) = match self.peer.link.try_recv(&mut self.assembler, buf)? {
+        let (read, fds_lost) = self.peer.link.try_recv(&mut self.assembler, buf)?;
+        let (frame, mut fds) = match read {
             Read::Frame(frame, fds) => (frame, fds),
             Read::Nothing if self.assembler.held() > held => {
                 self.last_packet = std::time::Instant::now();
@@ -299,7 +300,13 @@ impl Connected {
             }
             Frame::Chunk { id, len, kind, device, legacy, .. } => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
-                match import(self.pid(), instance, announced, |uuid| devices.context(uuid)) {
+                // A descriptor the kernel dropped (our table was full) makes the chunk unusable,
+                // not the connection: the messages that use it are refused, and say why.
+                let imported = match fds_lost {
+                    Some(lost) => Err(lost),
+                    None => import(self.pid(), instance, announced, |uuid| devices.context(uuid)),
+                };
+                match imported {
                     Ok(chunk) => {
                         self.refused.remove(&id);
                         self.chunks.insert(id, chunk);

@@ -179,11 +179,18 @@ impl Link {
         drop(self.drained.wait_while(out, |out| out.writing && !out.broken).unwrap_or_else(|e| e.into_inner()));
     }
 
-    /// Reads the next packet if one is waiting, without sleeping.
-    pub fn try_recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read> {
-        match self.connection.try_recv(buf)? {
-            Some((n, fds)) => self.join(assembler, &buf[..n], fds),
-            None => Ok(Read::Nothing),
+    /// Reads the next packet if one is waiting, without sleeping. A packet whose descriptors
+    /// the kernel dropped (this process had no room for them) is still read: the error that
+    /// says so comes back beside it, for the frame to be refused alone rather than the whole
+    /// connection lost.
+    pub fn try_recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<(Read, Option<Error>)> {
+        match self.connection.try_recv(buf) {
+            Ok(Some((n, fds))) => Ok((self.join(assembler, &buf[..n], fds)?, None)),
+            Ok(None) => Ok((Read::Nothing, None)),
+            Err(error @ ipc_core::Error::DescriptorTableFull { received, .. }) if received > 0 => {
+                Ok((self.join(assembler, &buf[..received], Vec::new())?, Some(error.into())))
+            }
+            Err(error) => Err(error.into()),
         }
     }
 

@@ -958,7 +958,7 @@ impl SenderInner {
         buf.resize(MAX_PACKET, 0);
         let mut assembler = Assembler::default();
         while Instant::now() < until && lock(&self.state).credits == 0 {
-            match self.link.try_recv(&mut assembler, &mut buf) {
+            match self.link.try_recv(&mut assembler, &mut buf).map(|(read, _)| read) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
                         // The reader thread then reads the hang-up and returns the leases.

@@ -29,6 +29,11 @@
 //!   receives one message, says `received LEN`, then `done` (not a hostile peer: the other half
 //!   of a pair that each send first).
 //!
+//! - `fd-starved PATH`: binds a `Receiver<Tensor>` at `PATH`, says `listening`, receives one
+//!   message (`got BYTES`), then uses up its descriptor table and says `starved`; receives the
+//!   next message (`got BYTES`, or `rejected REASON`), frees its table, receives one more and
+//!   says `got BYTES`, then `done`.
+//!
 //! Any error: `error DEBUG` on stdout and exit status 1.
 
 use std::io::{BufRead as _, Write as _};
@@ -118,6 +123,7 @@ fn run() -> Result<()> {
             Ok(())
         }
         "attack-received" => attack_received(&arg(1)?),
+        "fd-starved" => fd_starved(&arg(1)?),
         "exchange" => {
             let mut receiver = tensor_queue::Receiver::<Vec<u8>>::bind(arg(1)?)?;
             say("listening");
@@ -262,6 +268,33 @@ fn attack_received(path: &str) -> Result<()> {
         bail!("no read-only shared-memory file found to attack");
     }
     drop(tensor);
+    say("done");
+    Ok(())
+}
+
+/// A receiver that runs out of descriptors while a chunk's descriptor is on its way.
+fn fd_starved(path: &str) -> Result<()> {
+    let mut receiver = tensor_queue::Receiver::<Tensor>::bind(path)?;
+    say("listening");
+    let report = |received: tensor_queue::Result<Tensor>| match received {
+        Ok(tensor) => say(&format!("got {}", tensor.nbytes())),
+        Err(tensor_queue::Error::Rejected { reason, .. }) => say(&format!("rejected {reason}")),
+        Err(other) => say(&format!("recv-error {other}")),
+    };
+    report(receiver.recv());
+    let nofile = rustix::process::Resource::Nofile;
+    let saved = rustix::process::getrlimit(nofile);
+    let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
+    rustix::process::setrlimit(nofile, rustix::process::Rlimit { current: Some(open + 8), maximum: saved.maximum })?;
+    let mut fillers = Vec::new();
+    while let Ok(file) = std::fs::File::open("/dev/null") {
+        fillers.push(file);
+    }
+    say("starved");
+    report(receiver.recv());
+    drop(fillers);
+    rustix::process::setrlimit(nofile, saved)?;
+    report(receiver.recv());
     say("done");
     Ok(())
 }
