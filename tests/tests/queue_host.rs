@@ -737,6 +737,12 @@ fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
     sender.send(&Tensor::zeros(DType::U8, &[16]).unwrap()).unwrap();
     assert_eq!(next(), "got 16");
     assert_eq!(next(), "starved");
+    // A new sender is told at once, not left waiting in the backlog.
+    let newcomer = Sender::<Tensor>::connect(&path).unwrap();
+    match newcomer.wait_ready(Duration::from_secs(20)) {
+        Err(Error::PeerRefused(Refusal::ByPeer(why))) => assert!(why.contains("descriptors"), "{why}"),
+        other => panic!("expected a refusal that names the cause, got {other:?}"),
+    }
     // 65 MiB: a chunk of its own, whose descriptor cannot fit the receiver's table.
     let big = Tensor::zeros(DType::U8, &[65 << 20]).unwrap();
     sender.send(&big).expect("the send is taken");

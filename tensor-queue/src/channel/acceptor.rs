@@ -101,6 +101,9 @@ impl Acceptor {
         let handed = Arc::new(Mutex::new(Handed::default()));
         let (stop, listener, handing) = (closed.clone(), listening.clone(), handed.clone());
         let handshakes = Arc::new(Mutex::new(Handshakes::default()));
+        // One descriptor held in reserve: when the table is full, it makes room to accept a
+        // connector and tell it why, instead of leaving it to wait in the backlog.
+        let mut spare = std::fs::File::open("/dev/null").ok();
         let thread = std::thread::Builder::new()
             .name("tq-accept".into())
             .spawn(move || {
@@ -148,6 +151,13 @@ impl Acceptor {
                         Ok(None) => {}
                         Err(ipc_core::Error::Os { source, .. }) if source.kind() == ErrorKind::TimedOut => {}
                         Err(_) if stop.load(Ordering::Acquire) => return,
+                        Err(ipc_core::Error::Os { source, .. })
+                            if source.raw_os_error().is_some_and(is_table_full) && spare.is_some() =>
+                        {
+                            drop(spare.take());
+                            turn_away(&listener);
+                            spare = std::fs::File::open("/dev/null").ok();
+                        }
                         Err(error) => {
                             tracing::warn!(%error, "accept failed");
                             std::thread::sleep(Duration::from_millis(10));
@@ -185,6 +195,29 @@ impl Acceptor {
             let _ = thread.join();
         }
     }
+}
+
+/// Whether an `accept` error says the descriptor table (this process's or the system's) is full.
+fn is_table_full(errno: i32) -> bool {
+    errno == rustix::io::Errno::MFILE.raw_os_error() || errno == rustix::io::Errno::NFILE.raw_os_error()
+}
+
+/// Accepts the next connector with the descriptor just freed and tells it that this process is
+/// out of descriptors (a Unix sender hears it as `Error::PeerRefused`); a TCP connector is
+/// closed before its handshake. Either way it does not wait in the backlog.
+fn turn_away(listening: &Listening) {
+    const WHY: &str = "the receiver has used up its descriptors (open files): it cannot take a new connection now; \
+                       raise its limit (`ulimit -n`) or close descriptors";
+    match listening {
+        Listening::Unix(unix) => {
+            if let Ok(connection) = unix.accept(Some(Duration::ZERO)) {
+                let close = Frame::Close { read_up_to: 0, reason: WHY.into() };
+                let _ = connection.try_send(&close.encode(), &[]);
+            }
+        }
+        Listening::Tcp(tcp, _) => drop(tcp.accept_unverified(Some(Duration::ZERO))),
+    }
+    tracing::warn!("{WHY}");
 }
 
 /// Greets a checked connection and hands it to `recv`, or records why it was refused; rings
