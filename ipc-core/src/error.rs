@@ -82,6 +82,9 @@ pub enum Error {
     DescriptorTableFull {
         /// The soft limit (`RLIMIT_NOFILE`).
         limit: u64,
+        /// The bytes of the message that did arrive (in the caller's buffer): a protocol may
+        /// still use them, knowing that the descriptors are lost.
+        received: usize,
     },
     /// The listener was stopped with [`crate::seqpacket::Listener::wake`]: it accepts no more
     /// connections.
@@ -122,7 +125,7 @@ pub enum Error {
     /// A TCP peer failed the challenge-response of [`crate::tcp`]: it holds another secret, spoke
     /// another protocol, sent garbage or replayed an old handshake, or hung up during it. Only
     /// that connection is refused; a listener goes on.
-    #[error("refused TCP peer {peer}: {why} (do both sides hold the same TQ_SECRET?)")]
+    #[error("refused TCP peer {peer}: {why}")]
     AuthFailed {
         /// The address at the other end.
         peer: std::net::SocketAddr,
@@ -137,6 +140,18 @@ pub enum Error {
         peer: std::net::SocketAddr,
         /// How long it was given.
         timeout: std::time::Duration,
+    },
+    /// The listener dropped a handshake still under way to make room for newer ones (more at
+    /// once than it allows from one address, or in all; the oldest go first): the peer was too
+    /// slow or silent, not refused for its secret. Only that connection is dropped.
+    #[error("dropped the unfinished handshake of TCP peer {peer} after {waited:?}: {why}")]
+    HandshakeShed {
+        /// The address at the other end.
+        peer: std::net::SocketAddr,
+        /// How long it had been under way.
+        waited: std::time::Duration,
+        /// Which bound it made room under.
+        why: &'static str,
     },
     /// A message over [`crate::tcp::MAX_MESSAGE`], to send or announced by the peer (which then
     /// is broken or hostile: the link is closed).

@@ -111,7 +111,8 @@ fn send_error(errno: Errno) -> Error {
 /// empty message from a peer still connected is [`Error::EmptyMessage`], so that no peer can
 /// fake a hang-up. If the peer attached more than [`MAX_FDS`] descriptors the kernel drops the
 /// excess; that is reported as an error (and the descriptors that did arrive are closed), as
-/// [`Error::DescriptorTableFull`] when this process had no room for them.
+/// [`Error::DescriptorTableFull`] when this process had no room for them (the message's bytes
+/// are in `buf` then, their length in the error).
 pub fn recv(socket: impl AsFd, buf: &mut [u8]) -> Result<(usize, Vec<OwnedFd>)> {
     recv_with(socket, buf, RecvFlags::CMSG_CLOEXEC).map(|received| received.unwrap_or_default())
 }
@@ -148,7 +149,7 @@ fn recv_with(socket: impl AsFd, buf: &mut [u8], flags: RecvFlags) -> Result<Opti
         let open = open_descriptors();
         drop(fds);
         return Err(match descriptor_shortage(open, rustix::process::getrlimit(Resource::Nofile).current) {
-            Some(limit) => Error::DescriptorTableFull { limit },
+            Some(limit) => Error::DescriptorTableFull { limit, received: message.bytes },
             None => Error::InvalidArgument(format!("the peer sent more than {MAX_FDS} descriptors in one message")),
         });
     }
@@ -309,7 +310,7 @@ mod tests {
         assert_eq!(descriptor_shortage(None, Some(64)), Some(64), "no room even to count");
         assert_eq!(descriptor_shortage(Some(10), Some(1024)), None, "room: the peer sent too many");
         assert_eq!(descriptor_shortage(Some(10), None), None, "no limit");
-        let message = Error::DescriptorTableFull { limit: 1024 }.to_string();
+        let message = Error::DescriptorTableFull { limit: 1024, received: 0 }.to_string();
         assert!(message.contains("1024") && message.contains("ulimit -n"), "{message}");
     }
 
@@ -342,6 +343,6 @@ mod tests {
             .unwrap();
         let received = recv(&b, &mut [0u8; 4]);
         rustix::process::setrlimit(nofile, saved).unwrap();
-        assert!(matches!(received, Err(Error::DescriptorTableFull { limit: 3 })), "{received:?}");
+        assert!(matches!(received, Err(Error::DescriptorTableFull { limit: 3, received: 1 })), "{received:?}");
     }
 }

@@ -158,6 +158,43 @@ impl SharedMemory {
         SharedMemory::map(fd, len, true)
     }
 
+    /// Like [`SharedMemory::create`], but for memory only this process writes: once mapped here
+    /// read-write, the file is sealed with `F_SEAL_FUTURE_WRITE`, so that no new writable
+    /// mapping of it and no `write` to it can ever be made, whoever holds a descriptor of it and
+    /// with whatever permissions: a receiver that changes the file's mode, reopens it through
+    /// `/proc/self/fd` for writing, maps it shared read-write, writes it, punches holes in it or
+    /// `mprotect`s its read-only mapping is refused by the kernel. This mapping stays writable.
+    /// (`F_SEAL_WRITE` would refuse this mapping too, and the kernel refuses to add it while a
+    /// writable mapping exists; `F_SEAL_SHRINK | F_SEAL_GROW` keep the size, `F_SEAL_SEAL` the
+    /// seals.) Read-only descriptors for peers: [`SharedMemory::read_only_fd`].
+    ///
+    /// ```
+    /// # fn main() -> ipc_core::Result<()> {
+    /// use ipc_core::SharedMemory;
+    /// let mine = SharedMemory::create_write_sealed("doc", 4096)?;
+    /// mine.write(0, b"only I write this")?;
+    /// let reopened = std::fs::OpenOptions::new()
+    ///     .read(true)
+    ///     .write(true)
+    ///     .open(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&mine.fd())));
+    /// if let Ok(file) = reopened {
+    ///     // Even a descriptor opened for writing (root may) cannot write, nor map writable.
+    ///     assert!(std::os::unix::fs::FileExt::write_at(&file, b"x", 0).is_err());
+    ///     assert!(SharedMemory::from_fd(file.into(), 4096)?.write(0, b"x").is_err());
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn create_write_sealed(name: &str, len: usize) -> Result<SharedMemory> {
+        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        let fd = memfd_create(name, flags).map_err(|e| Error::os("memfd_create", e))?;
+        ftruncate(&fd, len as u64).map_err(|e| Error::os("ftruncate", e))?;
+        fchmod(&fd, Mode::RUSR).map_err(|e| Error::os("chmod 0400 on shared memory", e))?;
+        let memory = SharedMemory::map(fd, len, true)?;
+        fcntl_add_seals(&memory.fd, SealFlags::FUTURE_WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| Error::os("sealing shared memory against writes by others", e))?;
+        Ok(memory)
+    }
+
     /// Maps the first `len` bytes of a shared-memory file received from another process:
     /// read-write if the descriptor was opened for reading and writing, read-only otherwise.
     ///
@@ -255,10 +292,13 @@ impl SharedMemory {
     }
 
     /// A new descriptor of the same file, opened read-only: a process given it maps the memory
-    /// read-only and cannot write to it, while this one still can.
+    /// read-only, while this one still can write it.
     ///
-    /// The file's mode (0400, set by [`SharedMemory::create`]) keeps the receiver from reopening
-    /// it for writing through `/proc`, unless it runs as root.
+    /// Read-only holds against the receiver's own system calls only for memory made with
+    /// [`SharedMemory::create_write_sealed`] (the kernel's write seal). For memory from
+    /// [`SharedMemory::create`], only the file's mode (0400) stands in the way of a reopening
+    /// through `/proc` for writing, which root ignores and the file's owner (any process of the
+    /// same user) can change.
     pub fn read_only_fd(&self) -> Result<OwnedFd> {
         let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
         rustix::fs::open(path.as_str(), OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
@@ -466,6 +506,48 @@ mod tests {
         assert_eq!(ftruncate(&fd, 1 << 20), Err(rustix::io::Errno::PERM), "growing is sealed");
         assert_eq!(fcntl_add_seals(&fd, SealFlags::WRITE), Err(rustix::io::Errno::PERM), "the seals are final");
         assert_eq!(fstat(&fd).unwrap().st_mode & 0o777, 0o400, "no reopening for writing through /proc");
+    }
+
+    /// What a receiver of the same user (or root) may try on a read-only descriptor: every
+    /// way to write the file is refused once it is write-sealed, and the creator still writes.
+    #[test]
+    fn write_sealed_memory_cannot_be_made_writable_by_a_holder() {
+        let creator = SharedMemory::create_write_sealed("sealed-read-only", 8192).unwrap();
+        creator.write(0, b"mine").unwrap();
+        let given = creator.read_only_fd().unwrap();
+        fchmod(&given, Mode::RUSR | Mode::WUSR).unwrap(); // the owner may
+        let path = format!("/proc/self/fd/{}", given.as_raw_fd());
+        let reopened = rustix::fs::open(path.as_str(), OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()).unwrap();
+        // SAFETY: a fresh mapping, refused or unmapped at once; it aliases no Rust object.
+        let shared_rw = unsafe {
+            mmap(std::ptr::null_mut(), 8192, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, &reopened, 0)
+        };
+        assert_eq!(shared_rw.err(), Some(rustix::io::Errno::PERM), "no writable shared mapping");
+        assert_eq!(rustix::io::pwrite(&reopened, b"evil", 0).err(), Some(rustix::io::Errno::PERM), "no write");
+        let punch = rustix::fs::fallocate(
+            &reopened,
+            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+            0,
+            4096,
+        );
+        assert_eq!(punch.err(), Some(rustix::io::Errno::PERM), "no hole punched");
+        assert_eq!(ftruncate(&reopened, 0), Err(rustix::io::Errno::PERM), "no shrinking");
+        // SAFETY: as above.
+        let read_only =
+            unsafe { mmap(std::ptr::null_mut(), 8192, ProtFlags::READ, MapFlags::SHARED, &reopened, 0) }.unwrap();
+        // SAFETY: the mapping just made; the call is refused or changes only its protection.
+        let upgraded = unsafe {
+            rustix::mm::mprotect(read_only, 8192, rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE)
+        };
+        assert!(upgraded.is_err(), "a read-only mapping cannot be made writable");
+        // SAFETY: unmapped once; nothing refers to it.
+        unsafe { munmap(read_only, 8192) }.unwrap();
+        let reader = SharedMemory::from_fd(reopened, 8192).unwrap();
+        assert!(!reader.is_writable(), "mapped read-only whatever the descriptor's mode");
+        creator.write(0, b"MINE").unwrap();
+        let mut back = [0u8; 4];
+        reader.read(0, &mut back).unwrap();
+        assert_eq!(&back, b"MINE", "the creator's mapping stays writable, and the holder sees it");
     }
 
     #[test]

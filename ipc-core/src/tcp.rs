@@ -30,7 +30,8 @@
 //!
 //! # Framing
 //! After the handshake each message is a `u32` little-endian length and that many bytes, at most
-//! [`MAX_MESSAGE`]. `TCP_NODELAY` is set.
+//! [`MAX_MESSAGE`]. `TCP_NODELAY` is set. A receiving link's buffer grows with the bytes that
+//! arrive (at most twice what came, plus 64 KiB), never with the length a header claims.
 //!
 //! # Refused connections
 //! [`TcpListener::accept`] takes one connection and returns its outcome: a link, or the typed
@@ -39,11 +40,14 @@
 //! `accept` again. (Looping inside `accept` would hide refusals from a caller that wants to count
 //! or rate-limit them, and would give `timeout` two meanings.) Handshakes run one at a time, so a
 //! connector that says nothing delays the next one by up to the handshake timeout
-//! ([`TcpListener::with_handshake_timeout`]).
+//! ([`TcpListener::with_handshake_timeout`]). A server that must not be held up runs each on a
+//! thread of its own ([`TcpListener::accept_unverified`], [`Unverified::verify`]) and bounds how
+//! many run at once by dropping the oldest ([`Unverified::abort_handle`]).
 
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -189,7 +193,8 @@ impl TcpListener {
         };
         // Linux does not pass O_NONBLOCK on to accepted sockets; say so anyway.
         stream.set_nonblocking(false).map_err(|e| Error::os("clearing O_NONBLOCK", e))?;
-        Ok(Unverified { stream, peer, timeout: self.handshake_timeout })
+        let aborted = Arc::new(AtomicBool::new(false));
+        Ok(Unverified { stream, peer, timeout: self.handshake_timeout, started: Instant::now(), aborted })
     }
 }
 
@@ -200,6 +205,9 @@ pub struct Unverified {
     stream: TcpStream,
     peer: SocketAddr,
     timeout: Duration,
+    started: Instant,
+    /// Why [`HandshakeAbort::abort`] dropped it, if it did.
+    aborted: Arc<AtomicBool>,
 }
 
 impl Unverified {
@@ -208,13 +216,55 @@ impl Unverified {
         self.peer
     }
 
+    /// A handle that ends this handshake from another thread: [`Unverified::verify`] then
+    /// fails at once with [`Error::HandshakeShed`].
+    pub fn abort_handle(&self) -> Result<HandshakeAbort> {
+        let stream = self.stream.try_clone().map_err(|e| Error::os("duplicating a TCP socket", e))?;
+        Ok(HandshakeAbort { stream, peer: self.peer, started: self.started, aborted: self.aborted.clone() })
+    }
+
     /// Runs the listener's side of the handshake, bounded by the listener's handshake timeout:
     /// the link, or the typed error for this connection (logged, and the connection closed).
     pub fn verify(self, secret: &Secret) -> Result<TcpLink> {
-        let Unverified { stream, peer, timeout } = self;
-        handshake(stream, peer, Side::Listener, secret, Instant::now() + timeout, timeout).inspect_err(|error| {
-            tracing::warn!(%peer, %error, "refused a TCP connection");
-        })
+        let Unverified { stream, peer, timeout, started, aborted } = self;
+        handshake(stream, peer, Side::Listener, secret, started + timeout, timeout)
+            .map_err(|error| match aborted.load(Ordering::Acquire) {
+                true => Error::HandshakeShed { peer, waited: started.elapsed(), why: SHED },
+                false => error,
+            })
+            .inspect_err(|error| {
+                tracing::warn!(%peer, %error, "refused a TCP connection");
+            })
+    }
+}
+
+const SHED: &str = "more handshakes were under way than the listener allows, and this one was the oldest";
+
+/// Ends an [`Unverified`] handshake from another thread (see [`Unverified::abort_handle`]).
+#[derive(Debug)]
+pub struct HandshakeAbort {
+    stream: TcpStream,
+    peer: SocketAddr,
+    started: Instant,
+    aborted: Arc<AtomicBool>,
+}
+
+impl HandshakeAbort {
+    /// The address at the other end.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// When the connection was accepted.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Closes the connection: its handshake fails with [`Error::HandshakeShed`]. Nothing if it
+    /// is over already.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(Shutdown::Both);
     }
 }
 
@@ -270,7 +320,6 @@ struct Outbox {
 #[derive(Clone, Copy, Debug)]
 enum Broken {
     Gone,
-    Stalled,
 }
 
 impl TcpLink {
@@ -338,7 +387,7 @@ impl TcpLink {
             outbox = self.shared.drained.wait_timeout(outbox, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         match outbox.broken {
-            Some(Broken::Gone | Broken::Stalled) => Err(Error::PeerGone),
+            Some(Broken::Gone) => Err(Error::PeerGone),
             None => Ok(()),
         }
     }
@@ -379,10 +428,9 @@ impl TcpLink {
             if !outbox.flushing {
                 outbox.flushing = true;
                 let shared = self.shared.clone();
-                let stall = lock(&self.send_timeout).unwrap_or(DEFAULT_SEND_TIMEOUT);
                 std::thread::Builder::new()
                     .name("tq-tcp-flush".into())
-                    .spawn(move || shared.flush(stall))
+                    .spawn(move || shared.flush())
                     .map_err(|e| Error::os("spawning a TCP flusher", e))?;
             }
         }
@@ -451,7 +499,9 @@ impl TcpLink {
                 inbox.start = 0;
             }
             let filled = inbox.data.len();
-            let want = inbox.needed().max(READ_SIZE);
+            // Grown by what arrived, never by what a header claims: a record that says 16 MiB
+            // and sends one byte costs one read's worth. Doubling keeps large records cheap.
+            let want = READ_SIZE.max(inbox.needed().min(filled));
             inbox.data.resize(filled + want, 0);
             let read = (&self.shared.stream).read(&mut inbox.data[filled..]);
             inbox.data.truncate(filled + *read.as_ref().unwrap_or(&0));
@@ -537,27 +587,18 @@ impl Shared {
         Ok(())
     }
 
-    /// The flusher thread: writes the pending bytes as the socket takes them. A peer that takes
-    /// nothing for `stall` has the link shut down.
-    fn flush(&self, stall: Duration) {
-        let mut last_progress = Instant::now();
+    /// The flusher thread: writes the pending bytes as the socket takes them, however slowly:
+    /// a peer that reads slowly (a consumer busy between two `recv`s) only slows its sender.
+    /// A peer that is gone is seen by the socket (a reset, or the keepalive probes of
+    /// [`KEEPALIVE`] going unanswered), which ends the wait with an error.
+    fn flush(&self) {
         loop {
             let mut outbox = lock(&self.outbox);
-            let before = outbox.pending.len();
-            if self.write_pending(&mut outbox).is_err() || outbox.pending.is_empty() {
-                if outbox.close_after {
+            if self.write_pending(&mut outbox).is_err() || outbox.pending.is_empty() || outbox.broken.is_some() {
+                if outbox.close_after && outbox.broken.is_none() {
                     let _ = self.stream.shutdown(Shutdown::Write);
                 }
                 outbox.flushing = false;
-                self.drained.notify_all();
-                return;
-            }
-            if outbox.pending.len() < before {
-                last_progress = Instant::now();
-            } else if last_progress.elapsed() > stall {
-                outbox.broken = Some(Broken::Stalled);
-                outbox.flushing = false;
-                let _ = self.stream.shutdown(Shutdown::Both);
                 self.drained.notify_all();
                 return;
             }
@@ -586,7 +627,7 @@ impl Shared {
 impl From<Broken> for Error {
     fn from(broken: Broken) -> Error {
         match broken {
-            Broken::Gone | Broken::Stalled => Error::PeerGone,
+            Broken::Gone => Error::PeerGone,
         }
     }
 }
@@ -650,7 +691,9 @@ fn handshake(
         Stop::Gone => refused(hung_up),
         Stop::Os(e) => Error::os("the TCP handshake", e),
     };
-    const HUNG_UP: &str = "it hung up during the handshake";
+    // No secret is used before the answers: a hang-up there is not a secret's fault.
+    const HUNG_UP: &str = "it hung up during the greeting, before any secret was used (a listener shedding \
+                           handshakes under load, a connector that gave up, or another protocol)";
     let deadline = Some(deadline);
 
     let mut own = [0u8; NONCE_LEN];
@@ -675,26 +718,47 @@ fn handshake(
         secret
             .answer(side.peer_role(), &peer_nonce, &own)
             .verify_slice(answer)
-            .map_err(|_| refused("its answer to our challenge is wrong (a different secret, or a replay)"))
+            .map_err(|_| refused("its answer to our challenge is wrong (a different TQ_SECRET, or a replay)"))
     };
     let mut answer = [0u8; PROOF_LEN];
     let ours = secret.answer(side.role(), &own, &peer_nonce).finalize().into_bytes();
     match side {
         Side::Connector => {
             write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
-            read_exact_by(&stream, &mut answer, deadline)
-                .map_err(|stop| stopped(stop, "the listener hung up instead of answering: it refused our answer"))?;
+            read_exact_by(&stream, &mut answer, deadline).map_err(|stop| {
+                stopped(
+                    stop,
+                    "the listener hung up instead of answering: it refused our answer (do both sides hold \
+                     the same TQ_SECRET?), or dropped the handshake under load",
+                )
+            })?;
             check(&answer)?;
         }
         Side::Listener => {
-            read_exact_by(&stream, &mut answer, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+            read_exact_by(&stream, &mut answer, deadline)
+                .map_err(|stop| stopped(stop, "it hung up instead of answering our challenge"))?;
             check(&answer)?;
             write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
         }
     }
     stream.set_nonblocking(true).map_err(|e| Error::os("O_NONBLOCK on a TCP link", e))?;
+    keep_alive(&stream).map_err(|e| Error::os("TCP keepalive", std::io::Error::from(e)))?;
     let shared = Shared { stream, inbox: Mutex::default(), outbox: Mutex::default(), drained: Condvar::new() };
     Ok(TcpLink { shared: Arc::new(shared), peer, send_timeout: Mutex::new(Some(DEFAULT_SEND_TIMEOUT)) })
+}
+
+/// Keepalive on an authenticated link: (idle time, interval, unanswered probes). A host that
+/// vanished (powered off, cut off) is seen within about 25 s of silence; a peer that is alive
+/// answers the probes however slowly it reads, so nothing else ever cuts a slow peer.
+pub const KEEPALIVE: (Duration, Duration, u32) = (Duration::from_secs(10), Duration::from_secs(5), 3);
+
+fn keep_alive(stream: &TcpStream) -> rustix::io::Result<()> {
+    use rustix::net::sockopt;
+    let (idle, interval, count) = KEEPALIVE;
+    sockopt::set_socket_keepalive(stream, true)?;
+    sockopt::set_tcp_keepidle(stream, idle)?;
+    sockopt::set_tcp_keepintvl(stream, interval)?;
+    sockopt::set_tcp_keepcnt(stream, count)
 }
 
 /// Why a read or write by a deadline stopped.

@@ -345,7 +345,11 @@ impl Arena {
 
     fn new_chunk(&self, len: usize) -> Result<Arc<Chunk>> {
         let (memory, writable) = match &self.kind {
-            ArenaKind::Host { writable } => (ChunkMemory::Host(SharedMemory::create("tensor-queue", len)?), *writable),
+            // Chunks shared read-only are write-sealed: receivers cannot make them writable.
+            ArenaKind::Host { writable: false } => {
+                (ChunkMemory::Host(SharedMemory::create_write_sealed("tensor-queue", len)?), false)
+            }
+            ArenaKind::Host { writable: true } => (ChunkMemory::Host(SharedMemory::create("tensor-queue", len)?), true),
             ArenaKind::Device(context) => (ChunkMemory::Vmm(VmmAllocation::new(context, len)?), false),
         };
         let chunk = Chunk::with_access(memory, writable)?;

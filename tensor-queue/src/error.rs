@@ -107,6 +107,16 @@ pub enum Error {
         #[source]
         cause: Box<Error>,
     },
+    /// A sender left a message unfinished (it died or hung up in the middle of it, or sent
+    /// nothing more of it for [`crate::channel::UNFINISHED_IDLE`]): that message is lost. The
+    /// cause of an [`Error::ConnectionClosed`] in `Receiver::take_errors`.
+    #[error("a message was left unfinished after {received} bytes of it had come ({why}): it is lost")]
+    Unfinished {
+        /// The bytes of it that had come.
+        received: u64,
+        /// What happened.
+        why: String,
+    },
     /// A peer was refused at the handshake (by us, or by the peer: see [`Refusal`]).
     #[error("peer refused: {0}")]
     PeerRefused(Refusal),

@@ -984,6 +984,11 @@ impl Assembler {
         !self.parts.is_empty()
     }
 
+    /// The bytes of the unfinished frame held so far (what arrived, never what was claimed).
+    pub fn held(&self) -> usize {
+        self.parts.len()
+    }
+
     /// Takes one packet (and the descriptors that came with it): the frame it completes, if any.
     ///
     /// ```

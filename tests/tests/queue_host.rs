@@ -657,3 +657,105 @@ fn several_senders_of_one_process_are_told_apart() {
         assert_eq!(values.len(), 50);
     }
 }
+
+/// A receiver of the same user (root here, in CI) attacks the memory it was given read-only
+/// with its own system calls: changing the file's mode (which an ordinary user, the file's
+/// owner, may do too), reopening it for writing, mapping it writable, writing, punching holes,
+/// `mprotect`. Every one is refused, and the sender's tensors, the one sent and one that shares
+/// its chunk but was never sent, keep their bytes.
+#[test]
+fn a_receiver_cannot_make_read_only_host_memory_writable() {
+    let path = socket_path("attack-received");
+    let (mut child, mut lines) = hostile(&["attack-received", path.to_str().unwrap()]);
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let sender = Sender::<Tensor>::connect(&path).unwrap();
+    let sent = Tensor::from_slice(&[1u8; 4096], DType::U8, &[4096]).unwrap();
+    let never_sent = Tensor::from_slice(&[2u8; 4096], DType::U8, &[4096]).unwrap();
+    sender.send(&sent).unwrap();
+    let said: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(child.wait().unwrap().success(), "{said:?}");
+    assert!(said.iter().any(|l| l.starts_with("refused")), "the attacks ran: {said:?}");
+    assert!(!said.iter().any(|l| l.starts_with("wrote")), "a write got through: {said:?}");
+    assert_eq!(sent.to_vec::<u8>().unwrap(), [1u8; 4096], "the sent tensor is intact");
+    assert_eq!(never_sent.to_vec::<u8>().unwrap(), [2u8; 4096], "its chunk neighbour is intact");
+}
+
+/// `try_send` and `send_timeout` keep their promise whatever the message's size: with credits
+/// available, a message of 1 MiB of plain data (more than the socket holds) is taken at once
+/// while the receiver is not inside `recv`, and arrives whole.
+#[test]
+fn non_blocking_sends_of_large_messages_return_at_once() {
+    let path = socket_path("large-try-send");
+    let mut receiver = Receiver::<Vec<u8>>::bind(&path).unwrap();
+    let sender = Sender::<Vec<u8>>::connect(&path).unwrap();
+    sender.wait_ready(Duration::from_secs(10)).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    let sending = sender.clone();
+    std::thread::spawn(move || {
+        let tried = sending.try_send(&vec![1u8; 1 << 20]);
+        let timed = sending.send_timeout(&vec![2u8; 1 << 20], Duration::from_millis(100));
+        let _ = done.send((tried.is_ok(), timed.is_ok()));
+    });
+    let outcome = finished.recv_timeout(Duration::from_secs(10));
+    assert_eq!(outcome, Ok((true, true)), "try_send and send_timeout returned Ok at once (not blocked)");
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), vec![1u8; 1 << 20]);
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap(), vec![2u8; 1 << 20]);
+}
+
+/// Two processes that each send a large message to the other before receiving do not wait for
+/// each other (the other process is `tq-hostile exchange`).
+#[test]
+fn two_processes_that_each_send_first_do_not_deadlock() {
+    let (ours, theirs) = (socket_path("exchange-ours"), socket_path("exchange-theirs"));
+    let mut receiver = Receiver::<Vec<u8>>::bind(&ours).unwrap();
+    let (mut child, mut lines) = hostile(&["exchange", theirs.to_str().unwrap(), ours.to_str().unwrap()]);
+    assert_eq!(lines.next().unwrap().unwrap(), "listening");
+    let sender = Sender::<Vec<u8>>::connect(&theirs).unwrap();
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let sent = sender.send(&vec![4u8; 8 << 20]).is_ok();
+        let _ = done.send(sent);
+        sender
+    });
+    assert_eq!(finished.recv_timeout(Duration::from_secs(20)), Ok(true), "our send returned");
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(30)).unwrap(), vec![3u8; 8 << 20]);
+    let said: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(said.contains(&format!("received {}", 8 << 20)), "{said:?}");
+    assert!(child.wait().unwrap().success(), "{said:?}");
+}
+
+/// A receiver that runs out of descriptors while a new chunk's descriptor is on its way does not
+/// lose the message whose `send` returned `Ok`: it is refused alone, on both sides, with a text
+/// that names the limit, and the connection goes on.
+#[test]
+fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
+    let path = socket_path("fd-starved");
+    let (mut child, mut lines) = hostile(&["fd-starved", path.to_str().unwrap()]);
+    let mut next = || lines.next().expect("a line").expect("a line");
+    assert_eq!(next(), "listening");
+    let sender = Sender::<Tensor>::connect(&path).unwrap();
+    sender.send(&Tensor::zeros(DType::U8, &[16]).unwrap()).unwrap();
+    assert_eq!(next(), "got 16");
+    assert_eq!(next(), "starved");
+    // A new sender is told at once, not left waiting in the backlog.
+    let newcomer = Sender::<Tensor>::connect(&path).unwrap();
+    match newcomer.wait_ready(Duration::from_secs(20)) {
+        Err(Error::PeerRefused(Refusal::ByPeer(why))) => assert!(why.contains("descriptors"), "{why}"),
+        other => panic!("expected a refusal that names the cause, got {other:?}"),
+    }
+    // 65 MiB: a chunk of its own, whose descriptor cannot fit the receiver's table.
+    let big = Tensor::zeros(DType::U8, &[65 << 20]).unwrap();
+    sender.send(&big).expect("the send is taken");
+    let said = next();
+    assert!(said.starts_with("rejected") && said.contains("open files"), "refused with why: {said}");
+    let mut rejected = Vec::new();
+    wait_until("the sender hears of the refusal", || {
+        rejected.extend(sender.take_rejected());
+        !rejected.is_empty()
+    });
+    assert!(rejected[0].reason.contains("open files"), "{:?}", rejected[0].reason);
+    sender.send(&Tensor::zeros(DType::U8, &[32]).unwrap()).expect("the connection goes on");
+    assert_eq!(next(), "got 32");
+    assert_eq!(next(), "done");
+    assert!(child.wait().unwrap().success());
+}

@@ -1539,3 +1539,162 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
     assert!(first.is_ok(), "{first:?}");
     assert_eq!(messages, 2, "both messages arrived");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hostile and careless peers (issue 22): the hostile side is `tq-hostile`, a program of its own.
+
+/// Starts `tq-hostile <args>` with `TQ_SECRET` set to `secret` (or unset).
+fn hostile(args: &[&str], secret: Option<&str>) -> Peer {
+    let mut command = Command::new(bin_path("tq-hostile").expect("tq-hostile is built"));
+    command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    match secret {
+        Some(secret) => command.env(SECRET_ENV, secret),
+        None => command.env_remove(SECRET_ENV),
+    };
+    let mut child = command.spawn().expect("starting tq-hostile");
+    let stdin = child.stdin.take();
+    let tag = format!("tq-hostile {} {}", args.first().unwrap_or(&""), child.id());
+    let lines = integration_tests::stdout_lines(&mut child, Some(tag));
+    Peer { child, lines, stdin, seen: Vec::new() }
+}
+
+/// Errors the receiver reports until `enough` holds of them (10 s at most), while it serves.
+fn reported_until(receiver: &mut Receiver<Probe>, enough: impl Fn(&[Error]) -> bool) -> Vec<Error> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut reported = Vec::new();
+    while !enough(&reported) && Instant::now() < deadline {
+        let _ = receiver.recv_timeout(Duration::from_millis(50));
+        reported.extend(receiver.take_errors());
+    }
+    reported
+}
+
+/// Hundreds of silent connections, from the honest sender's own address, cannot keep it out:
+/// the oldest unfinished handshakes make room for new ones, and each one dropped is reported,
+/// not blamed on the secret.
+#[test]
+fn silent_connections_cannot_lock_out_an_honest_sender() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let mut silent = hostile(&["silent-tcp", &endpoint, "300"], None);
+    silent.expect("ready", Duration::from_secs(30));
+    let sender = connect::<Probe>(&endpoint, KEY).expect("the honest sender is let in");
+    sender.send(&make_probe(5, 5, 10).unwrap()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 5);
+    let reported = reported_until(&mut receiver, |errors| {
+        errors.iter().any(|e| matches!(e, Error::Core(ipc_core::Error::HandshakeShed { .. })))
+    });
+    assert!(
+        reported.iter().any(|e| matches!(e, Error::Core(ipc_core::Error::HandshakeShed { .. }))),
+        "dropped handshakes are reported: {reported:?}"
+    );
+    assert!(!reported.iter().any(|e| e.to_string().contains("TQ_SECRET")), "nobody blames the secret: {reported:?}");
+    silent.close_stdin();
+}
+
+/// A consumer that spends longer than any timeout of the link (35 s) between two `recv`s, while
+/// its sender has more queued than the sockets hold, only slows that sender: every message
+/// arrives intact afterwards, and neither side is cut or reports anything.
+#[test]
+fn a_slow_tcp_consumer_only_slows_its_sender() {
+    let (mut consumer, endpoint) = Peer::receiver(&["--idle"]);
+    let sender = Arc::new(connect::<Probe>(&endpoint, KEY).unwrap());
+    let sending = {
+        let sender = sender.clone();
+        std::thread::spawn(move || -> tensor_queue::Result<()> {
+            for i in 0..6 {
+                sender.send(&make_probe(i, i, 8 << 20).expect("a probe"))?;
+            }
+            Ok(())
+        })
+    };
+    std::thread::sleep(Duration::from_secs(35));
+    assert!(sender.is_connected(), "the sender was cut from a slow consumer");
+    consumer.tell("read 6");
+    let got = consumer.got(6, Duration::from_secs(60));
+    assert!(got.iter().all(|line| parse_got(line).1), "{got:?}");
+    sending.join().unwrap().expect("every send succeeds");
+    sender.send(&make_probe(9, 9, 100).unwrap()).unwrap();
+    consumer.tell("read 1");
+    assert_eq!(parse_got(&consumer.expect("got", Duration::from_secs(30))).0, 9);
+    assert!(!consumer.drain().iter().any(|l| l.starts_with("recv-error")), "{:?}", consumer.seen);
+}
+
+/// Resident memory of process `pid`, in bytes.
+fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("its status");
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
+    line.split_whitespace().nth(1).and_then(|kib| kib.parse::<u64>().ok()).expect("a size") << 10
+}
+
+/// Record headers that claim the largest record and then send one byte cost the receiver what
+/// arrived, not what they claimed: 32 such peers (16 MiB each, 512 MiB claimed) leave the
+/// receiver process's memory near where it was, and it goes on serving.
+#[test]
+fn record_headers_that_claim_much_and_send_little_cost_what_arrived() {
+    let (mut consumer, endpoint) = Peer::receiver(&[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let before = rss_of(consumer.id());
+    let mut claims = hostile(&["claim-tcp", &endpoint, "32"], Some(KEY));
+    claims.expect("ready", Duration::from_secs(60));
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    sender.send(&make_probe(1, 1, 1000).unwrap()).unwrap();
+    let (id, ok, _, _) = parse_got(&consumer.expect("got", Duration::from_secs(30)));
+    assert_eq!((id, ok), (1, true), "the receiver goes on serving");
+    let grown = rss_of(consumer.id()).saturating_sub(before);
+    assert!(grown < 128 << 20, "the receiver grew by {} MiB for 32 one-byte records", grown >> 20);
+    claims.close_stdin();
+}
+
+/// A sender that sends the parts of a frame and never its end, then stays connected and
+/// silent, loses its connection once nothing more came for `UNFINISHED_IDLE`, and the receiver
+/// reports the unfinished message (memory held by an unfinished frame does not outlive it).
+#[test]
+fn an_unfinished_frame_does_not_outlive_its_idle_bound() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let mut parts = hostile(&["parts-tcp", &endpoint, "20"], Some(KEY));
+    let deadline = Instant::now() + tensor_queue::channel::UNFINISHED_IDLE + Duration::from_secs(30);
+    let mut reported = Vec::new();
+    while Instant::now() < deadline && !reported.iter().any(is_unfinished) {
+        let _ = receiver.recv_timeout(Duration::from_millis(200));
+        reported.extend(receiver.take_errors());
+    }
+    assert!(
+        reported.iter().any(is_unfinished),
+        "the idle unfinished frame is given up and reported: {reported:?}; the sender said {:?}",
+        parts.drain()
+    );
+    let said = parts.drain().to_vec();
+    assert!(said.iter().any(|l| l == "ready"), "it sent its parts and stays: {said:?}");
+    let idle =
+        |e: &Error| matches!(e, Error::ConnectionClosed { cause, .. } if cause.to_string().contains("nothing more"));
+    assert!(reported.iter().any(idle), "given up for idleness, not a hang-up: {reported:?}");
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    sender.send(&make_probe(3, 3, 1000).unwrap()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 3, "others are served");
+    parts.close_stdin();
+}
+
+fn is_unfinished(error: &Error) -> bool {
+    matches!(error, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Unfinished { .. }))
+}
+
+/// A sender killed in the middle of a message leaves an entry in the receiver's `take_errors`:
+/// the receiver can tell a death mid-message from a clean goodbye (issue 21, item 3).
+#[test]
+fn a_tcp_sender_killed_mid_message_is_reported() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let mut doomed = hostile(&["mid-message-tcp", &endpoint], Some(KEY));
+    doomed.expect("ready", Duration::from_secs(60));
+    // Read up to the middle of the message before the kill.
+    let _ = receiver.recv_timeout(Duration::from_millis(500));
+    doomed.kill();
+    let reported = reported_until(&mut receiver, |errors| errors.iter().any(is_unfinished));
+    assert!(reported.iter().any(is_unfinished), "the lost message is reported: {reported:?}");
+    // A clean goodbye reports nothing.
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    sender.send(&make_probe(4, 4, 1000).unwrap()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 4);
+    drop(sender);
+    assert!(matches!(receiver.recv_timeout(Duration::from_secs(10)), Err(Error::Disconnected)));
+    assert!(receiver.take_errors().is_empty(), "a clean goodbye is not a loss");
+}

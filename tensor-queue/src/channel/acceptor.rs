@@ -3,18 +3,23 @@
 //! `recv` polls with its connections).
 //!
 //! Over TCP each handshake runs on a thread of its own, bounded by the handshake timeout: a
-//! connector that says nothing, or the wrong thing, delays no other.
+//! connector that says nothing, or the wrong thing, delays no other. At most
+//! [`MAX_HANDSHAKES_PER_SOURCE`] run at once for one address and [`MAX_HANDSHAKES`] in all; a new
+//! connection beyond either bound makes room by dropping the oldest handshake under way (of its
+//! address, or of all), which is reported (`ipc_core::Error::HandshakeShed`, in `take_errors`).
+//! So silent connections cannot keep an honest sender out: its handshake takes a round trip,
+//! theirs never end, so theirs are the oldest; and one address cannot take more than its share.
 
 use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ipc_core::seqpacket::{Connection, Listener};
-use ipc_core::tcp::{Secret, TcpListener};
+use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener};
 
 use super::link::Link;
 use super::lock;
@@ -22,8 +27,46 @@ use super::receiver::ReceiverOptions;
 use crate::wire::Frame;
 use crate::{Error, Result};
 
-/// Handshakes over TCP that may run at once; connectors beyond are closed at once.
+/// Handshakes over TCP that may run at once; a connector beyond makes room by dropping the oldest.
 const MAX_HANDSHAKES: usize = 64;
+/// Handshakes over TCP from one address that may run at once; beyond, its oldest is dropped.
+const MAX_HANDSHAKES_PER_SOURCE: usize = 16;
+
+/// The handshakes under way, oldest first.
+#[derive(Default)]
+struct Handshakes {
+    running: Vec<(u64, HandshakeAbort)>,
+    next: u64,
+}
+
+impl Handshakes {
+    /// Makes room for a handshake from `source` (dropping the oldest beyond a bound) and
+    /// records it; its number, for [`Handshakes::finished`].
+    fn admit(&mut self, abort: HandshakeAbort) -> u64 {
+        let source = abort.peer_addr().ip();
+        let same: Vec<usize> =
+            (0..self.running.len()).filter(|&i| self.running[i].1.peer_addr().ip() == source).collect();
+        let oldest = if same.len() >= MAX_HANDSHAKES_PER_SOURCE {
+            same.first().copied()
+        } else if self.running.len() >= MAX_HANDSHAKES {
+            Some(0)
+        } else {
+            None
+        };
+        if let Some(at) = oldest {
+            let (_, dropped) = self.running.remove(at);
+            tracing::warn!(peer = %dropped.peer_addr(), "too many handshakes at once; dropped the oldest");
+            dropped.abort();
+        }
+        self.next += 1;
+        self.running.push((self.next, abort));
+        self.next
+    }
+
+    fn finished(&mut self, id: u64) {
+        self.running.retain(|(i, _)| *i != id);
+    }
+}
 
 /// What a receiver listens on.
 pub(super) enum Listening {
@@ -57,7 +100,10 @@ impl Acceptor {
         let listening = Arc::new(listening);
         let handed = Arc::new(Mutex::new(Handed::default()));
         let (stop, listener, handing) = (closed.clone(), listening.clone(), handed.clone());
-        let handshakes = Arc::new(AtomicUsize::new(0));
+        let handshakes = Arc::new(Mutex::new(Handshakes::default()));
+        // One descriptor held in reserve: when the table is full, it makes room to accept a
+        // connector and tell it why, instead of leaving it to wait in the backlog.
+        let mut spare = std::fs::File::open("/dev/null").ok();
         let thread = std::thread::Builder::new()
             .name("tq-accept".into())
             .spawn(move || {
@@ -74,11 +120,11 @@ impl Acceptor {
                             Some(Link::new(Box::new(connection)))
                         }),
                         Listening::Tcp(tcp, secret) => tcp.accept_unverified(wait).map(|unverified| {
-                            if handshakes.load(Ordering::Acquire) >= MAX_HANDSHAKES {
-                                tracing::warn!(peer = %unverified.peer_addr(), "too many handshakes at once; closed");
-                                return None;
-                            }
-                            handshakes.fetch_add(1, Ordering::AcqRel);
+                            let abort = match unverified.abort_handle() {
+                                Ok(abort) => abort,
+                                Err(error) => return Some(Err(error.into())),
+                            };
+                            let id = lock(&handshakes).admit(abort);
                             let (secret, options, handing, bell, running) =
                                 (secret.clone(), options.clone(), handing.clone(), bell.clone(), handshakes.clone());
                             let spawned = std::thread::Builder::new().name("tq-handshake".into()).spawn(move || {
@@ -86,11 +132,12 @@ impl Acceptor {
                                     .verify(&secret)
                                     .map_err(Error::from)
                                     .and_then(|link| Link::new(Box::new(link)));
+                                lock(&running).finished(id);
                                 hand_over(outcome, &options, &handing, &bell);
-                                running.fetch_sub(1, Ordering::AcqRel);
                             });
-                            if spawned.is_err() {
-                                handshakes.fetch_sub(1, Ordering::AcqRel);
+                            if let Err(error) = spawned {
+                                lock(&handshakes).finished(id);
+                                return Some(Err(Error::Protocol(format!("spawning a handshake thread: {error}"))));
                             }
                             None
                         }),
@@ -104,6 +151,13 @@ impl Acceptor {
                         Ok(None) => {}
                         Err(ipc_core::Error::Os { source, .. }) if source.kind() == ErrorKind::TimedOut => {}
                         Err(_) if stop.load(Ordering::Acquire) => return,
+                        Err(ipc_core::Error::Os { source, .. })
+                            if source.raw_os_error().is_some_and(is_table_full) && spare.is_some() =>
+                        {
+                            drop(spare.take());
+                            turn_away(&listener);
+                            spare = std::fs::File::open("/dev/null").ok();
+                        }
                         Err(error) => {
                             tracing::warn!(%error, "accept failed");
                             std::thread::sleep(Duration::from_millis(10));
@@ -141,6 +195,29 @@ impl Acceptor {
             let _ = thread.join();
         }
     }
+}
+
+/// Whether an `accept` error says the descriptor table (this process's or the system's) is full.
+fn is_table_full(errno: i32) -> bool {
+    errno == rustix::io::Errno::MFILE.raw_os_error() || errno == rustix::io::Errno::NFILE.raw_os_error()
+}
+
+/// Accepts the next connector with the descriptor just freed and tells it that this process is
+/// out of descriptors (a Unix sender hears it as `Error::PeerRefused`); a TCP connector is
+/// closed before its handshake. Either way it does not wait in the backlog.
+fn turn_away(listening: &Listening) {
+    const WHY: &str = "the receiver has used up its descriptors (open files): it cannot take a new connection now; \
+                       raise its limit (`ulimit -n`) or close descriptors";
+    match listening {
+        Listening::Unix(unix) => {
+            if let Ok(connection) = unix.accept(Some(Duration::ZERO)) {
+                let close = Frame::Close { read_up_to: 0, reason: WHY.into() };
+                let _ = connection.try_send(&close.encode(), &[]);
+            }
+        }
+        Listening::Tcp(tcp, _) => drop(tcp.accept_unverified(Some(Duration::ZERO))),
+    }
+    tracing::warn!("{WHY}");
 }
 
 /// Greets a checked connection and hands it to `recv`, or records why it was refused; rings

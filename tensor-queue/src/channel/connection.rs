@@ -190,6 +190,8 @@ pub(super) struct Connected {
     last_seq: u64,
     /// For a sender on another host: its bytes and communicators.
     remote: Remote,
+    /// When a packet last came: an unfinished message idle past `UNFINISHED_IDLE` is given up.
+    last_packet: std::time::Instant,
 }
 
 impl Drop for Connected {
@@ -212,7 +214,24 @@ impl Connected {
             taken: 0,
             last_seq: 0,
             remote: Remote::default(),
+            last_packet: std::time::Instant::now(),
         }
+    }
+
+    /// The bytes of an unfinished message held for this sender (0: none is under way).
+    pub fn unfinished(&self) -> usize {
+        self.assembler.held() + self.remote.unfinished()
+    }
+
+    /// When the unfinished message held for this sender is given up if nothing more comes.
+    pub fn unfinished_deadline(&self) -> Option<std::time::Instant> {
+        (self.unfinished() > 0).then(|| self.last_packet + super::UNFINISHED_IDLE)
+    }
+
+    /// Why the connection ends with a message lost, if one was under way.
+    pub fn lost(&self, why: &str) -> Option<Error> {
+        let received = self.unfinished() as u64;
+        (received > 0).then(|| Error::Unfinished { received, why: why.into() })
     }
 
     /// The receiver is being dropped: the NCCL workers of a sender on another host give up now
@@ -251,12 +270,18 @@ impl Connected {
     /// Reads the next packet if one is waiting and does what it says. An error closes the
     /// connection.
     pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Progress> {
-        let (frame, mut fds) = match self.peer.link.try_recv(&mut self.assembler, buf)? {
+        let held = self.assembler.held();
+        let (read, fds_lost) = self.peer.link.try_recv(&mut self.assembler, buf)?;
+        let (frame, mut fds) = match read {
             Read::Frame(frame, fds) => (frame, fds),
-            Read::Nothing if self.assembler.is_joining() => return Ok(Progress::Handled),
+            Read::Nothing if self.assembler.held() > held => {
+                self.last_packet = std::time::Instant::now();
+                return Ok(Progress::Handled);
+            }
             Read::Nothing => return Ok(Progress::Idle),
             Read::HungUp => return Ok(Progress::HungUp),
         };
+        self.last_packet = std::time::Instant::now();
         let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
             let instance = self.peer.link.check_hello(frame)?.instance;
@@ -275,7 +300,13 @@ impl Connected {
             }
             Frame::Chunk { id, len, kind, device, legacy, .. } => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
-                match import(self.pid(), instance, announced, |uuid| devices.context(uuid)) {
+                // A descriptor the kernel dropped (our table was full) makes the chunk unusable,
+                // not the connection: the messages that use it are refused, and say why.
+                let imported = match fds_lost {
+                    Some(lost) => Err(lost),
+                    None => import(self.pid(), instance, announced, |uuid| devices.context(uuid)),
+                };
+                match imported {
                     Ok(chunk) => {
                         self.refused.remove(&id);
                         self.chunks.insert(id, chunk);

@@ -10,14 +10,15 @@
 //! never stop the thread that reads the peer's frames, or two honest processes that write to
 //! each other at once wait for each other forever.
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::collections::VecDeque;
+use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use ipc_core::HostId;
 use ipc_core::transport::{Packets, Peer};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
-use rustix::io::Errno;
 
 use crate::route::{Reach, Routing};
 use crate::wire::{self, Assembler, Frame, MAX_MESSAGE_BYTES, MAX_PACKET};
@@ -35,12 +36,30 @@ pub(crate) enum Read {
 
 /// A connected socket and who is at the other end.
 pub(crate) struct Link {
-    connection: Box<dyn Packets>,
+    connection: Arc<dyn Packets>,
+    /// Packets taken and not yet written (see [`Link::send`]).
+    outbox: Arc<Mutex<Outbox>>,
+    /// Signalled when the outbox empties or breaks.
+    drained: Arc<Condvar>,
     /// The peer's process id: as the kernel recorded it at connect time, or for a peer on
     /// another host as its `Hello` said (0 until then).
     peer_pid: AtomicU32,
     /// Whether the peer is across a TCP link: it shares no memory, handle or descriptor with us.
     pub remote: bool,
+}
+
+/// Packets of frames a send took that the socket had no room for yet: written in order by a
+/// writer thread of the link, before any later frame. What a sender queues here is bounded by
+/// its credits (messages the receiver agreed to take) and the announcements they need.
+#[derive(Default)]
+struct Outbox {
+    queue: VecDeque<(Vec<u8>, Vec<OwnedFd>)>,
+    /// Whether a writer thread is writing the queue.
+    writing: bool,
+    /// The peer was found gone while writing: later sends fail.
+    broken: bool,
+    /// A shutdown of the writing direction asked for while packets were queued.
+    close_after: Option<rustix::net::Shutdown>,
 }
 
 /// A random number drawn once per process: with the pid it names this process for good.
@@ -60,7 +79,13 @@ impl Link {
             Some(pid) => (pid, false),
             None => (0, true),
         };
-        Ok(Link { connection, peer_pid: AtomicU32::new(pid), remote })
+        Ok(Link {
+            connection: Arc::from(connection),
+            outbox: Arc::default(),
+            drained: Arc::default(),
+            peer_pid: AtomicU32::new(pid),
+            remote,
+        })
     }
 
     /// The peer's pid if it is local and runs as this user; `None` for a remote peer.
@@ -82,37 +107,90 @@ impl Link {
         self.peer_pid.load(Ordering::Relaxed)
     }
 
-    /// Sends `frame`, waiting while the socket is full. The wait before the first packet ends at
-    /// `deadline` with [`Error::Timeout`] (nothing sent); once a frame of several parts has begun
-    /// it is finished, since a cut frame would break the connection for good.
-    pub fn send(&self, frame: &Frame, fds: &[BorrowedFd<'_>], deadline: Option<Instant>) -> Result<()> {
+    /// Sends `frame` without waiting for the peer to read: what the socket has no room for is
+    /// queued and written by the link's writer thread, in order, before any later frame. So a
+    /// send never waits for the receiver (its credits are what bounds a sender, not the
+    /// socket), and two processes that each send a large message to the other before
+    /// receiving do not wait for each other. [`Error::Disconnected`] once the peer is gone.
+    pub fn send(&self, frame: &Frame, fds: &[BorrowedFd<'_>]) -> Result<()> {
         let bytes = frame.encode();
         if bytes.len() > MAX_MESSAGE_BYTES {
             return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
         }
-        for (index, packet) in wire::packets(&bytes).iter().enumerate() {
-            let fds = if index == 0 { fds } else { &[] };
-            while !self.connection.try_send(packet, fds).map_err(peer_gone)? {
-                self.wait_writable(if index == 0 { deadline } else { None })?;
+        let packets = wire::packets(&bytes);
+        let mut out = lock(&self.outbox);
+        if out.broken {
+            return Err(Error::Disconnected);
+        }
+        let mut first_unsent = 0;
+        if out.queue.is_empty() && !out.writing {
+            while first_unsent < packets.len() {
+                let fds = if first_unsent == 0 { fds } else { &[] };
+                if !self.connection.try_send(&packets[first_unsent], fds).map_err(peer_gone)? {
+                    break;
+                }
+                first_unsent += 1;
             }
+        }
+        if first_unsent == packets.len() {
+            return Ok(());
+        }
+        for (index, packet) in packets.iter().enumerate().skip(first_unsent) {
+            let owned =
+                match index {
+                    0 => fds.iter().map(|fd| fd.try_clone_to_owned()).collect::<std::io::Result<Vec<_>>>().map_err(
+                        |e| ipc_core::Error::Os { what: "duplicating a descriptor to send later", source: e },
+                    )?,
+                    _ => Vec::new(),
+                };
+            out.queue.push_back((packet.to_vec(), owned));
+        }
+        if !out.writing {
+            out.writing = true;
+            let (connection, outbox, drained) = (self.connection.clone(), self.outbox.clone(), self.drained.clone());
+            std::thread::Builder::new()
+                .name("tq-link-writer".into())
+                .spawn(move || write_queued(&*connection, &outbox, &drained))
+                .map_err(|e| Error::Protocol(format!("spawning a link writer: {e}")))?;
         }
         Ok(())
     }
 
-    /// Sends a small frame if the socket has room now: `Ok(false)` when it is full (nothing sent).
+    /// Sends a small frame if the socket has room now and nothing is queued before it:
+    /// `Ok(false)` otherwise (nothing sent).
     pub fn try_send(&self, frame: &Frame) -> Result<bool> {
         let bytes = frame.encode();
         if bytes.len() > MAX_PACKET {
             return Err(Error::Invalid(format!("a {}-byte control frame", bytes.len())));
         }
+        let out = lock(&self.outbox);
+        if out.broken {
+            return Err(Error::Disconnected);
+        }
+        if !out.queue.is_empty() || out.writing {
+            return Ok(false);
+        }
         self.connection.try_send(&bytes, &[]).map_err(peer_gone)
     }
 
-    /// Reads the next packet if one is waiting, without sleeping.
-    pub fn try_recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read> {
-        match self.connection.try_recv(buf)? {
-            Some((n, fds)) => self.join(assembler, &buf[..n], fds),
-            None => Ok(Read::Nothing),
+    /// Waits until every queued packet is written, or the peer is gone.
+    pub fn wait_written(&self) {
+        let out = lock(&self.outbox);
+        drop(self.drained.wait_while(out, |out| out.writing && !out.broken).unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Reads the next packet if one is waiting, without sleeping. A packet whose descriptors
+    /// the kernel dropped (this process had no room for them) is still read: the error that
+    /// says so comes back beside it, for the frame to be refused alone rather than the whole
+    /// connection lost.
+    pub fn try_recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<(Read, Option<Error>)> {
+        match self.connection.try_recv(buf) {
+            Ok(Some((n, fds))) => Ok((self.join(assembler, &buf[..n], fds)?, None)),
+            Ok(None) => Ok((Read::Nothing, None)),
+            Err(error @ ipc_core::Error::DescriptorTableFull { received, .. }) if received > 0 => {
+                Ok((self.join(assembler, &buf[..received], Vec::new())?, Some(error.into())))
+            }
+            Err(error) => Err(error.into()),
         }
     }
 
@@ -133,32 +211,15 @@ impl Link {
         }
     }
 
-    /// Sleeps until the socket has room, or `deadline` passes.
-    fn wait_writable(&self, deadline: Option<Instant>) -> Result<()> {
-        let mut fds = [PollFd::new(&self.connection, PollFlags::OUT)];
-        loop {
-            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if left.is_some_and(|left| left.is_zero()) {
-                return Err(Error::Timeout);
-            }
-            // The socket may have room while an earlier packet still holds up the next one.
-            if self.connection.wait_sent(left.unwrap_or(Duration::from_secs(3600))) {
-                return Ok(());
-            }
-            let timespec = left.map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
-            match poll(&mut fds, timespec.as_ref()) {
-                Ok(0) | Err(Errno::INTR) => continue,
-                Ok(_) if fds[0].revents().intersects(PollFlags::ERR | PollFlags::HUP) => {
-                    return Err(Error::Disconnected);
-                }
-                Ok(_) => return Ok(()),
-                Err(errno) => return Err(ipc_core::Error::Os { what: "poll", source: errno.into() }.into()),
-            }
-        }
-    }
-
-    /// Shuts down one or both directions.
+    /// Shuts down one or both directions. The writing direction of a link with packets queued
+    /// closes once they are written.
     pub fn shutdown(&self, how: rustix::net::Shutdown) {
+        let mut out = lock(&self.outbox);
+        if how == rustix::net::Shutdown::Write && out.writing {
+            out.close_after = Some(how);
+            return;
+        }
+        drop(out);
         self.connection.shutdown(how);
     }
 
@@ -196,7 +257,7 @@ impl Link {
             reach: reach.clone(),
             routing: routing.clone(),
         };
-        self.send(&hello, &[], None)
+        self.send(&hello, &[])
     }
 
     /// Checks the peer's `Hello` (same protocol, checked by decoding, and, over a Unix socket, the
@@ -227,6 +288,51 @@ pub(crate) struct Greeting {
     pub reach: Reach,
     /// From a receiver: its routing policy.
     pub routing: Routing,
+}
+
+/// The link's writer thread: writes the queued packets as the socket takes them, however
+/// slowly the peer reads, until the queue is empty or the peer is gone.
+fn write_queued(connection: &dyn Packets, outbox: &Mutex<Outbox>, drained: &Condvar) {
+    let mut fds = [PollFd::from_borrowed_fd(connection.as_fd(), PollFlags::OUT)];
+    loop {
+        let mut out = lock(outbox);
+        let written = match out.queue.front() {
+            None => {
+                out.writing = false;
+                if let Some(how) = out.close_after.take() {
+                    connection.shutdown(how);
+                }
+                drained.notify_all();
+                return;
+            }
+            Some((packet, owned)) => {
+                let borrowed: Vec<BorrowedFd<'_>> = owned.iter().map(|fd| fd.as_fd()).collect();
+                connection.try_send(packet, &borrowed)
+            }
+        };
+        match written {
+            Ok(true) => drop(out.queue.pop_front()),
+            Ok(false) => {
+                drop(out);
+                // The socket may have room while an earlier packet still holds up the next one.
+                if !connection.wait_sent(Duration::from_millis(100)) {
+                    let _ = poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 100_000_000 }));
+                }
+            }
+            Err(error) => {
+                tracing::debug!(%error, "the peer is gone; dropping what was queued for it");
+                out.queue.clear();
+                out.broken = true;
+                out.writing = false;
+                drained.notify_all();
+                return;
+            }
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A write to a peer that is gone is [`Error::Disconnected`], whatever the socket said.

@@ -96,8 +96,10 @@
 //! peer's messages. Sharing is by chunk, not by tensor: a receiver maps the whole chunk (64 MiB of
 //! an arena, or the user's buffer) that a tensor lies in, and so can read other tensors of this
 //! process in that chunk, including ones sent to other receivers. Host chunks are shared read-only
-//! (the receiver gets a read-only descriptor of a sealed file it cannot shrink or reopen for
-//! writing), except those made for writing ([`Tensor::zeros_writable`](crate::Tensor::zeros_writable)).
+//! (the receiver gets a read-only descriptor of a file sealed against shrinking and against every
+//! new writable mapping and write, `F_SEAL_FUTURE_WRITE`: neither changing its mode, nor reopening
+//! it for writing, nor root's rights make it writable), except those made for writing
+//! ([`Tensor::zeros_writable`](crate::Tensor::zeros_writable)).
 //! GPU memory is mapped read-write: CUDA IPC has no read-only import of a legacy handle, and a
 //! receiver's kernels may write a received tensor. Put data that one receiver must not see in a
 //! process of its own.
@@ -152,6 +154,15 @@ pub use sender::{Rejection, Sender};
 /// # Ok(()) }
 /// ```
 pub const DEFAULT_CAPACITY: u32 = 16;
+
+/// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
+/// of a message over TCP) while nothing more of it comes: then the connection is closed and the
+/// loss reported (`Receiver::take_errors`, [`crate::Error::Unfinished`]). The memory a sender can
+/// hold in a receiver is what it sent, never what it claimed: one frame's parts (at most
+/// [`crate::wire::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most
+/// [`crate::wire::MAX_INLINE_BYTES`]) and one TCP record (grown as its bytes arrive), and no
+/// longer than this without a new byte.
+pub const UNFINISHED_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The environment variable through which [`spawn`] tells a child the number of the inherited
 /// descriptor that is its end of the channel.

@@ -732,8 +732,18 @@ impl<T: DeserializeOwned> Receiver<T> {
             for connected in &self.connected {
                 fds.push(PollFd::from_borrowed_fd(connected.peer.link.fd(), PollFlags::IN));
             }
-            let timespec = wait.map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
+            // An unfinished message is given up once idle too long: the wait ends by then.
+            let give_up = self.connected.iter().filter_map(Connected::unfinished_deadline).min();
+            let until_give_up = give_up.map(|at| at.saturating_duration_since(Instant::now()));
+            let capped = until_give_up.filter(|&left| wait.is_none_or(|wait| left < wait));
+            let timespec =
+                capped.or(wait).map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
             match poll(&mut fds, timespec.as_ref()) {
+                Ok(0) if capped.is_some() => {
+                    drop(fds);
+                    self.give_up_idle();
+                    return Ok(true);
+                }
                 Ok(0) => return Ok(false),
                 Ok(_) => {}
                 Err(Errno::INTR) => return Ok(true),
@@ -751,10 +761,31 @@ impl<T: DeserializeOwned> Receiver<T> {
             (listener_ready, readable)
         };
         self.read_connections(readable);
+        self.give_up_idle();
         if listener_ready {
             self.accept_waiting()?;
         }
         Ok(true)
+    }
+
+    /// Closes the connections whose unfinished message got no new byte for `UNFINISHED_IDLE`
+    /// (what they hold goes), and reports each.
+    fn give_up_idle(&mut self) {
+        let now = Instant::now();
+        let mut at = 0;
+        while at < self.connected.len() {
+            let connected = &self.connected[at];
+            if connected.unfinished_deadline().is_none_or(|deadline| deadline > now) {
+                at += 1;
+                continue;
+            }
+            let why = format!("nothing more of it came for {:?}", super::UNFINISHED_IDLE);
+            let lost = connected.lost(&why).unwrap_or(Error::Protocol(why));
+            tracing::warn!(pid = connected.pid(), %lost, "closing a connection");
+            connected.close(format!("the receiver closed the connection: {lost}"));
+            self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
+            self.connected.remove(at);
+        }
     }
 
     /// Reads the next frame, if one is waiting, of each of these connections; closes those that
@@ -779,7 +810,14 @@ impl<T: DeserializeOwned> Receiver<T> {
                     }
                     self.arrivals.push_back(arrival);
                 }
-                Ok(Progress::HungUp) => closed.push(index),
+                Ok(Progress::HungUp) => {
+                    // A sender that left in the middle of a message lost it: say so, so that a
+                    // death is not taken for a clean goodbye.
+                    if let Some(lost) = connected.lost("the sender hung up or died in the middle of it") {
+                        self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
+                    }
+                    closed.push(index);
+                }
                 Err(error) => {
                     tracing::warn!(pid = connected.pid(), %error, "closing a connection");
                     connected.close(format!("the receiver closed the connection: {error}"));

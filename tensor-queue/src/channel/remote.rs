@@ -123,6 +123,11 @@ pub(super) struct Received {
 
 impl Remote {
     /// Appends bytes of the next message's host tensors.
+    /// Bytes of host tensors held for a message whose frame has not come yet.
+    pub fn unfinished(&self) -> usize {
+        self.bytes.len()
+    }
+
     pub fn bytes(&mut self, data: Vec<u8>) -> Result<()> {
         if (self.bytes.len() + data.len()) as u64 > MAX_INLINE_BYTES {
             return Err(Error::Protocol(format!("more than {MAX_INLINE_BYTES} bytes of host tensors for one message")));

@@ -124,9 +124,10 @@ impl RetireListener for SenderInner {
 ///
 /// `Sender` is cheap to clone: clones share the connection, and threads may share one. Dropping
 /// the last clone closes the sending direction; the connection stays open until the receiver has
-/// released every tensor it still holds. To a receiver on another host, dropping the last clone
-/// first waits (at most a minute) for its NCCL sends to finish, which needs the receiver to have
-/// taken their messages.
+/// released every tensor it still holds. Dropping the last clone first finishes writing what
+/// the sends queued (while the receiver lives; see [`Sender::send`]). To a receiver on another
+/// host, it also waits (at most a minute) for its NCCL sends to finish, which needs the receiver
+/// to have taken their messages.
 ///
 /// ```no_run
 /// # fn main() -> tensor_queue::Result<()> {
@@ -172,6 +173,9 @@ impl Drop for Handle {
             self.inner.wait_released(network::NCCL_TIMEOUT);
             lock(&self.inner.comms).close();
         }
+        // What the sends queued is written first (while the receiver lives): a program may
+        // return from `main` right after its last send.
+        self.inner.link.wait_written();
         // Close our direction only: the receiver may still hold tensors, and their releases
         // must still reach the reader thread before the memory can be reused.
         self.inner.link.shutdown(rustix::net::Shutdown::Write);
@@ -264,6 +268,13 @@ impl<T: Serialize> Sender<T> {
     /// Sends `message`, waiting while the receiver's queue is full. GPU tensors in it must be
     /// complete: their devices are synchronised first (a CPU stall); use [`Sender::send_on`] to
     /// avoid it.
+    ///
+    /// A send waits for a credit (room in the receiver's queue), never for the receiver to read:
+    /// what the socket cannot take yet is written by a thread of the connection, in order. So
+    /// [`Sender::try_send`] and [`Sender::send_timeout`] return within their promise whatever the
+    /// message's size, and two processes that each send a large message to the other before
+    /// receiving do not wait for each other. (What is queued so is bounded by the credits: the
+    /// receiver's capacity in messages.)
     ///
     /// # Limits and errors
     /// A message has any number of tensors, but its encoded descriptors and payload (about 100
@@ -602,16 +613,6 @@ pub(super) enum Wait {
     Never,
 }
 
-impl Wait {
-    fn deadline(self) -> Option<Instant> {
-        match self {
-            Wait::Forever => None,
-            Wait::Until(deadline) => Some(deadline),
-            Wait::Never => Some(Instant::now()),
-        }
-    }
-}
-
 impl SenderInner {
     /// See [`Sender::wait_released`].
     fn wait_released(&self, timeout: Duration) -> bool {
@@ -633,7 +634,7 @@ impl SenderInner {
         self.take_credit(wait)?;
         let mut writer = lock(&self.writer);
         let seq = writer.seq + 1;
-        let result = self.write_message(&mut writer, outgoing, seq, wait.deadline());
+        let result = self.write_message(&mut writer, outgoing, seq);
         match result {
             Ok(event) => {
                 writer.seq = seq;
@@ -694,26 +695,20 @@ impl SenderInner {
 
     /// Writes one message (and the announcements it needs) under the writer lock; the event it
     /// recorded, if any.
-    fn write_message(
-        &self,
-        writer: &mut Writer,
-        outgoing: &Outgoing,
-        seq: u64,
-        deadline: Option<Instant>,
-    ) -> Result<Option<EventSlot>> {
+    fn write_message(&self, writer: &mut Writer, outgoing: &Outgoing, seq: u64) -> Result<Option<EventSlot>> {
         if self.link.remote {
-            self.write_remote(outgoing, seq, deadline)?;
+            self.write_remote(outgoing, seq)?;
             return Ok(None);
         }
         self.flush_retired(writer, true)?;
         let (fence, event) = match &outgoing.fencing {
             Fencing::Done => (Fence::None, None),
             Fencing::Signal(signal) => {
-                self.announce(writer, &signal.chunk, deadline)?;
+                self.announce(writer, &signal.chunk)?;
                 (Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }, None)
             }
             Fencing::Event(stream) => {
-                let slot = self.event_for(stream, deadline)?;
+                let slot = self.event_for(stream)?;
                 (Fence::Event(slot.id), Some(slot))
             }
         };
@@ -736,7 +731,7 @@ impl SenderInner {
             let storage = &sent.storage;
             let tensor_fence = match &sent.fence {
                 Some(signal) => {
-                    if let Err(error) = self.announce(writer, &signal.chunk, deadline) {
+                    if let Err(error) = self.announce(writer, &signal.chunk) {
                         return Err(give_back(error, event));
                     }
                     Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }
@@ -744,7 +739,7 @@ impl SenderInner {
                 None if storage.chunk.device().is_some() => fence,
                 None => Fence::None,
             };
-            if let Err(error) = self.announce(writer, &storage.chunk, deadline) {
+            if let Err(error) = self.announce(writer, &storage.chunk) {
                 return Err(give_back(error, event));
             }
             descriptors.push(TensorDesc {
@@ -780,7 +775,7 @@ impl SenderInner {
             tensors: descriptors,
             payload: outgoing.payload.clone(),
         };
-        match self.link.send(&frame, &[], deadline) {
+        match self.link.send(&frame, &[]) {
             Ok(()) => Ok(event),
             Err(error) => Err(give_back(error, event)),
         }
@@ -789,7 +784,7 @@ impl SenderInner {
     /// Writes one message to a receiver on another host: new communicators, the host tensors'
     /// bytes, and the message, whose GPU tensors NCCL moves (see `route/network.rs`). Nothing is
     /// leased: host bytes are copied, and NCCL's sources are held until their sends are done.
-    fn write_remote(&self, outgoing: &Outgoing, seq: u64, deadline: Option<Instant>) -> Result<()> {
+    fn write_remote(&self, outgoing: &Outgoing, seq: u64) -> Result<()> {
         let receiver = lock(&self.state).receiver.clone().ok_or(Error::Disconnected)?;
         // The message is leased until its NCCL sends are done (nothing else is held: host bytes
         // are copied), so `wait_released` means the data has left this process.
@@ -808,18 +803,19 @@ impl SenderInner {
             tensors: std::mem::take(&mut message.descriptors),
             payload: outgoing.payload.clone(),
         };
-        // The deadline holds until the first frame is written: a message begun is finished (as a
-        // frame begun is), or the receiver would join its leftover bytes to the next message's.
-        let (mut deadline, mut begun) = (deadline, false);
+        // Sends never wait for the receiver (what the socket cannot take yet is queued): a
+        // message begun is finished, or the receiver would join its leftover bytes to the next
+        // message's.
+        let mut begun = false;
         for frame in message.frames.iter().chain(std::iter::once(&frame)) {
-            if let Err(error) = self.link.send(frame, &[], deadline) {
+            if let Err(error) = self.link.send(frame, &[]) {
                 if !begun {
                     // Nothing of it was written: the receiver never heard of its communicators.
                     lock(&self.comms).unwritten(message);
                 }
                 return Err(error);
             }
-            (deadline, begun) = (None, true);
+            begun = true;
         }
         // A communicator that failed leaves the receiver's receives of this message unpaired
         // (they would wait forever, or pair with a later message's sends): the connection ends,
@@ -828,7 +824,7 @@ impl SenderInner {
     }
 
     /// Sends the chunk's descriptor or handle the first time this peer needs it.
-    fn announce(&self, writer: &mut Writer, chunk: &Chunk, deadline: Option<Instant>) -> Result<()> {
+    fn announce(&self, writer: &mut Writer, chunk: &Chunk) -> Result<()> {
         if writer.announced.contains(&chunk.id) {
             return Ok(());
         }
@@ -840,7 +836,7 @@ impl SenderInner {
         };
         let frame =
             Frame::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy, writable: chunk.writable };
-        self.link.send(&frame, fd.as_slice(), deadline)?;
+        self.link.send(&frame, fd.as_slice())?;
         writer.announced.insert(chunk.id);
         // When the chunk goes (a user buffer freed, an idle arena chunk given back), the
         // receiver must drop its mapping: to free the memory, and since a user buffer's address
@@ -858,7 +854,7 @@ impl SenderInner {
         while let Some(chunk) = pending.next() {
             writer.announced.remove(&chunk);
             let frame = Frame::Retire { chunk };
-            let sent = if wait { self.link.send(&frame, &[], None).map(|()| true) } else { self.link.try_send(&frame) };
+            let sent = if wait { self.link.send(&frame, &[]).map(|()| true) } else { self.link.try_send(&frame) };
             match sent {
                 Ok(true) => {}
                 Ok(false) => {
@@ -875,7 +871,7 @@ impl SenderInner {
     }
 
     /// A pooled interprocess event, recorded on `stream` (a new one is announced first).
-    fn event_for(&self, stream: &Stream, deadline: Option<Instant>) -> Result<EventSlot> {
+    fn event_for(&self, stream: &Stream) -> Result<EventSlot> {
         let pooled = lock(&self.state).free_events.pop();
         let slot = match pooled {
             Some(slot) => slot,
@@ -887,7 +883,7 @@ impl SenderInner {
                     state.next_event
                 };
                 let handle = event.export()?.to_bytes().to_vec();
-                self.link.send(&Frame::Event { id, handle }, &[], deadline)?;
+                self.link.send(&Frame::Event { id, handle }, &[])?;
                 EventSlot { id, event }
             }
         };
@@ -962,7 +958,7 @@ impl SenderInner {
         buf.resize(MAX_PACKET, 0);
         let mut assembler = Assembler::default();
         while Instant::now() < until && lock(&self.state).credits == 0 {
-            match self.link.try_recv(&mut assembler, &mut buf) {
+            match self.link.try_recv(&mut assembler, &mut buf).map(|(read, _)| read) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
                         // The reader thread then reads the hang-up and returns the leases.

@@ -317,9 +317,9 @@ fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Resu
         (Some(host), _) => {
             let from = storage.offset + start;
             let have = (end - start).min(len);
-            // SAFETY: the storage lies in the live mapping (checked when the tensor was made).
-            let source = unsafe { std::slice::from_raw_parts(host.as_ptr().add(from), have) };
-            out[..have].copy_from_slice(source);
+            // SAFETY: the storage lies in the live mapping (checked when the tensor was made);
+            // copied through raw pointers, since others may write the shared memory meanwhile.
+            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr().add(from), out.as_mut_ptr(), have) };
         }
         (None, Some(memory)) => {
             let own;

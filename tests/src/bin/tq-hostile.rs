@@ -18,6 +18,22 @@
 //! - `mid-message-tcp ADDR`: says hello and the first part of a two-part message, says `ready`,
 //!   and waits to be killed.
 //!
+//! - `attack-received PATH`: binds a `Receiver<Tensor>` at `PATH`, says `listening`, receives
+//!   one host tensor, then attacks every shared-memory file it holds as a receiver would to write
+//!   the sender's memory (make the file writable by its mode, reopen it through `/proc/self/fd`
+//!   for writing, map it shared read-write, `write`, punch a hole, `mprotect` a read-only
+//!   mapping): says `wrote HOW` for each way that wrote, `refused HOW` otherwise, then `done`.
+//!
+//! - `exchange BIND CONNECT`: binds a `Receiver<Vec<u8>>` at `BIND` and says `listening`, then
+//!   connects a `Sender<Vec<u8>>` to `CONNECT`, sends 8 MiB of plain data before receiving,
+//!   receives one message, says `received LEN`, then `done` (not a hostile peer: the other half
+//!   of a pair that each send first).
+//!
+//! - `fd-starved PATH`: binds a `Receiver<Tensor>` at `PATH`, says `listening`, receives one
+//!   message (`got BYTES`), then uses up its descriptor table and says `starved`; receives the
+//!   next message (`got BYTES`, or `rejected REASON`), frees its table, receives one more and
+//!   says `got BYTES`, then `done`.
+//!
 //! Any error: `error DEBUG` on stdout and exit status 1.
 
 use std::io::{BufRead as _, Write as _};
@@ -106,6 +122,19 @@ fn run() -> Result<()> {
             until_stdin_closes();
             Ok(())
         }
+        "attack-received" => attack_received(&arg(1)?),
+        "fd-starved" => fd_starved(&arg(1)?),
+        "exchange" => {
+            let mut receiver = tensor_queue::Receiver::<Vec<u8>>::bind(arg(1)?)?;
+            say("listening");
+            let sender = Sender::<Vec<u8>>::connect(arg(2)?)?;
+            sender.send(&vec![3u8; 8 << 20])?;
+            let got = receiver.recv()?;
+            say(&format!("received {}", got.len()));
+            drop(sender);
+            say("done");
+            Ok(())
+        }
         other => bail!("unknown role {other}"),
     }
 }
@@ -163,4 +192,109 @@ fn hello() -> Vec<u8> {
         routing: Default::default(),
     }
     .encode()
+}
+
+/// A receiver that tries to write the memory it was given read-only.
+fn attack_received(path: &str) -> Result<()> {
+    use rustix::fs::{FallocateFlags, Mode, OFlags};
+    use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+    let mut receiver = tensor_queue::Receiver::<Tensor>::bind(path)?;
+    say("listening");
+    let tensor = receiver.recv()?;
+    let mut attacked = 0;
+    for entry in std::fs::read_dir("/proc/self/fd")? {
+        let entry = entry?;
+        let Ok(target) = std::fs::read_link(entry.path()) else { continue };
+        if !target.to_string_lossy().starts_with("/memfd:tensor-queue") {
+            continue;
+        }
+        let Ok(fd) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        // SAFETY: the descriptor is open in this process for the duration of the borrow (the
+        // receiver keeps its chunk, and with it the descriptor, while `tensor` lives).
+        let given = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        if rustix::fs::fcntl_getfl(given)? & OFlags::RWMODE != OFlags::RDONLY {
+            continue; // a file shared writable on purpose (signal words)
+        }
+        attacked += 1;
+        let _ = rustix::fs::fchmod(given, Mode::RUSR | Mode::WUSR); // its owner may
+        let reopened = match rustix::fs::open(format!("/proc/self/fd/{fd}").as_str(), OFlags::RDWR, Mode::empty()) {
+            Ok(reopened) => reopened,
+            Err(error) => {
+                say(&format!("refused reopen {error}"));
+                continue;
+            }
+        };
+        let len = rustix::fs::fstat(&reopened)?.st_size as usize;
+        // SAFETY: a fresh mapping at an address the kernel picks; written below only if granted.
+        match unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &reopened,
+                0,
+            )
+        } {
+            Ok(ptr) => {
+                // SAFETY: the mapping is ours, `len` bytes, writable.
+                unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0xEE, len) };
+                say("wrote mmap");
+            }
+            Err(error) => say(&format!("refused mmap {error}")),
+        }
+        match rustix::io::pwrite(&reopened, &vec![0xEE; len], 0) {
+            Ok(_) => say("wrote pwrite"),
+            Err(error) => say(&format!("refused pwrite {error}")),
+        }
+        match rustix::fs::fallocate(&reopened, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, 0, len as u64) {
+            Ok(()) => say("wrote fallocate"),
+            Err(error) => say(&format!("refused fallocate {error}")),
+        }
+        // SAFETY: as above, read-only.
+        let read_only =
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, ProtFlags::READ, MapFlags::SHARED, &reopened, 0) }?;
+        // SAFETY: our own mapping; written only if the protection change was granted.
+        match unsafe { rustix::mm::mprotect(read_only, len, MprotectFlags::READ | MprotectFlags::WRITE) } {
+            Ok(()) => {
+                // SAFETY: the mapping is now writable, `len` bytes.
+                unsafe { std::ptr::write_bytes(read_only.cast::<u8>(), 0xEE, len) };
+                say("wrote mprotect");
+            }
+            Err(error) => say(&format!("refused mprotect {error}")),
+        }
+    }
+    if attacked == 0 {
+        bail!("no read-only shared-memory file found to attack");
+    }
+    drop(tensor);
+    say("done");
+    Ok(())
+}
+
+/// A receiver that runs out of descriptors while a chunk's descriptor is on its way.
+fn fd_starved(path: &str) -> Result<()> {
+    let mut receiver = tensor_queue::Receiver::<Tensor>::bind(path)?;
+    say("listening");
+    let report = |received: tensor_queue::Result<Tensor>| match received {
+        Ok(tensor) => say(&format!("got {}", tensor.nbytes())),
+        Err(tensor_queue::Error::Rejected { reason, .. }) => say(&format!("rejected {reason}")),
+        Err(other) => say(&format!("recv-error {other}")),
+    };
+    report(receiver.recv());
+    let nofile = rustix::process::Resource::Nofile;
+    let saved = rustix::process::getrlimit(nofile);
+    let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
+    rustix::process::setrlimit(nofile, rustix::process::Rlimit { current: Some(open + 8), maximum: saved.maximum })?;
+    let mut fillers = Vec::new();
+    while let Ok(file) = std::fs::File::open("/dev/null") {
+        fillers.push(file);
+    }
+    say("starved");
+    report(receiver.recv());
+    drop(fillers);
+    rustix::process::setrlimit(nofile, saved)?;
+    report(receiver.recv());
+    say("done");
+    Ok(())
 }
