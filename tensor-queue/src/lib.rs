@@ -32,6 +32,7 @@
 
 mod arena;
 pub mod channel;
+mod convert;
 mod copy;
 mod dtype;
 mod error;
@@ -54,6 +55,7 @@ pub use channel::{
     from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex,
     spawn_timeout,
 };
+pub use convert::NativeElement;
 pub use copy::HostCopy;
 pub use dtype::{DType, Element};
 pub use error::{Error, Refusal, Result};

@@ -163,3 +163,29 @@ fn select_waits_on_receivers_fed_by_several_processes_until_all_have_ended() {
     }
     assert!(matches!(select.try_ready(), Err(Error::Invalid(_))), "nothing left to wait for");
 }
+
+#[test]
+fn tensors_made_by_the_conversions_arrive_as_they_were_made() {
+    use integration_tests::queue::{Report, spawn_tq_peer};
+    use tensor_queue::{DType, Tensor};
+    let (mut child, sender, mut reports) = spawn_tq_peer::<Probe, Report>("checksum", &[], &[]).unwrap();
+    let array = ndarray::Array2::from_shape_fn((3, 5), |(i, j)| (i * 5 + j) as f32);
+    let tensors = vec![
+        Tensor::try_from(vec![1i64, -2, 3]).unwrap(),
+        Tensor::new(&[0.5f64; 6], &[2, 3]).unwrap(),
+        Tensor::build::<i32>(&[4, 4], |data| data.iter_mut().enumerate().for_each(|(i, x)| *x = i as i32 * 3)).unwrap(),
+        Tensor::try_from(&array.t()).unwrap(), // a transposed view, copied in its logical order
+        Tensor::try_from(vec![half::bf16::from_f32(0.25), half::bf16::from_f32(8.0)]).unwrap(),
+    ];
+    assert_eq!(tensors[4].dtype(), DType::BF16);
+    let expected: Vec<u64> = tensors.iter().map(|t| checksum(t).unwrap()).collect();
+    sender.send(&Probe { id: 1, tensors, expected: expected.clone(), note: "conversions".into() }).unwrap();
+    let report = reports.recv().unwrap();
+    assert_eq!(report.checksums, expected, "the other process saw other bytes");
+    drop(sender);
+    assert!(child.wait().unwrap().success());
+    // And back out into an array: the transposed array's values, in its order.
+    let t = Tensor::try_from(&array.t()).unwrap();
+    let back = ndarray::ArrayD::<f32>::try_from(&t).unwrap();
+    assert_eq!(back, array.t().into_dyn());
+}
