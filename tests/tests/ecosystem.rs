@@ -189,3 +189,43 @@ fn tensors_made_by_the_conversions_arrive_as_they_were_made() {
     let back = ndarray::ArrayD::<f32>::try_from(&t).unwrap();
     assert_eq!(back, array.t().into_dyn());
 }
+
+#[test]
+fn endpoints_that_are_neither_a_path_nor_tcp_host_port_are_refused_with_the_reason() {
+    use tensor_queue::Sender;
+    let invalid = |result: tensor_queue::Result<()>| match result {
+        Err(Error::Invalid(why)) => why,
+        other => panic!("expected Error::Invalid, got {other:?}"),
+    };
+    let why = invalid(Receiver::<u32>::bind("http://127.0.0.1:0").map(drop));
+    assert!(why.contains("`http://`") && why.contains("tcp://host:port"), "{why}");
+    let why = invalid(Sender::<u32>::connect("unix:///tmp/x.sock").map(drop));
+    assert!(why.contains("`unix://`"), "{why}");
+    let why = invalid(Receiver::<u32>::bind("tcp://127.0.0.1").map(drop));
+    assert!(why.contains("needs a port"), "{why}");
+    let why = invalid(Sender::<u32>::connect("tcp://[::1]").map(drop));
+    assert!(why.contains("needs a port"), "{why}");
+    let why = invalid(Receiver::<u32>::bind("tcp://127.0.0.1:http").map(drop));
+    assert!(why.contains("`http` is not a number"), "{why}");
+}
+
+#[test]
+fn connecting_where_no_receiver_is_bound_names_the_path_and_the_likely_cause() {
+    use tensor_queue::Sender;
+    let path = socket_path("nobody");
+    match Sender::<u32>::connect(&path) {
+        Err(error @ Error::NoReceiver { .. }) => {
+            let text = error.to_string();
+            assert!(text.contains(&path.display().to_string()), "{text}");
+            assert!(text.contains("is the receiver bound"), "{text}");
+        }
+        other => panic!("expected Error::NoReceiver, got {:?}", other.map(drop)),
+    }
+    // A socket file left by a receiver that is gone: refused, and said the same way.
+    let receiver = Receiver::<u32>::bind(&path).unwrap();
+    let stale = path.with_extension("stale");
+    std::fs::hard_link(&path, &stale).unwrap();
+    drop(receiver);
+    assert!(matches!(Sender::<u32>::connect(&stale), Err(Error::NoReceiver { .. })));
+    std::fs::remove_file(&stale).unwrap();
+}

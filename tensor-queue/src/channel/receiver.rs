@@ -71,6 +71,7 @@ impl ReceiverOptions {
 
     /// Listens at `endpoint`.
     fn listen(&self, endpoint: Endpoint) -> Result<Listening> {
+        endpoint.check()?;
         Ok(match endpoint {
             Endpoint::Unix(path) => Listening::Unix(Listener::bind(path)?),
             Endpoint::Tcp(address) => {
