@@ -64,8 +64,9 @@ pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_stri
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal
 /// or UUID, their primary contexts, streams, and the [`DeviceMemory`] methods of
 /// [`Tensor::cuda_view`].
-pub use ipc_core::tcp::Secret;
 pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
+// The TCP link's shared secret, the variable it is read from, and its shortest length.
+pub use ipc_core::tcp::{MIN_SECRET_LEN, SECRET_ENV, Secret};
 
 /// Whether a CUDA driver and at least one GPU are usable here (without one, use host tensors).
 ///
