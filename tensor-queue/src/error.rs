@@ -126,6 +126,15 @@ pub enum Error {
     /// An argument that makes no sense.
     #[error("invalid: {0}")]
     Invalid(String),
+    /// A sender found nothing listening at its endpoint: no socket file there, or no process
+    /// accepting on it (the receiver is not bound yet, or has gone).
+    #[error("nothing listens at {endpoint} ({cause}); is the receiver bound there and still running?")]
+    NoReceiver {
+        /// The endpoint connected to, as given.
+        endpoint: String,
+        /// What the operating system said.
+        cause: std::io::Error,
+    },
 }
 
 /// Why a connection was refused at the handshake.

@@ -32,6 +32,7 @@
 
 mod arena;
 pub mod channel;
+mod convert;
 mod copy;
 mod dtype;
 mod error;
@@ -54,6 +55,7 @@ pub use channel::{
     from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex,
     spawn_timeout,
 };
+pub use convert::NativeElement;
 pub use copy::HostCopy;
 pub use dtype::{DType, Element};
 pub use error::{Error, Refusal, Result};
@@ -62,8 +64,9 @@ pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_stri
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal
 /// or UUID, their primary contexts, streams, and the [`DeviceMemory`] methods of
 /// [`Tensor::cuda_view`].
-pub use ipc_core::tcp::Secret;
 pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
+// The TCP link's shared secret, the variable it is read from, and its shortest length.
+pub use ipc_core::tcp::{MIN_SECRET_LEN, SECRET_ENV, Secret};
 
 /// This crate's version (`Cargo.toml`'s), for tools that report it, such as `tq version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

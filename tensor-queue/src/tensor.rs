@@ -586,7 +586,7 @@ impl Tensor {
         Ok((start as usize, end as usize))
     }
 
-    fn host_base(&self) -> Result<*mut u8> {
+    pub(crate) fn host_base(&self) -> Result<*mut u8> {
         let memory = self.storage.chunk.host().ok_or_else(|| Error::Invalid("not a host tensor".into()))?;
         // SAFETY: `storage.offset + len` lies inside the chunk (arena or validated frame).
         Ok(unsafe { memory.as_ptr().add(self.storage.offset) })

@@ -38,14 +38,27 @@ pub struct GpuTest {
     pub run: fn() -> Result<()>,
 }
 
+/// Environment variable naming a file where each GPU test binary appends how many tests it
+/// skipped and why (`cargo xtask test` sets it and prints one line for the whole run).
+pub const GPU_SKIPS_ENV: &str = "TQ_GPU_SKIPS";
+
 /// Runs GPU tests as a libtest-style harness: where the machine lacks the GPUs a test needs, it
-/// is reported as `ignored, <reason>`, never as passed.
+/// is reported as `ignored, <reason>`, never as passed. Without any GPU the reason is given once,
+/// at the end (or in [`GPU_SKIPS_ENV`]'s file), not on every test's line.
 pub fn run_gpu_tests(tests: Vec<GpuTest>) -> ! {
     use libtest_mimic::{Arguments, Completion, Failed, Trial};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static SKIPPED: AtomicUsize = AtomicUsize::new(0);
+    let no_gpu = gpu_skip_reason();
     let trials = tests
         .into_iter()
         .map(|GpuTest { name, gpus, run }| {
+            let no_gpu = no_gpu.is_some();
             Trial::ignorable_test(name, move || match gpu_shortfall(gpus) {
+                Some(_) if no_gpu => {
+                    SKIPPED.fetch_add(1, Ordering::Relaxed);
+                    Ok(Completion::ignored_with("no GPU"))
+                }
                 Some(reason) => Ok(Completion::ignored_with(reason)),
                 None => {
                     eprintln!("[starting {name}]");
@@ -54,7 +67,19 @@ pub fn run_gpu_tests(tests: Vec<GpuTest>) -> ! {
             })
         })
         .collect();
-    libtest_mimic::run(&Arguments::from_args(), trials).exit()
+    let conclusion = libtest_mimic::run(&Arguments::from_args(), trials);
+    let skipped = SKIPPED.load(Ordering::Relaxed);
+    if let (Some(reason), true) = (no_gpu, skipped > 0) {
+        let noted = std::env::var_os(GPU_SKIPS_ENV).is_some_and(|file| {
+            use std::io::Write;
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(file);
+            file.and_then(|mut f| writeln!(f, "{skipped}\t{reason}")).is_ok()
+        });
+        if !noted {
+            println!("{skipped} GPU tests skipped: {reason}");
+        }
+    }
+    conclusion.exit()
 }
 
 /// Why `gpus` GPUs are not available here, or `None`.

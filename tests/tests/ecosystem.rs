@@ -163,3 +163,84 @@ fn select_waits_on_receivers_fed_by_several_processes_until_all_have_ended() {
     }
     assert!(matches!(select.try_ready(), Err(Error::Invalid(_))), "nothing left to wait for");
 }
+
+#[test]
+fn tensors_made_by_the_conversions_arrive_as_they_were_made() {
+    use integration_tests::queue::{Report, spawn_tq_peer};
+    use tensor_queue::{DType, Tensor};
+    let (mut child, sender, mut reports) = spawn_tq_peer::<Probe, Report>("checksum", &[], &[]).unwrap();
+    let array = ndarray::Array2::from_shape_fn((3, 5), |(i, j)| (i * 5 + j) as f32);
+    let tensors = vec![
+        Tensor::try_from(vec![1i64, -2, 3]).unwrap(),
+        Tensor::new(&[0.5f64; 6], &[2, 3]).unwrap(),
+        Tensor::build::<i32>(&[4, 4], |data| data.iter_mut().enumerate().for_each(|(i, x)| *x = i as i32 * 3)).unwrap(),
+        Tensor::try_from(&array.t()).unwrap(), // a transposed view, copied in its logical order
+        Tensor::try_from(vec![half::bf16::from_f32(0.25), half::bf16::from_f32(8.0)]).unwrap(),
+    ];
+    assert_eq!(tensors[4].dtype(), DType::BF16);
+    let expected: Vec<u64> = tensors.iter().map(|t| checksum(t).unwrap()).collect();
+    sender.send(&Probe { id: 1, tensors, expected: expected.clone(), note: "conversions".into() }).unwrap();
+    let report = reports.recv().unwrap();
+    assert_eq!(report.checksums, expected, "the other process saw other bytes");
+    drop(sender);
+    assert!(child.wait().unwrap().success());
+    // And back out into an array: the transposed array's values, in its order.
+    let t = Tensor::try_from(&array.t()).unwrap();
+    let back = ndarray::ArrayD::<f32>::try_from(&t).unwrap();
+    assert_eq!(back, array.t().into_dyn());
+}
+
+#[test]
+fn endpoints_that_are_neither_a_path_nor_tcp_host_port_are_refused_with_the_reason() {
+    use tensor_queue::Sender;
+    let invalid = |result: tensor_queue::Result<()>| match result {
+        Err(Error::Invalid(why)) => why,
+        other => panic!("expected Error::Invalid, got {other:?}"),
+    };
+    let why = invalid(Receiver::<u32>::bind("http://127.0.0.1:0").map(drop));
+    assert!(why.contains("`http://`") && why.contains("tcp://host:port"), "{why}");
+    let why = invalid(Sender::<u32>::connect("unix:///tmp/x.sock").map(drop));
+    assert!(why.contains("`unix://`"), "{why}");
+    let why = invalid(Receiver::<u32>::bind("tcp://127.0.0.1").map(drop));
+    assert!(why.contains("needs a port"), "{why}");
+    let why = invalid(Sender::<u32>::connect("tcp://[::1]").map(drop));
+    assert!(why.contains("needs a port"), "{why}");
+    let why = invalid(Receiver::<u32>::bind("tcp://127.0.0.1:http").map(drop));
+    assert!(why.contains("`http` is not a number"), "{why}");
+}
+
+#[test]
+fn connecting_where_no_receiver_is_bound_names_the_path_and_the_likely_cause() {
+    use tensor_queue::Sender;
+    let path = socket_path("nobody");
+    match Sender::<u32>::connect(&path) {
+        Err(error @ Error::NoReceiver { .. }) => {
+            let text = error.to_string();
+            assert!(text.contains(&path.display().to_string()), "{text}");
+            assert!(text.contains("is the receiver bound"), "{text}");
+        }
+        other => panic!("expected Error::NoReceiver, got {:?}", other.map(drop)),
+    }
+    // A socket file left by a receiver that is gone: refused, and said the same way.
+    let receiver = Receiver::<u32>::bind(&path).unwrap();
+    let stale = path.with_extension("stale");
+    std::fs::hard_link(&path, &stale).unwrap();
+    drop(receiver);
+    assert!(matches!(Sender::<u32>::connect(&stale), Err(Error::NoReceiver { .. })));
+    std::fs::remove_file(&stale).unwrap();
+}
+
+#[test]
+fn spawning_a_missing_program_names_it() {
+    let missing = std::env::temp_dir().join("tq-no-such-worker");
+    match tensor_queue::spawn::<u32>(&mut Command::new(&missing)) {
+        Err(Error::Invalid(why)) => assert!(why.contains("tq-no-such-worker"), "{why}"),
+        other => panic!("expected Error::Invalid, got {:?}", other.map(drop)),
+    }
+    let gone = tensor_queue::spawn_timeout::<u32>(&mut Command::new("true"), std::time::Duration::from_secs(10));
+    assert!(
+        matches!(gone, Err(Error::Invalid(ref m)) if m.contains("true") && m.contains("from_parent")),
+        "{:?}",
+        gone.err()
+    );
+}

@@ -71,7 +71,10 @@ fn main() -> Result<()> {
         Task::Build => cargo(&["build", "--workspace", "--all-targets"]),
         Task::Test => test(),
         Task::GpuBundle => bundle::build(),
-        Task::Demo => cargo(&["run", "--release", "--quiet", "-p", "tensor-queue", "--example", "demo"]),
+        Task::Demo => {
+            println!("xtask demo: building the demo (release; a few minutes on a fresh clone), then running it");
+            cargo(&["run", "--release", "-p", "tensor-queue", "--example", "demo"])
+        }
         Task::Bench { out, options } => {
             bundle::build()?;
             let script = workspace_root().join("target/gpu-bundle/bench.sh");
@@ -84,10 +87,31 @@ fn test() -> Result<()> {
     toolchain::setup()?;
     codegen::run(true)?;
     kernels::run(true)?;
-    cargo(&["test", "--workspace", "--all-targets"])?;
+    // The GPU test binaries note what they skipped here; one line sums it up at the end.
+    let skips = workspace_root().join("target/gpu-skips.txt");
+    let _ = std::fs::remove_file(&skips);
+    let mut tests = cargo_command(&["test", "--workspace", "--all-targets"])?;
+    run(tests.env("TQ_GPU_SKIPS", &skips))?;
     // Doc tests are not part of `--all-targets`.
     cargo(&["test", "--workspace", "--doc"])?;
+    report_gpu_skips(&skips)?;
     python::test()
+}
+
+/// One line for every GPU test the run skipped, with the reason (the same for all of them).
+fn report_gpu_skips(skips: &Path) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(skips) else { return Ok(()) };
+    let mut count = 0;
+    let mut reasons: Vec<&str> = Vec::new();
+    for line in text.lines() {
+        let (n, reason) = line.split_once('\t').context("a gpu-skips line without a tab")?;
+        count += n.parse::<usize>()?;
+        if !reasons.contains(&reason) {
+            reasons.push(reason);
+        }
+    }
+    println!("{count} GPU tests skipped: {}", reasons.join("; "));
+    Ok(())
 }
 
 /// The workspace root (the parent of this crate's directory).

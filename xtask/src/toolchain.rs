@@ -111,7 +111,7 @@ fn install_cuda_packages() -> Result<()> {
     run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv))
         .context("python3 with the venv module is needed to install the CUDA compiler")?;
     run(Command::new(venv.join("bin/pip"))
-        .args(["install", "--quiet", "--disable-pip-version-check"])
+        .args(["install", "--progress-bar", "off", "--disable-pip-version-check"])
         .args(PINNED_PACKAGES))
 }
 
@@ -123,7 +123,8 @@ fn install_nccl_package() -> Result<()> {
         "-m",
         "pip",
         "install",
-        "--quiet",
+        "--progress-bar",
+        "off",
         "--disable-pip-version-check",
         "--no-deps",
         PINNED_NCCL_PACKAGE,

@@ -72,7 +72,10 @@ pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> 
             let status = child.wait().map_err(|e| Error::Invalid(format!("reaping the child: {e}")))?;
             Err(match error {
                 Error::Timeout => Error::Timeout,
-                _ => Error::Invalid(format!("the child ended ({status}) before taking its channel")),
+                _ => Error::Invalid(format!(
+                    "the child {} ended ({status}) before taking its channel (does it call from_parent?)",
+                    program(command)
+                )),
             })
         }
     }
@@ -143,8 +146,13 @@ fn start(command: &mut Command, count: usize) -> Result<(Child, Vec<Connection>)
     armed.store(false, Ordering::Relaxed);
     // Our copies of the child's ends go, so that a child which exits without taking them hangs up.
     drop(theirs);
-    let child = started.map_err(|e| Error::Invalid(format!("starting the child: {e}")))?;
+    let child = started.map_err(|e| Error::Invalid(format!("starting the child {}: {e}", program(command))))?;
     Ok((child, ours))
+}
+
+/// The program `command` runs, for messages.
+fn program(command: &Command) -> String {
+    std::path::Path::new(command.get_program()).display().to_string()
 }
 
 /// In a child started by [`spawn`]: the receiving end of the channel from the parent.

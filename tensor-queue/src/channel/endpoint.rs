@@ -8,7 +8,7 @@ use ipc_core::seqpacket::Connection;
 use ipc_core::tcp::{Secret, TcpLink};
 use ipc_core::transport::Packets;
 
-use crate::Result;
+use crate::{Error, Result};
 
 /// Where a receiver listens and a sender connects.
 ///
@@ -34,6 +34,56 @@ pub enum Endpoint {
 
 /// The prefix that makes a string a TCP endpoint.
 pub const TCP_PREFIX: &str = "tcp://";
+
+impl Endpoint {
+    /// [`Error::Invalid`] for what is neither a socket path nor `tcp://host:port`: another
+    /// scheme (`http://...`, which would otherwise be taken for a path), or a TCP address without a
+    /// port. `bind` and `connect` check this before anything else.
+    ///
+    /// ```
+    /// use tensor_queue::{Endpoint, Error, Receiver};
+    /// assert!(Endpoint::from("/tmp/queue.sock").check().is_ok());
+    /// assert!(Endpoint::from("tcp://127.0.0.1:0").check().is_ok());
+    /// let Err(Error::Invalid(why)) = Receiver::<u32>::bind("tcp://127.0.0.1") else { panic!() };
+    /// assert!(why.contains("needs a port"), "{why}");
+    /// let Err(Error::Invalid(why)) = Receiver::<u32>::bind("http://127.0.0.1:0") else { panic!() };
+    /// assert!(why.contains("tcp://host:port"), "{why}");
+    /// ```
+    pub fn check(&self) -> Result<()> {
+        match self {
+            Endpoint::Unix(path) => match path.to_str().and_then(scheme) {
+                Some(scheme) => Err(Error::Invalid(format!(
+                    "{}: a `{scheme}://` endpoint is not supported; use a socket path or tcp://host:port \
+                     (for a path that starts this way, write ./{})",
+                    path.display(),
+                    path.display()
+                ))),
+                None => Ok(()),
+            },
+            Endpoint::Tcp(address) => {
+                // `host:port` or `[v6]:port`: a port after the last colon, outside brackets.
+                let port = address.rsplit_once(':').filter(|(_, port)| !port.contains(']')).map(|(_, port)| port);
+                match port {
+                    Some(port) if port.parse::<u16>().is_ok() => Ok(()),
+                    Some(port) => {
+                        Err(Error::Invalid(format!("{self}: the port `{port}` is not a number from 0 to 65535")))
+                    }
+                    None => Err(Error::Invalid(format!(
+                        "{self} needs a port: {self}:PORT (when binding, port 0 picks a free one)"
+                    ))),
+                }
+            }
+        }
+    }
+}
+
+/// The scheme of a URL-like text (`http` in `http://host`), if it starts like one.
+fn scheme(text: &str) -> Option<&str> {
+    let (scheme, _) = text.split_once("://")?;
+    let mut chars = scheme.chars();
+    let first = chars.next()?;
+    (first.is_ascii_alphabetic() && chars.all(|c| c.is_ascii_alphanumeric() || "+.-".contains(c))).then_some(scheme)
+}
 
 impl From<&str> for Endpoint {
     fn from(text: &str) -> Endpoint {
@@ -132,10 +182,23 @@ pub(super) fn secret(given: Option<&Secret>) -> Result<Secret> {
     }
 }
 
+/// A connect that found no socket file, or nobody accepting, as [`Error::NoReceiver`].
+fn nobody_there(endpoint: &Endpoint, error: ipc_core::Error) -> Error {
+    match error {
+        ipc_core::Error::Os { source, .. }
+            if matches!(source.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) =>
+        {
+            Error::NoReceiver { endpoint: endpoint.to_string(), cause: source }
+        }
+        other => other.into(),
+    }
+}
+
 /// Connects to `endpoint`: a Unix socket, or a TCP listener that must prove it holds the secret.
 pub(super) fn connect(endpoint: &Endpoint, options: &ConnectOptions) -> Result<Box<dyn Packets>> {
+    endpoint.check()?;
     Ok(match endpoint {
-        Endpoint::Unix(path) => Box::new(Connection::connect(path)?),
+        Endpoint::Unix(path) => Box::new(Connection::connect(path).map_err(|error| nobody_there(endpoint, error))?),
         Endpoint::Tcp(address) => {
             let secret = secret(options.secret.as_ref())?;
             Box::new(TcpLink::connect(address.as_str(), &secret, options.timeout)?)

@@ -25,7 +25,7 @@ use super::Receiver;
 use crate::{Error, Result};
 
 /// Whether `recv` can go on after `error` with the next message.
-fn about_one_message(error: &Error) -> bool {
+pub(super) fn about_one_message(error: &Error) -> bool {
     matches!(error, Error::Rejected { .. } | Error::ProducerFailed { .. } | Error::Decode(_))
 }
 

@@ -105,6 +105,8 @@
 //! process of its own.
 
 mod acceptor;
+#[cfg(feature = "tokio")]
+mod asynchronous;
 mod broadcast;
 mod child;
 mod connection;

@@ -71,6 +71,7 @@ impl ReceiverOptions {
 
     /// Listens at `endpoint`.
     fn listen(&self, endpoint: Endpoint) -> Result<Listening> {
+        endpoint.check()?;
         Ok(match endpoint {
             Endpoint::Unix(path) => Listening::Unix(Listener::bind(path)?),
             Endpoint::Tcp(address) => {
@@ -117,6 +118,12 @@ pub struct Receiver<T> {
     buf: Vec<u8>,
     /// Readable whenever `recv` may make progress (`AsFd`).
     readiness: Readiness,
+    /// `readiness` registered with tokio's reactor, on first async use.
+    #[cfg(feature = "tokio")]
+    pub(super) registration: Option<super::asynchronous::Registration>,
+    /// The `Stream` has returned its last item.
+    #[cfg(feature = "tokio")]
+    pub(super) stream_ended: bool,
     _message: PhantomData<fn() -> T>,
 }
 
@@ -241,6 +248,10 @@ impl<T: DeserializeOwned> Receiver<T> {
             spin: Duration::ZERO,
             buf: vec![0; MAX_PACKET],
             readiness,
+            #[cfg(feature = "tokio")]
+            registration: None,
+            #[cfg(feature = "tokio")]
+            stream_ended: false,
             _message: PhantomData,
         })
     }

@@ -99,6 +99,8 @@ pub(super) struct SenderInner {
     comms: Mutex<SendComms>,
     state: Mutex<SenderState>,
     changed: Condvar,
+    /// Async sends waiting for what `changed` announces (credits, the greeting, the end).
+    wakers: Mutex<Vec<std::task::Waker>>,
     writer: Mutex<Writer>,
     /// Chunks freed since the last write, to retire at the receiver before anything else.
     retired: Mutex<Vec<u64>>,
@@ -251,6 +253,7 @@ impl<T: Serialize> Sender<T> {
             // not receiving, which is what a full queue means too.
             state: Mutex::new(SenderState::default()),
             changed: Condvar::new(),
+            wakers: Mutex::new(Vec::new()),
             writer: Mutex::new(Writer::default()),
             retired: Mutex::new(Vec::new()),
             me: me.clone(),
@@ -916,7 +919,7 @@ impl SenderInner {
                 state.greeted = true;
                 state.receiver = Some(Arc::new((greeting.reach, greeting.routing)));
                 drop(state);
-                self.changed.notify_all();
+                self.state_changed();
             }
             Err(error) => {
                 tracing::warn!(%error, "the receiver's greeting failed");
@@ -1021,7 +1024,7 @@ impl SenderInner {
         let count = released.len();
         drop(released);
         lock(&self.state).dropping -= count;
-        self.changed.notify_all();
+        self.state_changed();
         true
     }
 
@@ -1035,6 +1038,23 @@ impl SenderInner {
         let released = std::mem::take(&mut state.leases);
         drop(state);
         drop(released);
+        self.state_changed();
+    }
+
+    /// Wakes whoever waits for the state to change: blocked threads and async sends.
+    fn state_changed(&self) {
         self.changed.notify_all();
+        for waker in std::mem::take(&mut *lock(&self.wakers)) {
+            waker.wake();
+        }
+    }
+
+    /// Has `waker` woken at the next change of the state (the async send's wait for credit).
+    #[cfg(feature = "tokio")]
+    pub(super) fn wake_on_change(&self, waker: &std::task::Waker) {
+        let mut wakers = lock(&self.wakers);
+        if !wakers.iter().any(|w| w.will_wake(waker)) {
+            wakers.push(waker.clone());
+        }
     }
 }
