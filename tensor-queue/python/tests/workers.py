@@ -106,6 +106,9 @@ def gpu_produce_seed(q: tq.Queue, results: tq.Queue, skip_ordering: bool) -> Non
 
     torch.manual_seed(0)
     a = torch.randn(2048, 2048, device="cuda")
+    # Warm up: the first send maps channel memory, which may wait for the device; the consumer
+    # holds this one, so the memory stays mapped for the real send.
+    q.put({"warm": torch.zeros(2048, 2048, device="cuda")})
     torch.cuda.synchronize()
     y = torch.zeros(2048, 2048, device="cuda")
     torch.cuda._sleep(200_000_000)  # the queue is busy: what follows runs well after send returns
