@@ -262,11 +262,14 @@ def main() -> None:
     def row(name: str, unit: str, tq_value: float, simple: float | None, queue: float | None, better: str) -> None:
         rows.append({"benchmark": name, "unit": unit, "tensor_queue": tq_value, "SimpleQueue": simple, "Queue": queue})
         ratio = ""
+        if queue and not simple:
+            ratio = f"{(queue / tq_value if better == 'lower' else tq_value / queue):.1f}x vs Queue"
         if simple:
             ratio = f"{(simple / tq_value if better == 'lower' else tq_value / simple):.1f}x vs SimpleQueue"
         print(f"{name:44s} {tq_value:10.1f} {unit:6s} | SimpleQueue {simple or 0:10.1f} | Queue {queue or 0:10.1f} | {ratio}", flush=True)
 
     print(f"device: {torch.cuda.get_device_name(0) if CUDA else 'cpu'}; torch {torch.__version__}; python {sys.version.split()[0]}")
+    print("torch DLPack C exchange API used:", tq._native.has_exchange_api(torch.empty(0)))
     only = args.only.split(",")
     if "rtt" in only:
         for kind in ("4KB", "16 tensors"):
@@ -278,7 +281,7 @@ def main() -> None:
         m = 100 if args.quick else 300
         row("fresh 5 MB tensors streamed (copy path)", "msg/s", stream_tq(m), stream_torch(m, "SimpleQueue"), stream_torch(m, "Queue"), "higher")
     if "broadcast" in only and CUDA:
-        row("1 GiB to 3 consumers (copy path)", "s", broadcast_tq(2), None, broadcast_torch(2), "lower")
+        row("1 GiB to 3 consumers (copy path)", "ms", broadcast_tq(2) * 1e3, None, broadcast_torch(2) * 1e3, "lower")
     print("stats of this process:", tq.stats())
     if args.json:
         with open(args.json, "w") as f:
