@@ -42,6 +42,7 @@ const HELPER_MARKERS: &[(&str, &str)] = &[("bin_path(\"", "\""), ("CARGO_BIN_EXE
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
 const BENCH_SCRIPT: &str = include_str!("bench-bundle.sh");
+const PYTHON_SCRIPT: &str = include_str!("python-bundle.sh");
 
 pub fn build() -> Result<()> {
     let root = workspace_root();
@@ -85,6 +86,8 @@ pub fn build() -> Result<()> {
     // (run.sh installs the wheels with pip into a folder on PYTHONPATH: the machine is offline).
     let python = bundle.join("python");
     crate::python::bundle_wheels(&python)?;
+    std::fs::write(python.join("run.sh"), PYTHON_SCRIPT)?;
+    make_executable(&python.join("run.sh"))?;
     for dir in ["tests", "bench", "examples"] {
         let from = root.join("tensor-queue/python").join(dir);
         if from.is_dir() {

@@ -27,7 +27,7 @@ step() { # step NAME COMMAND...
   local verdict=PASS
   [ $rc -eq 0 ] || { verdict="FAIL (exit $rc)"; failed=$((failed + 1)); }
   local extra
-  extra=$(grep -E '^test result:|ignored, |^(FAILED|SKIPPED|ERROR) |^=+ .*(passed|failed|error).* =+$' "$log" | sed 's/^/    /' | head -20)
+  extra=$(grep -E '^test result:|ignored, |^(FAILED|SKIPPED|ERROR) |^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error).* =+$' "$log" | sed 's/^/    /' | head -20)
   summary+=("$(printf '%-40s %-14s %3ss' "$name" "$verdict" $((SECONDS - start)))")
   [ -n "$extra" ] && summary+=("$extra")
   [ $rc -eq 0 ] || tail -30 "$log"
@@ -36,12 +36,13 @@ step() { # step NAME COMMAND...
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader > "$logs/gpus.txt" 2>&1
 for t in "$here"/tests/*; do step "test-$(basename "$t")" "$t" --test-threads=1; done
 for e in "$here"/examples/*; do [ -e "$e" ] && step "example-$(basename "$e")" "$e"; done
-# The Python package: the wheel and pytest installed offline into /tmp/site, then its tests (the
-# GPU ones among them run here, where torch and CUDA are).
-python_tests='site=/tmp/site; rm -rf $site
-  python3 -m pip install --quiet --no-index --no-deps --target $site "$0"/python/*.whl "$0"/python/test-wheels/*.whl || exit 1
-  PYTHONPATH=$site exec python3 -m pytest -q -rs -p no:cacheprovider "$0/python/tests"'
-step python-tests bash -c "$python_tests" "$here"
+# The Python package (its wheel installed offline into /tmp/site): its tests (the GPU ones run
+# here, where torch and CUDA are), its examples, then its benchmark against torch.multiprocessing.
+step python-tests "$here/python/run.sh" tests
+step python-example-convert_torch_mp "$here/python/run.sh" example convert_torch_mp
+step python-example-broadcast_weights "$here/python/run.sh" example broadcast_weights
+step python-bench "$here/python/run.sh" bench --quick --json "${OUT:-$logs}/python-bench.json"
+[ -f "$logs/python-bench.log" ] && cat "$logs/python-bench.log"
 step bench-primitive-costs "$here/bin/primitive-costs"
 [ -f "$logs/bench-primitive-costs.log" ] && cat "$logs/bench-primitive-costs.log"
 

@@ -47,6 +47,13 @@ fn record_stream(ptr: u64, stream: usize) -> bool {
     gpu::record_stream(ptr, stream as cuda_sys::CUstream)
 }
 
+/// Whether `value`'s type publishes a DLPack C exchange table this extension can use (the fast
+/// path for torch tensors; without it arrays go through `__dlpack__`).
+#[pyfunction]
+fn has_exchange_api(value: &Bound<'_, PyAny>) -> bool {
+    exchange::api_of(value).is_some()
+}
+
 /// The extension's version (the workspace's).
 #[pyfunction]
 fn version() -> &'static str {
@@ -65,6 +72,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(has_exchange_api, m)?)?;
     m.add_function(wrap_pyfunction!(stats::stats, m)?)?;
     m.add_function(wrap_pyfunction!(stats::reset_stats, m)?)?;
     Ok(())

@@ -77,6 +77,11 @@ def doctor() -> dict[str, Any]:
             report[module] = __import__(module).__version__
         except ImportError:
             report[module] = None
+    if report["torch"] is not None:
+        import torch
+
+        # The fast path for torch tensors (no Python calls per tensor); else `__dlpack__`.
+        report["torch_exchange_api"] = _native.has_exchange_api(torch.empty(0))
     path = os.path.join(tempfile.gettempdir(), f"tq-doctor-{os.getpid()}.sock")
     try:
         with Receiver.bind(path) as receiver, Sender.connect(path) as sender:

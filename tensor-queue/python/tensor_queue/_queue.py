@@ -101,9 +101,10 @@ class Queue:
         weakref.finalize(self, _cleanup, [lock, self._address])
         return receiver
 
-    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None, *, stream: Any = None) -> None:
         """Sends ``obj`` to the consumer; waits while the queue is full (``Full`` after
-        ``timeout`` seconds, at once when ``block`` is false)."""
+        ``timeout`` seconds, at once when ``block`` is false). CUDA tensors are ordered after the
+        work queued on ``stream`` (default: torch's current stream)."""
         self._own_process()
         if self._sender is None:
             self._sender = self._connect()
@@ -111,7 +112,7 @@ class Queue:
             if not block:
                 self._sender.try_send(obj)
             else:
-                self._sender.send(obj, timeout=timeout)
+                self._sender.send(obj, timeout=timeout, stream=stream)
         except Timeout:
             raise Full("the queue stayed full") from None
 

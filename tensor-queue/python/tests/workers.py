@@ -95,3 +95,90 @@ def produce_torch(q: tq.Queue, n: int) -> None:
 
     for i in range(n):
         q.put({"i": i, "x": torch.full((4,), i, dtype=torch.int64)})
+
+
+# --- GPU workers (torch with CUDA) ---
+
+
+def gpu_produce_seed(q: tq.Queue, results: tq.Queue, skip_ordering: bool) -> None:
+    """The seed scenario: y is still being computed (queued matmuls) when it is sent."""
+    import torch
+
+    torch.manual_seed(0)
+    a = torch.randn(2048, 2048, device="cuda")
+    # Warm up: the first send maps channel memory, which may wait for the device; the consumer
+    # holds this one, so the memory stays mapped for the real send.
+    q.put({"warm": torch.zeros(2048, 2048, device="cuda")})
+    torch.cuda.synchronize()
+    y = torch.zeros(2048, 2048, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the queue is busy: what follows runs well after send returns
+    y.copy_(a)
+    for _ in range(8):
+        y = y @ a / 64.0
+    idle = torch.cuda.Stream()
+    if skip_ordering:
+        q.put({"x": y, "step": 3}, stream=idle)  # the negative control: ordered after an idle stream
+    else:
+        q.put({"x": y, "step": 3})
+    torch.cuda.synchronize()
+    results.put({"sum": float(y.double().sum()), "norm": float(y.double().norm())})
+
+
+def gpu_send_then_die(address: str) -> None:
+    import torch
+
+    sender = tq.Sender.connect(address)
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued work
+    x.fill_(1.0)
+    sender.send({"x": x})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def gpu_hold_then_die(address: str, ready) -> None:  # noqa: ANN001
+    import torch
+
+    with tq.Receiver.bind(address) as receiver:
+        held = receiver.recv(timeout=60)
+        assert float(held["x"].sum()) == float(held["x"].numel())
+        ready.set()
+        time.sleep(120)
+        torch.cuda.synchronize()
+
+
+def gpu_consume_many(address: str, n: int, out) -> None:  # noqa: ANN001
+    import torch
+
+    with tq.Receiver.bind(address, capacity=64) as receiver:
+        total = 0.0
+        first_allocated = None
+        for i in range(n):
+            msg = receiver.recv(timeout=120)
+            total += float(msg["x"][0]) if i % 1000 == 0 else 0.0
+            del msg
+            if i == 1000:
+                torch.cuda.synchronize()
+                first_allocated = tq.memory.usage()["device_bytes"]
+        torch.cuda.synchronize()
+        out.put({"first": first_allocated, "last": tq.memory.usage()["device_bytes"], "total": total})
+
+
+def gpu_write_back(address: str, done) -> None:  # noqa: ANN001
+    with tq.Receiver.bind(address) as receiver:
+        msg = receiver.recv(timeout=60)
+        msg["x"].fill_(5.0)
+        import torch
+
+        torch.cuda.synchronize()
+        done.set()
+        time.sleep(2)
+
+
+def gpu_receive_on(address: str, ordinal: int, out) -> None:  # noqa: ANN001
+    import torch
+
+    torch.cuda.set_device(ordinal)
+    with tq.Receiver.bind(address) as receiver:
+        msg = receiver.recv(timeout=60)
+        out.put({"device": str(msg["x"].device), "sum": float(msg["x"].sum())})

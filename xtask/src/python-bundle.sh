@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The Python package's part of the GPU bundle: installs the abi3 wheel and pytest's wheels offline
+# into /tmp/site (once), then runs what is asked:
+#   python/run.sh tests | bench [ARGS] | example NAME
+set -eu
+here=$(cd "$(dirname "$0")" && pwd)
+site=/tmp/site
+if [ ! -d "$site/tensor_queue" ]; then
+  python3 -m pip install --quiet --no-index --no-deps --target "$site" "$here"/*.whl "$here"/test-wheels/*.whl
+fi
+export PYTHONPATH=$site
+what=$1; shift
+case "$what" in
+  tests) exec python3 -m pytest -q -rs -p no:cacheprovider "$here/tests" "$@" ;;
+  bench) exec python3 "$here/bench/bench_queues.py" "$@" ;;
+  example) name=$1; shift; exec python3 "$here/examples/$name.py" "$@" ;;
+  *) echo "usage: $0 tests|bench|example NAME" >&2; exit 2 ;;
+esac
