@@ -229,6 +229,7 @@ pub(crate) fn prepare(
     let (reach, routing) = receiver;
     let mut descriptors: Vec<Option<TensorDesc>> = vec![None; tensors.len()];
     let mut bytes: Vec<u8> = Vec::new();
+    let mut inlined = Vec::new();
     // GPU tensors by (source, target), each to move as one group.
     let mut groups: Vec<((Uuid, Uuid), Vec<usize>)> = Vec::new();
     for (index, tensor) in tensors.iter().enumerate() {
@@ -242,11 +243,20 @@ pub(crate) fn prepare(
                 Some((_, members)) => members.push(index),
                 None => groups.push(((source, target), vec![index])),
             },
-            _ => descriptors[index] = Some(inline(tensor, stream, &mut bytes)?),
+            _ => inlined.push(index),
         }
     }
-    if bytes.len() as u64 > MAX_INLINE_BYTES {
-        return Err(Error::TooLarge { size: bytes.len(), limit: MAX_INLINE_BYTES as usize });
+    // Refused before a byte is copied: a message over the limit must not cost its size first.
+    let mut size = 0usize;
+    for &index in &inlined {
+        size = size.next_multiple_of(ALIGN) + inline_len(&tensors[index])?;
+    }
+    if size as u64 > MAX_INLINE_BYTES {
+        return Err(Error::TooLarge { size, limit: MAX_INLINE_BYTES as usize });
+    }
+    bytes.reserve_exact(size);
+    for index in inlined {
+        descriptors[index] = Some(inline(&tensors[index], stream, &mut bytes)?);
     }
     for ((source, target), members) in groups {
         let comm = match comms.get(source, target, &mut frames, &mut created, alive) {
@@ -300,13 +310,19 @@ pub(crate) fn prepare(
     Ok(RemoteMessage { descriptors, frames, transfers, created })
 }
 
+/// How many bytes [`inline`] appends for `tensor`: those its view touches, from an aligned start.
+fn inline_len(tensor: &Tensor) -> Result<usize> {
+    let (start, end) = tensor.touched_bytes()?;
+    Ok((end - start / ALIGN * ALIGN).max(1))
+}
+
 /// Appends the bytes `tensor`'s view touches to `bytes` (a GPU tensor is copied to the host
 /// first, after the producer's work: a CPU wait) and describes where they lie.
 fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Result<TensorDesc> {
     let (start, end) = tensor.touched_bytes()?;
     let start = start / ALIGN * ALIGN;
     let at = bytes.len().next_multiple_of(ALIGN);
-    let len = (end - start).max(1);
+    let len = inline_len(tensor)?;
     if (at + len) as u64 > MAX_INLINE_BYTES {
         return Err(Error::TooLarge { size: at + len, limit: MAX_INLINE_BYTES as usize });
     }
