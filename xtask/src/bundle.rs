@@ -31,6 +31,7 @@ const BINARIES: &[&str] = &[
     "primitive-costs",
     "tq-bench",
     "tq-hosts",
+    "tq-hostile",
 ];
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
