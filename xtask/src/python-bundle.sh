@@ -11,7 +11,12 @@ fi
 export PYTHONPATH=$site
 what=$1; shift
 case "$what" in
-  tests) exec python3 -m pytest -q -rs -p no:cacheprovider "$here/tests" "$@" ;;
+  tests)
+    # A test that hangs fails alone (pytest-timeout, where installed) instead of ending the step;
+    # faulthandler prints every thread's stack first.
+    timeout=()
+    python3 -c 'import pytest_timeout' 2>/dev/null && timeout=(--timeout=90)
+    exec python3 -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=80 "${timeout[@]}" "$here/tests" "$@" ;;
   bench) exec python3 "$here/bench/bench_queues.py" "$@" ;;
   example) name=$1; shift; exec python3 "$here/examples/$name.py" "$@" ;;
   *) echo "usage: $0 tests|bench|example NAME" >&2; exit 2 ;;
