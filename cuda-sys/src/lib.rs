@@ -16,7 +16,7 @@
 //! # Ok::<(), cuda_sys::Error>(())
 //! ```
 //!
-//! [`nccl`] does the same for NCCL (`libnccl.so.2`), the engine that moves GPU data between hosts.
+//! [`nccl`](mod@nccl) does the same for NCCL (`libnccl.so.2`), the engine that moves GPU data between hosts.
 
 mod error;
 #[macro_use]
