@@ -5,7 +5,7 @@
 //!
 //! - [`Kernels::fill`] and [`Kernels::checksum`]: a deterministic pattern and a position-sensitive
 //!   checksum, which every GPU test uses to prove a receiver sees exactly the sender's bytes
-//!   ([`reference`] computes both on the CPU);
+//!   ([`reference`](mod@reference) computes both on the CPU);
 //! - [`Kernels::pack`] and [`Kernels::unpack`]: a strided view of up to 8 dimensions (1, 2, 4 or
 //!   8-byte elements) into and out of a contiguous buffer;
 //! - [`Kernels::read`]: reads a range and adds its words into a device counter, asynchronously

@@ -68,18 +68,26 @@ pub fn run_gpu_tests(tests: Vec<GpuTest>) -> ! {
         })
         .collect();
     let conclusion = libtest_mimic::run(&Arguments::from_args(), trials);
-    let skipped = SKIPPED.load(Ordering::Relaxed);
-    if let (Some(reason), true) = (no_gpu, skipped > 0) {
-        let noted = std::env::var_os(GPU_SKIPS_ENV).is_some_and(|file| {
-            use std::io::Write;
-            let file = std::fs::OpenOptions::new().create(true).append(true).open(file);
-            file.and_then(|mut f| writeln!(f, "{skipped}\t{reason}")).is_ok()
-        });
-        if !noted {
-            println!("{skipped} GPU tests skipped: {reason}");
-        }
+    if let Some(reason) = no_gpu {
+        note_gpu_skips(SKIPPED.load(Ordering::Relaxed), &reason);
     }
     conclusion.exit()
+}
+
+/// Says once that `skipped` GPU tests were skipped for `reason`: in [`GPU_SKIPS_ENV`]'s file
+/// where it is set (`cargo xtask test` sums them up), else on stdout.
+pub fn note_gpu_skips(skipped: usize, reason: &str) {
+    if skipped == 0 {
+        return;
+    }
+    let noted = std::env::var_os(GPU_SKIPS_ENV).is_some_and(|file| {
+        use std::io::Write;
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(file);
+        file.and_then(|mut f| writeln!(f, "{skipped}\t{reason}")).is_ok()
+    });
+    if !noted {
+        println!("{skipped} GPU tests skipped: {reason}");
+    }
 }
 
 /// Why `gpus` GPUs are not available here, or `None`.

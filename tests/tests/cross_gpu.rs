@@ -57,6 +57,7 @@ fn main() {
         CrossTest { name: "across_hosts_broadcast_to_two_receivers", gpus: 2, run: broadcast_nccl },
     ];
     let found = gpus_here();
+    static SKIPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let trials = tests
         .into_iter()
         .map(|CrossTest { name, gpus, run }| {
@@ -71,17 +72,22 @@ fn main() {
                     if gpus == 1 { "" } else { "s" },
                     g.uuids.len()
                 ))),
-                Err(ref why) => Ok(Completion::ignored_with(format!(
-                    "needs {gpus} GPU{}: found 0 ({why})",
-                    if gpus == 1 { "" } else { "s" }
-                ))),
+                // The reason, the same for every test, is said once at the end.
+                Err(_) => {
+                    SKIPPED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    Ok(Completion::ignored_with("no GPU"))
+                }
             })
         })
         .collect();
     let mut args = Arguments::from_args();
     // They measure free device memory and start processes on both GPUs: one at a time.
     args.test_threads.get_or_insert(1);
-    libtest_mimic::run(&args, trials).exit()
+    let conclusion = libtest_mimic::run(&args, trials);
+    if let Err(why) = &found {
+        integration_tests::note_gpu_skips(SKIPPED.load(std::sync::atomic::Ordering::Relaxed), why);
+    }
+    conclusion.exit()
 }
 
 /// The GPUs this test process sees (by UUID, in its ordinal order), and how to make a child see

@@ -71,7 +71,15 @@ pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> 
             let _ = child.kill();
             let status = child.wait().map_err(|e| Error::Invalid(format!("reaping the child: {e}")))?;
             Err(match error {
-                Error::Timeout => Error::Timeout,
+                Error::Timeout => {
+                    // `Error::Timeout` carries no text; the log says which step it was.
+                    tracing::warn!(
+                        program = program(command),
+                        ?timeout,
+                        "the child did not take its channel (from_parent) in time; killed"
+                    );
+                    Error::Timeout
+                }
                 _ => Error::Invalid(format!(
                     "the child {} ended ({status}) before taking its channel (does it call from_parent?)",
                     program(command)
