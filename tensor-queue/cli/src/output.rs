@@ -1,4 +1,4 @@
-//! Writing tq's output: every command writes through [`print`], so output that cannot be
+//! Writing tq's output: every command writes through [`print()`], so output that cannot be
 //! written (a full disk, `> /dev/full`, a closed pipe) is reported the same way everywhere:
 //! a line on standard error and exit status 2, never a panic.
 

@@ -1,8 +1,8 @@
 //! `tensor_queue._native`: the Python face of tensor-queue (DESIGN.md decision 12).
 //!
-//! Python messages are a safe value tree ([`value::Value`]: no pickle, nothing runs on receipt)
+//! Python messages are a safe value tree (`value::Value`: no pickle, nothing runs on receipt)
 //! carried by the same Rust channels as every other message; arrays cross the language boundary
-//! through DLPack ([`dlpack`]). The Python package `tensor_queue` (beside this crate) re-exports
+//! through DLPack (`dlpack`). The Python package `tensor_queue` (beside this crate) re-exports
 //! these classes and adds `Queue`, the exception classes and the documentation.
 
 mod channel;

@@ -1,5 +1,5 @@
 //! Prints the cost of each CUDA IPC primitive on this machine, next to the figures measured for
-//! `../shared/GPU.md`: handle export, open and close in another process, VMM export, VMM import and
+//! `docs/GPU.md`: handle export, open and close in another process, VMM export, VMM import and
 //! map in another process, event record, and a cross-process event wait.
 //!
 //! Run on the GPU machine (`target/gpu-bundle/bin/primitive-costs`); it starts `ipc-helper` for the

@@ -2,7 +2,7 @@
 //!
 //! Every role reports on stdout, one line per event, and every wait has a deadline: a watchdog
 //! aborts the process after `--deadline-s` (default 120) seconds, so a helper never outlives its
-//! test for long. Messages are [`FaultItem`](integration_tests::queue::FaultItem)s: one fresh GPU tensor filled with the pattern of `seed`.
+//! test for long. Messages are [`FaultItem`]s: one fresh GPU tensor filled with the pattern of `seed`.
 //!
 //! Roles:
 //! - `produce --to P --threads T --count N --len L --tag G [--spin-every E --spin-us U]
@@ -26,7 +26,7 @@
 //!   errors are printed as `conn-error <what>`. When stdin closes it drains what is left (5 s at
 //!   most), prints `cuda ok` as `produce` does, and `done ok=<n> lost=<n> failed=<n>`.
 //! - `batch --to P --tensors K --len L --seed S [--device D] [--spin-us U] [--die-after-us A]`: one
-//!   [`FaultBatch`](integration_tests::queue::FaultBatch) of `K` fresh `L`-byte tensors on GPU `D`
+//!   [`FaultBatch`] of `K` fresh `L`-byte tensors on GPU `D`
 //!   (tensor `k` filled with the pattern of `S + k`, the first fill behind `U` µs of GPU time),
 //!   sent with `send_on` on one stream. Prints `ready`, `sent` once `send_on` returned, then
 //!   `released` (or `unreleased <n>` after 30 s) and `cuda ok`: killed tests kill it after `sent`.
