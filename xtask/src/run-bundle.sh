@@ -34,7 +34,15 @@ step() { # step NAME COMMAND...
 }
 
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader > "$logs/gpus.txt" 2>&1
-for t in "$here"/tests/*; do step "test-$(basename "$t")" "$t" --test-threads=1; done
+# GPU tests run one at a time (they measure device memory and compete for the GPU); the host-only
+# binaries, which CI runs in parallel anyway, use 4 threads so their long waits overlap.
+for t in "$here"/tests/*; do
+  case "$(basename "$t")" in
+    tests-api_host | tests-async_host | tests-ecosystem | tests-queue_host | tests-reliability | tests-tcp_host | tests-views) threads=4 ;;
+    *) threads=1 ;;
+  esac
+  step "test-$(basename "$t")" "$t" --test-threads=$threads
+done
 for e in "$here"/examples/*; do [ -e "$e" ] && step "example-$(basename "$e")" "$e"; done
 # The Python package (its wheel installed offline into /tmp/site): its tests (the GPU ones run
 # here, where torch and CUDA are), its examples, then its benchmark against torch.multiprocessing.
