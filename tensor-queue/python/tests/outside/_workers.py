@@ -1,0 +1,64 @@
+"""Functions the spawn/forkserver children run (importable by the children)."""
+
+import os
+import time
+
+import numpy as np
+
+
+def produce_ordered(q, producer_id, n):
+    for i in range(n):
+        q.put({"p": producer_id, "i": i, "a": np.full(3, i, dtype=np.int64)})
+
+
+def put_values(q, values):
+    for v in values:
+        q.put(v)
+
+
+def consume_n(q, n, out):
+    got = [q.get(timeout=30) for _ in range(n)]
+    out.put(len(got))
+
+
+def send_forever(path, ready):
+    import tensor_queue as tq
+
+    s = tq.Sender.connect(path, timeout=30)
+    ready.set()
+    i = 0
+    while True:
+        s.send({"i": i, "a": np.arange(1000, dtype=np.float64) + i})
+        i += 1
+
+
+def hold_many(path, n, bound, ready):
+    """Receives n arrays, keeps them all alive, then waits to be killed."""
+    import tensor_queue as tq
+
+    r = tq.Receiver.bind(path)
+    bound.set()
+    held = [r.recv(timeout=30) for _ in range(n)]
+    ready.set()
+    time.sleep(600)
+    return held
+
+
+def recv_then_report(path, q_out):
+    import tensor_queue as tq
+
+    r = tq.Receiver.bind(path)
+    q_out.put("bound")
+    msg = r.recv(timeout=30)
+    q_out.put(msg)
+
+
+def broadcast_receiver(path, ready, out):
+    import tensor_queue as tq
+
+    r = tq.Receiver.bind(path)
+    ready.set()
+    msg = r.recv(timeout=30)
+    out.put((os.getpid(), msg["tag"], int(msg["w"].sum())))
+    del msg
+    time.sleep(0.5)
