@@ -62,3 +62,22 @@ def broadcast_receiver(path, ready, out):
     out.put((os.getpid(), msg["tag"], int(msg["w"].sum())))
     del msg
     time.sleep(0.5)
+
+
+def put_then_die(q, n, done):
+    for i in range(n):
+        q.put({"i": i, "a": np.full(1000, i, dtype=np.int32)})
+    done.set()
+    time.sleep(600)
+
+
+def try_get(q, out):
+    import tensor_queue as tq
+
+    try:
+        q.get(timeout=2)
+        out.put("got")
+    except tq.NotTheConsumer as e:
+        out.put(("NotTheConsumer", isinstance(e, RuntimeError)))
+    except BaseException as e:
+        out.put((type(e).__name__, str(e)))
