@@ -81,3 +81,23 @@ def try_get(q, out):
         out.put(("NotTheConsumer", isinstance(e, RuntimeError)))
     except BaseException as e:
         out.put((type(e).__name__, str(e)))
+
+
+def send_big_forever(path, ready):
+    import tensor_queue as tq
+
+    s = tq.Sender.connect(path, timeout=30)
+    ready.set()
+    i = 0
+    while True:
+        s.send({"i": i, "a": np.full(4 << 20, i % 251, dtype=np.uint8)})
+        i += 1
+
+
+def bind_and_sleep(path, bound):
+    import tensor_queue as tq
+
+    r = tq.Receiver.bind(path, capacity=2)
+    bound.set()
+    time.sleep(600)
+    return r
