@@ -36,5 +36,7 @@ def program(code, *args, env=None, **kw):
         stderr=subprocess.PIPE,
         text=True,
         env=e,
+        # not the package's source folder, whose tensor_queue/ has no built _native
+        cwd=kw.pop("cwd", tempfile.gettempdir()),
         **kw,
     )
