@@ -85,6 +85,14 @@ pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<
     }
     let py = value.py();
     let framework = framework_of(value)?;
+    if framework == Framework::Numpy && value.get_type().name()? != "ndarray" {
+        // It would arrive as a plain ndarray: a masked array without its mask, a matrix as 2-d.
+        return Err(ImportError::Refused(format!(
+            "is a {}, a subclass of numpy.ndarray that would arrive as a plain ndarray without what the \
+             subclass adds (send numpy.asarray(x), and a masked array's mask beside it)",
+            value.get_type().fully_qualified_name()?
+        )));
+    }
     let array = match framework {
         // NumPy scalars have no `__dlpack__`; a 0-d array holds the same.
         Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (value,))?,

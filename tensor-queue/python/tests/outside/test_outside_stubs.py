@@ -112,7 +112,9 @@ def test_exception_hierarchy(name):
 def test_queue_signature_matches_docs():
     sig = inspect.signature(tq.Queue)
     assert list(sig.parameters) == ["maxsize", "address", "connect_timeout"]
-    assert list(inspect.signature(tq.Queue.put).parameters) == ["self", "obj", "block", "timeout"]
+    # put also takes the keyword-only stream= that the docs give every send ("or `stream=`").
+    assert list(inspect.signature(tq.Queue.put).parameters) == ["self", "obj", "block", "timeout", "stream"]
+    assert inspect.signature(tq.Queue.put).parameters["stream"].kind is inspect.Parameter.KEYWORD_ONLY
     assert list(inspect.signature(tq.Queue.get).parameters) == ["self", "block", "timeout"]
 
 
