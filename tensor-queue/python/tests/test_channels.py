@@ -351,3 +351,15 @@ def test_ctrl_c_interrupts_close_waiting_for_a_receiver_that_never_reads():
             prog.communicate()
         receiver.close()
     assert "interrupted" in out, (out, err)
+
+
+def test_stats_say_which_dlpack_path_each_array_took():
+    # NumPy publishes no DLPack C exchange table: its arrays go through __dlpack__.
+    path = address()
+    with tq.Receiver.bind(path) as receiver, tq.Sender.connect(path) as sender:
+        before = tq.stats()
+        sender.send({"a": np.arange(3), "b": np.ones(2)})
+        after = tq.stats()
+        receiver.recv(timeout=30)
+    assert after["send_dlpack_fallback"] - before["send_dlpack_fallback"] == 2, after
+    assert after["send_exchange_api"] == before["send_exchange_api"], after
