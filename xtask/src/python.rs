@@ -53,9 +53,11 @@ pub fn test() -> Result<()> {
         .arg(package_dir())
         .current_dir(workspace_root()))?;
     println!("python: running pytest on tensor-queue/python/tests");
+    // The hostile peer of `tests/test_hostile.py`, built by the workspace's tests before this.
     run(Command::new(&python)
         .args(["-m", "pytest", "-q", "-rs"])
         .arg(package_dir().join("tests"))
+        .env("TQ_HOSTILE", workspace_root().join("target/debug/tq-hostile"))
         .current_dir(workspace_root()))
 }
 

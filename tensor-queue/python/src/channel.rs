@@ -409,9 +409,19 @@ impl Sender {
         Ok(self.inner()?.take_rejected().iter().map(|r| format!("{r:?}")).collect())
     }
 
-    /// Closes this end (the receiver sees it go once every clone is closed).
-    fn close(&self, py: Python<'_>) {
+    /// Closes this end (the receiver sees it go once every clone is closed). Waits, while the
+    /// receiver lives, until the bytes of what was sent are in its socket; Ctrl-C interrupts
+    /// that wait (the end stays open).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        // The Rust end waits for the same without a bound when dropped: wait here in slices
+        // first, so that a receiver that never reads cannot make close() deaf to Ctrl-C.
+        if let Ok(sender) = self.inner() {
+            while !py.detach(|| sender.wait_written(SLICE)) {
+                py.check_signals()?;
+            }
+        }
         py.detach(|| lock(&self.end).close());
+        Ok(())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -419,8 +429,8 @@ impl Sender {
     }
 
     #[pyo3(signature = (*_args))]
-    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
-        self.close(py);
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<()> {
+        self.close(py)
     }
 }
 

@@ -85,6 +85,14 @@ pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<
     }
     let py = value.py();
     let framework = framework_of(value)?;
+    if framework == Framework::Numpy && value.get_type().name()? != "ndarray" {
+        // It would arrive as a plain ndarray: a masked array without its mask, a matrix as 2-d.
+        return Err(ImportError::Refused(format!(
+            "is a {}, a subclass of numpy.ndarray that would arrive as a plain ndarray without what the \
+             subclass adds (send numpy.asarray(x), and a masked array's mask beside it)",
+            value.get_type().fully_qualified_name()?
+        )));
+    }
     let array = match framework {
         // NumPy scalars have no `__dlpack__`; a 0-d array holds the same.
         Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (value,))?,
@@ -102,8 +110,14 @@ pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<
         return Err(ImportError::Refused("requires grad: send x.detach() (gradients do not cross processes)".into()));
     }
     let tensor = match exchange::api_of(&array) {
-        Some(api) => import_described(&array, api, order)?,
-        None => import_dlpack(&array, order)?,
+        Some(api) => {
+            stats::SEND_EXCHANGE_API.add(1);
+            import_described(&array, api, order)?
+        }
+        None => {
+            stats::SEND_DLPACK_FALLBACK.add(1);
+            import_dlpack(&array, order)?
+        }
     };
     stats::SEND_COPIES.add(1);
     stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
@@ -148,9 +162,15 @@ fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tens
     if let Ok(device) = array.call_method0("__dlpack_device__") {
         let (device_type, device_id): (i32, i32) = device.extract()?;
         if device_type == DLDeviceType::CUDA.0 as i32 {
-            // The producer orders its work before our stream (the DLPack stream protocol).
             let state = gpu::device(device_id).map_err(ImportError::Refused)?;
-            kwargs.set_item("stream", state.stream.raw() as usize)?;
+            match order.explicit {
+                // The producer orders its current stream's work before ours (the DLPack stream
+                // protocol).
+                None => kwargs.set_item("stream", state.stream.raw() as usize)?,
+                // `send(stream=...)`: ordered after that stream instead (below), not the current
+                // one; -1 asks the producer for no ordering of its own.
+                Some(_) => kwargs.set_item("stream", -1)?,
+            }
             cuda = Some(state);
         } else if device_type != DLDeviceType::CPU.0 as i32 && device_type != DLDeviceType::CUDAHOST.0 as i32 {
             return Err(ImportError::Refused(format!(
@@ -171,9 +191,11 @@ fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tens
         // SAFETY: `described` comes from the live capsule.
         None => unsafe { copy_in(described) },
         Some(state) => {
-            // SAFETY: as above; the producer may free the memory once the capsule goes, so the
-            // copy is waited for here (this fallback cannot order the producer after it).
-            let tensor = unsafe { copy_device(described, state.stream.raw(), order) }?;
+            // The producer may free the memory once the capsule goes, so the copy is waited for
+            // here (this fallback cannot order the producer after it).
+            let producer = order.explicit.unwrap_or(state.stream.raw());
+            // SAFETY: `described` comes from the live capsule.
+            let tensor = unsafe { copy_device(described, producer, order) }?;
             state.stream.synchronize().map_err(|e| e.to_string())?;
             Ok(tensor)
         }

@@ -17,7 +17,8 @@ pub fn to_py(error: Error) -> PyErr {
         Error::TooLarge { .. } => "TooLarge",
         Error::NotSendable(_) => "NotSendable",
         Error::RouteRefused(_) => "RouteRefused",
-        Error::PeerRefused(_) => "PeerRefused",
+        // A TCP peer that failed the secret's challenge is refused as surely as one of another user.
+        Error::PeerRefused(_) | Error::Core(ipc_core::Error::AuthFailed { .. }) => "PeerRefused",
         Error::Invalid(_) => "InvalidArgument",
         Error::Frame { .. }
         | Error::Protocol(_)

@@ -31,18 +31,24 @@ pub static ARRAYS_RECEIVED: Counter = Counter::new();
 pub static SEND_COPIES: Counter = Counter::new();
 /// Their bytes.
 pub static SEND_COPY_BYTES: Counter = Counter::new();
+/// Arrays taken through a framework's DLPack C exchange table (torch: no Python calls).
+pub static SEND_EXCHANGE_API: Counter = Counter::new();
+/// Arrays taken through `__dlpack__` (other frameworks, older torch; a GPU copy waits on the CPU).
+pub static SEND_DLPACK_FALLBACK: Counter = Counter::new();
 /// Arrays copied at receipt (host tensors handed to torch, which has no read-only tensors).
 pub static RECEIVE_COPIES: Counter = Counter::new();
 /// Their bytes.
 pub static RECEIVE_COPY_BYTES: Counter = Counter::new();
 
-const ALL: [(&str, &Counter); 8] = [
+const ALL: [(&str, &Counter); 10] = [
     ("messages_sent", &MESSAGES_SENT),
     ("messages_received", &MESSAGES_RECEIVED),
     ("arrays_sent", &ARRAYS_SENT),
     ("arrays_received", &ARRAYS_RECEIVED),
     ("send_copies", &SEND_COPIES),
     ("send_copy_bytes", &SEND_COPY_BYTES),
+    ("send_exchange_api", &SEND_EXCHANGE_API),
+    ("send_dlpack_fallback", &SEND_DLPACK_FALLBACK),
     ("receive_copies", &RECEIVE_COPIES),
     ("receive_copy_bytes", &RECEIVE_COPY_BYTES),
 ];

@@ -13,7 +13,8 @@ use tensor_queue::Tensor;
 use crate::dlpack::{self, SendOrder};
 use crate::errors::raise;
 
-/// How deep a message may nest (deeper is refused at `send`; it also stops cycles).
+/// How deep a message may nest (deeper is refused at `send`, where it also stops cycles, and on
+/// receipt, where it stops a hostile peer's message from overflowing the stack).
 const MAX_DEPTH: usize = 64;
 
 /// One node of a message.
@@ -34,13 +35,43 @@ pub enum Value {
     /// `bytes`.
     Bytes(Vec<u8>),
     /// `list`.
-    List(Vec<Value>),
+    List(#[serde(deserialize_with = "nested")] Vec<Value>),
     /// `tuple`.
-    Tuple(Vec<Value>),
+    Tuple(#[serde(deserialize_with = "nested")] Vec<Value>),
     /// `dict`, in insertion order.
-    Dict(Vec<(Value, Value)>),
+    Dict(#[serde(deserialize_with = "nested")] Vec<(Value, Value)>),
     /// An array and the framework it came from.
     Array(Tensor, Framework),
+}
+
+thread_local! {
+    /// How many containers the message being decoded on this thread has open.
+    static DECODING_DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Decodes a container's items, refusing a message that nests deeper than a sender may send
+/// ([`MAX_DEPTH`] levels below its root): a hostile peer's very deep message is a decode error
+/// (the receiver refuses that message), not a stack overflow.
+fn nested<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<T, D::Error> {
+    struct Level;
+    impl Drop for Level {
+        fn drop(&mut self) {
+            DECODING_DEPTH.with(|depth| depth.set(depth.get() - 1));
+        }
+    }
+    let depth = DECODING_DEPTH.with(|depth| {
+        depth.set(depth.get() + 1);
+        depth.get()
+    });
+    let _level = Level;
+    // The root container is level 1 and its items sit at path length 1: a sender refuses any
+    // value at a path longer than MAX_DEPTH, so no container it sends is deeper than MAX_DEPTH + 1.
+    if depth > MAX_DEPTH + 1 {
+        return Err(serde::de::Error::custom(format!(
+            "a message nests deeper than {MAX_DEPTH} levels (a sender refuses those)"
+        )));
+    }
+    T::deserialize(deserializer)
 }
 
 /// The framework an array left, so that it comes back as the same.

@@ -310,3 +310,56 @@ def test_doctor_and_memory() -> None:
         assert sender.wait_released(10)
     tq.memory.trim()
     assert tq.memory.usage()["in_use_bytes"] == 0
+
+
+CLOSE_AFTER_BIG_SEND = """
+import sys, tensor_queue as tq
+s = tq.Sender.connect(sys.argv[1], timeout=30)
+s.send("x" * 2_000_000, timeout=10)  # more than the socket holds: the rest waits in this process
+print("sent", flush=True)
+try:
+    s.close()
+    print("closed", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.stdout.flush()
+    import os
+    os._exit(0)  # the end is still open and would wait again at exit
+"""
+
+
+def test_ctrl_c_interrupts_close_waiting_for_a_receiver_that_never_reads():
+    import subprocess
+
+    path = address()
+    receiver = tq.Receiver.bind(path)
+    prog = subprocess.Popen(
+        [sys.executable, "-c", CLOSE_AFTER_BIG_SEND, path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tempfile.gettempdir(),
+    )
+    try:
+        assert prog.stdout.readline().strip() == "sent", prog.stderr.read()
+        time.sleep(0.5)  # into close()'s wait (the receiver never reads)
+        prog.send_signal(signal.SIGINT)
+        out, err = prog.communicate(timeout=30)
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+            prog.communicate()
+        receiver.close()
+    assert "interrupted" in out, (out, err)
+
+
+def test_stats_say_which_dlpack_path_each_array_took():
+    # NumPy publishes no DLPack C exchange table: its arrays go through __dlpack__.
+    path = address()
+    with tq.Receiver.bind(path) as receiver, tq.Sender.connect(path) as sender:
+        before = tq.stats()
+        sender.send({"a": np.arange(3), "b": np.ones(2)})
+        after = tq.stats()
+        receiver.recv(timeout=30)
+    assert after["send_dlpack_fallback"] - before["send_dlpack_fallback"] == 2, after
+    assert after["send_exchange_api"] == before["send_exchange_api"], after

@@ -30,7 +30,7 @@ def test_torch_host_tensors_come_back_as_writable_torch_tensors() -> None:
     path = address()
     with tq.Receiver.bind(path) as receiver, tq.Sender.connect(path) as sender:
         before = tq.stats()["receive_copies"]
-        sender.send(msg)
+        sender.send(msg, timeout=30)
         got = receiver.recv(timeout=30)
         assert tq.stats()["receive_copies"] == before + 5, "torch host tensors are copied at receipt"
     assert type(got["ints"]) is tuple
@@ -54,7 +54,13 @@ def test_torch_tensors_between_processes(method: str) -> None:
     q = tq.Queue()
     child = ctx.Process(target=workers.produce_torch, args=(q, 3))
     child.start()
-    got = [q.get(timeout=60) for _ in range(3)]
-    child.join(30)
+    try:
+        got = [q.get(timeout=60) for _ in range(3)]
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+            pytest.fail(f"the producer (pid {child.pid}) was still running after 30 s: killed")
     assert [m["i"] for m in got] == [0, 1, 2]
     assert all(isinstance(m["x"], torch.Tensor) and int(m["x"][0]) == m["i"] for m in got)

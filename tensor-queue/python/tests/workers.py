@@ -121,7 +121,66 @@ def gpu_produce_seed(q: tq.Queue, results: tq.Queue, skip_ordering: bool) -> Non
     else:
         q.put({"x": y, "step": 3})
     torch.cuda.synchronize()
-    results.put({"sum": float(y.double().sum()), "norm": float(y.double().norm())})
+    st = tq.stats()
+    paths = (
+        f"exchange_api={st['send_exchange_api']} dlpack_fallback={st['send_dlpack_fallback']} "
+        f"(torch's exchange table usable here: {tq._native.has_exchange_api(y)}, torch {torch.__version__})"
+    )
+    results.put({"sum": float(y.double().sum()), "norm": float(y.double().norm()), "paths": paths})
+
+
+def gpu_receive_from_dying_producer(log) -> None:  # noqa: ANN001
+    """The consumer of a producer killed with work queued, in its own process (a stream left
+    waiting forever would hang every later test of the process it ran in). Says each step on
+    `log` with the seconds since it started; its last line is `ok` or `fail WHY`."""
+    import multiprocessing
+    import tempfile
+    import uuid
+
+    import torch
+
+    start = time.monotonic()
+
+    def say(line: str) -> None:
+        log.put(f"{time.monotonic() - start:.2f}s {line}")
+
+    path = os.path.join(tempfile.gettempdir(), f"tq-dying-{uuid.uuid4().hex[:12]}.sock")
+    with tq.Receiver.bind(path) as receiver:
+        producer = multiprocessing.get_context("spawn").Process(target=gpu_send_then_die, args=(path,))
+        producer.start()
+        producer.join(120)
+        if producer.is_alive():
+            producer.kill()
+            say("fail the producer was still alive after 120 s (killed)")
+            return
+        say(f"producer exit code {producer.exitcode}")
+        try:
+            msg = receiver.recv(timeout=30)
+        except (tq.ProducerFailed, tq.Disconnected) as e:
+            say(f"recv raised {type(e).__name__}: {e}")
+        else:
+            say(f"recv delivered x (device {msg['x'].device}, {msg['x'].numel()} elements)")
+            done = torch.cuda.Event()
+            total = msg["x"].sum()
+            done.record()
+            deadline = time.monotonic() + 30
+            while not done.query():
+                if time.monotonic() > deadline:
+                    say(f"fail work on the dead producer's tensor not runnable after 30 s; errors {receiver.take_errors()}")
+                    return
+                try:
+                    receiver.try_recv()  # lets the receiver hear the hang-up
+                except (tq.Empty, tq.Disconnected, tq.ProducerFailed) as e:
+                    say(f"try_recv raised {type(e).__name__}") if not isinstance(e, tq.Empty) else None
+                time.sleep(0.01)
+            say(f"work on it ran: sum {float(total)}")
+            if float(total) not in (0.0, float(1 << 20)):
+                say(f"fail the sum {float(total)} is neither the old data (0) nor the finished data ({1 << 20})")
+                return
+        # Nothing sticky: this process's GPU still works.
+        say(f"a fresh tensor sums to {float(torch.ones(4, device='cuda').sum())}")
+        say(f"errors {receiver.take_errors()}")
+    say("ok")
 
 
 def gpu_send_then_die(address: str) -> None:

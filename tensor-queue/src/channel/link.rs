@@ -179,6 +179,16 @@ impl Link {
         drop(self.drained.wait_while(out, |out| out.writing && !out.broken).unwrap_or_else(|e| e.into_inner()));
     }
 
+    /// [`Link::wait_written`] for up to `timeout`: whether nothing is left queued.
+    pub fn wait_written_for(&self, timeout: Duration) -> bool {
+        let out = lock(&self.outbox);
+        let (out, _) = self
+            .drained
+            .wait_timeout_while(out, timeout, |out| out.writing && !out.broken)
+            .unwrap_or_else(|e| e.into_inner());
+        !out.writing || out.broken
+    }
+
     /// Reads the next packet if one is waiting, without sleeping. A packet whose descriptors
     /// the kernel dropped (this process had no room for them) is still read: the error that
     /// says so comes back beside it, for the frame to be refused alone rather than the whole

@@ -499,6 +499,28 @@ impl<T> Sender<T> {
         self.inner().wait_released(timeout)
     }
 
+    /// Waits up to `timeout` until the bytes of every message sent so far are in the socket
+    /// (a large message the receiver has not read yet waits in this process); whether they are,
+    /// or the receiver is gone. Dropping the last clone waits for the same without a bound, so a
+    /// caller that must stay interruptible waits here first, in slices.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-wait-written.sock", std::process::id()));
+    /// let mut receiver = Receiver::<Vec<u8>>::bind(&path)?;
+    /// let sender = Sender::<Vec<u8>>::connect(&path)?;
+    /// sender.send(&vec![7u8; 4 << 20])?; // more than the socket holds
+    /// assert!(!sender.wait_written(Duration::from_millis(10)), "the receiver has not read it yet");
+    /// assert_eq!(receiver.recv()?.len(), 4 << 20);
+    /// assert!(sender.wait_written(Duration::from_secs(10)));
+    /// # Ok(()) }
+    /// ```
+    pub fn wait_written(&self, timeout: Duration) -> bool {
+        self.inner().link.wait_written_for(timeout)
+    }
+
     /// Whether the receiver still takes messages. It turns false when the receiver is dropped,
     /// dies or closes the connection, even while it still holds tensors: their memory comes back
     /// when it releases them or its process ends, never before.

@@ -34,6 +34,11 @@
 //!   next message (`got BYTES`, or `rejected REASON`), frees its table, receives one more and
 //!   says `got BYTES`, then `done`.
 //!
+//! - `deep-value PATH DEPTH`: a sender whose one message's payload is the Python package's value
+//!   tree (`tensor-queue/python/src/value.rs`) nested `DEPTH` lists deep, written byte by byte
+//!   (no encoder of ours would make it); waits until it is released, says `rejected SEQ REASON`
+//!   for each refusal, then `done`.
+//!
 //! Any error: `error DEBUG` on stdout and exit status 1.
 
 use std::io::{BufRead as _, Write as _};
@@ -124,6 +129,7 @@ fn run() -> Result<()> {
         }
         "attack-received" => attack_received(&arg(1)?),
         "fd-starved" => fd_starved(&arg(1)?),
+        "deep-value" => deep_value(&arg(1)?, number(2)? as usize),
         "exchange" => {
             let mut receiver = tensor_queue::Receiver::<Vec<u8>>::bind(arg(1)?)?;
             say("listening");
@@ -137,6 +143,38 @@ fn run() -> Result<()> {
         }
         other => bail!("unknown role {other}"),
     }
+}
+
+/// Bytes that postcard writes as they are (a tuple of `u8`s has no length prefix): a payload
+/// made by hand.
+struct RawPayload(Vec<u8>);
+
+impl serde::Serialize for RawPayload {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple as _;
+        let mut tuple = serializer.serialize_tuple(self.0.len())?;
+        for byte in &self.0 {
+            tuple.serialize_element(byte)?;
+        }
+        tuple.end()
+    }
+}
+
+/// A Python value tree `depth` lists deep: `List` is variant 7 of `Value`, each holding one item,
+/// and `None` (variant 0) at the bottom.
+fn deep_value(path: &str, depth: usize) -> Result<()> {
+    let sender = Sender::<RawPayload>::connect(path)?;
+    let mut bytes = [7u8, 1].repeat(depth);
+    bytes.push(0);
+    sender.send(&RawPayload(bytes))?;
+    if !sender.wait_released(Duration::from_secs(30)) {
+        bail!("the message was not released within 30 s");
+    }
+    for rejection in sender.take_rejected() {
+        say(&format!("rejected {} {}", rejection.seq, rejection.reason));
+    }
+    say("done");
+    Ok(())
 }
 
 /// A sender whose type is not the receiver's.
