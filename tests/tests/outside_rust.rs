@@ -538,14 +538,24 @@ fn silent_tcp_connectors_do_not_lock_out_an_honest_sender() {
 
 #[test]
 fn tcp_try_send_of_a_large_message_returns_at_once_when_the_receiver_does_not_read() {
-    let (mut rx, endpoint) = tcp_receiver::<Tensor>(4);
+    // Watchdog: this test was seen to hang its test thread past every bound below (not in a
+    // thread of `within`); the binary then fails rather than hangs.
+    thread::spawn(|| {
+        thread::sleep(Duration::from_secs(240));
+        eprintln!("tcp_try_send_of_a_large_message...: still not done after 240 s: HANG (broken promise)");
+        std::process::exit(101);
+    });
+    let (rx, endpoint) = tcp_receiver::<Tensor>(4);
+    // Leaked: when a send hangs, the test must fail at its bound, not hang in the receiver's drop.
+    let rx: &'static mut Receiver<Tensor> = Box::leak(Box::new(rx));
     let tx = tcp_sender::<Tensor>(&endpoint).unwrap();
     let len = 512usize << 20;
     let big = Tensor::zeros(DType::U8, &[len as u64]).unwrap();
     // The receiver reads nothing now: the first large message fills the socket; the next ones
     // must still come back within their promise (Ok queued, or Full), never wait for the reader.
     let tx = within(Duration::from_secs(60), "TCP try_send of 512 MiB messages, receiver not reading", move || {
-        for _ in 0..3 {
+        for i in 0..3 {
+            eprintln!("try_send {i}");
             match tx.try_send(&big) {
                 Ok(()) | Err(Error::Full) => {}
                 Err(e) => panic!("try_send: {e}"),
@@ -561,9 +571,11 @@ fn tcp_try_send_of_a_large_message_returns_at_once_when_the_receiver_does_not_re
         }
         tx
     });
-    // Whatever was accepted arrives whole.
-    let first = rx.recv_timeout(Duration::from_secs(120)).unwrap();
-    assert_eq!(first.shape(), &[len as u64]);
+    // Whatever was accepted arrives whole, and recv_timeout keeps its own bound.
+    let first = within(Duration::from_secs(150), "recv_timeout(60 s) of the first accepted message", move || {
+        rx.recv_timeout(Duration::from_secs(60)).map(|t| t.shape().to_vec())
+    });
+    assert_eq!(first.unwrap(), vec![len as u64]);
     drop(tx);
 }
 
@@ -574,8 +586,19 @@ fn a_tcp_sender_killed_mid_message_leaves_an_entry_in_take_errors() {
     let mut peer =
         Peer::start(&["send-big", &endpoint, &len.to_string()], &[("TQ_SECRET", "outside-tester-secret-0123456789")]);
     assert_eq!(peer.line(), "sending");
-    // The receiver has not read a byte of the 1 GiB message: the socket holds a few MiB of it.
-    thread::sleep(Duration::from_millis(300));
+    // Kill it once it has written at least 1 MiB more to its sockets (the kernel's count of
+    // bytes written, /proc/PID/io `wchar`): the message has started, and 1 GiB cannot be done.
+    let io = format!("/proc/{}/io", peer.child.id());
+    let wchar = || -> u64 {
+        let text = std::fs::read_to_string(&io).unwrap_or_default();
+        text.lines().find_map(|l| l.strip_prefix("wchar: ")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    };
+    let start = wchar();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while wchar() < start + (1 << 20) {
+        assert!(std::time::Instant::now() < deadline, "the peer never started writing its message");
+        thread::sleep(Duration::from_millis(1));
+    }
     peer.sigkill();
     let (result, errors) = within(Duration::from_secs(120), "recv after the sender died mid-message", move || {
         let result = rx.recv_timeout(Duration::from_secs(30)).map(|t| t.shape().to_vec());

@@ -94,7 +94,10 @@ fn main() -> Result<()> {
             let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
             rustix::process::setrlimit(
                 rustix::process::Resource::Nofile,
-                rustix::process::Rlimit { current: Some(open + spare), maximum: None },
+                rustix::process::Rlimit {
+                    current: Some(open + spare),
+                    maximum: rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum,
+                },
             )?;
             say("bound");
             let mut held = Vec::new();
