@@ -173,13 +173,8 @@ impl Link {
         self.connection.try_send(&bytes, &[]).map_err(peer_gone)
     }
 
-    /// Waits until every queued packet is written, or the peer is gone.
-    pub fn wait_written(&self) {
-        let out = lock(&self.outbox);
-        drop(self.drained.wait_while(out, |out| out.writing && !out.broken).unwrap_or_else(|e| e.into_inner()));
-    }
-
-    /// [`Link::wait_written`] for up to `timeout`: whether nothing is left queued.
+    /// Waits up to `timeout` until every queued packet is written, or the peer is gone: whether
+    /// nothing is left queued.
     pub fn wait_written_for(&self, timeout: Duration) -> bool {
         let out = lock(&self.outbox);
         let (out, _) = self

@@ -176,8 +176,14 @@ impl Drop for Handle {
             lock(&self.inner.comms).close();
         }
         // What the sends queued is written first (while the receiver lives): a program may
-        // return from `main` right after its last send.
-        self.inner.link.wait_written();
+        // return from `main` right after its last send. Bounded: a receiver that never reads
+        // must not hold this thread for ever.
+        if !self.inner.link.wait_written_for(super::SENDER_DROP_TIMEOUT) {
+            tracing::warn!(
+                "a dropped Sender gave up bytes its sends had queued: the receiver took none of them for {:?}",
+                super::SENDER_DROP_TIMEOUT
+            );
+        }
         // Close our direction only: the receiver may still hold tensors, and their releases
         // must still reach the reader thread before the memory can be reused.
         self.inner.link.shutdown(rustix::net::Shutdown::Write);
