@@ -459,27 +459,30 @@ impl Broadcast {
         Ok(Broadcast { end: Mutex::new(Owned::new(tensor_queue::Broadcast::new(inner))) })
     }
 
-    /// Sends `message` to every receiver (the same memory for all), waiting while any
-    /// receiver's queue is full; `stream` and `copy` as for `Sender.send`.
-    #[pyo3(signature = (message, *, stream = None, copy = "auto"))]
+    /// Sends `message` to every receiver (the same memory for all), waiting (up to `timeout`
+    /// seconds: then `Timeout`, and no receiver got it) while any receiver's queue is full;
+    /// `stream` and `copy` as for `Sender.send`.
+    #[pyo3(signature = (message, timeout = None, *, stream = None, copy = "auto"))]
     fn send(
         &self,
         py: Python<'_>,
         message: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
         stream: Option<&Bound<'_, PyAny>>,
         copy: &str,
     ) -> PyResult<()> {
         let broadcast = tensor_queue::Broadcast::new(self.senders()?);
         let receivers = broadcast.senders().len() as u64;
         let order = send_order(stream, copy)?;
+        // In slices, all or none each (so that Ctrl-C interrupts a wait for a full receiver).
         send_in_slices(
             py,
             message,
-            None,
+            timeout,
             order,
-            |value, stream, _| match stream {
-                Some(stream) => broadcast.send_on(value, stream),
-                None => broadcast.send(value),
+            |value, stream, slice| match stream {
+                Some(stream) => broadcast.send_on_timeout(value, stream, slice),
+                None => broadcast.send_timeout(value, slice),
             },
             receivers,
         )

@@ -363,3 +363,62 @@ def test_stats_say_which_dlpack_path_each_array_took():
         receiver.recv(timeout=30)
     assert after["send_dlpack_fallback"] - before["send_dlpack_fallback"] == 2, after
     assert after["send_exchange_api"] == before["send_exchange_api"], after
+
+
+BROADCAST_TO_A_FULL_RECEIVER = """
+import sys, tensor_queue as tq
+both = tq.Broadcast([tq.Sender.connect(sys.argv[1]), tq.Sender.connect(sys.argv[2])])
+both.send("first")
+print("sent", flush=True)
+try:
+    both.send("second")  # the second receiver holds one message and never reads
+    print("sent again", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_interrupts_a_broadcast_waiting_for_a_full_receiver():
+    import subprocess
+
+    paths = [address(), address()]
+    readers = [tq.Receiver.bind(paths[0]), tq.Receiver.bind(paths[1], capacity=1)]
+    prog = subprocess.Popen(
+        [sys.executable, "-c", BROADCAST_TO_A_FULL_RECEIVER, *paths],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tempfile.gettempdir(),
+    )
+    try:
+        assert prog.stdout.readline().strip() == "sent", prog.stderr.read()
+        assert readers[0].recv(timeout=30) == "first"
+        time.sleep(0.5)  # into the second send's wait
+        prog.send_signal(signal.SIGINT)
+        out, err = prog.communicate(timeout=30)
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+            prog.communicate()
+    assert "interrupted" in out, (out, err)
+    # All or none: the first receiver did not get the second message either (its sender has
+    # gone since: Disconnected, after everything sent was received).
+    with pytest.raises((tq.Empty, tq.Disconnected)):
+        readers[0].try_recv()
+    for r in readers:
+        r.close()
+
+
+def test_broadcast_send_timeout_sends_to_nobody():
+    paths = [address(), address()]
+    fast, slow = tq.Receiver.bind(paths[0]), tq.Receiver.bind(paths[1], capacity=1)
+    both = tq.Broadcast([tq.Sender.connect(paths[0]), tq.Sender.connect(paths[1])])
+    both.send("first", timeout=30)
+    assert fast.recv(timeout=30) == "first"
+    with pytest.raises(tq.Timeout):
+        both.send("second", timeout=0.2)
+    with pytest.raises(tq.Empty):
+        fast.try_recv()
+    assert slow.recv(timeout=30) == "first"
+    fast.close()
+    slow.close()

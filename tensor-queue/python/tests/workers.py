@@ -164,6 +164,7 @@ def gpu_receive_from_dying_producer(log) -> None:  # noqa: ANN001
             total = msg["x"].sum()
             done.record()
             deadline = time.monotonic() + 30
+            heard = set()
             while not done.query():
                 if time.monotonic() > deadline:
                     say(f"fail work on the dead producer's tensor not runnable after 30 s; errors {receiver.take_errors()}")
@@ -171,7 +172,9 @@ def gpu_receive_from_dying_producer(log) -> None:  # noqa: ANN001
                 try:
                     receiver.try_recv()  # lets the receiver hear the hang-up
                 except (tq.Empty, tq.Disconnected, tq.ProducerFailed) as e:
-                    say(f"try_recv raised {type(e).__name__}") if not isinstance(e, tq.Empty) else None
+                    if type(e) is not tq.Empty and type(e).__name__ not in heard:
+                        heard.add(type(e).__name__)
+                        say(f"try_recv raised {type(e).__name__}: {e}")
                 time.sleep(0.01)
             say(f"work on it ran: sum {float(total)}")
             if float(total) not in (0.0, float(1 << 20)):

@@ -1,10 +1,12 @@
 //! One message to several receivers, encoded once.
 
+use std::time::{Duration, Instant};
+
 use serde::Serialize;
 
 use super::outgoing::Outgoing;
 use super::sender::{Sender, Wait};
-use crate::{Result, Stream};
+use crate::{Error, Result, Stream};
 
 /// One message to several receivers, without copies: each gets the same memory under its own
 /// lease, and the memory is reused only when all have released it (the weight-sharing case).
@@ -102,6 +104,73 @@ impl<T: Serialize> Broadcast<T> {
     pub fn send_on(&self, message: &T, stream: &Stream) -> Result<()> {
         let outgoing = Outgoing::on_stream(message, stream)?;
         first_error(self.senders.iter().map(|s| s.inner().send_outgoing(&outgoing, Wait::Forever)))
+    }
+}
+
+impl<T: Serialize> Broadcast<T> {
+    /// [`Broadcast::send`], giving up with [`Error::Timeout`](crate::Error::Timeout) when some
+    /// receiver has no room within `timeout`: then no receiver was sent anything. A receiver that
+    /// is gone or refused is skipped (its error is returned once the others were sent to).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Broadcast, Error, Receiver, Sender};
+    /// # let dir = std::env::temp_dir();
+    /// # let a = dir.join(format!("doc-{}-bct-a.sock", std::process::id()));
+    /// # let b = dir.join(format!("doc-{}-bct-b.sock", std::process::id()));
+    /// let mut fast = Receiver::<u32>::bind_with_capacity(&a, 1)?;
+    /// let _slow = Receiver::<u32>::bind_with_capacity(&b, 1)?; // never receives
+    /// let both = Broadcast::<u32>::new(vec![Sender::connect(&a)?, Sender::connect(&b)?]);
+    /// both.send_timeout(&1, Duration::from_secs(10))?;
+    /// assert_eq!(fast.recv()?, 1);
+    /// let full = both.send_timeout(&2, Duration::from_millis(10));
+    /// assert!(matches!(full, Err(Error::Timeout)), "the slow one is full");
+    /// assert!(matches!(fast.try_recv(), Err(Error::Empty)), "so nobody got it");
+    /// # Ok(()) }
+    /// ```
+    pub fn send_timeout(&self, message: &T, timeout: Duration) -> Result<()> {
+        self.send_all(&Outgoing::synchronized(message)?, Wait::Until(Instant::now() + timeout))
+    }
+
+    /// [`Broadcast::send_on`] with a timeout, as [`Broadcast::send_timeout`].
+    ///
+    /// ```no_run
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Broadcast, Context, DType, Sender, Stream, Tensor};
+    /// let workers = Broadcast::<Tensor>::new(vec![Sender::connect("/tmp/worker-0.sock")?]);
+    /// let stream = Stream::new(&Context::on_ordinal(0)?)?;
+    /// let w = Tensor::zeros_cuda(DType::F32, &[1024], &stream)?;
+    /// workers.send_on_timeout(&w, &stream, Duration::from_secs(1))?;
+    /// # Ok(()) }
+    /// ```
+    pub fn send_on_timeout(&self, message: &T, stream: &Stream, timeout: Duration) -> Result<()> {
+        self.send_all(&Outgoing::on_stream(message, stream)?, Wait::Until(Instant::now() + timeout))
+    }
+
+    /// Takes a credit of every receiver first (all or none), then writes to each.
+    fn send_all(&self, outgoing: &Outgoing, wait: Wait) -> Result<()> {
+        let mut credited = Vec::with_capacity(self.senders.len());
+        let mut first = Ok(());
+        for sender in &self.senders {
+            match sender.inner().take_credit(wait) {
+                Ok(()) => credited.push(sender),
+                Err(Error::Timeout) => {
+                    for taken in credited {
+                        taken.inner().return_credit();
+                    }
+                    return Err(Error::Timeout);
+                }
+                Err(other) => {
+                    if first.is_ok() {
+                        first = Err(other);
+                    }
+                }
+            }
+        }
+        let written = first_error(credited.into_iter().map(|s| s.inner().send_credited(outgoing)));
+        first.and(written)
     }
 }
 

@@ -663,6 +663,20 @@ impl SenderInner {
     /// receiver has not seen yet and writes the message, leasing its tensors' storage.
     pub(super) fn send_outgoing(&self, outgoing: &Outgoing, wait: Wait) -> Result<()> {
         self.take_credit(wait)?;
+        self.send_credited(outgoing)
+    }
+
+    /// Gives back a credit taken by [`SenderInner::take_credit`] for a message not sent.
+    pub(super) fn return_credit(&self) {
+        let mut state = lock(&self.state);
+        state.credits += 1;
+        state.uncredited -= 1;
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Writes `outgoing` for a credit already taken (given back if the write fails).
+    pub(super) fn send_credited(&self, outgoing: &Outgoing) -> Result<()> {
         let mut writer = lock(&self.writer);
         let seq = writer.seq + 1;
         let result = self.write_message(&mut writer, outgoing, seq);
@@ -691,7 +705,7 @@ impl SenderInner {
     }
 
     /// Waits for a credit (see [`Wait`]) and takes it.
-    fn take_credit(&self, wait: Wait) -> Result<()> {
+    pub(super) fn take_credit(&self, wait: Wait) -> Result<()> {
         let mut state = lock(&self.state);
         if state.credits == 0 && state.greeted && state.closed.is_none() && !matches!(wait, Wait::Never) {
             drop(state);
