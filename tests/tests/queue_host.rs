@@ -680,6 +680,30 @@ fn a_receiver_cannot_make_read_only_host_memory_writable() {
     assert_eq!(never_sent.to_vec::<u8>().unwrap(), [2u8; 4096], "its chunk neighbour is intact");
 }
 
+/// The same attack by an ordinary user: as root, this test runs the one above again in a copy
+/// of this test binary whose sender and hostile receiver both run as `nobody` (the owner of
+/// the memory, who may `fchmod` it); as an ordinary user already, the test above is that case.
+#[test]
+fn a_receiver_cannot_make_read_only_host_memory_writable_as_an_ordinary_user() {
+    use std::os::unix::process::CommandExt as _;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("not root: a_receiver_cannot_make_read_only_host_memory_writable ran as this ordinary user");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "a_receiver_cannot_make_read_only_host_memory_writable", "--test-threads=1"])
+        .env("IPC_TESTS_BIN_DIR", bin_path("tq-hostile").unwrap().parent().unwrap())
+        .env("TMPDIR", "/tmp")
+        .gid(NOBODY)
+        .uid(NOBODY)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "as uid {NOBODY}: {text}{}", String::from_utf8_lossy(&output.stderr));
+    assert!(text.contains("1 passed"), "the attack test ran as uid {NOBODY}: {text}");
+}
+
 /// `try_send` and `send_timeout` keep their promise whatever the message's size: with credits
 /// available, a message of 1 MiB of plain data (more than the socket holds) is taken at once
 /// while the receiver is not inside `recv`, and arrives whole.
