@@ -30,6 +30,7 @@ const BINARIES: &[&str] = &[
     "tq-cross",
     "tcp-peer",
     "tq-hostile",
+    "outside-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",
