@@ -334,7 +334,8 @@ struct Peer {
 
 impl Peer {
     fn start(args: &[&str], env: &[(&str, &str)]) -> Peer {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_outside-peer"));
+        // Through the bin directory (IPC_TESTS_BIN_DIR in the GPU bundle), not cargo's build path.
+        let mut command = Command::new(integration_tests::bin_path("outside-peer").expect("outside-peer's path"));
         command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
         for (k, v) in env {
             command.env(k, v);
