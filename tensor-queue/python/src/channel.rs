@@ -95,30 +95,10 @@ pub struct Receiver {
 
 impl Receiver {
     fn recv_inner(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<(Value, MessageInfo)> {
-        let deadline = match timeout {
-            Some(t) => Some(Instant::now() + duration(t, "timeout")?),
-            None => None,
-        };
-        loop {
-            let slice = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
-            let got = py.detach(|| -> PyResult<Result<(Value, MessageInfo), Error>> {
-                let mut end = lock(&self.end);
-                Ok(end.get("Receiver")?.recv_with_info(Some(slice)))
-            })?;
-            match got {
-                Ok(received) => {
-                    stats::MESSAGES_RECEIVED.add(1);
-                    return Ok(received);
-                }
-                Err(Error::Timeout) => {
-                    py.check_signals()?;
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Err(to_py(Error::Timeout));
-                    }
-                }
-                Err(other) => return Err(to_py(other)),
-            }
-        }
+        let received =
+            in_slices(py, timeout, |slice| Ok(lock(&self.end).get("Receiver")?.recv_with_info(Some(slice))))?;
+        stats::MESSAGES_RECEIVED.add(1);
+        Ok(received)
     }
 }
 
@@ -287,19 +267,29 @@ fn send_in_slices(
 ) -> PyResult<()> {
     let value = encode(message, &mut order)?;
     let stream = copies_stream(&order)?;
+    // A slice that times out sent nothing: the receiver's queue stayed full through it.
+    in_slices(py, timeout, |slice| Ok(send(&value, stream, slice)))?;
+    stats::MESSAGES_SENT.add(receivers);
+    stats::ARRAYS_SENT.add(count_arrays(&value) * receivers);
+    Ok(())
+}
+
+/// Runs `attempt` without the GIL in slices of at most [`SLICE`] until it answers anything but
+/// `Error::Timeout` or `timeout` seconds (`None`: no bound) have passed, checking for Ctrl-C
+/// between slices.
+fn in_slices<T: Send>(
+    py: Python<'_>,
+    timeout: Option<f64>,
+    attempt: impl Fn(Duration) -> PyResult<Result<T, Error>> + Sync,
+) -> PyResult<T> {
     let deadline = match timeout {
         Some(t) => Some(Instant::now() + duration(t, "timeout")?),
         None => None,
     };
     loop {
         let slice = deadline.map_or(SLICE, |d| d.saturating_duration_since(Instant::now()).min(SLICE));
-        match py.detach(|| send(&value, stream, slice)) {
-            Ok(()) => {
-                stats::MESSAGES_SENT.add(receivers);
-                stats::ARRAYS_SENT.add(count_arrays(&value) * receivers);
-                return Ok(());
-            }
-            // Nothing was sent: the receiver's queue stayed full through the slice.
+        match py.detach(|| attempt(slice))? {
+            Ok(done) => return Ok(done),
             Err(Error::Timeout) => {
                 py.check_signals()?;
                 if deadline.is_some_and(|d| Instant::now() >= d) {
