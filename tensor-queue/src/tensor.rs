@@ -851,7 +851,9 @@ impl Tensor {
 
     /// The GPU memory of this tensor, from element 0 to the end of the bytes its view touches
     /// (`nbytes()` for a contiguous tensor), for your own kernels and copies. It borrows the
-    /// tensor, so it cannot outlive the memory.
+    /// tensor, so it cannot outlive the memory. Its context is the one to work in: for a tensor
+    /// mapped over a peer link ([`TransferPath::PeerMapped`]), the receiving GPU's, where it is
+    /// mapped and where [`Tensor::stream`] runs.
     ///
     /// Raw memory carries no ordering: for a received tensor, queue work on [`Tensor::stream`]
     /// (or after it), never on the legacy stream (`DeviceMemory::copy_to_host` runs there), or it
@@ -875,7 +877,10 @@ impl Tensor {
         Ok(DeviceView {
             ptr: memory.device_ptr() + start as u64,
             len: end.saturating_sub(self.offset),
-            context: memory.context().clone(),
+            // Where work on it runs: for a tensor mapped over a peer link, the GPU it was mapped
+            // for (its stream's), not the sender's GPU that holds the bytes; a stream of the
+            // latter cannot be used with the former's memory operations.
+            context: self.working_context()?,
             _tensor: std::marker::PhantomData,
         })
     }
