@@ -21,7 +21,8 @@ use ipc_core::{
     Context, DeviceBuffer, DeviceMemory, Event, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation,
 };
 
-use crate::{Error, Result, lock};
+use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// The default chunk size.
 pub const CHUNK_BYTES: usize = 64 << 20;

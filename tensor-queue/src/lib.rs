@@ -32,33 +32,24 @@
 
 mod arena;
 pub mod channel;
-mod convert;
-mod copy;
-mod dtype;
 mod error;
 pub mod memory;
 pub mod route;
 mod side_table;
 mod signal;
+mod sync;
 mod tensor;
-mod view;
 pub mod wire;
-
-/// Locks `mutex`, taking the data even if a thread panicked while holding it: every critical
-/// section of this crate leaves its state consistent before anything that could panic.
-pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 pub use channel::{
     Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender,
     from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex,
     spawn_timeout,
 };
-pub use convert::NativeElement;
-pub use copy::HostCopy;
-pub use dtype::{DType, Element};
 pub use error::{Error, Refusal, Result};
+pub use tensor::convert::NativeElement;
+pub use tensor::copy::HostCopy;
+pub use tensor::dtype::{DType, Element};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};
 
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal

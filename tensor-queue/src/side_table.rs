@@ -8,7 +8,8 @@ use serde::de::{DeserializeOwned, Error as _};
 use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::{Error, Result, Tensor};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 
 thread_local! {
     static OUTGOING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
@@ -117,7 +118,7 @@ mod tests {
     use serde::{Deserialize, Serialize};
 
     use super::*;
-    use crate::DType;
+    use crate::tensor::dtype::DType;
 
     #[derive(Serialize, Deserialize)]
     struct Inner {
@@ -203,7 +204,7 @@ mod custom_errors {
     /// A refusal of the tensor table is not taken for a later, unrelated failure's reason.
     #[test]
     fn a_stale_refusal_does_not_name_a_later_failure() {
-        let t = Tensor::zeros(crate::DType::U8, &[1]).unwrap();
+        let t = Tensor::zeros(crate::tensor::dtype::DType::U8, &[1]).unwrap();
         let twice = encode(&(0u32, 0u32)).unwrap().0;
         assert!(matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice")));
         let (bytes, tensors) = encode(&0u8).unwrap();

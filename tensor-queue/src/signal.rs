@@ -25,7 +25,8 @@ use cuda_sys::CUdevice_attribute;
 use ipc_core::{DeviceMemory, Stream, VmmAllocation};
 
 use crate::arena::{Chunk, ChunkMemory};
-use crate::{Error, Result, lock};
+use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// Words per block. A block is a VMM allocation of its own (not part of the device arena, whose
 /// chunks go back to the driver when free: a word lives as long as the process).

@@ -22,10 +22,10 @@ use ipc_core::seqpacket::{Connection, Listener};
 use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener};
 
 use super::link::Link;
-use super::lock;
 use super::receiver::ReceiverOptions;
+use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::wire::Frame;
-use crate::{Error, Result};
 
 /// Handshakes over TCP that may run at once; a connector beyond makes room by dropping the oldest.
 const MAX_HANDSHAKES: usize = 64;

@@ -25,7 +25,7 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
 use super::{Receiver, Sender};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// A receiver's descriptor, registered with the runtime's reactor.
 pub(super) type Registration = AsyncFd<OwnedFd>;

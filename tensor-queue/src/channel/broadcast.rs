@@ -6,7 +6,8 @@ use serde::Serialize;
 
 use super::outgoing::Outgoing;
 use super::sender::{Sender, Wait};
-use crate::{Error, Result, Stream};
+use crate::error::{Error, Result};
+use ipc_core::Stream;
 
 /// One message to several receivers, without copies: each gets the same memory under its own
 /// lease, and the memory is reused only when all have released it (the weight-sharing case).

@@ -22,7 +22,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{DEFAULT_CAPACITY, ENDPOINT_ENV, Receiver, ReceiverOptions, Sender};
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Starts `command` as a child with a channel to it: the child calls [`from_parent`] for the
 /// receiving end. The child is a fresh process (`exec`), never a fork of this one, so this is safe

@@ -19,11 +19,12 @@ use super::release::{Fences, ReceivedLease};
 use super::remote::{Remote, Wake};
 use super::{lock, monotonic_ns};
 use crate::arena::{Allocation, Chunk, ChunkMemory};
+use crate::error::{Error, Result};
 use crate::route::worker::Workers;
 use crate::route::{self, Reach, Route, Routing};
 use crate::tensor::Storage;
+use crate::tensor::{Tensor, TransferPath};
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
-use crate::{Error, Result, Tensor, TransferPath};
 
 /// When and how a message arrived, on the machine's monotonic clock (nanoseconds). From a
 /// sender on another host (a TCP channel), `sent_ns` and `encoded_ns` are on that host's clock

@@ -8,7 +8,7 @@ use ipc_core::seqpacket::Connection;
 use ipc_core::tcp::{Secret, TcpLink};
 use ipc_core::transport::Packets;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Where a receiver listens and a sender connects.
 ///

@@ -29,9 +29,9 @@ use ipc_core::Stream;
 use ipc_core::process::ProcessHandle;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
-use super::lock;
-use crate::Result;
 use crate::arena::Chunk;
+use crate::error::Result;
+use crate::sync::lock;
 
 /// The value a word held when its producer died (`u64::MAX` while the producer lives).
 pub(crate) struct WordFate(AtomicU64);
@@ -102,7 +102,7 @@ impl FenceWait {
 }
 
 fn host(chunk: &Chunk) -> Result<&ipc_core::SharedMemory> {
-    chunk.host().ok_or_else(|| crate::Error::Protocol("a host word in device memory".into()))
+    chunk.host().ok_or_else(|| crate::error::Error::Protocol("a host word in device memory".into()))
 }
 
 /// A word of a producer's this process waits on.
@@ -165,7 +165,7 @@ impl Producer {
     /// `offset` of the host chunk `chunk` reaches `value`.
     pub fn wait_on_cpu(self: &Arc<Self>, chunk: &Arc<Chunk>, offset: usize, value: u64) -> Result<FenceWait> {
         if chunk.host().is_none() {
-            return Err(crate::Error::Protocol("a CPU wait on device memory".into()));
+            return Err(crate::error::Error::Protocol("a CPU wait on device memory".into()));
         }
         self.fence(None, chunk, offset, value)
     }
@@ -278,7 +278,7 @@ fn rescue_word(word: &Word) -> Result<bool> {
         memory.store_u64(word.offset, word.awaited)?;
         return Ok(true);
     }
-    let memory = word.chunk.device().ok_or_else(|| crate::Error::Protocol("a signal word nowhere".into()))?;
+    let memory = word.chunk.device().ok_or_else(|| crate::error::Error::Protocol("a signal word nowhere".into()))?;
     // A stream of its own: the receiving streams are blocked on this very word.
     let stream = Stream::new(memory.context())?;
     let reached = stream.read_value64(memory, word.offset)?;

@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ipc_core::{Context, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation};
 
-use super::lock;
 use crate::arena::{Chunk, ChunkMemory};
+use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::wire::ChunkKind;
-use crate::{Error, Result};
 
 /// A chunk as a peer announced it.
 pub(super) struct Announced {

@@ -22,7 +22,7 @@
 use serde::de::DeserializeOwned;
 
 use super::Receiver;
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Whether `recv` can go on after `error` with the next message.
 pub(super) fn about_one_message(error: &Error) -> bool {

@@ -9,9 +9,9 @@ use ipc_core::{Event, Stream};
 use super::connection::{Connected, Devices};
 use super::fences::FenceWait;
 use crate::arena::{Allocation, Arena, Chunk};
+use crate::error::{Error, Result};
 use crate::route::{self, Route};
 use crate::wire::{Fence, TensorDesc};
-use crate::{Error, Result};
 
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it

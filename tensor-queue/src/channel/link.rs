@@ -20,9 +20,9 @@ use ipc_core::HostId;
 use ipc_core::transport::{Packets, Peer};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
+use crate::error::{Error, Refusal, Result};
 use crate::route::{Reach, Routing};
 use crate::wire::{self, Assembler, Frame, MAX_MESSAGE_BYTES, MAX_PACKET};
-use crate::{Error, Refusal, Result};
 
 /// What a read found.
 pub(crate) enum Read {

@@ -126,7 +126,7 @@ mod select;
 mod sender;
 pub(crate) mod switches;
 
-use crate::lock;
+use crate::sync::lock;
 
 pub use broadcast::Broadcast;
 pub use child::{

@@ -6,9 +6,11 @@ use serde::Serialize;
 
 use super::monotonic_ns;
 use crate::arena::not_sendable;
+use crate::error::{Error, Result};
+use crate::side_table;
 use crate::signal::{Signal, signal_after};
-use crate::wire::check_layout;
-use crate::{Error, Result, Tensor, side_table};
+use crate::tensor::Tensor;
+use crate::tensor::layout::check_layout;
 
 /// A message encoded once, with what orders its receivers after the producer's work.
 pub(super) struct Outgoing<'a> {

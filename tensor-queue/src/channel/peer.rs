@@ -11,8 +11,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use super::link::Link;
-use super::lock;
 use super::release::Releaser;
+use crate::sync::lock;
 use crate::wire::{Frame, MAX_RELEASES};
 
 /// A sender's connection as the receiving process sees it.

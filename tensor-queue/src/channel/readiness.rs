@@ -12,9 +12,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use rustix::event::{EventfdFlags, epoll, eventfd};
 
-use crate::Result;
+use crate::error::Result;
 
-fn os(what: &'static str) -> impl FnOnce(rustix::io::Errno) -> crate::Error {
+fn os(what: &'static str) -> impl FnOnce(rustix::io::Errno) -> crate::error::Error {
     move |e| ipc_core::Error::Os { what, source: e.into() }.into()
 }
 

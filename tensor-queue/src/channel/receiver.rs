@@ -21,9 +21,10 @@ use super::endpoint::{self, Endpoint};
 use super::link::Link;
 use super::readiness::Readiness;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
+use crate::error::{Error, Result};
 use crate::route::{MAX_SOURCES, Reach, Routing};
+use crate::side_table;
 use crate::wire::MAX_PACKET;
-use crate::{Error, Result, side_table};
 
 /// How a receiver is set up.
 ///

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use ipc_core::{Event, Stream};
 
 use super::fences::FenceWait;
-use super::lock;
 use super::peer::Peer;
+use crate::sync::lock;
 
 /// Held by the storage of every tensor of one received message; returns the message to its
 /// sender in one frame when the last of them drops (one frame per message, not per tensor).

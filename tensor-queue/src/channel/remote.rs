@@ -35,11 +35,12 @@ use super::connection::Devices;
 use super::fences::{FenceWait, WordFate};
 use super::peer::Peer;
 use crate::arena::Arena;
+use crate::error::{Error, Result};
 use crate::route::worker::{Next, WorkQueue};
 use crate::route::{Reach, Route};
+use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::wire::{MAX_INLINE_BYTES, TensorDesc};
-use crate::{Error, Result, lock};
 
 /// How long a communicator's set-up may take (its messages wait for it on the GPU).
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);

@@ -7,7 +7,7 @@ use std::time::Duration;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 
-use crate::{Error, Result};
+use crate::error::{Error, Result};
 
 /// Waits until one of several [`Receiver`](super::Receiver)s may make progress, like crossbeam's
 /// `Select` or ipc-channel's `IpcReceiverSet`. Anything with a descriptor that becomes readable

@@ -19,14 +19,14 @@ use serde::Serialize;
 
 use super::endpoint::{self, ConnectOptions, Endpoint};
 use super::link::{Link, Read};
-use super::lock;
 use super::outgoing::{Fencing, Outgoing};
 use crate::arena::{Chunk, RetireListener, Shared};
+use crate::error::{Error, Refusal, Result};
 use crate::route::network::{self, SendComms};
 use crate::route::{self, Choice, Reach, Routing, choose};
+use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
-use crate::{Error, Refusal, Result};
 
 /// A message the receiver refused (see [`Sender::take_rejected`]).
 ///

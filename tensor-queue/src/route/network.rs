@@ -31,9 +31,10 @@ use super::policy::Routing;
 use super::reach::Reach;
 use super::send::{copy_stream, spans};
 use super::worker::{Next, WorkQueue, Workers};
+use crate::error::{Error, Result};
 use crate::tensor::Storage;
+use crate::tensor::Tensor;
 use crate::wire::{BYTES_FRAME, Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
-use crate::{Error, Result, Tensor};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);

@@ -12,9 +12,11 @@ use super::policy::Routing;
 use super::reach::Reach;
 use super::staging_piece;
 use crate::arena::{Arena, Chunk};
+use crate::error::{Error, Result};
 use crate::signal::{Signal, host_signal_pieces, signal_after};
+use crate::sync::lock;
 use crate::tensor::Storage;
-use crate::{Error, Result, Tensor, lock};
+use crate::tensor::Tensor;
 
 /// A tensor as it goes to one receiver.
 pub(crate) struct Sent {

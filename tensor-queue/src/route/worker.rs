@@ -10,7 +10,8 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
 use std::thread::JoinHandle;
 
-use crate::{Error, Result, lock};
+use crate::error::{Error, Result};
+use crate::sync::lock;
 
 /// Jobs for one worker, in order.
 pub(crate) struct WorkQueue<J> {

@@ -1,6 +1,12 @@
 //! The tensor: storage (GPU memory, or host memory that can be shared), a dtype, a shape, strides
 //! and a byte offset. Views share storage.
 
+pub(crate) mod convert;
+pub(crate) mod copy;
+pub(crate) mod dtype;
+pub(crate) mod layout;
+mod view;
+
 use std::sync::Arc;
 
 use ipc_core::layout::strided_byte_span;
@@ -8,7 +14,8 @@ use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream, Uuid};
 
 use crate::arena::{Allocation, Arena, Chunk, ChunkMemory};
 use crate::channel::{Fences, ReceivedLease};
-use crate::{DType, Element, Error, Result};
+use crate::error::{Error, Result};
+use crate::tensor::dtype::{DType, Element};
 
 /// Where a tensor's bytes are.
 ///
@@ -142,7 +149,7 @@ impl Storage {
     /// few.
     pub fn hold_until(&self, stream: &Stream, event: Event) {
         let key = stream.raw() as usize;
-        let mut uses = crate::lock(&self.uses);
+        let mut uses = crate::sync::lock(&self.uses);
         uses.retain(|(k, e)| *k != key && !e.is_complete().unwrap_or(true));
         uses.push((key, event));
     }
@@ -212,8 +219,8 @@ pub fn contiguous_strides(shape: &[u64]) -> Vec<i64> {
 }
 
 fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
-    if shape.len() > crate::wire::MAX_DIMS {
-        return Err(Error::Invalid(format!("{} dimensions; at most {}", shape.len(), crate::wire::MAX_DIMS)));
+    if shape.len() > crate::tensor::layout::MAX_DIMS {
+        return Err(Error::Invalid(format!("{} dimensions; at most {}", shape.len(), crate::tensor::layout::MAX_DIMS)));
     }
     shape
         .iter()

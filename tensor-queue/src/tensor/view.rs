@@ -1,12 +1,13 @@
 //! Views: the same storage seen with another shape, strides and offset, never a copy. Every
 //! view is checked to lie inside its storage and to satisfy what receivers accept
-//! ([`crate::wire::check_layout`]), so any view can cross a channel intact.
+//! ([`crate::tensor::layout::check_layout`]), so any view can cross a channel intact.
 //!
 //! Sizes (`u64`) and strides (`i64`) may come from any caller or, for a received tensor, from a
 //! peer, so all layout arithmetic here is checked: a wrapped product can pass for a small one and
 //! let a view read outside its storage. A bad argument is an [`Error::Invalid`] naming the call.
 
-use crate::{Error, Result, Tensor};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 
 impl Tensor {
     /// A view with dimensions `a` and `b` swapped (no copy).
@@ -288,7 +289,8 @@ fn offset_after(
 fn checked_view(tensor: &Tensor, call: &str, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Result<Tensor> {
     let at = tensor.storage.offset.checked_add(offset).and_then(|at| u64::try_from(at).ok());
     let at = at.ok_or_else(|| invalid(tensor, call, "the offset overflows"))?;
-    crate::wire::check_layout(&shape, &strides, tensor.dtype(), at).map_err(|reason| invalid(tensor, call, reason))?;
+    crate::tensor::layout::check_layout(&shape, &strides, tensor.dtype(), at)
+        .map_err(|reason| invalid(tensor, call, reason))?;
     // `Tensor::is_contiguous` works out row-major strides of the sizes unchecked, zeros counted
     // as ones, and `check_layout` bounds only the true product, which a zero makes 0: sizes such
     // as [0, 2^40, 2^40] are refused here so that no view can make that product wrap.
@@ -323,8 +325,8 @@ fn row_major_strides(shape: &[u64]) -> Option<Vec<i64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::DType;
-    use crate::wire::MAX_VIEW_BYTES;
+    use crate::tensor::dtype::DType;
+    use crate::tensor::layout::MAX_VIEW_BYTES;
 
     /// Element `(i, j, k)` of [`base`]: its value names its index.
     fn v(i: u64, j: u64, k: u64) -> i32 {
@@ -512,7 +514,7 @@ mod tests {
         assert!(one.expand(&[u64::MAX]).is_err());
         assert!(one.expand(&[u64::MAX, u64::MAX]).is_err(), "the product overflows");
         assert!(one.expand(&[0, 1 << 40, 1 << 40]).is_err(), "empty, but its row-major strides overflow");
-        assert!(one.expand(&[1; crate::wire::MAX_DIMS + 1]).is_err(), "too many dimensions");
+        assert!(one.expand(&[1; crate::tensor::layout::MAX_DIMS + 1]).is_err(), "too many dimensions");
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! `usize`, vectors in and out, a sound way to fill a new host tensor in place, and (behind
 //! features) `half`'s `f16`/`bf16` and `ndarray` arrays.
 
-use crate::{DType, Element, Error, Result, Tensor};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+use crate::tensor::dtype::{DType, Element};
 
 /// An element type with exactly one dtype, so the dtype can be left out: `f32` is
 /// [`DType::F32`], `i64` is [`DType::I64`]. (`u16` is not one: it reads both half types as bits;

@@ -18,7 +18,9 @@ use std::sync::Arc;
 use ipc_core::{Event, PinnedHostBuffer, Stream};
 use kernels::{Kernels, StridedLayout};
 
-use crate::{DType, Element, Error, Result, Tensor, TensorDevice, TransferPath};
+use crate::error::{Error, Result};
+use crate::tensor::dtype::{DType, Element};
+use crate::tensor::{Tensor, TensorDevice, TransferPath};
 
 impl Tensor {
     /// A GPU tensor on `stream`'s device holding `data` (row-major), copied on `stream`; `data`
