@@ -30,13 +30,17 @@
 //!   received tensor ([`Tensor::path`]); see [`route`].
 //! - See [`channel`] for the hand-off protocol, the ordering mechanism and why it was chosen.
 
-mod arena;
 pub mod channel;
+mod clock;
 mod error;
+mod fences;
+mod links;
 pub mod memory;
+mod recv;
 pub mod route;
+mod send;
 mod side_table;
-mod signal;
+mod switches;
 mod sync;
 mod tensor;
 pub mod wire;

@@ -4,9 +4,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::outgoing::Outgoing;
 use super::sender::{Sender, Wait};
 use crate::error::{Error, Result};
+use crate::send::outgoing::Outgoing;
 use ipc_core::Stream;
 
 /// One message to several receivers, without copies: each gets the same memory under its own

@@ -104,38 +104,25 @@
 //! receiver's kernels may write a received tensor. Put data that one receiver must not see in a
 //! process of its own.
 
-mod acceptor;
 #[cfg(feature = "tokio")]
 mod asynchronous;
 mod broadcast;
 mod child;
-mod connection;
-mod endpoint;
-mod fences;
-mod imports;
 pub mod iter;
-mod landing;
-mod link;
-mod outgoing;
-mod peer;
-mod readiness;
 mod receiver;
-mod release;
-mod remote;
 mod select;
 mod sender;
-pub(crate) mod switches;
 
 use crate::sync::lock;
 
+pub use crate::clock::monotonic_ns;
+pub use crate::links::endpoint::{ConnectOptions, Endpoint, TCP_PREFIX};
+pub use crate::recv::connection::{MessageInfo, UNFINISHED_IDLE};
 pub use broadcast::Broadcast;
 pub use child::{
     from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout,
 };
-pub use connection::MessageInfo;
-pub use endpoint::{ConnectOptions, Endpoint, TCP_PREFIX};
 pub use receiver::{Receiver, ReceiverOptions};
-pub(crate) use release::{Fences, ReceivedLease, failed};
 pub use select::Select;
 pub use sender::{Rejection, Sender};
 
@@ -156,15 +143,6 @@ pub use sender::{Rejection, Sender};
 /// # Ok(()) }
 /// ```
 pub const DEFAULT_CAPACITY: u32 = 16;
-
-/// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
-/// of a message over TCP) while nothing more of it comes: then the connection is closed and the
-/// loss reported (`Receiver::take_errors`, [`crate::Error::Unfinished`]). The memory a sender can
-/// hold in a receiver is what it sent, never what it claimed: one frame's parts (at most
-/// [`crate::wire::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most
-/// [`crate::wire::MAX_INLINE_BYTES`]) and one TCP record (grown as its bytes arrive), and no
-/// longer than this without a new byte.
-pub const UNFINISHED_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// How long dropping the last clone of a [`Sender`] waits for the bytes its sends queued to be
 /// written (a program may return from `main` right after its last send). A receiver that is
@@ -191,23 +169,3 @@ pub const SENDER_DROP_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// # Ok(()) }
 /// ```
 pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
-
-/// `CLOCK_MONOTONIC` in nanoseconds: one clock for every process of the machine.
-///
-/// ```
-/// # fn main() -> tensor_queue::Result<()> {
-/// use std::time::Duration;
-/// use tensor_queue::{Receiver, Sender, monotonic_ns};
-/// # let path = std::env::temp_dir().join(format!("doc-{}-monotonic.sock", std::process::id()));
-/// let mut receiver = Receiver::<u64>::bind(&path)?;
-/// let sender = Sender::<u64>::connect(&path)?; // usually in another process: the clock is the same
-/// sender.send(&monotonic_ns())?;
-/// let sent = receiver.recv()?;
-/// let latency = Duration::from_nanos(monotonic_ns() - sent);
-/// assert!(latency < Duration::from_secs(10));
-/// # Ok(()) }
-/// ```
-pub fn monotonic_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-}

@@ -15,14 +15,14 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
-use super::acceptor::{Acceptor, Listening};
-use super::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
-use super::endpoint::{self, Endpoint};
-use super::link::Link;
-use super::readiness::Readiness;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
 use crate::error::{Error, Result};
-use crate::route::{MAX_SOURCES, Reach, Routing};
+use crate::links::endpoint::{self, Endpoint};
+use crate::links::link::Link;
+use crate::recv::acceptor::{Acceptor, Greeting, Listening};
+use crate::recv::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
+use crate::recv::readiness::Readiness;
+use crate::route::{MAX_SOURCES, Routing};
 use crate::side_table;
 use crate::wire::MAX_PACKET;
 
@@ -65,9 +65,9 @@ impl ReceiverOptions {
         Ok(self)
     }
 
-    /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing.
-    pub(super) fn greet(&self, link: &Link) -> Result<()> {
-        link.hello(self.capacity, Reach::local(), &self.routing)
+    /// What the receiver says to every sender it greets.
+    fn greeting(&self) -> Greeting {
+        Greeting { capacity: self.capacity, routing: self.routing.clone() }
     }
 
     /// Listens at `endpoint`.
@@ -185,7 +185,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options)?;
         let listening = options.listen(endpoint.into())?;
-        let acceptor = Acceptor::start(listening, options)?;
+        let acceptor = Acceptor::start(listening, options.greeting())?;
         receiver.readiness.watch(acceptor.doorbell.as_fd())?;
         receiver.acceptor = Some(acceptor);
         Ok(receiver)
@@ -226,7 +226,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options)?;
         let link = Link::new(Box::new(connection))?;
-        options.greet(&link)?;
+        options.greeting().greet(&link)?;
         receiver.readiness.watch(link.fd())?;
         receiver.connected.push(Connected::new(link));
         Ok(receiver)
@@ -509,7 +509,7 @@ impl<T: DeserializeOwned> Receiver<T> {
 
     /// The first parked message whose data is there, unless an earlier one of its sender waits.
     fn unpark(&mut self) -> Result<Option<Ready>> {
-        let mut waiting: Vec<&Arc<super::peer::Peer>> = Vec::new();
+        let mut waiting: Vec<&Arc<crate::recv::peer::Peer>> = Vec::new();
         let mut found = None;
         for (at, ready) in self.parked.iter().enumerate() {
             if waiting.iter().any(|p| Arc::ptr_eq(p, &ready.peer)) {
@@ -531,7 +531,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         }
         // Asked now, not when the message was read: the producer may have died since. The
         // message's tensors share these fences, and with them the answer.
-        if super::failed(&fences) {
+        if crate::recv::release::failed(&fences) {
             return Err(Error::ProducerFailed { pid: info.sender_pid, connection: info.connection, seq: info.seq });
         }
         // A payload that is not a `T` is refused alone, like any message the receiver cannot

@@ -17,13 +17,13 @@ use ipc_core::seqpacket::Connection;
 use ipc_core::{Event, Stream, Uuid};
 use serde::Serialize;
 
-use super::endpoint::{self, ConnectOptions, Endpoint};
-use super::link::{Link, Read};
-use super::outgoing::{Fencing, Outgoing};
-use crate::arena::{Chunk, RetireListener, Shared};
 use crate::error::{Error, Refusal, Result};
-use crate::route::network::{self, SendComms};
+use crate::links::endpoint::{self, ConnectOptions, Endpoint};
+use crate::links::link::{Link, Read};
+use crate::memory::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
+use crate::send::network::{self, SendComms};
+use crate::send::outgoing::{Fencing, Outgoing};
 use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
@@ -767,10 +767,11 @@ impl SenderInner {
             Some(receiver) => receiver,
             None => return Err(give_back(Error::Disconnected, event)),
         };
-        let sent = match route::send::prepare(&outgoing.tensors, outgoing.stream, &receiver, self.link.peer_pid()) {
-            Ok(sent) => sent,
-            Err(error) => return Err(give_back(error, event)),
-        };
+        let sent =
+            match crate::send::routes::prepare(&outgoing.tensors, outgoing.stream, &receiver, self.link.peer_pid()) {
+                Ok(sent) => sent,
+                Err(error) => return Err(give_back(error, event)),
+            };
         let mut descriptors = Vec::with_capacity(sent.len());
         for (tensor, sent) in outgoing.tensors.iter().zip(&sent) {
             let storage = &sent.storage;

@@ -41,11 +41,8 @@
 //! Every received tensor says how it came ([`Tensor::path`](crate::Tensor::path)).
 
 mod choose;
-pub(crate) mod network;
 mod policy;
 mod reach;
-pub(crate) mod send;
-pub(crate) mod worker;
 
 pub use choose::{Choice, Forbidden, Route, choose, choose_remote};
 pub(crate) use choose::{allowed, target};

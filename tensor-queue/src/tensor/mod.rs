@@ -12,9 +12,9 @@ use std::sync::Arc;
 use ipc_core::layout::strided_byte_span;
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream, Uuid};
 
-use crate::arena::{Allocation, Arena, Chunk, ChunkMemory};
-use crate::channel::{Fences, ReceivedLease};
 use crate::error::{Error, Result};
+use crate::memory::arena::{Allocation, Arena, Chunk, ChunkMemory};
+use crate::recv::release::{Fences, ReceivedLease};
 use crate::tensor::dtype::{DType, Element};
 
 /// Where a tensor's bytes are.
@@ -106,7 +106,7 @@ impl Drop for Storage {
             return;
         }
         let origin = std::mem::replace(&mut self.origin, Origin::User);
-        crate::arena::drop_after(uses, Box::new(origin));
+        crate::memory::arena::drop_after(uses, Box::new(origin));
     }
 }
 
@@ -571,7 +571,7 @@ impl Tensor {
     pub fn producer_failed(&self) -> bool {
         match &self.storage.origin {
             Origin::Received(lease) => lease.producer_failed(),
-            Origin::Landed(_, fences) => crate::channel::failed(fences),
+            Origin::Landed(_, fences) => crate::recv::release::failed(fences),
             _ => false,
         }
     }

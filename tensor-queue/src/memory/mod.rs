@@ -17,6 +17,9 @@
 //! [`Tensor::empty_cuda`]: crate::Tensor::empty_cuda
 //! [`Tensor::zeros`]: crate::Tensor::zeros
 
+pub(crate) mod arena;
+pub(crate) mod signal;
+
 use std::time::Duration;
 
 /// What this process's arenas hold.
@@ -56,7 +59,7 @@ pub struct MemoryUsage {
 /// # Ok(()) }
 /// ```
 pub fn usage() -> MemoryUsage {
-    crate::arena::usage()
+    crate::memory::arena::usage()
 }
 
 /// Gives back every chunk that holds no live tensor now; returns the bytes given back.
@@ -71,7 +74,7 @@ pub fn usage() -> MemoryUsage {
 /// # Ok(()) }
 /// ```
 pub fn trim() -> usize {
-    crate::arena::trim()
+    crate::memory::arena::trim()
 }
 
 /// How long a chunk with no live tensor is kept for reuse before it goes back (default one
@@ -92,5 +95,5 @@ pub fn trim() -> usize {
 /// # Ok(()) }
 /// ```
 pub fn set_idle_release(idle: Duration) {
-    crate::arena::set_idle_release(idle)
+    crate::memory::arena::set_idle_release(idle)
 }

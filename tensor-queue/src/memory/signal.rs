@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex};
 use cuda_sys::CUdevice_attribute;
 use ipc_core::{DeviceMemory, Stream, VmmAllocation};
 
-use crate::arena::{Chunk, ChunkMemory};
 use crate::error::{Error, Result};
+use crate::memory::arena::{Chunk, ChunkMemory};
 use crate::sync::lock;
 
 /// Words per block. A block is a VMM allocation of its own (not part of the device arena, whose
@@ -104,7 +104,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
         }
     };
     let device = &mut all[at];
-    if !device.supported || crate::channel::switches::force_events() {
+    if !device.supported || crate::switches::force_events() {
         return Ok(None);
     }
     let zeroing = &mut device.zeroing;

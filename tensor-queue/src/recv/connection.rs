@@ -11,20 +11,30 @@ use std::sync::Arc;
 
 use ipc_core::{Context, Device, Event, IpcEventHandle, Stream, Uuid};
 
-use super::fences::{FenceWait, Producer, producer};
 use super::imports::{Announced, import};
-use super::link::{Link, Read};
 use super::peer::Peer;
 use super::release::{Fences, ReceivedLease};
 use super::remote::{Remote, Wake};
-use super::{lock, monotonic_ns};
-use crate::arena::{Allocation, Chunk, ChunkMemory};
+use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
-use crate::route::worker::Workers;
+use crate::fences::{FenceWait, Producer, producer};
+use crate::links::link::{Link, Read};
+use crate::links::nccl::Workers;
+use crate::memory::arena::{Allocation, Chunk, ChunkMemory};
 use crate::route::{self, Reach, Route, Routing};
+use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::tensor::{Tensor, TransferPath};
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
+
+/// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
+/// of a message over TCP) while nothing more of it comes: then the connection is closed and the
+/// loss reported (`Receiver::take_errors`, [`crate::Error::Unfinished`]). The memory a sender can
+/// hold in a receiver is what it sent, never what it claimed: one frame's parts (at most
+/// [`crate::wire::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most
+/// [`crate::wire::MAX_INLINE_BYTES`]) and one TCP record (grown as its bytes arrive), and no
+/// longer than this without a new byte.
+pub const UNFINISHED_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// When and how a message arrived, on the machine's monotonic clock (nanoseconds). From a
 /// sender on another host (a TCP channel), `sent_ns` and `encoded_ns` are on that host's clock
@@ -68,7 +78,7 @@ pub struct MessageInfo {
 }
 
 /// What reading a connection found.
-pub(super) enum Progress {
+pub(crate) enum Progress {
     /// Nothing whole was waiting.
     Idle,
     /// A frame was read and handled (an announcement, a part of a longer frame).
@@ -82,7 +92,7 @@ pub(super) enum Progress {
 }
 
 /// A message read from a connection, for `recv`.
-pub(super) enum Arrival {
+pub(crate) enum Arrival {
     /// Validated and ordered; ready to decode.
     Ready(Ready),
     /// Refused: the sender was told, and `recv` reports it.
@@ -90,7 +100,7 @@ pub(super) enum Arrival {
 }
 
 /// A validated message waiting for `recv`.
-pub(super) struct Ready {
+pub(crate) struct Ready {
     pub peer: Arc<Peer>,
     pub tensors: Vec<Tensor>,
     pub payload: Vec<u8>,
@@ -124,7 +134,7 @@ impl Placed {
 
 /// The contexts of the devices received tensors live on, the streams the user chose for them,
 /// and where they should land.
-pub(super) struct Devices {
+pub(crate) struct Devices {
     pub routing: Routing,
     contexts: std::sync::Mutex<Vec<(Uuid, Arc<Context>)>>,
     /// Streams set with `Receiver::set_stream`: every connection orders that device's tensors
@@ -172,13 +182,13 @@ impl Devices {
 }
 
 /// The receiver's state for one connection.
-pub(super) struct Connected {
+pub(crate) struct Connected {
     pub peer: Arc<Peer>,
     assembler: Assembler,
     /// The sender's process, known once its `Hello` came.
-    pub(super) producer: Option<(u64, Arc<Producer>)>,
+    pub(crate) producer: Option<(u64, Arc<Producer>)>,
     /// Chunks by the sender's id; those that could not be mapped, with why.
-    pub(super) chunks: HashMap<u64, Arc<Chunk>>,
+    pub(crate) chunks: HashMap<u64, Arc<Chunk>>,
     refused: HashMap<u64, String>,
     events: HashMap<u32, Arc<Event>>,
     /// This connection's stream per device: waits for one sender's work never hold up another's.
@@ -226,7 +236,7 @@ impl Connected {
 
     /// When the unfinished message held for this sender is given up if nothing more comes.
     pub fn unfinished_deadline(&self) -> Option<std::time::Instant> {
-        (self.unfinished() > 0).then(|| self.last_packet + super::UNFINISHED_IDLE)
+        (self.unfinished() > 0).then(|| self.last_packet + UNFINISHED_IDLE)
     }
 
     /// Why the connection ends with a message lost, if one was under way.
@@ -414,7 +424,7 @@ impl Connected {
                 _ => {
                     if let Some(stream) = &stream
                         && desc.fence != Fence::None
-                        && !super::switches::skip_ordering()
+                        && !crate::switches::skip_ordering()
                         && !waits.iter().any(|(fence, s)| *fence == desc.fence && Arc::ptr_eq(s, stream))
                     {
                         fences.extend(self.order_for(devices, index, desc, &chunk, stream)?);
@@ -553,7 +563,7 @@ impl Connected {
     }
 
     /// This connection's stream for `uuid`'s device (the user's, if one was chosen).
-    pub(super) fn stream(&mut self, devices: &Devices, uuid: &Uuid) -> Result<Arc<Stream>> {
+    pub(crate) fn stream(&mut self, devices: &Devices, uuid: &Uuid) -> Result<Arc<Stream>> {
         if let Some(chosen) = devices.chosen(uuid) {
             return Ok(chosen);
         }
@@ -566,7 +576,7 @@ impl Connected {
     }
 
     /// Queues `stream`'s wait for the producer's fence of tensor `index`.
-    pub(super) fn order(
+    pub(crate) fn order(
         &self,
         index: usize,
         desc: &TensorDesc,

@@ -26,12 +26,12 @@ use std::time::Duration;
 use ipc_core::nccl::{Communicator, UniqueId};
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
-use super::choose::{Route, choose_remote};
-use super::policy::Routing;
-use super::reach::Reach;
-use super::send::{copy_stream, spans};
-use super::worker::{Next, WorkQueue, Workers};
+use super::routes::{copy_stream, spans};
 use crate::error::{Error, Result};
+use crate::links::nccl::{Next, WorkQueue, Workers};
+use crate::route::Reach;
+use crate::route::Routing;
+use crate::route::{Route, choose_remote};
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
 use crate::wire::{BYTES_FRAME, Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
@@ -208,7 +208,7 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
     })?;
     let done = Event::new(stream.context())?;
     done.record(stream)?;
-    crate::arena::drop_after(vec![done], Box::new((transfer.spans, transfer.lease)));
+    crate::memory::arena::drop_after(vec![done], Box::new((transfer.spans, transfer.lease)));
     Ok(())
 }
 
@@ -269,7 +269,7 @@ pub(crate) fn prepare(
         };
         let after = match stream {
             // The tests' negative control: sends that do not wait for the producer's work.
-            Some(_) if crate::channel::switches::skip_ordering() => None,
+            Some(_) if crate::switches::skip_ordering() => None,
             Some(stream) => {
                 let produced = Event::new(stream.context())?;
                 produced.record(stream)?;

@@ -29,8 +29,8 @@ use ipc_core::Stream;
 use ipc_core::process::ProcessHandle;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
-use crate::arena::Chunk;
 use crate::error::Result;
+use crate::memory::arena::Chunk;
 use crate::sync::lock;
 
 /// The value a word held when its producer died (`u64::MAX` while the producer lives).
@@ -343,7 +343,7 @@ mod tests {
     use std::process::Command;
 
     use super::*;
-    use crate::arena::ChunkMemory;
+    use crate::memory::arena::ChunkMemory;
 
     /// A host word, as the host and staged routes use.
     fn host_word() -> Arc<Chunk> {

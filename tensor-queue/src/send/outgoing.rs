@@ -4,16 +4,16 @@
 use ipc_core::Stream;
 use serde::Serialize;
 
-use super::monotonic_ns;
-use crate::arena::not_sendable;
+use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
+use crate::memory::arena::not_sendable;
+use crate::memory::signal::{Signal, signal_after};
 use crate::side_table;
-use crate::signal::{Signal, signal_after};
 use crate::tensor::Tensor;
 use crate::tensor::layout::check_layout;
 
 /// A message encoded once, with what orders its receivers after the producer's work.
-pub(super) struct Outgoing<'a> {
+pub(crate) struct Outgoing<'a> {
     pub sent_ns: u64,
     pub payload: Vec<u8>,
     pub tensors: Vec<Tensor>,
@@ -23,7 +23,7 @@ pub(super) struct Outgoing<'a> {
 }
 
 /// How the receivers' first use of the GPU tensors is ordered after the producer's work.
-pub(super) enum Fencing<'a> {
+pub(crate) enum Fencing<'a> {
     /// Nothing to wait for: no GPU tensors, or their devices were synchronised.
     Done,
     /// A signal word's write, queued once on the producer's stream, which every receiver waits for.

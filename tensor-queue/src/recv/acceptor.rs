@@ -21,11 +21,26 @@ use std::time::Duration;
 use ipc_core::seqpacket::{Connection, Listener};
 use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener};
 
-use super::link::Link;
-use super::receiver::ReceiverOptions;
 use crate::error::{Error, Result};
+use crate::links::link::Link;
+use crate::route::{Reach, Routing};
 use crate::sync::lock;
 use crate::wire::Frame;
+
+/// What a receiver says to every sender it greets: its capacity per sender and its routing (with
+/// this process's GPUs, [`Reach::local`]).
+#[derive(Clone)]
+pub(crate) struct Greeting {
+    pub capacity: u32,
+    pub routing: Routing,
+}
+
+impl Greeting {
+    /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing.
+    pub(crate) fn greet(&self, link: &Link) -> Result<()> {
+        link.hello(self.capacity, Reach::local(), &self.routing)
+    }
+}
 
 /// Handshakes over TCP that may run at once; a connector beyond makes room by dropping the oldest.
 const MAX_HANDSHAKES: usize = 64;
@@ -69,14 +84,14 @@ impl Handshakes {
 }
 
 /// What a receiver listens on.
-pub(super) enum Listening {
+pub(crate) enum Listening {
     Unix(Listener),
     Tcp(TcpListener, Secret),
 }
 
 /// What the accept thread hands to `recv`.
 #[derive(Default)]
-pub(super) struct Handed {
+pub(crate) struct Handed {
     /// Checked and greeted connections.
     pub links: Vec<Link>,
     /// Connections refused, for `take_errors`.
@@ -84,16 +99,16 @@ pub(super) struct Handed {
 }
 
 /// A bound receiver's accept thread (see the module docs).
-pub(super) struct Acceptor {
+pub(crate) struct Acceptor {
     listening: Arc<Listening>,
-    pub(super) doorbell: Connection,
+    pub(crate) doorbell: Connection,
     closed: Arc<AtomicBool>,
-    pub(super) handed: Arc<Mutex<Handed>>,
+    pub(crate) handed: Arc<Mutex<Handed>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Acceptor {
-    pub(super) fn start(listening: Listening, options: ReceiverOptions) -> Result<Acceptor> {
+    pub(crate) fn start(listening: Listening, options: Greeting) -> Result<Acceptor> {
         let (doorbell, bell) = Connection::pair()?;
         let bell = Arc::new(bell);
         let closed = Arc::new(AtomicBool::new(false));
@@ -170,7 +185,7 @@ impl Acceptor {
     }
 
     /// The socket file, for a receiver bound to a Unix socket.
-    pub(super) fn path(&self) -> Option<&Path> {
+    pub(crate) fn path(&self) -> Option<&Path> {
         match &*self.listening {
             Listening::Unix(listener) => Some(listener.path()),
             Listening::Tcp(..) => None,
@@ -178,7 +193,7 @@ impl Acceptor {
     }
 
     /// The address, for a receiver bound to TCP.
-    pub(super) fn local_addr(&self) -> Option<SocketAddr> {
+    pub(crate) fn local_addr(&self) -> Option<SocketAddr> {
         match &*self.listening {
             Listening::Tcp(listener, _) => listener.local_addr().ok(),
             Listening::Unix(_) => None,
@@ -186,7 +201,7 @@ impl Acceptor {
     }
 
     /// Stops and joins the accept thread: after this, everything it accepted is handed over.
-    pub(super) fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         self.closed.store(true, Ordering::Release);
         if let Listening::Unix(listener) = &*self.listening {
             listener.wake();
@@ -222,7 +237,7 @@ fn turn_away(listening: &Listening) {
 
 /// Greets a checked connection and hands it to `recv`, or records why it was refused; rings
 /// the doorbell either way. Whether the receiver is still there.
-fn hand_over(outcome: Result<Link>, options: &ReceiverOptions, handed: &Mutex<Handed>, bell: &Connection) -> bool {
+fn hand_over(outcome: Result<Link>, options: &Greeting, handed: &Mutex<Handed>, bell: &Connection) -> bool {
     let ring: &[u8] = match outcome {
         Ok(link) => match options.greet(&link) {
             Ok(()) => {

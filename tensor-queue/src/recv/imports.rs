@@ -13,13 +13,13 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ipc_core::{Context, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation};
 
-use crate::arena::{Chunk, ChunkMemory};
 use crate::error::{Error, Result};
+use crate::memory::arena::{Chunk, ChunkMemory};
 use crate::sync::lock;
 use crate::wire::ChunkKind;
 
 /// A chunk as a peer announced it.
-pub(super) struct Announced {
+pub(crate) struct Announced {
     pub id: u64,
     pub len: usize,
     pub kind: ChunkKind,
@@ -35,7 +35,7 @@ static IMPORTS: Mutex<Option<HashMap<Key, Weak<Chunk>>>> = Mutex::new(None);
 
 /// The chunk `announced` by the process (`pid`, `instance`), mapped in this process once.
 /// `context` gives the context of a device by UUID.
-pub(super) fn import(
+pub(crate) fn import(
     pid: u32,
     instance: u64,
     announced: Announced,

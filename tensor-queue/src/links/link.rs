@@ -67,7 +67,7 @@ pub(crate) fn instance() -> u64 {
     static INSTANCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *INSTANCE.get_or_init(|| {
         use std::hash::BuildHasher;
-        std::collections::hash_map::RandomState::new().hash_one((std::process::id(), super::monotonic_ns()))
+        std::collections::hash_map::RandomState::new().hash_one((std::process::id(), crate::clock::monotonic_ns()))
     })
 }
 

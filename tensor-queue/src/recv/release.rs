@@ -16,19 +16,19 @@ use std::time::{Duration, Instant};
 
 use ipc_core::{Event, Stream};
 
-use super::fences::FenceWait;
 use super::peer::Peer;
+use crate::fences::FenceWait;
 use crate::sync::lock;
 
 /// Held by the storage of every tensor of one received message; returns the message to its
 /// sender in one frame when the last of them drops (one frame per message, not per tensor).
 pub(crate) struct ReceivedLease {
-    pub(super) peer: Arc<Peer>,
-    pub(super) seq: u64,
+    pub(crate) peer: Arc<Peer>,
+    pub(crate) seq: u64,
     /// The streams the message's GPU tensors were ordered on.
-    pub(super) streams: Vec<Arc<Stream>>,
+    pub(crate) streams: Vec<Arc<Stream>>,
     /// The producer's fences the message waited for (shared with tensors copied out of it).
-    pub(super) fences: Fences,
+    pub(crate) fences: Fences,
 }
 
 impl ReceivedLease {
@@ -85,7 +85,7 @@ const STAY_AWAKE: Duration = Duration::from_micros(200);
 const MAX_BATCH: usize = 256;
 
 /// The process's release thread and its queue.
-pub(super) struct Releaser {
+pub(crate) struct Releaser {
     queue: Mutex<Queue>,
     /// Releases queued, readable without the lock (the awake thread watches it).
     queued: AtomicUsize,
@@ -101,7 +101,7 @@ struct Queue {
 }
 
 impl Releaser {
-    pub(super) fn get() -> &'static Releaser {
+    pub(crate) fn get() -> &'static Releaser {
         static RELEASER: OnceLock<&'static Releaser> = OnceLock::new();
         RELEASER.get_or_init(|| {
             let releaser: &'static Releaser = Box::leak(Box::new(Releaser {
@@ -118,7 +118,7 @@ impl Releaser {
     }
 
     /// Retries `peer`'s writes until its outbox is empty (or the peer is gone).
-    pub(super) fn retry(&self, peer: Arc<Peer>) {
+    pub(crate) fn retry(&self, peer: Arc<Peer>) {
         let mut queue = lock(&self.queue);
         queue.stalled.push(peer);
         if queue.sleeping {

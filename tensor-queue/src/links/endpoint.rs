@@ -175,7 +175,7 @@ impl Default for ConnectOptions {
 }
 
 /// The secret given, else the one in `TQ_SECRET`.
-pub(super) fn secret(given: Option<&Secret>) -> Result<Secret> {
+pub(crate) fn secret(given: Option<&Secret>) -> Result<Secret> {
     match given {
         Some(secret) => Ok(secret.clone()),
         None => Ok(Secret::from_env()?),
@@ -195,7 +195,7 @@ fn nobody_there(endpoint: &Endpoint, error: ipc_core::Error) -> Error {
 }
 
 /// Connects to `endpoint`: a Unix socket, or a TCP listener that must prove it holds the secret.
-pub(super) fn connect(endpoint: &Endpoint, options: &ConnectOptions) -> Result<Box<dyn Packets>> {
+pub(crate) fn connect(endpoint: &Endpoint, options: &ConnectOptions) -> Result<Box<dyn Packets>> {
     endpoint.check()?;
     Ok(match endpoint {
         Endpoint::Unix(path) => Box::new(Connection::connect(path).map_err(|error| nobody_there(endpoint, error))?),

@@ -7,16 +7,16 @@ use std::sync::Arc;
 use ipc_core::{Event, Stream};
 
 use super::connection::{Connected, Devices};
-use super::fences::FenceWait;
-use crate::arena::{Allocation, Arena, Chunk};
 use crate::error::{Error, Result};
+use crate::fences::FenceWait;
+use crate::memory::arena::{Allocation, Arena, Chunk};
 use crate::route::{self, Route};
 use crate::wire::{Fence, TensorDesc};
 
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
     /// asks [`crate::route::choose`] first).
-    pub(super) fn check_route(&self, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<()> {
+    pub(crate) fn check_route(&self, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<()> {
         let strict = devices.routing.strict;
         // Whether the landing was a fallback is the sender's knowledge: the lenient reading here.
         if !route::allowed(desc.route, strict, false) {
@@ -29,7 +29,7 @@ impl Connected {
     /// Queues the wait for the producer's fence of tensor `index` on `stream`; for a tensor
     /// mapped over a peer link, on this connection's stream for the sender's GPU first (where the
     /// fence lives), which `stream` then waits for.
-    pub(super) fn order_for(
+    pub(crate) fn order_for(
         &mut self,
         devices: &Devices,
         index: usize,
@@ -51,7 +51,7 @@ impl Connected {
 
     /// Allocates staged tensor `index`'s storage on `stream`'s GPU and queues, per piece, the
     /// wait for the producer's host word and the copy out of the staging memory.
-    pub(super) fn copy_in(
+    pub(crate) fn copy_in(
         &mut self,
         index: usize,
         desc: &TensorDesc,
@@ -71,7 +71,7 @@ impl Connected {
         let source = host.registered(stream.context())?;
         let piece = route::staging_piece(len);
         for k in 0..len.div_ceil(piece) {
-            if !super::switches::skip_ordering() {
+            if !crate::switches::skip_ordering() {
                 let value = value.checked_add(k as u64).ok_or_else(|| bad(format!("signal value {value}")))?;
                 fences.push(producer.wait(stream, &signal, offset, value).map_err(|e| match e {
                     Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
@@ -90,7 +90,7 @@ impl Connected {
     /// Notes the host word a host-route tensor's data waits for; `recv` waits for it on the CPU.
     /// The sender copied the storage in pieces, each followed by the next value of the word (see
     /// `signal::host_signal_pieces`): the data is whole only once the last piece's value is there.
-    pub(super) fn fence_on_cpu(&self, index: usize, desc: &TensorDesc) -> Result<Option<FenceWait>> {
+    pub(crate) fn fence_on_cpu(&self, index: usize, desc: &TensorDesc) -> Result<Option<FenceWait>> {
         let (signal, offset, first) = self.host_signal(index, desc)?;
         let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
         let len = desc.storage_len as usize;
@@ -104,7 +104,7 @@ impl Connected {
     }
 
     /// The host word, offset and first value a copied tensor's fence names.
-    pub(super) fn host_signal(&self, index: usize, desc: &TensorDesc) -> Result<(Arc<Chunk>, usize, u64)> {
+    pub(crate) fn host_signal(&self, index: usize, desc: &TensorDesc) -> Result<(Arc<Chunk>, usize, u64)> {
         let bad = |reason: String| self.refusal(index, reason);
         let Fence::Signal { chunk, offset, value } = desc.fence else {
             return Err(bad(format!("a {} tensor without a host signal", desc.route)));

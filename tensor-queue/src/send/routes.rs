@@ -7,13 +7,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
-use super::choose::{Choice, Route, choose};
-use super::policy::Routing;
-use super::reach::Reach;
-use super::staging_piece;
-use crate::arena::{Arena, Chunk};
 use crate::error::{Error, Result};
-use crate::signal::{Signal, host_signal_pieces, signal_after};
+use crate::memory::arena::{Arena, Chunk};
+use crate::memory::signal::{Signal, host_signal_pieces, signal_after};
+use crate::route::Reach;
+use crate::route::Routing;
+use crate::route::staging_piece;
+use crate::route::{Choice, Route, choose};
 use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
@@ -117,7 +117,7 @@ pub(crate) fn prepare(
         let done = Event::new(stream.context())?;
         done.record(stream)?;
         let sources: Vec<Arc<Storage>> = members.iter().map(|&i| tensors[i].storage.clone()).collect();
-        crate::arena::drop_after(vec![done], Box::new(sources));
+        crate::memory::arena::drop_after(vec![done], Box::new(sources));
     }
     sent.into_iter().map(|s| s.ok_or_else(|| Error::Protocol("a tensor was not routed".into()))).collect()
 }

@@ -10,8 +10,8 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use super::link::Link;
 use super::release::Releaser;
+use crate::links::link::Link;
 use crate::sync::lock;
 use crate::wire::{Frame, MAX_RELEASES};
 

@@ -32,11 +32,11 @@ use ipc_core::{Context, Event, Stream, Uuid};
 use rustix::event::{EventfdFlags, eventfd};
 
 use super::connection::Devices;
-use super::fences::{FenceWait, WordFate};
 use super::peer::Peer;
-use crate::arena::Arena;
 use crate::error::{Error, Result};
-use crate::route::worker::{Next, WorkQueue};
+use crate::fences::{FenceWait, WordFate};
+use crate::links::nccl::{Next, WorkQueue};
+use crate::memory::arena::Arena;
 use crate::route::{Reach, Route};
 use crate::sync::lock;
 use crate::tensor::Storage;
@@ -53,7 +53,7 @@ const ALIGN: usize = 16;
 
 /// A connection's state for a sender on another host.
 #[derive(Default)]
-pub(super) struct Remote {
+pub(crate) struct Remote {
     /// Bytes of host tensors for the next message.
     bytes: Vec<u8>,
     communicators: HashMap<u32, Joined>,
@@ -68,7 +68,7 @@ struct Joined {
 /// How NCCL workers tell `recv` that a message's receives are issued (so it may be delivered):
 /// an eventfd that `recv` polls with its sockets, so a parked message costs no naps.
 #[derive(Clone)]
-pub(super) struct Wake(Arc<OwnedFd>);
+pub(crate) struct Wake(Arc<OwnedFd>);
 
 impl Wake {
     pub fn new() -> Result<Wake> {
@@ -113,10 +113,10 @@ struct Receive {
 }
 
 /// A received tensor: its storage, the byte offset of its element 0 there, and its stream.
-pub(super) type Landed = (Arc<Storage>, usize, Option<Arc<Stream>>);
+pub(crate) type Landed = (Arc<Storage>, usize, Option<Arc<Stream>>);
 
 /// Storage received from a remote sender, and where each tensor lies in it.
-pub(super) struct Received {
+pub(crate) struct Received {
     /// Per tensor, in the message's order.
     pub tensors: Vec<Landed>,
     pub fences: Vec<FenceWait>,

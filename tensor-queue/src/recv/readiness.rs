@@ -18,7 +18,7 @@ fn os(what: &'static str) -> impl FnOnce(rustix::io::Errno) -> crate::error::Err
     move |e| ipc_core::Error::Os { what, source: e.into() }.into()
 }
 
-pub(super) struct Readiness {
+pub(crate) struct Readiness {
     epoll: OwnedFd,
     /// Readable while work inside the process waits (see the module).
     pending: OwnedFd,

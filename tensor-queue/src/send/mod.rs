@@ -1,0 +1,7 @@
+//! The sender's mechanism, below the typed [`Sender`](crate::Sender): a message encoded once
+//! (`outgoing`), and the routes' sender half for a receiver on this machine (`routes`) and on
+//! another host (`network`). See `docs/ARCHITECTURE.md`.
+
+pub(crate) mod network;
+pub(crate) mod outgoing;
+pub(crate) mod routes;
