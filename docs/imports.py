@@ -38,6 +38,8 @@ edges = defaultdict(set)
 for m, p in mods.items():
     src = open(p).read()
     src = re.sub(r'//[^\n]*', '', src)
+    # a file's unit tests (at its end) are not part of the layering
+    src = re.split(r'#\[cfg\(test\)\]\s*mod tests', src)[0]
     paths = []
     for u in re.finditer(r'\buse\s+crate::(.*?);', src, re.S):
         body = u.group(1)
@@ -45,10 +47,11 @@ for m, p in mods.items():
         paths += expand('', mm.group(1)) if mm else ['::' + body]
     for u in re.finditer(r'\bcrate::([\w:]+)', src):
         paths.append('::' + u.group(1))
-    for u in re.finditer(r'\bsuper::([\w:]+)', src):
-        parent = '::'.join(m.split('::')[:-1]) if not p.endswith('mod.rs') else '::'.join(m.split('::')[:-1])
-        base = m.split('::')[:-1]
-        paths.append('::' + '::'.join(base + u.group(1).split('::')))
+    for u in re.finditer(r'(?<!super::)\bsuper::([\w:]+)', src):
+        rest = u.group(1).split('::')
+        base = m.split('::')[:-1]  # `super` of module a::b is a, whether b is a file or a folder
+        while rest and rest[0] == 'super': base = base[:-1]; rest = rest[1:]
+        paths.append('::' + '::'.join(base + rest))
     for path in paths:
         t = resolve(path.strip(':').replace(' ', '').replace('\n',''))
         if t == '':
@@ -72,6 +75,24 @@ print('\nFOLDER PAIRS importing each other:')
 for a in sorted(fedges):
     for b in sorted(fedges[a]):
         if a < b and a in fedges.get(b, ()): print(f'  {a} <-> {b}')
+# layers (docs/ARCHITECTURE.md): a module imports only from lower layers, or from its own folder
+LAYERS = {'sync': 0, 'switches': 0, 'clock': 0, 'route': 0, 'tensor::dtype': 0, 'tensor::layout': 0,
+          'wire': 1, 'error': 2, 'memory': 3, 'fences': 4, 'tensor': 5, 'side_table': 6,
+          'links': 6, 'send': 7, 'recv': 7, 'channel': 8}
+def layer(x):
+    parts = x.split('::')
+    for n in range(len(parts), 0, -1):
+        if '::'.join(parts[:n]) in LAYERS: return LAYERS['::'.join(parts[:n])]
+    return None
+print('\nUPWARD or SIDEWAYS imports (should be none):')
+bad = 0
+for a in sorted(edges):
+    for b in sorted(edges[a]):
+        if top(a) == top(b) and b not in ('tensor::dtype', 'tensor::layout') or (top(a) == top(b) == 'tensor'): continue
+        la, lb = layer(a), layer(b)
+        if b == '(root)' or la is None or lb is None or lb >= la:
+            print(f'  {a} (layer {la}) -> {b} (layer {lb})'); bad += 1
+print(f'  {bad} found')
 # SCCs
 import sys; sys.setrecursionlimit(10000)
 idx = {}; low = {}; st = []; on = set(); sccs = []; c = [0]

@@ -180,3 +180,11 @@ impl From<cuda_sys::Error> for Error {
         Error::Core(error.into())
     }
 }
+
+impl Error {
+    /// Whether `recv` can go on after this error with the next message (an iterator or a
+    /// `Stream` of messages goes on after it).
+    pub(crate) fn about_one_message(&self) -> bool {
+        matches!(self, Error::Rejected { .. } | Error::ProducerFailed { .. } | Error::Decode(_))
+    }
+}

@@ -135,7 +135,7 @@ impl<T: DeserializeOwned> futures_core::Stream for Receiver<T> {
                 Poll::Ready(None)
             }
             Poll::Ready(Err(error)) => {
-                receiver.stream_ended = !super::iter::about_one_message(&error);
+                receiver.stream_ended = !error.about_one_message();
                 Poll::Ready(Some(Err(error)))
             }
         }

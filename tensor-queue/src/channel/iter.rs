@@ -21,13 +21,8 @@
 
 use serde::de::DeserializeOwned;
 
-use super::Receiver;
+use super::receiver::Receiver;
 use crate::error::{Error, Result};
-
-/// Whether `recv` can go on after `error` with the next message.
-pub(super) fn about_one_message(error: &Error) -> bool {
-    matches!(error, Error::Rejected { .. } | Error::ProducerFailed { .. } | Error::Decode(_))
-}
 
 /// What `recv`'s result means for an iterator: an item, and whether the iteration goes on.
 fn item<T>(result: Result<T>, finished: &mut bool) -> Option<Result<T>> {
@@ -38,7 +33,7 @@ fn item<T>(result: Result<T>, finished: &mut bool) -> Option<Result<T>> {
             None
         }
         Err(error) => {
-            *finished = !about_one_message(&error);
+            *finished = !error.about_one_message();
             Some(Err(error))
         }
     }

@@ -113,8 +113,6 @@ mod receiver;
 mod select;
 mod sender;
 
-use crate::sync::lock;
-
 pub use crate::clock::monotonic_ns;
 pub use crate::links::endpoint::{ConnectOptions, Endpoint, TCP_PREFIX};
 pub use crate::recv::connection::{MessageInfo, UNFINISHED_IDLE};

@@ -15,15 +15,18 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
-use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
+use super::DEFAULT_CAPACITY;
+use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
 use crate::links::endpoint::{self, Endpoint};
 use crate::links::link::Link;
 use crate::recv::acceptor::{Acceptor, Greeting, Listening};
-use crate::recv::connection::{Arrival, Connected, Devices, MessageInfo, Progress, Ready};
+use crate::recv::connection::{Arrival, Connected, MessageInfo, Progress, Ready};
+use crate::recv::devices::Devices;
 use crate::recv::readiness::Readiness;
 use crate::route::{MAX_SOURCES, Routing};
 use crate::side_table;
+use crate::sync::lock;
 use crate::wire::MAX_PACKET;
 
 /// How a receiver is set up.
@@ -531,7 +534,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         }
         // Asked now, not when the message was read: the producer may have died since. The
         // message's tensors share these fences, and with them the answer.
-        if crate::recv::release::failed(&fences) {
+        if crate::fences::failed(&fences) {
             return Err(Error::ProducerFailed { pid: info.sender_pid, connection: info.connection, seq: info.seq });
         }
         // A payload that is not a `T` is refused alone, like any message the receiver cannot
@@ -791,7 +794,7 @@ impl<T: DeserializeOwned> Receiver<T> {
                 at += 1;
                 continue;
             }
-            let why = format!("nothing more of it came for {:?}", super::UNFINISHED_IDLE);
+            let why = format!("nothing more of it came for {:?}", crate::recv::connection::UNFINISHED_IDLE);
             let lost = connected.lost(&why).unwrap_or(Error::Protocol(why));
             tracing::warn!(pid = connected.pid(), %lost, "closing a connection");
             connected.close(format!("the receiver closed the connection: {lost}"));

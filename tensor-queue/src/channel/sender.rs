@@ -817,7 +817,7 @@ impl SenderInner {
         let frame = Frame::Message {
             seq,
             sent_ns: outgoing.sent_ns,
-            encoded_ns: super::monotonic_ns(),
+            encoded_ns: crate::clock::monotonic_ns(),
             tensors: descriptors,
             payload: outgoing.payload.clone(),
         };
@@ -845,7 +845,7 @@ impl SenderInner {
         let frame = Frame::Message {
             seq,
             sent_ns: outgoing.sent_ns,
-            encoded_ns: super::monotonic_ns(),
+            encoded_ns: crate::clock::monotonic_ns(),
             tensors: std::mem::take(&mut message.descriptors),
             payload: outgoing.payload.clone(),
         };

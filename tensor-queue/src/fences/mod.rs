@@ -291,6 +291,14 @@ fn rescue_word(word: &Word) -> Result<bool> {
     Ok(true)
 }
 
+/// The fences of one message.
+pub(crate) type Fences = Arc<Vec<FenceWait>>;
+
+/// Whether the producer died before its work reached any of `fences`.
+pub(crate) fn failed(fences: &Fences) -> bool {
+    fences.iter().any(FenceWait::failed)
+}
+
 /// The thread that watches producers' pidfds.
 struct Watcher;
 

@@ -5,3 +5,4 @@
 pub(crate) mod endpoint;
 pub(crate) mod link;
 pub(crate) mod nccl;
+pub(crate) mod wake;

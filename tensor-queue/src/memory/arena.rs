@@ -388,9 +388,32 @@ impl Arena {
     }
 }
 
+/// What this process's arenas hold.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, memory};
+/// let before = memory::usage();
+/// let t = Tensor::zeros(DType::U8, &[4096])?;
+/// assert!(memory::usage().in_use_bytes >= before.in_use_bytes + 4096);
+/// drop(t);
+/// assert_eq!(memory::usage().in_use_bytes, before.in_use_bytes, "nothing leaked");
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryUsage {
+    /// Bytes of shared host memory held in chunks.
+    pub host_bytes: usize,
+    /// Bytes of device memory held in chunks, all devices together.
+    pub device_bytes: usize,
+    /// Of those, bytes of live tensors (including those a receiver still holds).
+    pub in_use_bytes: usize,
+}
+
 /// What this process's arenas hold (see [`crate::memory::usage`]).
-pub(crate) fn usage() -> crate::memory::MemoryUsage {
-    let mut usage = crate::memory::MemoryUsage::default();
+pub(crate) fn usage() -> MemoryUsage {
+    let mut usage = MemoryUsage::default();
     for arena in lock(&ARENAS).clone() {
         let (held, used) = arena.usage();
         match arena.kind {

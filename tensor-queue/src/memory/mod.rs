@@ -20,30 +20,9 @@
 pub(crate) mod arena;
 pub(crate) mod signal;
 
-use std::time::Duration;
+pub use arena::MemoryUsage;
 
-/// What this process's arenas hold.
-///
-/// ```
-/// # fn main() -> tensor_queue::Result<()> {
-/// use tensor_queue::{DType, Tensor, memory};
-/// let before = memory::usage();
-/// let t = Tensor::zeros(DType::U8, &[4096])?;
-/// assert!(memory::usage().in_use_bytes >= before.in_use_bytes + 4096);
-/// drop(t);
-/// assert_eq!(memory::usage().in_use_bytes, before.in_use_bytes, "nothing leaked");
-/// # Ok(()) }
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct MemoryUsage {
-    /// Bytes of shared host memory held in chunks.
-    pub host_bytes: usize,
-    /// Bytes of device memory held in chunks, all devices together.
-    pub device_bytes: usize,
-    /// Of those, bytes of live tensors (including those a receiver still holds).
-    pub in_use_bytes: usize,
-}
+use std::time::Duration;
 
 /// What this process's arenas hold now. Copies a route makes count where they live: a sender's
 /// peer copies (on the receiver's GPU) and staging (shared host memory) in the sender's arenas

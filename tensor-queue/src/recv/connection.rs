@@ -9,20 +9,20 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use ipc_core::{Context, Device, Event, IpcEventHandle, Stream, Uuid};
+use ipc_core::{Event, IpcEventHandle, Stream, Uuid};
 
+use super::devices::Devices;
 use super::imports::{Announced, import};
 use super::peer::Peer;
-use super::release::{Fences, ReceivedLease};
-use super::remote::{Remote, Wake};
+use super::release::{ReceivedLease, retry_stalled};
+use super::remote::Remote;
 use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
+use crate::fences::Fences;
 use crate::fences::{FenceWait, Producer, producer};
 use crate::links::link::{Link, Read};
-use crate::links::nccl::Workers;
 use crate::memory::arena::{Allocation, Chunk, ChunkMemory};
-use crate::route::{self, Reach, Route, Routing};
-use crate::sync::lock;
+use crate::route::{self, Reach, Route};
 use crate::tensor::Storage;
 use crate::tensor::{Tensor, TransferPath};
 use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
@@ -132,55 +132,6 @@ impl Placed {
     }
 }
 
-/// The contexts of the devices received tensors live on, the streams the user chose for them,
-/// and where they should land.
-pub(crate) struct Devices {
-    pub routing: Routing,
-    contexts: std::sync::Mutex<Vec<(Uuid, Arc<Context>)>>,
-    /// Streams set with `Receiver::set_stream`: every connection orders that device's tensors
-    /// on it (and so one slow producer delays the others there, the user's choice).
-    chosen: std::sync::Mutex<Vec<(Uuid, Arc<Stream>)>>,
-    /// The workers of the NCCL communicators joined for senders on other hosts (`remote.rs`),
-    /// waited for when the receiver is dropped.
-    pub nccl_workers: Workers,
-    /// How those workers tell `recv` that a parked message's receives are issued.
-    pub nccl_wake: Wake,
-}
-
-impl Devices {
-    pub fn new(routing: Routing) -> Result<Devices> {
-        Ok(Devices {
-            routing,
-            contexts: Default::default(),
-            chosen: Default::default(),
-            nccl_workers: Workers::default(),
-            nccl_wake: Wake::new()?,
-        })
-    }
-
-    pub fn context(&self, uuid: &Uuid) -> Result<Arc<Context>> {
-        let mut contexts = lock(&self.contexts);
-        if let Some((_, context)) = contexts.iter().find(|(u, _)| u == uuid) {
-            return Ok(context.clone());
-        }
-        let context = Context::primary(Device::by_uuid(uuid)?)?;
-        contexts.push((*uuid, context.clone()));
-        Ok(context)
-    }
-
-    pub fn choose(&self, stream: Arc<Stream>) -> Result<()> {
-        let uuid = stream.context().device().uuid()?;
-        let mut chosen = lock(&self.chosen);
-        chosen.retain(|(u, _)| *u != uuid);
-        chosen.push((uuid, stream));
-        Ok(())
-    }
-
-    pub fn chosen(&self, uuid: &Uuid) -> Option<Arc<Stream>> {
-        lock(&self.chosen).iter().find(|(u, _)| u == uuid).map(|(_, s)| s.clone())
-    }
-}
-
 /// The receiver's state for one connection.
 pub(crate) struct Connected {
     pub peer: Arc<Peer>,
@@ -214,7 +165,7 @@ impl Drop for Connected {
 impl Connected {
     pub fn new(link: Link) -> Connected {
         Connected {
-            peer: Peer::new(link),
+            peer: Peer::new(link, retry_stalled),
             assembler: Assembler::default(),
             producer: None,
             chunks: HashMap::new(),

@@ -5,6 +5,7 @@
 
 pub(crate) mod acceptor;
 pub(crate) mod connection;
+pub(crate) mod devices;
 pub(crate) mod imports;
 pub(crate) mod peer;
 pub(crate) mod placement;

@@ -10,7 +10,6 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use super::release::Releaser;
 use crate::links::link::Link;
 use crate::sync::lock;
 use crate::wire::{Frame, MAX_RELEASES};
@@ -21,6 +20,9 @@ pub(crate) struct Peer {
     /// This process's number for the connection ([`crate::MessageInfo::connection`]).
     pub connection: u64,
     outbox: Mutex<Outbox>,
+    /// Who retries the writes once the socket was full: the release thread
+    /// (`release::retry_stalled`), passed in so that this module needs nothing above it.
+    on_stall: fn(Arc<Peer>),
 }
 
 #[derive(Default)]
@@ -34,12 +36,12 @@ struct Outbox {
 }
 
 impl Peer {
-    pub fn new(link: Link) -> Arc<Peer> {
+    pub fn new(link: Link, on_stall: fn(Arc<Peer>)) -> Arc<Peer> {
         // Unique for the life of the process: several senders of one process, or one that
         // reconnected, are told apart by it.
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let connection = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Arc::new(Peer { link, connection, outbox: Mutex::new(Outbox::default()) })
+        Arc::new(Peer { link, connection, outbox: Mutex::new(Outbox::default()), on_stall })
     }
 
     /// Returns `count` credits.
@@ -67,7 +69,7 @@ impl Peer {
         add(&mut out);
         if !out.stalled && !self.flush_locked(&mut out) {
             out.stalled = true;
-            Releaser::get().retry(self.clone());
+            (self.on_stall)(self.clone());
         }
     }
 

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use ipc_core::{Event, Stream};
 
-use super::connection::{Connected, Devices};
+use super::connection::Connected;
+use super::devices::Devices;
 use crate::error::{Error, Result};
 use crate::fences::FenceWait;
 use crate::memory::arena::{Allocation, Arena, Chunk};

@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use ipc_core::{Event, Stream};
 
 use super::peer::Peer;
-use crate::fences::FenceWait;
+use crate::fences::{Fences, failed};
 use crate::sync::lock;
+use crate::tensor::Lease;
 
 /// Held by the storage of every tensor of one received message; returns the message to its
 /// sender in one frame when the last of them drops (one frame per message, not per tensor).
@@ -31,19 +32,10 @@ pub(crate) struct ReceivedLease {
     pub(crate) fences: Fences,
 }
 
-impl ReceivedLease {
-    /// Whether the producer died before its work on these tensors was done.
-    pub(crate) fn producer_failed(&self) -> bool {
+impl Lease for ReceivedLease {
+    fn producer_failed(&self) -> bool {
         failed(&self.fences)
     }
-}
-
-/// The fences of one message.
-pub(crate) type Fences = Arc<Vec<FenceWait>>;
-
-/// Whether the producer died before its work reached any of `fences`.
-pub(crate) fn failed(fences: &Fences) -> bool {
-    fences.iter().any(FenceWait::failed)
 }
 
 impl Drop for ReceivedLease {
@@ -118,7 +110,7 @@ impl Releaser {
     }
 
     /// Retries `peer`'s writes until its outbox is empty (or the peer is gone).
-    pub(crate) fn retry(&self, peer: Arc<Peer>) {
+    fn retry(&self, peer: Arc<Peer>) {
         let mut queue = lock(&self.queue);
         queue.stalled.push(peer);
         if queue.sleeping {
@@ -257,4 +249,10 @@ fn record(pool: &mut Vec<Event>, stream: &Stream) -> ipc_core::Result<Event> {
     };
     event.record(stream)?;
     Ok(event)
+}
+
+/// Hands a peer whose socket was full to the release thread, which retries its writes until its
+/// outbox is empty (or the peer is gone): what a [`Peer`] calls when it stalls.
+pub(crate) fn retry_stalled(peer: Arc<Peer>) {
+    Releaser::get().retry(peer);
 }

@@ -22,20 +22,19 @@
 //! `Tensor::producer_failed`).
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use ipc_core::nccl::{Communicator, UniqueId};
 use ipc_core::{Context, Event, Stream, Uuid};
-use rustix::event::{EventfdFlags, eventfd};
 
-use super::connection::Devices;
+use super::devices::Devices;
 use super::peer::Peer;
 use crate::error::{Error, Result};
 use crate::fences::{FenceWait, WordFate};
 use crate::links::nccl::{Next, WorkQueue};
+use crate::links::wake::Wake;
 use crate::memory::arena::Arena;
 use crate::route::{Reach, Route};
 use crate::sync::lock;
@@ -63,33 +62,6 @@ pub(crate) struct Remote {
 struct Joined {
     target: Uuid,
     comm: Arc<RecvComm>,
-}
-
-/// How NCCL workers tell `recv` that a message's receives are issued (so it may be delivered):
-/// an eventfd that `recv` polls with its sockets, so a parked message costs no naps.
-#[derive(Clone)]
-pub(crate) struct Wake(Arc<OwnedFd>);
-
-impl Wake {
-    pub fn new() -> Result<Wake> {
-        let fd = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)
-            .map_err(|e| ipc_core::Error::Os { what: "eventfd", source: e.into() })?;
-        Ok(Wake(Arc::new(fd)))
-    }
-
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.0.as_fd()
-    }
-
-    fn ring(&self) {
-        // Fails only when the counter is full, and then it is readable anyway.
-        let _ = rustix::io::write(&*self.0, &1u64.to_ne_bytes());
-    }
-
-    /// Clears a ring `recv` has seen.
-    pub fn drain(&self) {
-        let _ = rustix::io::read(&*self.0, &mut [0u8; 8]);
-    }
 }
 
 /// What a communicator's worker and `recv` share.

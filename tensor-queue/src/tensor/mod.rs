@@ -13,8 +13,8 @@ use ipc_core::layout::strided_byte_span;
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream, Uuid};
 
 use crate::error::{Error, Result};
+use crate::fences::{Fences, failed};
 use crate::memory::arena::{Allocation, Arena, Chunk, ChunkMemory};
-use crate::recv::release::{Fences, ReceivedLease};
 use crate::tensor::dtype::{DType, Element};
 
 /// Where a tensor's bytes are.
@@ -83,6 +83,14 @@ pub enum TransferPath {
     Tcp,
 }
 
+/// What a received message's tensors hold: the message's lease on the sender's memory, returned
+/// when the last of them drops (implemented by the receiver, `recv/release.rs`, so that the
+/// tensor needs nothing above it).
+pub(crate) trait Lease: Send + Sync {
+    /// Whether the producer died before its work on these tensors was done.
+    fn producer_failed(&self) -> bool;
+}
+
 /// A contiguous run of bytes in a chunk, kept alive while any view of it lives.
 pub(crate) struct Storage {
     pub chunk: Arc<Chunk>,
@@ -117,7 +125,7 @@ enum Origin {
     /// Nobody: a whole user buffer, freed with the chunk.
     User,
     /// The sender, through a release message.
-    Received(Arc<ReceivedLease>),
+    Received(Arc<dyn Lease>),
     /// This process's arena: a received tensor copied here (the sender's memory went back when
     /// the copy was done); the producer's fences say whether the copy read finished data.
     Landed(#[expect(dead_code, reason = "held for its Drop")] Allocation, Fences),
@@ -154,7 +162,7 @@ impl Storage {
         uses.push((key, event));
     }
 
-    pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: Arc<ReceivedLease>) -> Storage {
+    pub fn received(chunk: Arc<Chunk>, offset: usize, len: usize, lease: Arc<dyn Lease>) -> Storage {
         Storage::new(chunk, offset, len, Origin::Received(lease))
     }
 
@@ -571,7 +579,7 @@ impl Tensor {
     pub fn producer_failed(&self) -> bool {
         match &self.storage.origin {
             Origin::Received(lease) => lease.producer_failed(),
-            Origin::Landed(_, fences) => crate::recv::release::failed(fences),
+            Origin::Landed(_, fences) => failed(fences),
             _ => false,
         }
     }
