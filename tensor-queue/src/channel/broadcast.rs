@@ -4,8 +4,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::sender::{Sender, Wait};
+use super::sender::Sender;
 use crate::error::{Error, Result};
+use crate::send::connection::Wait;
 use crate::send::outgoing::Outgoing;
 use ipc_core::Stream;
 

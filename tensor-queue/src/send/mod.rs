@@ -2,6 +2,7 @@
 //! (`outgoing`), and the routes' sender half for a receiver on this machine (`routes`) and on
 //! another host (`network`). See `docs/ARCHITECTURE.md`.
 
+pub(crate) mod connection;
 pub(crate) mod network;
 pub(crate) mod outgoing;
 pub(crate) mod routes;

@@ -26,7 +26,7 @@ use std::time::Duration;
 use ipc_core::nccl::{Communicator, UniqueId};
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
-use super::routes::{copy_stream, spans};
+use super::routes::{group, spans, stream_after};
 use crate::error::{Error, Result};
 use crate::links::nccl::{Next, WorkQueue, Workers};
 use crate::route::Reach;
@@ -240,10 +240,7 @@ pub(crate) fn prepare(
             None => None,
         };
         match (source, target) {
-            (Some(source), Some(target)) => match groups.iter_mut().find(|(key, _)| *key == (source, target)) {
-                Some((_, members)) => members.push(index),
-                None => groups.push(((source, target), vec![index])),
-            },
+            (Some(source), Some(target)) => group(&mut groups, (source, target), index),
             _ => inlined.push(index),
         }
     }
@@ -280,11 +277,7 @@ pub(crate) fn prepare(
         // Spans are per chunk: group the members by chunk first.
         let mut by_chunk: Vec<(u64, Vec<usize>)> = Vec::new();
         for &index in &members {
-            let chunk = tensors[index].storage.chunk.id;
-            match by_chunk.iter_mut().find(|(c, _)| *c == chunk) {
-                Some((_, m)) => m.push(index),
-                None => by_chunk.push((chunk, vec![index])),
-            }
+            group(&mut by_chunk, tensors[index].storage.chunk.id, index);
         }
         let mut transfer = Transfer { after, spans: Vec::new(), lease: lease.clone() };
         for (_, chunk_members) in by_chunk {
@@ -339,20 +332,7 @@ fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Resu
             unsafe { std::ptr::copy_nonoverlapping(host.as_ptr().add(from), out.as_mut_ptr(), have) };
         }
         (None, Some(memory)) => {
-            let own;
-            let stream = match stream {
-                Some(stream) if Arc::ptr_eq(stream.context(), memory.context()) => stream,
-                producer => {
-                    own = copy_stream(memory.context())?;
-                    if let Some(producer) = producer {
-                        // The producer's stream is another device's: the copy waits for its work.
-                        let produced = Event::new(producer.context())?;
-                        produced.record(producer)?;
-                        own.wait_event(&produced)?;
-                    }
-                    &own
-                }
-            };
+            let stream = stream_after(stream, memory.context())?;
             stream.copy_to_host(memory, storage.offset + start, &mut out[..end - start])?;
         }
         (None, None) => return Err(Error::Protocol("a tensor in neither host nor device memory".into())),

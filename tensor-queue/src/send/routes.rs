@@ -70,31 +70,14 @@ pub(crate) fn prepare(
             Route::SameDevice | Route::PeerMap => sent.push(Some(Sent::as_is(tensor, choice.route))),
             route => {
                 sent.push(None);
-                let key = (route, tensor.storage.chunk.id, choice.target);
-                match groups.iter_mut().find(|(k, _)| *k == key) {
-                    Some((_, members)) => members.push(index),
-                    None => groups.push((key, vec![index])),
-                }
+                group(&mut groups, (route, tensor.storage.chunk.id, choice.target), index);
             }
         }
     }
     for ((route, _, target), members) in groups {
         let chunk = tensors[members[0]].storage.chunk.clone();
         let memory = chunk.device().ok_or_else(|| Error::Protocol("a device route for host memory".into()))?;
-        let own_stream;
-        let stream = match stream {
-            Some(stream) if Arc::ptr_eq(stream.context(), memory.context()) => stream,
-            producer => {
-                own_stream = copy_stream(memory.context())?;
-                if let Some(producer) = producer {
-                    // The producer's stream is another device's: the copies wait for its work.
-                    let produced = Event::new(producer.context())?;
-                    produced.record(producer)?;
-                    own_stream.wait_event(&produced)?;
-                }
-                &own_stream
-            }
-        };
+        let stream = &*stream_after(stream, memory.context())?;
         for span in spans(tensors, &members)? {
             let copy = match route {
                 Route::PeerCopy => {
@@ -228,6 +211,52 @@ fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Conte
         enabled.push(pair);
     }
     Ok(context)
+}
+
+/// Adds tensor `index` to the group of `key`, keeping the groups in the order first seen.
+pub(crate) fn group<K: PartialEq>(groups: &mut Vec<(K, Vec<usize>)>, key: K, index: usize) {
+    match groups.iter_mut().find(|(k, _)| *k == key) {
+        Some((_, members)) => members.push(index),
+        None => groups.push((key, vec![index])),
+    }
+}
+
+/// The stream that copies out of a device's memory after the producer's work.
+pub(crate) enum CopyStream<'a> {
+    /// The producer's own stream, which is that device's: ordered after its work already.
+    Producer(&'a Stream),
+    /// The sender's copy stream of the device, made to wait for the producer's work, if any.
+    Own(Arc<Stream>),
+}
+
+impl std::ops::Deref for CopyStream<'_> {
+    type Target = Stream;
+    fn deref(&self) -> &Stream {
+        match self {
+            CopyStream::Producer(stream) => stream,
+            CopyStream::Own(stream) => stream,
+        }
+    }
+}
+
+/// The stream for copies out of `context`'s device after the work queued on `producer`: the
+/// producer's stream itself when it is that device's, else the sender's copy stream of the
+/// device, waiting for the producer's work (a message whose devices were synchronised has no
+/// producer stream, and nothing to wait for).
+pub(crate) fn stream_after<'a>(producer: Option<&'a Stream>, context: &Arc<Context>) -> Result<CopyStream<'a>> {
+    match producer {
+        Some(stream) if Arc::ptr_eq(stream.context(), context) => Ok(CopyStream::Producer(stream)),
+        producer => {
+            let own = copy_stream(context)?;
+            if let Some(producer) = producer {
+                // The producer's stream is another device's: the copies wait for its work.
+                let produced = Event::new(producer.context())?;
+                produced.record(producer)?;
+                own.wait_event(&produced)?;
+            }
+            Ok(CopyStream::Own(own))
+        }
+    }
 }
 
 /// A stream of the sender's own per device: for copies of a message whose devices were
