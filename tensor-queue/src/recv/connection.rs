@@ -14,18 +14,16 @@ use ipc_core::{Event, IpcEventHandle, Stream, Uuid};
 use super::devices::Devices;
 use super::imports::{Announced, import};
 use super::peer::Peer;
-use super::release::{ReceivedLease, retry_stalled};
+use super::release::retry_stalled;
 use super::remote::Remote;
 use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
-use crate::fences::Fences;
-use crate::fences::{FenceWait, Producer, producer};
+use crate::fences::{Fences, Producer, producer};
 use crate::links::link::{Link, Read};
-use crate::memory::arena::{Allocation, Chunk, ChunkMemory};
-use crate::route::{self, Reach, Route};
-use crate::tensor::Storage;
-use crate::tensor::{Tensor, TransferPath};
-use crate::wire::{Assembler, Fence, Frame, FrameError, TensorDesc};
+use crate::memory::arena::Chunk;
+use crate::route::Route;
+use crate::tensor::Tensor;
+use crate::wire::{Assembler, Frame, FrameError};
 
 /// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
 /// of a message over TCP) while nothing more of it comes: then the connection is closed and the
@@ -112,24 +110,12 @@ pub(crate) struct Ready {
     pub on_cpu: bool,
 }
 
-/// A sender's storage: (chunk, offset, length).
-type StorageKey = (u64, u64, u64);
-
-/// Where a tensor of a message was put.
-enum Placed {
-    /// The sender's memory, mapped.
-    Mapped(Arc<Chunk>, TransferPath, Option<Arc<Stream>>),
-    /// Copied into the message's `n`th landed storage, on the stream.
-    Landed(usize, TransferPath, Arc<Stream>),
-}
-
-impl Placed {
-    fn stream(&self) -> Option<&Arc<Stream>> {
-        match self {
-            Placed::Mapped(_, _, stream) => stream.as_ref(),
-            Placed::Landed(_, _, stream) => Some(stream),
-        }
-    }
+/// A sender on this machine, or on another host (its link says which).
+pub(crate) enum Flavor {
+    /// Chunks and events are announced and mapped.
+    Local,
+    /// Host bytes over the link and NCCL communicators (see `remote.rs`).
+    Remote(Remote),
 }
 
 /// The receiver's state for one connection.
@@ -140,10 +126,10 @@ pub(crate) struct Connected {
     pub(crate) producer: Option<(u64, Arc<Producer>)>,
     /// Chunks by the sender's id; those that could not be mapped, with why.
     pub(crate) chunks: HashMap<u64, Arc<Chunk>>,
-    refused: HashMap<u64, String>,
-    events: HashMap<u32, Arc<Event>>,
+    pub(super) refused: HashMap<u64, String>,
+    pub(super) events: HashMap<u32, Arc<Event>>,
     /// This connection's stream per device: waits for one sender's work never hold up another's.
-    streams: Vec<(Uuid, Arc<Stream>)>,
+    pub(super) streams: Vec<(Uuid, Arc<Stream>)>,
     /// Messages read and not yet covered by a credit: never more than the capacity.
     uncredited: u32,
     /// Messages taken since credits were last returned.
@@ -151,19 +137,22 @@ pub(crate) struct Connected {
     /// The sequence number of the last message read.
     last_seq: u64,
     /// For a sender on another host: its bytes and communicators.
-    remote: Remote,
+    pub(super) flavor: Flavor,
     /// When a packet last came: an unfinished message idle past `UNFINISHED_IDLE` is given up.
     last_packet: std::time::Instant,
 }
 
 impl Drop for Connected {
     fn drop(&mut self) {
-        self.remote.retire(self.peer.clone());
+        if let Flavor::Remote(remote) = &mut self.flavor {
+            remote.retire(self.peer.clone());
+        }
     }
 }
 
 impl Connected {
     pub fn new(link: Link) -> Connected {
+        let flavor = if link.remote { Flavor::Remote(Remote::default()) } else { Flavor::Local };
         Connected {
             peer: Peer::new(link, retry_stalled),
             assembler: Assembler::default(),
@@ -175,14 +164,18 @@ impl Connected {
             uncredited: 0,
             taken: 0,
             last_seq: 0,
-            remote: Remote::default(),
+            flavor,
             last_packet: std::time::Instant::now(),
         }
     }
 
     /// The bytes of an unfinished message held for this sender (0: none is under way).
     pub fn unfinished(&self) -> usize {
-        self.assembler.held() + self.remote.unfinished()
+        self.assembler.held()
+            + match &self.flavor {
+                Flavor::Remote(remote) => remote.unfinished(),
+                Flavor::Local => 0,
+            }
     }
 
     /// When the unfinished message held for this sender is given up if nothing more comes.
@@ -199,7 +192,9 @@ impl Connected {
     /// The receiver is being dropped: the NCCL workers of a sender on another host give up now
     /// (see `remote.rs`).
     pub fn abandon(&mut self) {
-        self.remote.abandon();
+        if let Flavor::Remote(remote) = &mut self.flavor {
+            remote.abandon();
+        }
     }
 
     /// Stops reading this connection: the sender hears why, and that messages after the last one
@@ -247,20 +242,19 @@ impl Connected {
         let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
             let instance = self.peer.link.check_hello(frame)?.instance;
-            self.producer = Some((instance, producer(self.pid(), instance, !self.peer.link.remote)));
+            self.producer = Some((instance, producer(self.pid(), instance, matches!(self.flavor, Flavor::Local))));
             return Ok(Progress::Greeted);
         };
         let instance = *instance;
-        let remote = self.peer.link.remote;
-        match frame {
-            Frame::Bytes { data } if remote => self.remote.bytes(data)?,
-            Frame::Communicator { id, unique_id, target } if remote => {
-                self.remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
+        match (frame, &mut self.flavor) {
+            (Frame::Bytes { data }, Flavor::Remote(remote)) => remote.bytes(data)?,
+            (Frame::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
+                remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
             }
-            Frame::Chunk { .. } | Frame::Event { .. } | Frame::Retire { .. } if remote => {
+            (Frame::Chunk { .. } | Frame::Event { .. } | Frame::Retire { .. }, Flavor::Remote(_)) => {
                 return Err(Error::Protocol("a sender on another host announced local memory".into()));
             }
-            Frame::Chunk { id, len, kind, device, legacy, .. } => {
+            (Frame::Chunk { id, len, kind, device, legacy, .. }, Flavor::Local) => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
                 // A descriptor the kernel dropped (our table was full) makes the chunk unusable,
                 // not the connection: the messages that use it are refused, and say why.
@@ -280,15 +274,16 @@ impl Connected {
                     }
                 }
             }
-            Frame::Event { id, handle } => {
+            (Frame::Event { id, handle }, Flavor::Local) => {
                 let event = Event::import(&IpcEventHandle::from_bytes(&handle)?)?;
                 self.events.insert(id, Arc::new(event));
             }
-            Frame::Retire { chunk } => {
+            (Frame::Retire { chunk }, Flavor::Local) => {
                 self.chunks.remove(&chunk);
                 self.refused.remove(&chunk);
             }
-            Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
+            (Frame::Message { seq, sent_ns, encoded_ns, tensors, payload }, flavor) => {
+                let remote = matches!(flavor, Flavor::Remote(_));
                 if self.uncredited >= capacity {
                     return Err(Error::Protocol(format!("more than the {capacity} messages its credits allow")));
                 }
@@ -328,240 +323,8 @@ impl Connected {
                     }
                 }));
             }
-            other => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
+            (other, _) => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
         }
         Ok(Progress::Handled)
-    }
-
-    /// Checks every descriptor of a message against this connection's chunks and events, and
-    /// orders the tensors' first use after the producer's work: mapped in place, or copied here
-    /// (the staged route) after each piece's fence.
-    fn place(
-        &mut self,
-        devices: &Devices,
-        descs: &[TensorDesc],
-        payload: Vec<u8>,
-        mut info: MessageInfo,
-    ) -> Result<Ready> {
-        let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
-        let mut fences: Vec<FenceWait> = Vec::new();
-        let mut placed = Vec::with_capacity(descs.len());
-        // Storage copied here, by the sender's (chunk, offset, length): tensors that share the
-        // sender's storage share the copy too.
-        let mut landed: Vec<(StorageKey, Allocation, Arc<Stream>)> = Vec::new();
-        let mut on_cpu = false;
-        for (index, desc) in descs.iter().enumerate() {
-            self.check_route(devices, index, desc)?;
-            let (chunk, path, stream) = self.locate(devices, index, desc)?;
-            match desc.route {
-                Route::Staged => {
-                    let stream = stream.ok_or_else(|| Error::Protocol("a staged tensor without a stream".into()))?;
-                    let key = (desc.chunk, desc.storage_offset, desc.storage_len);
-                    let at = match landed.iter().position(|(k, _, _)| *k == key) {
-                        Some(at) => at,
-                        None => {
-                            let allocation = self.copy_in(index, desc, &chunk, &stream, &mut fences)?;
-                            landed.push((key, allocation, stream.clone()));
-                            landed.len() - 1
-                        }
-                    };
-                    placed.push(Placed::Landed(at, path, stream));
-                }
-                Route::Host => {
-                    fences.extend(self.fence_on_cpu(index, desc)?);
-                    on_cpu = true;
-                    placed.push(Placed::Mapped(chunk, path, None));
-                }
-                _ => {
-                    if let Some(stream) = &stream
-                        && desc.fence != Fence::None
-                        && !crate::switches::skip_ordering()
-                        && !waits.iter().any(|(fence, s)| *fence == desc.fence && Arc::ptr_eq(s, stream))
-                    {
-                        fences.extend(self.order_for(devices, index, desc, &chunk, stream)?);
-                        waits.push((desc.fence, stream.clone()));
-                    }
-                    placed.push(Placed::Mapped(chunk, path, stream));
-                }
-            }
-        }
-        // Every stream a wait or a copy was queued on is some tensor's stream too.
-        let mut streams: Vec<Arc<Stream>> = Vec::new();
-        for stream in placed.iter().filter_map(Placed::stream) {
-            if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
-                streams.push(stream.clone());
-            }
-        }
-        let fences: Fences = Arc::new(fences);
-        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
-        // The memory a copy lands in is not reused before the copy is done, even if the tensor
-        // is dropped at once: each landed storage holds an event recorded after its copies.
-        let mut storages = Vec::with_capacity(landed.len());
-        for (_, allocation, stream) in landed {
-            let done = Event::new(stream.context())?;
-            done.record(&stream)?;
-            storages.push(Arc::new(Storage::landed(allocation, fences.clone(), &stream, done)));
-        }
-        let mut tensors = Vec::with_capacity(placed.len());
-        for (placed, desc) in placed.into_iter().zip(descs) {
-            let (storage, path, stream) = match placed {
-                Placed::Mapped(chunk, path, stream) => {
-                    let (offset, len) = (desc.storage_offset as usize, desc.storage_len as usize);
-                    (Arc::new(Storage::received(chunk, offset, len, lease.clone())), path, stream)
-                }
-                Placed::Landed(at, path, stream) => (storages[at].clone(), path, Some(stream)),
-            };
-            let (shape, strides) = (desc.shape.clone(), desc.strides.clone());
-            let offset = desc.view_offset as usize;
-            tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
-        }
-        info.imported_ns = monotonic_ns();
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
-    }
-
-    /// Lands the tensors of a message from a sender on another host (see `remote.rs`).
-    fn place_remote(
-        &mut self,
-        devices: &Devices,
-        descs: &[TensorDesc],
-        payload: Vec<u8>,
-        mut info: MessageInfo,
-    ) -> Result<Ready> {
-        for (index, desc) in descs.iter().enumerate() {
-            self.check_route(devices, index, desc)?;
-        }
-        let pid = self.pid();
-        let bad = move |index, reason| Error::Frame { pid, source: FrameError::OutOfBounds { index, reason } };
-        let mut remote = std::mem::take(&mut self.remote);
-        let received = remote.receive(descs, devices, |uuid| self.stream(devices, uuid), bad);
-        self.remote = remote;
-        let received = received?;
-        let mut tensors = Vec::with_capacity(descs.len());
-        for ((storage, offset, stream), desc) in received.tensors.into_iter().zip(descs) {
-            let path = if desc.route == Route::Nccl { TransferPath::Nccl } else { TransferPath::Tcp };
-            let (shape, strides) = (desc.shape.clone(), desc.strides.clone());
-            tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
-        }
-        info.imported_ns = monotonic_ns();
-        // A message with NCCL receives waits on the CPU until its worker has queued them.
-        let on_cpu = !received.fences.is_empty();
-        let fences: Fences = Arc::new(received.fences);
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
-    }
-
-    /// The chunk a descriptor names, checked, with the path it came by and the stream its first
-    /// use is ordered on (on the GPU it lands on).
-    fn locate(
-        &mut self,
-        devices: &Devices,
-        index: usize,
-        desc: &TensorDesc,
-    ) -> Result<(Arc<Chunk>, TransferPath, Option<Arc<Stream>>)> {
-        let bad = |reason: String| self.refusal(index, reason);
-        if let Some(why) = self.refused.get(&desc.chunk) {
-            return Err(bad(format!("chunk {} could not be mapped here: {why}", desc.chunk)));
-        }
-        let chunk =
-            self.chunks.get(&desc.chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {}", desc.chunk)))?;
-        let end = desc.storage_offset + desc.storage_len; // no overflow: checked by Frame::decode
-        if end > chunk.len() as u64 {
-            return Err(bad(format!(
-                "storage {}..{end} outside chunk {} of {} bytes",
-                desc.storage_offset,
-                desc.chunk,
-                chunk.len()
-            )));
-        }
-        let host = matches!(chunk.memory, ChunkMemory::ImportedHost(_));
-        match (desc.route, host) {
-            (Route::SameDevice, true) => return Ok((chunk, TransferPath::HostSharedMemory, None)),
-            (Route::Host, true) => return Ok((chunk, TransferPath::StagedToHost, None)),
-            (Route::Staged, true) => {
-                let target = desc.target.ok_or_else(|| bad("a staged tensor without a target GPU".into()))?;
-                if !Reach::local().sees(&target) {
-                    return Err(bad(format!("the staged tensor's target GPU {target} is not one of this process's")));
-                }
-                let stream = self.stream(devices, &target)?;
-                return Ok((chunk, TransferPath::Staged, Some(stream)));
-            }
-            (Route::SameDevice | Route::PeerMap | Route::PeerCopy, false) => {}
-            (route, _) => {
-                let kind = if host { "host" } else { "device" };
-                return Err(bad(format!("route {route} with a {kind} chunk")));
-            }
-        }
-        let path = match (&chunk.memory, desc.route) {
-            (_, Route::PeerCopy) => TransferPath::PeerCopied,
-            (_, Route::PeerMap) => TransferPath::PeerMapped,
-            (ChunkMemory::ImportedVmm(_), _) => TransferPath::CudaVmm,
-            (ChunkMemory::ImportedLegacy(_), _) => TransferPath::CudaLegacyIpc,
-            _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
-        };
-        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
-        let landing = match desc.route {
-            Route::PeerMap => {
-                let (target, _) = route::target(&uuid, &devices.routing, Reach::local());
-                let target = target.filter(|t| *t != uuid).ok_or_else(|| {
-                    bad(format!("mapped over a peer link, but tensors from GPU {uuid} do not land on another GPU here"))
-                })?;
-                chunk.grant_access(&devices.context(&target)?)?;
-                target
-            }
-            _ => uuid,
-        };
-        let stream = self.stream(devices, &landing)?;
-        Ok((chunk, path, Some(stream)))
-    }
-
-    /// This connection's stream for `uuid`'s device (the user's, if one was chosen).
-    pub(crate) fn stream(&mut self, devices: &Devices, uuid: &Uuid) -> Result<Arc<Stream>> {
-        if let Some(chosen) = devices.chosen(uuid) {
-            return Ok(chosen);
-        }
-        if let Some((_, stream)) = self.streams.iter().find(|(u, _)| u == uuid) {
-            return Ok(stream.clone());
-        }
-        let stream = Arc::new(Stream::new(&devices.context(uuid)?)?);
-        self.streams.push((*uuid, stream.clone()));
-        Ok(stream)
-    }
-
-    /// Queues `stream`'s wait for the producer's fence of tensor `index`.
-    pub(crate) fn order(
-        &self,
-        index: usize,
-        desc: &TensorDesc,
-        chunk: &Chunk,
-        stream: &Stream,
-    ) -> Result<Option<FenceWait>> {
-        let bad = |reason: String| self.refusal(index, reason);
-        match desc.fence {
-            Fence::None => Ok(None),
-            Fence::Event(id) => {
-                let event = self.events.get(&id).ok_or_else(|| bad(format!("unknown event {id}")))?;
-                stream.wait_event(event)?;
-                Ok(None)
-            }
-            Fence::Signal { chunk: signal_chunk, offset, value } => {
-                let signal = self
-                    .chunks
-                    .get(&signal_chunk)
-                    .ok_or_else(|| bad(format!("unknown signal chunk {signal_chunk}")))?;
-                if signal.device().is_none() {
-                    return Err(bad(format!("signal chunk {signal_chunk} is host memory")));
-                }
-                if signal.device_uuid() != chunk.device_uuid() {
-                    return Err(bad(format!("signal chunk {signal_chunk} is on another device than the tensor")));
-                }
-                let offset = usize::try_from(offset).map_err(|_| bad(format!("signal offset {offset}")))?;
-                let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
-                producer.wait(stream, signal, offset, value).map(Some).map_err(|e| match e {
-                    Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
-                        bad(format!("signal word {offset} of chunk {signal_chunk}: {e}"))
-                    }
-                    other => other,
-                })
-            }
-        }
     }
 }
