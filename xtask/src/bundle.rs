@@ -35,7 +35,6 @@ const BINARIES: &[&str] = &[
     "primitive-costs",
     "tq-bench",
     "tq-hosts",
-    "tq-hostile",
 ];
 
 /// Where tests and helpers name the binaries they start: `bin_path("NAME")` (the integration
