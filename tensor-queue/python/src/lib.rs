@@ -54,6 +54,13 @@ fn has_exchange_api(value: &Bound<'_, PyAny>) -> bool {
     exchange::api_of(value).is_some()
 }
 
+/// Whether this build has tensor-queue's test switches (the `test-switches` feature: the GPU
+/// bundle's test wheel); without them `TENSOR_QUEUE_TEST_SKIP_ORDERING` does nothing.
+#[pyfunction]
+fn test_switches() -> bool {
+    cfg!(feature = "test-switches")
+}
+
 /// The extension's version (the workspace's).
 #[pyfunction]
 fn version() -> &'static str {
@@ -71,6 +78,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory_trim, m)?)?;
     m.add_function(wrap_pyfunction!(is_gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(test_switches, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(has_exchange_api, m)?)?;
     m.add_function(wrap_pyfunction!(stats::stats, m)?)?;
