@@ -6,7 +6,7 @@
 //! peer, so all layout arithmetic here is checked: a wrapped product can pass for a small one and
 //! let a view read outside its storage. A bad argument is an [`Error::Invalid`] naming the call.
 
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 impl Tensor {
     /// A view with dimensions `a` and `b` swapped (no copy).
@@ -235,6 +235,31 @@ impl Tensor {
         // right count, but row-major strides that overflow.
         let strides = row_major_strides(shape).ok_or_else(|| invalid(self, &call, "its strides overflow"))?;
         checked_view(self, &call, shape.to_vec(), strides, self.offset())
+    }
+}
+
+impl Tensor {
+    /// The same storage seen as `dtype` elements with `shape` and `strides` (in elements), element
+    /// 0 at `byte_offset` bytes past this tensor's element 0 (no copy). For foreign code that
+    /// places its own arrays inside channel memory (the Python package's `tq.shareable()`: torch
+    /// tensors carved out of one [`Tensor::empty_cuda`] block) and sends them without a copy. The
+    /// view is checked like every other: aligned, inside the storage, and acceptable to receivers.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let block = Tensor::from_slice(&[0u8, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0], DType::U8, &[12])?;
+    /// let ints = block.as_layout(DType::I32, &[2], &[1], 4)?; // bytes 4..12 as two i32
+    /// assert_eq!(ints.to_vec::<i32>()?, [1, 2]);
+    /// assert!(block.as_layout(DType::I32, &[3], &[1], 4).is_err(), "past the storage's end");
+    /// assert!(block.as_layout(DType::I32, &[1], &[1], 2).is_err(), "unaligned");
+    /// # Ok(()) }
+    /// ```
+    pub fn as_layout(&self, dtype: DType, shape: &[u64], strides: &[i64], byte_offset: usize) -> Result<Tensor> {
+        let call = format!("as_layout({dtype:?}, {shape:?}, {strides:?}, {byte_offset})");
+        let offset =
+            self.offset().checked_add(byte_offset).ok_or_else(|| invalid(self, &call, "the offset overflows"))?;
+        checked_view(&self.with_dtype(dtype), &call, shape.to_vec(), strides.to_vec(), offset)
     }
 }
 

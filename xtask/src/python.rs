@@ -69,8 +69,9 @@ pub fn bundle_wheels(out: &Path) -> Result<()> {
     let python = ensure_venv()?;
     println!("python: building the abi3 test wheel (release, feature test-switches) with maturin");
     run(Command::new(&python)
-        .args(["-m", "maturin", "build", "--release", "--quiet", "--features", "test-switches,pyo3/extension-module", "-m"])
+        .args(["-m", "maturin", "build", "--release", "--quiet", "-m"])
         .arg(package_dir().join("Cargo.toml"))
+        .args(["--features", "test-switches,pyo3/extension-module"])
         .arg("--out")
         .arg(out)
         .current_dir(workspace_root()))?;
