@@ -243,7 +243,8 @@ impl Tensor {
     /// 0 at `byte_offset` bytes past this tensor's element 0 (no copy). For foreign code that
     /// places its own arrays inside channel memory (the Python package's `tq.shareable()`: torch
     /// tensors carved out of one [`Tensor::empty_cuda`] block) and sends them without a copy. The
-    /// view is checked like every other: aligned, inside the storage, and acceptable to receivers.
+    /// view is checked like every other: aligned, inside the storage (its allocation, which may be
+    /// rounded up past the tensor's own bytes), and acceptable to receivers.
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {
@@ -251,7 +252,7 @@ impl Tensor {
     /// let block = Tensor::from_slice(&[0u8, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0], DType::U8, &[12])?;
     /// let ints = block.as_layout(DType::I32, &[2], &[1], 4)?; // bytes 4..12 as two i32
     /// assert_eq!(ints.to_vec::<i32>()?, [1, 2]);
-    /// assert!(block.as_layout(DType::I32, &[3], &[1], 4).is_err(), "past the storage's end");
+    /// assert!(block.as_layout(DType::I32, &[1 << 20], &[1], 4).is_err(), "past the storage's end");
     /// assert!(block.as_layout(DType::I32, &[1], &[1], 2).is_err(), "unaligned");
     /// # Ok(()) }
     /// ```
@@ -566,6 +567,20 @@ mod tests {
         assert!(invalid(base().transpose(0, 1).unwrap().reshape(&[24])).contains("contiguous"));
         let empty = base().narrow(0, 0, 0).unwrap();
         assert!(empty.reshape(&[0, 1 << 40, 1 << 40]).is_err(), "the right count, but strides that overflow");
+    }
+
+    #[test]
+    fn as_layout_checks_offset_alignment_and_bounds() {
+        let block = Tensor::zeros(DType::U8, &[64]).unwrap();
+        let grid = block.as_layout(DType::F32, &[2, 2], &[1, 2], 8).unwrap();
+        assert_eq!(
+            (grid.dtype(), grid.shape(), grid.strides(), grid.offset()),
+            (DType::F32, &[2, 2][..], &[1, 2][..], 8)
+        );
+        assert!(block.as_layout(DType::F32, &[4], &[1], usize::MAX).is_err(), "the offset overflows");
+        assert!(block.as_layout(DType::F32, &[4], &[1], 6).is_err(), "unaligned");
+        assert!(block.as_layout(DType::F32, &[4], &[-1], 0).is_err(), "reaches before the storage");
+        assert!(block.narrow(0, 8, 8).unwrap().as_layout(DType::I64, &[1], &[1], 0).unwrap().offset() == 8);
     }
 
     #[test]

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use cuda_sys::CUstream;
 
 use crate::value::Framework;
-use crate::{exchange, gpu, stats};
+use crate::{exchange, gpu, shareable, stats};
 
 const VERSIONED: &CStr = c"dltensor_versioned";
 const LEGACY: &CStr = c"dltensor";
@@ -99,42 +99,73 @@ pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<
         _ if value.hasattr("__dlpack__")? => value.clone(),
         _ => return Ok(None),
     };
-    if order.never_copy {
-        return Err(ImportError::Refused(
-            "would be copied into channel memory, and copy=\"never\" was asked (only arrays received from a \
-             channel are sent without a copy)"
-                .into(),
-        ));
-    }
     if framework == Framework::Torch && array.getattr("requires_grad")?.is_truthy()? {
         return Err(ImportError::Refused("requires grad: send x.detach() (gradients do not cross processes)".into()));
     }
-    let tensor = match exchange::api_of(&array) {
+    let (tensor, copied) = match exchange::api_of(&array) {
         Some(api) => {
             stats::SEND_EXCHANGE_API.add(1);
             import_described(&array, api, order)?
         }
         None => {
             stats::SEND_DLPACK_FALLBACK.add(1);
-            import_dlpack(&array, order)?
+            (import_dlpack(&array, order)?, true)
         }
     };
-    stats::SEND_COPIES.add(1);
-    stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
+    if copied {
+        stats::SEND_COPIES.add(1);
+        stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
+    } else {
+        stats::SEND_ZERO_COPIES.add(1);
+        stats::SEND_ZERO_COPY_BYTES.add(tensor.nbytes() as u64);
+    }
     Ok(Some((tensor, framework)))
 }
 
-/// Through the framework's exchange table: no Python calls.
+/// Refuses an array that would be copied when `copy="never"` was asked.
+fn may_copy(order: &SendOrder) -> Result<(), ImportError> {
+    if order.never_copy {
+        return Err(ImportError::Refused(
+            "would be copied into channel memory, and copy=\"never\" was asked (only arrays received from a \
+             channel and CUDA tensors made inside `with tensor_queue.shareable():` are sent without a copy)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A CUDA array that lies inside `tq.shareable()` memory, as a view of it (no copy) ordered after
+/// `producer`; `None` for any other array.
+fn zero_copy(
+    t: &DLTensor,
+    layout: &Layout,
+    producer: CUstream,
+    order: &mut SendOrder,
+) -> Result<Option<Tensor>, ImportError> {
+    let ptr = t.data as u64 + t.byte_offset;
+    let strides = layout.strides.clone().unwrap_or_else(|| tensor_queue::contiguous_strides(&layout.dims));
+    let Some(tensor) = shareable::find(ptr, layout.dtype, &layout.dims, &strides) else {
+        return Ok(None);
+    };
+    let state = gpu::device(t.device.device_id).map_err(ImportError::Refused)?;
+    // The message goes ordered after this extension's stream, which waits for the producer's.
+    gpu::order_after(&state.context, state.stream.raw(), producer).map_err(ImportError::Refused)?;
+    order.used(state);
+    Ok(Some(tensor))
+}
+
+/// Through the framework's exchange table: no Python calls. The tensor, and whether it is a copy.
 fn import_described(
     array: &Bound<'_, PyAny>,
     api: exchange::Api,
     order: &mut SendOrder,
-) -> Result<Tensor, ImportError> {
+) -> Result<(Tensor, bool), ImportError> {
     let py = array.py();
     let described = api.describe(array).map_err(|e| refused_export(py, e))?;
     if described.device.device_type != DLDeviceType::CUDA {
+        may_copy(order)?;
         // SAFETY: `described` is valid while `array` lives and Python is not re-entered.
-        return unsafe { copy_in(&described) }.map_err(ImportError::Refused);
+        return unsafe { copy_in(&described) }.map(|t| (t, true)).map_err(ImportError::Refused);
     }
     let ordinal = described.device.device_id;
     let producer = match order.explicit {
@@ -142,19 +173,25 @@ fn import_described(
         None => api.current_stream(py, ordinal)?,
     };
     // SAFETY: as above.
-    if unsafe { layout(&described) }.map_err(ImportError::Refused)?.contiguous {
+    let layout = unsafe { layout(&described) }.map_err(ImportError::Refused)?;
+    if let Some(tensor) = zero_copy(&described, &layout, producer, order)? {
+        return Ok((tensor, false));
+    }
+    may_copy(order)?;
+    if layout.contiguous {
         // SAFETY: as above.
-        return unsafe { copy_device(&described, producer, order) }.map_err(ImportError::Refused);
+        return unsafe { copy_device(&described, producer, order) }.map(|t| (t, true)).map_err(ImportError::Refused);
     }
     // Strided: the framework makes it contiguous on the same stream first.
     let contiguous = array.call_method0("contiguous")?;
     let described = api.describe(&contiguous).map_err(|e| refused_export(py, e))?;
     // SAFETY: `described` is valid while `contiguous` lives (to the end of this function).
-    unsafe { copy_device(&described, producer, order) }.map_err(ImportError::Refused)
+    unsafe { copy_device(&described, producer, order) }.map(|t| (t, true)).map_err(ImportError::Refused)
 }
 
-/// Through `__dlpack__` (other frameworks, older torch).
+/// Through `__dlpack__` (other frameworks, older torch): always a copy.
 fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tensor, ImportError> {
+    may_copy(order)?;
     let py = array.py();
     let kwargs = PyDict::new(py);
     kwargs.set_item("max_version", (1, 0))?;

@@ -65,7 +65,7 @@ impl DeviceMemory for Foreign {
 }
 
 /// Makes `waiter` wait for the work queued on `stream` so far (raw handles: torch's streams).
-fn order_after(context: &Arc<Context>, waiter: CUstream, stream: CUstream) -> Result<(), String> {
+pub fn order_after(context: &Arc<Context>, waiter: CUstream, stream: CUstream) -> Result<(), String> {
     let event = Event::new(context).map_err(|e| e.to_string())?;
     context.bind().map_err(|e| e.to_string())?;
     // SAFETY: both streams are live in `context` (torch's current stream, or ours), the event too;

@@ -139,8 +139,49 @@ def test_consumer_writes_reach_the_channel_memory_it_was_lent() -> None:
     assert float(x.sum()) == 1024.0, "a copy was sent: the producer's tensor is its own"
 
 
-def test_shareable_zero_copy_is_not_in_this_build() -> None:
-    pytest.skip("tq.shareable() (zero copy through a torch MemPool over channel memory) is not implemented yet")
+def test_shareable_tensors_go_without_a_copy_and_the_consumers_writes_reach_the_producer() -> None:
+    path = address()
+    done = ctx.Event()
+    child = ctx.Process(target=workers.gpu_add_one_in_place, args=(path, done))
+    child.start()
+    sender = connect(path)
+    with tq.shareable():
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        grid = torch.arange(64 * 48, dtype=torch.float32, device="cuda").reshape(64, 48)
+    assert tq._native.shareable_blocks() >= 1, "torch allocated from the channel memory pool"
+    view = grid[::2, 5:17]  # strided: a view of the same block, still no copy
+    before = tq.stats()
+    sender.send({"x": x, "view": view}, timeout=60, copy="never")
+    after = tq.stats()
+    assert after["send_zero_copies"] == before["send_zero_copies"] + 2, (before, after)
+    assert after["send_copies"] == before["send_copies"], "a shareable tensor was copied"
+    assert done.wait(120), "the consumer did not say it wrote the tensors"
+    finish(child, 60, "the consumer")
+    assert child.exitcode == 0, f"the consumer exited with {child.exitcode}"
+    # The consumer added 1 in place and synchronised before saying so: the producer's memory has it.
+    want = torch.arange(1 << 20, dtype=torch.float64, device="cuda") + 1
+    assert float((x.double() - want).abs().sum()) == 0.0, "the consumer's writes did not reach the producer's tensor"
+    whole = torch.arange(64 * 48, dtype=torch.float64, device="cuda").reshape(64, 48)
+    whole[::2, 5:17] += 1
+    assert float((grid.double() - whole).abs().sum()) == 0.0, "the strided view's write-back is off"
+    # A caching-allocator tensor would be copied: copy="never" refuses it.
+    with pytest.raises(tq.NotSendable, match="never"):
+        sender.send({"y": torch.ones(4, device="cuda")}, copy="never")
+    sender.close()
+
+
+def test_shareable_tensor_comes_back_when_the_receiver_lets_go() -> None:
+    path = address()
+    with tq.Receiver.bind(path) as receiver, tq.Sender.connect(path) as sender:
+        with tq.shareable():
+            x = torch.full((1 << 16,), 3.0, device="cuda")
+        sender.send({"x": x}, timeout=60)
+        got = receiver.recv(timeout=60)
+        assert float(torch.sum(got["x"], dtype=torch.float64)) == 3.0 * (1 << 16)
+        assert sender.outstanding() == 1
+        del got
+        torch.cuda.synchronize()
+        assert sender.wait_released(60), "the receiver's hold on shareable memory comes back"
 
 
 def test_producer_killed_with_work_queued() -> None:
@@ -210,7 +251,8 @@ def test_100_000_messages_without_device_memory_growth() -> None:
     got = out.get(timeout=300)
     finish(child, 60, "the child")
     assert child.exitcode == 0
-    assert got["total"] == sum(float(i) for i in range(0, n, 1000))
+    # Every message's 16 elements summed on the GPU: sum over i of (0 + 1 + ... + 15) + 16 i.
+    assert got["total"] == 120.0 * n + 16.0 * n * (n - 1) / 2, got
     torch.cuda.synchronize()
     assert tq.memory.usage()["device_bytes"] <= max(first, 64 << 20) * 2, "the sender's channel memory stayed bounded"
     assert got["last"] <= max(got["first"], 64 << 20) * 2, "the receiver's mapped memory stayed bounded"

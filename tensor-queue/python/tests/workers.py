@@ -268,17 +268,17 @@ def gpu_consume_many(address: str, n: int, out) -> None:  # noqa: ANN001
     import torch
 
     with tq.Receiver.bind(address, capacity=64) as receiver:
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device="cuda")
         first_allocated = None
         for i in range(n):
             msg = receiver.recv(timeout=120)
-            total += float(msg["x"][0]) if i % 1000 == 0 else 0.0
+            total += torch.sum(msg["x"], dtype=torch.float64)  # on the GPU, no CPU wait
             del msg
             if i == 1000:
                 torch.cuda.synchronize()
                 first_allocated = tq.memory.usage()["device_bytes"]
         torch.cuda.synchronize()
-        out.put({"first": first_allocated, "last": tq.memory.usage()["device_bytes"], "total": total})
+        out.put({"first": first_allocated, "last": tq.memory.usage()["device_bytes"], "total": float(total)})
 
 
 def gpu_write_back(address: str, done) -> None:  # noqa: ANN001
@@ -290,6 +290,20 @@ def gpu_write_back(address: str, done) -> None:  # noqa: ANN001
         torch.cuda.synchronize()
         done.set()
         time.sleep(2)
+
+
+def gpu_add_one_in_place(address: str, done) -> None:  # noqa: ANN001
+    """Adds 1 in place to every tensor of the message it receives, then says so (after a sync)."""
+    import torch
+
+    with tq.Receiver.bind(address) as receiver:
+        msg = receiver.recv(timeout=60)
+        for tensor in msg.values():
+            tensor.add_(1)
+        torch.cuda.synchronize()
+        done.set()
+        del msg
+        torch.cuda.synchronize()
 
 
 def gpu_receive_on(address: str, ordinal: int, out) -> None:  # noqa: ANN001
