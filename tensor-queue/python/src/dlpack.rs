@@ -18,6 +18,7 @@ use dlpark::ffi::{
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 use tensor_queue::{DType, Tensor, TensorDevice};
 
@@ -57,7 +58,8 @@ fn framework_of(value: &Bound<'_, PyAny>) -> PyResult<Framework> {
 }
 
 /// What sending a message's arrays needs besides their bytes: the GPUs whose streams its copies
-/// were queued on, the stream the caller gave, and whether copies are allowed.
+/// were queued on, the stream the caller gave, whether copies are allowed, and the orderings
+/// between torch's streams and ours, each queued once per message instead of once per tensor.
 #[derive(Default)]
 pub struct SendOrder {
     /// The GPUs whose extension streams hold the message's copies (in first-use order).
@@ -66,13 +68,57 @@ pub struct SendOrder {
     pub explicit: Option<CUstream>,
     /// `send(copy="never")`: an array that would be copied is refused instead.
     pub never_copy: bool,
+    /// (ordinal, producer stream) pairs our stream already waits for.
+    waited: Vec<(i32, usize)>,
+    /// Producer streams that must wait for our copies before torch may reuse their sources.
+    copied_from: Vec<(Arc<gpu::DeviceState>, usize)>,
+    /// Sources made for this message (a strided tensor's `contiguous()` copy), kept until the
+    /// producer's stream waits for our copies of them.
+    keep: Vec<Py<PyAny>>,
 }
 
 impl SendOrder {
+    /// The order of a `send(stream=explicit, copy="never" if never_copy)`.
+    pub fn new(explicit: Option<CUstream>, never_copy: bool) -> SendOrder {
+        SendOrder { explicit, never_copy, ..SendOrder::default() }
+    }
+
     fn used(&mut self, state: Arc<gpu::DeviceState>) {
         if !self.devices.iter().any(|d| d.ordinal == state.ordinal) {
             self.devices.push(state);
         }
+    }
+
+    /// GPU `ordinal`'s state, its stream ordered after the work queued so far on `producer`.
+    fn after_producer(&mut self, ordinal: i32, producer: CUstream) -> Result<Arc<gpu::DeviceState>, String> {
+        let state = gpu::device(ordinal)?;
+        if !self.waited.contains(&(ordinal, producer as usize)) {
+            state.order_after(state.stream.raw(), producer)?;
+            self.waited.push((ordinal, producer as usize));
+        }
+        self.used(state.clone());
+        Ok(state)
+    }
+
+    /// Work queued on `producer` since the last wait (a `contiguous()` copy) is waited for anew.
+    fn producer_moved(&mut self, ordinal: i32, producer: CUstream) {
+        self.waited.retain(|&pair| pair != (ordinal, producer as usize));
+    }
+
+    /// Queues the producer streams' waits for our copies (torch may reuse a copied source only
+    /// after them) and lets the message's temporaries go. Runs once the message is encoded, or
+    /// failed to be: copies queued before a failure read their sources all the same.
+    pub fn finish(&mut self) -> Result<(), String> {
+        let mut result = Ok(());
+        for (state, producer) in self.copied_from.drain(..) {
+            if let Err(e) = state.order_after(producer as CUstream, state.stream.raw()) {
+                // A broken context: wait instead, so no source is reused before it is read.
+                let _ = state.stream.synchronize();
+                result = Err(e);
+            }
+        }
+        self.keep.clear();
+        result
     }
 }
 
@@ -147,10 +193,8 @@ fn zero_copy(
     let Some(tensor) = shareable::find(ptr, layout.dtype, &layout.dims, &strides) else {
         return Ok(None);
     };
-    let state = gpu::device(t.device.device_id).map_err(ImportError::Refused)?;
     // The message goes ordered after this extension's stream, which waits for the producer's.
-    gpu::order_after(&state.context, state.stream.raw(), producer).map_err(ImportError::Refused)?;
-    order.used(state);
+    order.after_producer(t.device.device_id, producer).map_err(ImportError::Refused)?;
     Ok(Some(tensor))
 }
 
@@ -182,11 +226,15 @@ fn import_described(
         // SAFETY: as above.
         return unsafe { copy_device(&described, producer, order) }.map(|t| (t, true)).map_err(ImportError::Refused);
     }
-    // Strided: the framework makes it contiguous on the same stream first.
+    // Strided: the framework makes it contiguous on the same stream first, which our stream must
+    // then wait for; the copy is kept until the producer's stream waits for ours.
     let contiguous = array.call_method0("contiguous")?;
+    order.producer_moved(ordinal, producer);
     let described = api.describe(&contiguous).map_err(|e| refused_export(py, e))?;
-    // SAFETY: `described` is valid while `contiguous` lives (to the end of this function).
-    unsafe { copy_device(&described, producer, order) }.map(|t| (t, true)).map_err(ImportError::Refused)
+    // SAFETY: `described` is valid while `contiguous` lives (in `order.keep`, past the copy).
+    let copied = unsafe { copy_device(&described, producer, order) }.map(|t| (t, true)).map_err(ImportError::Refused);
+    order.keep.push(contiguous.unbind());
+    copied
 }
 
 /// Through `__dlpack__` (other frameworks, older torch): always a copy.
@@ -288,8 +336,11 @@ unsafe fn copy_device(t: &DLTensor, producer: CUstream, order: &mut SendOrder) -
         return Err("is a strided CUDA array: make it contiguous first".into());
     }
     let ptr = t.data as u64 + t.byte_offset;
-    let (tensor, state) = gpu::copy_in(t.device.device_id, ptr, dtype, &dims, producer)?;
-    order.used(state);
+    let state = order.after_producer(t.device.device_id, producer)?;
+    let tensor = gpu::copy_in(&state, ptr, dtype, &dims)?;
+    if !order.copied_from.iter().any(|(s, p)| s.ordinal == state.ordinal && *p == producer as usize) {
+        order.copied_from.push((state, producer as usize));
+    }
     Ok(tensor)
 }
 
@@ -679,23 +730,32 @@ impl Array {
 }
 
 /// The Python object for a received array, as the framework it left.
-pub fn export(py: Python<'_>, tensor: Tensor, framework: Framework) -> PyResult<Bound<'_, PyAny>> {
+/// `ordered`: the stream waits already queued for this message (see `gpu::Lent::new`).
+pub fn export<'py>(
+    py: Python<'py>,
+    tensor: Tensor,
+    framework: Framework,
+    ordered: &mut Vec<(usize, usize)>,
+) -> PyResult<Bound<'py, PyAny>> {
     stats::ARRAYS_RECEIVED.add(1);
     let array = Bound::new(py, Array { tensor, framework })?;
+    // Looked up once per process, not once per array.
+    static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static FROM_DLPACK: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     match framework {
-        Framework::Numpy => py.import("numpy")?.call_method1("asarray", (array,)),
-        Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (array,))?.get_item(()),
+        Framework::Numpy => ASARRAY.import(py, "numpy", "asarray")?.call1((array,)),
+        Framework::NumpyScalar => ASARRAY.import(py, "numpy", "asarray")?.call1((array,))?.get_item(()),
         Framework::Torch if array.get().tensor.device() != TensorDevice::Host => {
             let tensor = array.get().tensor.clone();
             drop(array);
-            export_cuda_torch(py, tensor)
+            export_cuda_torch(py, tensor, ordered)
         }
         Framework::Torch => {
             let nbytes = array.get().tensor.nbytes() as u64;
             // Legacy capsule: torch takes it whatever its version; the clone gives torch memory
             // it owns and may write (torch has no read-only tensors).
             let capsule = array.get().capsule(py, false)?;
-            let tensor = py.import("torch.utils.dlpack")?.call_method1("from_dlpack", (capsule,))?;
+            let tensor = FROM_DLPACK.import(py, "torch.utils.dlpack", "from_dlpack")?.call1((capsule,))?;
             stats::RECEIVE_COPIES.add(1);
             stats::RECEIVE_COPY_BYTES.add(nbytes);
             tensor.call_method0("clone")
@@ -705,7 +765,11 @@ pub fn export(py: Python<'_>, tensor: Tensor, framework: Framework) -> PyResult<
 }
 
 /// A received CUDA tensor as a torch tensor, without a copy, ordered on torch's current stream.
-fn export_cuda_torch(py: Python<'_>, tensor: Tensor) -> PyResult<Bound<'_, PyAny>> {
+fn export_cuda_torch<'py>(
+    py: Python<'py>,
+    tensor: Tensor,
+    ordered: &mut Vec<(usize, usize)>,
+) -> PyResult<Bound<'py, PyAny>> {
     let failed = |e: String| crate::errors::raise("TensorQueueError", e);
     let ordinal = gpu::ordinal_of(&tensor).map_err(failed)?;
     let api = exchange::torch_api(py)?;
@@ -719,7 +783,7 @@ fn export_cuda_torch(py: Python<'_>, tensor: Tensor) -> PyResult<Bound<'_, PyAny
     let shape: Vec<i64> = tensor.shape().iter().map(|&n| n as i64).collect();
     let strides = tensor.strides().to_vec();
     let dtype = dl_dtype(tensor.dtype());
-    let lent = gpu::Lent::new(tensor, consumer).map_err(failed)?;
+    let lent = gpu::Lent::new(tensor, consumer, ordered).map_err(failed)?;
     let data = lent.ptr().map_err(failed)? as usize as *mut c_void;
     let mut export = Box::new(Exported {
         managed: DLManagedTensorVersioned {
