@@ -180,9 +180,8 @@ fn may_copy(order: &SendOrder) -> Result<(), ImportError> {
     Ok(())
 }
 
-/// A CUDA array that lies inside channel memory (`tq.shareable()` blocks, or a tensor received
-/// from a channel and sent on), as a view of it (no copy) ordered after `producer`; `None` for
-/// any other array.
+/// A CUDA array that lies inside `tq.shareable()` memory, as a view of it (no copy) ordered after
+/// `producer`; `None` for any other array.
 fn zero_copy(
     t: &DLTensor,
     layout: &Layout,
@@ -191,9 +190,7 @@ fn zero_copy(
 ) -> Result<Option<Tensor>, ImportError> {
     let ptr = t.data as u64 + t.byte_offset;
     let strides = layout.strides.clone().unwrap_or_else(|| tensor_queue::contiguous_strides(&layout.dims));
-    let found = shareable::find(ptr, layout.dtype, &layout.dims, &strides)
-        .or_else(|| gpu::lent_view(ptr, layout.dtype, &layout.dims, &strides));
-    let Some(tensor) = found else {
+    let Some(tensor) = shareable::find(ptr, layout.dtype, &layout.dims, &strides) else {
         return Ok(None);
     };
     // The message goes ordered after this extension's stream, which waits for the producer's.

@@ -12,7 +12,7 @@
 //! sender only once the work queued by then on the consumer's stream (and on any stream given to
 //! `record_stream`) is done.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cuda_sys::{CUdeviceptr, CUstream, driver};
@@ -128,27 +128,11 @@ unsafe impl Send for Lent {}
 // SAFETY: as above; nothing mutates through a shared reference.
 unsafe impl Sync for Lent {}
 
-/// A lent tensor as the registry knows it: the channel tensor (so that torch's tensor, sent on,
-/// goes as a view of it without a copy) and the streams `record_stream` added.
-struct Registered {
-    tensor: Tensor,
-    streams: Vec<usize>,
-}
+/// Streams that `record_stream` added, by the lent tensor's device address.
+static RECORDED: OnceLock<Mutex<HashMap<CUdeviceptr, Vec<usize>>>> = OnceLock::new();
 
-/// The lent tensors, by the device address of element 0.
-static RECORDED: OnceLock<Mutex<BTreeMap<CUdeviceptr, Registered>>> = OnceLock::new();
-
-fn recorded() -> std::sync::MutexGuard<'static, BTreeMap<CUdeviceptr, Registered>> {
+fn recorded() -> std::sync::MutexGuard<'static, HashMap<CUdeviceptr, Vec<usize>>> {
     RECORDED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// The view of a lent (received) tensor that an array with element 0 at `ptr` and this layout
-/// is, when it lies inside one: a received tensor sent on goes again without a copy.
-pub fn lent_view(ptr: CUdeviceptr, dtype: DType, dims: &[u64], strides: &[i64]) -> Option<Tensor> {
-    let lent = recorded();
-    let (&start, registered) = lent.range(..=ptr).next_back()?;
-    let offset = usize::try_from(ptr - start).ok()?;
-    registered.tensor.as_layout(dtype, dims, strides, offset).ok()
 }
 
 impl Lent {
@@ -164,9 +148,8 @@ impl Lent {
                 ordered.push(pair);
             }
         }
-        let registered = Registered { tensor: tensor.clone(), streams: Vec::new() };
         let lent = Lent { tensor, state, consumer };
-        recorded().insert(lent.ptr()?, registered);
+        recorded().insert(lent.ptr()?, Vec::new());
         Ok(lent)
     }
 
@@ -178,7 +161,7 @@ impl Lent {
 
 impl Drop for Lent {
     fn drop(&mut self) {
-        let extra = self.ptr().ok().and_then(|ptr| recorded().remove(&ptr)).map(|r| r.streams).unwrap_or_default();
+        let extra = self.ptr().ok().and_then(|ptr| recorded().remove(&ptr)).unwrap_or_default();
         let mut ordered = self.state.order_after(self.state.stream.raw(), self.consumer).is_ok();
         for stream in extra {
             ordered &= self.state.order_after(self.state.stream.raw(), stream as CUstream).is_ok();
@@ -194,8 +177,8 @@ impl Drop for Lent {
 /// false when no lent tensor starts at `ptr`.
 pub fn record_stream(ptr: CUdeviceptr, stream: CUstream) -> bool {
     match recorded().get_mut(&ptr) {
-        Some(registered) => {
-            registered.streams.push(stream as usize);
+        Some(streams) => {
+            streams.push(stream as usize);
             true
         }
         None => false,

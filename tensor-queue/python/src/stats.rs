@@ -31,8 +31,7 @@ pub static ARRAYS_RECEIVED: Counter = Counter::new();
 pub static SEND_COPIES: Counter = Counter::new();
 /// Their bytes.
 pub static SEND_COPY_BYTES: Counter = Counter::new();
-/// CUDA arrays sent without a copy: they lie in channel memory (made inside `tq.shareable()`,
-/// or received from a channel and sent on).
+/// CUDA arrays sent without a copy (made inside `tq.shareable()`: they lie in channel memory).
 pub static SEND_ZERO_COPIES: Counter = Counter::new();
 /// Their bytes.
 pub static SEND_ZERO_COPY_BYTES: Counter = Counter::new();
