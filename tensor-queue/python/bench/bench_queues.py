@@ -8,7 +8,8 @@ fresh tensor per message and sends it; the consumer receives and reads each; mes
 Broadcast: one 1 GiB tensor to three consumers; seconds until all three have read it.
 tensor_queue's figures come twice: the copy path (tensors from torch's caching allocator, copied
 once into channel memory at send) and the zero-copy path (tensors made inside
-``tq.shareable()``). The echo sends on what it received, which goes without a copy either way.
+``tq.shareable()``). The echo sends on what it received, which tensor-queue copies (a received
+GPU tensor is never forwarded as it is).
 
 The Rust figures of the same run come from ``tq-bench --only rtt`` (the bundle's ``bin/tq-bench``,
 or ``--tq-bench PATH``); the cost of the Python layer is shown per hop as (Python - Rust) / 2
