@@ -17,6 +17,7 @@ use dlpark::ffi::{
 };
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
@@ -47,9 +48,10 @@ impl From<PyErr> for ImportError {
 }
 
 fn framework_of(value: &Bound<'_, PyAny>) -> PyResult<Framework> {
-    let module = value.get_type().module()?.to_string();
+    let module = value.get_type().module()?;
+    let module = module.to_str()?;
     Ok(if module == "numpy" || module.starts_with("numpy.") {
-        if value.hasattr("__dlpack__")? { Framework::Numpy } else { Framework::NumpyScalar }
+        if value.hasattr(intern!(value.py(), "__dlpack__"))? { Framework::Numpy } else { Framework::NumpyScalar }
     } else if module == "torch" || module.starts_with("torch.") {
         Framework::Torch
     } else {
@@ -142,10 +144,10 @@ pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<
     let array = match framework {
         // NumPy scalars have no `__dlpack__`; a 0-d array holds the same.
         Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (value,))?,
-        _ if value.hasattr("__dlpack__")? => value.clone(),
+        _ if value.hasattr(intern!(py, "__dlpack__"))? => value.clone(),
         _ => return Ok(None),
     };
-    if framework == Framework::Torch && array.getattr("requires_grad")?.is_truthy()? {
+    if framework == Framework::Torch && array.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
         return Err(ImportError::Refused("requires grad: send x.detach() (gradients do not cross processes)".into()));
     }
     let (tensor, copied) = match exchange::api_of(&array) {
@@ -242,9 +244,9 @@ fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tens
     may_copy(order)?;
     let py = array.py();
     let kwargs = PyDict::new(py);
-    kwargs.set_item("max_version", (1, 0))?;
+    kwargs.set_item(intern!(py, "max_version"), (1, 0))?;
     let mut cuda = None;
-    if let Ok(device) = array.call_method0("__dlpack_device__") {
+    if let Ok(device) = array.call_method0(intern!(py, "__dlpack_device__")) {
         let (device_type, device_id): (i32, i32) = device.extract()?;
         if device_type == DLDeviceType::CUDA.0 as i32 {
             let state = gpu::device(device_id).map_err(ImportError::Refused)?;
@@ -263,7 +265,7 @@ fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tens
             )));
         }
     }
-    let capsule = match array.call_method("__dlpack__", (), Some(&kwargs)) {
+    let capsule = match array.call_method(intern!(py, "__dlpack__"), (), Some(&kwargs)) {
         Ok(capsule) => capsule,
         // Producers older than DLPack 1.0 take no `max_version`.
         Err(error) if error.is_instance_of::<PyTypeError>(py) => {
@@ -682,11 +684,11 @@ impl Array {
         let size = self.tensor.dtype().size() as i64;
         let strides: Vec<i64> = self.tensor.strides().iter().map(|s| s * size).collect();
         let dict = PyDict::new(py);
-        dict.set_item("version", 3)?;
-        dict.set_item("shape", PyTuple::new(py, self.tensor.shape())?)?;
-        dict.set_item("typestr", typestr)?;
-        dict.set_item("data", (data as usize, !writable))?;
-        dict.set_item("strides", PyTuple::new(py, strides)?)?;
+        dict.set_item(intern!(py, "version"), 3)?;
+        dict.set_item(intern!(py, "shape"), PyTuple::new(py, self.tensor.shape())?)?;
+        dict.set_item(intern!(py, "typestr"), typestr)?;
+        dict.set_item(intern!(py, "data"), (data as usize, !writable))?;
+        dict.set_item(intern!(py, "strides"), PyTuple::new(py, strides)?)?;
         Ok(dict)
     }
 
