@@ -70,10 +70,19 @@ def run_seed(skip_ordering: bool) -> tuple[dict, dict]:
     consumer.start()
     producer = ctx.Process(target=workers.gpu_seed_produce, args=(path, secrets.randbelow(1 << 30), out))
     producer.start()
-    said = {}
+    said: dict[str, dict] = {}
+    deadline = time.monotonic() + 180
     try:
-        for _ in range(2):
-            report = out.get(timeout=180)
+        while len(said) < 2:
+            try:
+                report = out.get(timeout=1)
+            except queue.Empty:
+                died = {name: p.exitcode for name, p in (("consumer", consumer), ("producer", producer)) if p.exitcode}
+                if died:
+                    pytest.fail(f"the seed {died} exited before reporting (exit codes; their stderr is above)")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the seed processes did not both report within 180 s (got {sorted(said)})")
+                continue
             said[report.pop("who")] = report
     finally:
         finish(consumer, 60, "the seed consumer")
