@@ -570,6 +570,23 @@ mod tests {
     }
 
     #[test]
+    fn views_of_one_block_travel_together_in_one_message() {
+        // What `tq.shareable()` sends: several tensors carved out of one block, in one message.
+        let block = Tensor::from_slice(&(0..64u8).collect::<Vec<_>>(), DType::U8, &[64]).unwrap();
+        let a = block.as_layout(DType::I32, &[2, 2], &[1, 2], 16).unwrap();
+        let b = block.as_layout(DType::U8, &[8], &[1], 40).unwrap();
+        let path = std::env::temp_dir().join(format!("tq-views-{}.sock", std::process::id()));
+        let mut receiver = crate::Receiver::<Vec<Tensor>>::bind(&path).unwrap();
+        let sender = crate::Sender::<Vec<Tensor>>::connect(&path).unwrap();
+        sender.send(&vec![a.clone(), b.clone()]).unwrap();
+        let got = receiver.recv().unwrap();
+        assert_eq!(got[0].to_vec::<i32>().unwrap(), a.to_vec::<i32>().unwrap());
+        assert_eq!(got[1].to_vec::<u8>().unwrap(), (40..48u8).collect::<Vec<_>>());
+        drop(got);
+        assert!(sender.wait_released(std::time::Duration::from_secs(10)));
+    }
+
+    #[test]
     fn as_layout_checks_offset_alignment_and_bounds() {
         let block = Tensor::zeros(DType::U8, &[64]).unwrap();
         let grid = block.as_layout(DType::F32, &[2, 2], &[1, 2], 8).unwrap();
