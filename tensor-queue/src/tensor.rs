@@ -569,6 +569,12 @@ impl Tensor {
         }
     }
 
+    /// The same tensor with another element type (its layout checked by the caller, see
+    /// `view.rs`).
+    pub(crate) fn with_dtype(&self, dtype: DType) -> Tensor {
+        Tensor { dtype, ..self.clone() }
+    }
+
     /// The same storage seen with another layout (checked by the caller, see `view.rs`).
     pub(crate) fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
         Tensor { shape, strides, offset, ..self.clone() }

@@ -238,7 +238,7 @@ fn send_order(stream: Option<&Bound<'_, PyAny>>, copy: &str) -> PyResult<SendOrd
         "never" => true,
         other => return Err(raise("InvalidArgument", format!("copy must be \"auto\" or \"never\", not {other:?}"))),
     };
-    Ok(SendOrder { explicit, never_copy, ..SendOrder::default() })
+    Ok(SendOrder::new(explicit, never_copy))
 }
 
 /// The stream a message's GPU copies were queued on, to send it ordered after them; a message
