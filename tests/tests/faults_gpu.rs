@@ -1197,16 +1197,20 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
         doomed.poll();
         // During its copies it kills itself, 3 ms after `send_on` returned: too soon to be hit
         // from here (it has printed `sent` first).
+        // Asked once per turn: a process that ends between two questions (it kills itself) must
+        // not be taken for one that ended before it sent.
+        let exited = doomed.exited()?.is_some();
         let due = match moment {
-            Moment::DuringCopy => doomed.exited()?.is_some(),
+            Moment::DuringCopy => exited,
             _ => doomed.has_said("sent"),
         };
         if due {
-            doomed.finish_lines(Duration::from_millis(100));
+            // Up to its end of output once it has exited (the lines still in the pipe).
+            doomed.finish_lines(Duration::from_millis(if exited { 5000 } else { 100 }));
             ensure!(doomed.has_said("sent"), "the doomed producer ended before it sent; {}", doomed.tail(10));
             break;
         }
-        ensure!(doomed.exited()?.is_none(), "the doomed producer ended before it sent; {}", doomed.tail(10));
+        ensure!(!exited, "the doomed producer ended before it sent; {}", doomed.tail(10));
         ensure!(started.elapsed() < Duration::from_secs(60), "no send within 60 s; {}", doomed.tail(10));
         if moment == Moment::BeforeRecv {
             std::thread::sleep(Duration::from_micros(200));
