@@ -75,6 +75,21 @@ pub use vmm::VmmAllocation;
 
 pub use cuda_sys as sys;
 
+/// A device property to ask [`Device::attribute`] for (the driver's `CUdevice_attribute`), named
+/// here so that users of this crate need not name `cuda_sys`.
+pub use cuda_sys::CUdevice_attribute as DeviceAttribute;
+
+/// Whether a CUDA driver is loaded and initialises here (asked once).
+///
+/// ```
+/// if !ipc_core::is_available() {
+///     println!("no CUDA driver here: host memory only");
+/// }
+/// ```
+pub fn is_available() -> bool {
+    cuda_sys::is_available()
+}
+
 /// Runs a release call from `Drop` with `context` current, logging a failure (crate policy).
 pub(crate) fn release_in(context: &Context, call: impl FnOnce() -> std::result::Result<(), cuda_sys::Error>) {
     release(context.bind_raw().and_then(|()| call()));

@@ -39,7 +39,7 @@ fn main() -> Fallible {
     }
     let report_path = std::env::temp_dir().join(format!("columns-{}.sock", std::process::id()));
     let mut done = Receiver::<Done>::bind(&report_path)?;
-    let gpu = cuda_sys::is_available();
+    let gpu = tensor_queue::is_gpu_available();
     let context = if gpu { Some(Context::on_ordinal(0)?) } else { None };
     let matrix = match &context {
         Some(context) => {

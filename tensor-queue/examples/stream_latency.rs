@@ -29,7 +29,7 @@ fn main() -> Fallible {
     let mut command = Command::new(std::env::current_exe()?);
     command.arg(items.to_string());
     let (mut child, sender) = spawn::<Item>(&mut command)?;
-    if cuda_sys::is_available() {
+    if tensor_queue::is_gpu_available() {
         let context = Context::on_ordinal(0)?;
         let stream = Stream::new(&context)?;
         let kernels = Kernels::get(&context)?;

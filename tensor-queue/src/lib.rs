@@ -38,6 +38,7 @@ mod dtype;
 mod error;
 pub mod memory;
 pub mod route;
+mod secret;
 mod side_table;
 mod signal;
 mod tensor;
@@ -52,8 +53,8 @@ pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, 
 
 pub use channel::{
     Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender,
-    from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex,
-    spawn_timeout,
+    SpawnStep, from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn,
+    spawn_duplex, spawn_ready, spawn_timeout,
 };
 pub use convert::NativeElement;
 pub use copy::HostCopy;
@@ -61,12 +62,13 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Refusal, Result};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};
 
+/// The variable a TCP secret is read from where none is given, and a secret's shortest length.
+pub use ipc_core::tcp::{MIN_SECRET_LEN, SECRET_ENV};
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal
 /// or UUID, their primary contexts, streams, and the [`DeviceMemory`] methods of
 /// [`Tensor::cuda_view`].
 pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
-// The TCP link's shared secret, the variable it is read from, and its shortest length.
-pub use ipc_core::tcp::{MIN_SECRET_LEN, SECRET_ENV, Secret};
+pub use secret::Secret;
 
 /// This crate's version (`Cargo.toml`'s), for tools that report it, such as `tq version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -87,7 +89,7 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// # Ok(()) }
 /// ```
 pub fn is_gpu_available() -> bool {
-    cuda_sys::is_available()
+    ipc_core::is_available()
 }
 
 /// The README's program, run as a doctest so that it stays true.

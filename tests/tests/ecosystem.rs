@@ -244,3 +244,31 @@ fn spawning_a_missing_program_names_it() {
         gone.err()
     );
 }
+
+#[test]
+fn spawn_ready_says_which_step_failed_and_spawn_timeout_keeps_its_errors() {
+    use std::time::Duration;
+    use tensor_queue::SpawnStep;
+    // A child that exits without taking its channel.
+    match tensor_queue::spawn_ready::<u32>(Command::new("sh").args(["-c", "exit 3"]), Duration::from_secs(10)) {
+        Err(Error::ChildNotReady { program, step: SpawnStep::Exited { status } }) => {
+            assert_eq!(program, "sh");
+            assert_eq!(status.code(), Some(3));
+        }
+        other => panic!("expected ChildNotReady(Exited), got {:?}", other.map(drop)),
+    }
+    // A child that never takes it: the step and the time it was given, and it is killed.
+    let started = std::time::Instant::now();
+    match tensor_queue::spawn_ready::<u32>(Command::new("sleep").arg("60"), Duration::from_millis(300)) {
+        Err(error @ Error::ChildNotReady { step: SpawnStep::TakeChannel { .. }, .. }) => {
+            let Error::ChildNotReady { step: SpawnStep::TakeChannel { timeout }, .. } = &error else { unreachable!() };
+            assert_eq!(*timeout, Duration::from_millis(300));
+            assert!(error.to_string().contains("from_parent"), "{error}");
+        }
+        other => panic!("expected ChildNotReady(TakeChannel), got {:?}", other.map(drop)),
+    }
+    assert!(started.elapsed() < Duration::from_secs(60), "the child was killed, not waited for");
+    // spawn_timeout still answers a child that never takes its channel with Error::Timeout.
+    let late = tensor_queue::spawn_timeout::<u32>(Command::new("sleep").arg("60"), Duration::from_millis(300));
+    assert!(matches!(late, Err(Error::Timeout)), "{:?}", late.err());
+}

@@ -10,7 +10,7 @@
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
-use std::process::{Child, Command};
+use std::process::{Child, Command, ExitStatus};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -48,8 +48,8 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 }
 
 /// [`spawn`], then waits up to `timeout` for the child to take its end ([`Sender::wait_ready`]).
-/// A child that exits first, or does not take it in time, is killed and reaped, and the error
-/// says which.
+/// A child that exits first ([`Error::Invalid`]), or does not take it in time
+/// ([`Error::Timeout`]), is killed and reaped; [`spawn_ready`] says which step in the error.
 ///
 /// ```no_run
 /// # fn main() -> tensor_queue::Result<()> {
@@ -64,27 +64,88 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 /// # Ok(()) }
 /// ```
 pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> Result<(Child, Sender<T>)> {
+    spawn_ready(command, timeout).map_err(|error| match error {
+        // `Error::Timeout` carries no text; the log says which step it was (`spawn_ready` says
+        // it in the error).
+        Error::ChildNotReady { program, step: SpawnStep::TakeChannel { timeout } } => {
+            tracing::warn!(program, ?timeout, "the child did not take its channel (from_parent) in time; killed");
+            Error::Timeout
+        }
+        Error::ChildNotReady { program, step: SpawnStep::Exited { status } } => Error::Invalid(format!(
+            "the child {program} ended ({status}) before taking its channel (does it call from_parent?)"
+        )),
+        other => other,
+    })
+}
+
+/// A step of starting a child with a channel at which it failed ([`Error::ChildNotReady`], from
+/// [`spawn_ready`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SpawnStep {
+    /// The child did not take its end of the channel ([`from_parent`]) within `timeout`; it was
+    /// killed and reaped.
+    TakeChannel {
+        /// How long it was given.
+        timeout: Duration,
+    },
+    /// The child exited before it took its end of the channel (it fails at start-up, or does
+    /// not call [`from_parent`]).
+    Exited {
+        /// How it ended.
+        status: ExitStatus,
+    },
+}
+
+impl std::fmt::Display for SpawnStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SpawnStep::TakeChannel { timeout } => {
+                write!(f, "it did not take its channel (from_parent) within {timeout:?}; it was killed")
+            }
+            SpawnStep::Exited { status } => {
+                write!(f, "it ended ({status}) before taking its channel (does it call from_parent?)")
+            }
+        }
+    }
+}
+
+/// [`spawn_timeout`] with the failed step in the error: a child that does not take its end in
+/// time, or exits first, is killed and reaped and is [`Error::ChildNotReady`] with the
+/// [`SpawnStep`] (where `spawn_timeout` gives [`Error::Timeout`] or [`Error::Invalid`]).
+///
+/// ```
+/// use std::process::Command;
+/// use std::time::Duration;
+/// use tensor_queue::{Error, SpawnStep};
+/// // `true` exits at once without taking its channel.
+/// match tensor_queue::spawn_ready::<u32>(&mut Command::new("true"), Duration::from_secs(30)) {
+///     Err(Error::ChildNotReady { program, step: SpawnStep::Exited { status } }) => {
+///         assert_eq!(program, "true");
+///         assert!(status.success());
+///     }
+///     other => panic!("expected ChildNotReady, got {:?}", other.map(|_| ())),
+/// }
+/// // `sleep 30` never takes it: killed when the second is up.
+/// match tensor_queue::spawn_ready::<u32>(Command::new("sleep").arg("30"), Duration::from_secs(1)) {
+///     Err(Error::ChildNotReady { step: SpawnStep::TakeChannel { timeout }, .. }) => {
+///         assert_eq!(timeout, Duration::from_secs(1));
+///     }
+///     other => panic!("expected ChildNotReady, got {:?}", other.map(|_| ())),
+/// }
+/// ```
+pub fn spawn_ready<T: Serialize>(command: &mut Command, timeout: Duration) -> Result<(Child, Sender<T>)> {
     let (mut child, sender) = spawn(command)?;
     match sender.wait_ready(timeout) {
         Ok(()) => Ok((child, sender)),
         Err(error) => {
             let _ = child.kill();
             let status = child.wait().map_err(|e| Error::Invalid(format!("reaping the child: {e}")))?;
-            Err(match error {
-                Error::Timeout => {
-                    // `Error::Timeout` carries no text; the log says which step it was.
-                    tracing::warn!(
-                        program = program(command),
-                        ?timeout,
-                        "the child did not take its channel (from_parent) in time; killed"
-                    );
-                    Error::Timeout
-                }
-                _ => Error::Invalid(format!(
-                    "the child {} ended ({status}) before taking its channel (does it call from_parent?)",
-                    program(command)
-                )),
-            })
+            let step = match error {
+                Error::Timeout => SpawnStep::TakeChannel { timeout },
+                _ => SpawnStep::Exited { status },
+            };
+            Err(Error::ChildNotReady { program: program(command), step })
         }
     }
 }

@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ipc_core::seqpacket::Connection;
-use ipc_core::tcp::{Secret, TcpLink};
+use ipc_core::tcp::TcpLink;
 use ipc_core::transport::Packets;
 
-use crate::{Error, Result};
+use crate::{Error, Result, Secret};
 
 /// Where a receiver listens and a sender connects.
 ///
@@ -175,10 +175,10 @@ impl Default for ConnectOptions {
 }
 
 /// The secret given, else the one in `TQ_SECRET`.
-pub(super) fn secret(given: Option<&Secret>) -> Result<Secret> {
+pub(super) fn secret(given: Option<&Secret>) -> Result<ipc_core::tcp::Secret> {
     match given {
-        Some(secret) => Ok(secret.clone()),
-        None => Ok(Secret::from_env()?),
+        Some(secret) => Ok(secret.core().clone()),
+        None => Ok(Secret::from_env()?.core().clone()),
     }
 }
 

@@ -130,7 +130,8 @@ use crate::lock;
 
 pub use broadcast::Broadcast;
 pub use child::{
-    from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout,
+    SpawnStep, from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, spawn, spawn_duplex,
+    spawn_ready, spawn_timeout,
 };
 pub use connection::MessageInfo;
 pub use endpoint::{ConnectOptions, Endpoint, TCP_PREFIX};

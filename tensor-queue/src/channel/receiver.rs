@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::{Connection, Listener};
-use ipc_core::tcp::{Secret, TcpListener};
+use ipc_core::tcp::TcpListener;
 use ipc_core::{Stream, Uuid};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
@@ -23,7 +23,7 @@ use super::readiness::Readiness;
 use super::{DEFAULT_CAPACITY, lock, monotonic_ns};
 use crate::route::{MAX_SOURCES, Reach, Routing};
 use crate::wire::MAX_PACKET;
-use crate::{Error, Result, side_table};
+use crate::{Error, Result, Secret, side_table};
 
 /// How a receiver is set up.
 ///

@@ -71,11 +71,11 @@ impl Reach {
     }
 
     fn query() -> ipc_core::Result<Reach> {
-        if !cuda_sys::is_available() {
+        if !ipc_core::is_available() {
             return Ok(Reach::default());
         }
         Ok(Reach::from_topology(&Topology::query()?, |ordinal| {
-            let attribute = cuda_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
+            let attribute = ipc_core::DeviceAttribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
             ipc_core::Device::get(ordinal).and_then(|d| d.attribute(attribute)).is_ok_and(|v| v != 0)
         }))
     }
