@@ -29,6 +29,11 @@
 //!   tensor, chosen by topology and the receiver's [`route::Routing`], and reported on every
 //!   received tensor ([`Tensor::path`]); see [`route`].
 //! - See [`channel`] for the hand-off protocol, the ordering mechanism and why it was chosen.
+//!
+//! This crate has no `unsafe` code (`forbid(unsafe_code)`): raw memory, descriptors and the
+//! driver are ipc-core's, behind safe types.
+
+#![forbid(unsafe_code)]
 
 mod arena;
 pub mod channel;
@@ -62,6 +67,9 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Refusal, Result};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};
 
+/// A contiguous host tensor's elements in its shared memory ([`Tensor::host_elements`]): copied
+/// out safely, or borrowed in place with the `unsafe` `as_slice`.
+pub use ipc_core::SharedElements as HostElements;
 /// The variable a TCP secret is read from where none is given, and a secret's shortest length.
 pub use ipc_core::tcp::{MIN_SECRET_LEN, SECRET_ENV};
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal

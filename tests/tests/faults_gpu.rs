@@ -1442,7 +1442,7 @@ fn host_landing_delivers_whole_tensors() -> Result<()> {
     for (k, tensor) in batch.tensors.iter().enumerate().rev() {
         // SAFETY: a host-landed tensor is this receiver's own memory (no clone, no view, never
         // sent on), and nothing writes it while `bytes` lives.
-        let bytes = unsafe { tensor.as_slice::<u8>()? };
+        let bytes = unsafe { tensor.host_elements::<u8>()?.as_slice() };
         tails.push((
             k,
             bytes[LEN - TAIL..] == reference::pattern(TAIL, batch.seed + k as u64 + (LEN - TAIL) as u64 / 8)[..],
