@@ -34,7 +34,7 @@ fn value(row: u64, column: u64) -> f32 {
 }
 
 fn main() -> Fallible {
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return worker();
     }
     let report_path = std::env::temp_dir().join(format!("columns-{}.sock", std::process::id()));

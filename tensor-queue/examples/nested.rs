@@ -29,7 +29,7 @@ struct Batch {
 }
 
 fn main() -> Fallible {
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return consumer();
     }
     let gpu = tensor_queue::is_gpu_available().then(|| -> Fallible<_> {

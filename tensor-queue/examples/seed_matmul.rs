@@ -22,7 +22,7 @@ const STEPS: usize = 50;
 type Fallible = Result<(), std::boxed::Box<dyn std::error::Error>>;
 
 fn main() -> Fallible {
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return consumer();
     }
     let gpu = tensor_queue::is_gpu_available();

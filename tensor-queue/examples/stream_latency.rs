@@ -23,7 +23,7 @@ struct Item {
 
 fn main() -> Fallible {
     let items: u64 = std::env::args().nth(1).map(|n| n.parse()).transpose()?.unwrap_or(2000);
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return consumer(items);
     }
     let mut command = Command::new(std::env::current_exe()?);

@@ -56,10 +56,12 @@ pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, 
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+#[allow(deprecated)] // still offered, deprecated where it is defined
+pub use channel::from_parent_with;
 pub use channel::{
-    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender,
-    SpawnStep, from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn,
-    spawn_duplex, spawn_ready, spawn_timeout,
+    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverBuilder, ReceiverOptions,
+    Rejection, Sender, SenderBuilder, SpawnStep, from_parent, from_parent_duplex, from_parent_with_capacity,
+    is_spawned_child, monotonic_ns, spawn, spawn_duplex, spawn_ready, spawn_timeout,
 };
 pub use convert::NativeElement;
 pub use copy::HostCopy;
@@ -98,6 +100,30 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// ```
 pub fn is_gpu_available() -> bool {
     ipc_core::is_available()
+}
+
+/// What the workspace's own tests and tools (the `tq` CLI's doctor) drive directly: the pure
+/// route decision and what it decides from. Not part of the API: it changes without notice.
+///
+/// These left the public API (each fails to compile, E0603):
+/// ```compile_fail,E0603
+/// use tensor_queue::route::choose;
+/// ```
+/// ```compile_fail,E0603
+/// use tensor_queue::route::Reach;
+/// ```
+/// ```compile_fail,E0603
+/// let _ = tensor_queue::channel::TCP_PREFIX;
+/// ```
+/// ```compile_fail,E0624
+/// let (a, _b) = ipc_core::seqpacket::Connection::pair().unwrap();
+/// let _ = tensor_queue::Sender::<u8>::from_connection(a);
+/// ```
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::route::choose::{choose, choose_remote};
+    pub use crate::route::reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
+    pub use crate::route::staging::staging_piece;
 }
 
 /// The README's program, run as a doctest so that it stays true.

@@ -18,7 +18,7 @@ use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
 use serde::Serialize;
 use tensor_queue::route::{Landing, PeerMode, Routing};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Tensor, TransferPath, memory};
+use tensor_queue::{DType, Error, Receiver, Tensor, TransferPath, memory};
 
 fn main() {
     run_gpu_tests(vec![
@@ -1162,9 +1162,8 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
         Some(context) => Some(context.device().uuid()?),
         None => None,
     };
-    let options = ReceiverOptions { routing: way.routing(other)?, ..ReceiverOptions::default() };
     let path = socket_path(&format!("killed-{way:?}-{moment:?}"));
-    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let mut receiver = Receiver::<FaultBatch>::builder().routing(way.routing(other)?).bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?.to_string();
     let (tensors, len, spin) = match moment {
         Moment::DuringCopy => (4, 256 * MIB, Duration::ZERO),
@@ -1426,9 +1425,8 @@ fn host_landing_delivers_whole_tensors() -> Result<()> {
     const TAIL: usize = 4096;
     let context = gpu()?;
     let seed = case_seed()?;
-    let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..ReceiverOptions::default() };
     let path = socket_path("host-whole");
-    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let mut receiver = Receiver::<FaultBatch>::builder().routing(Routing::default().land(Landing::Host)).bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?;
     let (len, seed_text) = (LEN.to_string(), seed.to_string());
     let args = ["batch", "--to", path, "--tensors", "4", "--len", &len, "--seed", &seed_text];

@@ -19,10 +19,7 @@ use kernels::reference;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tensor_queue::wire::{Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
-use tensor_queue::{
-    Broadcast, ConnectOptions, DType, Endpoint, Error, Receiver, ReceiverOptions, Secret, Sender, Tensor, TensorDevice,
-    TransferPath,
-};
+use tensor_queue::{Broadcast, DType, Endpoint, Error, Receiver, Secret, Sender, Tensor, TensorDevice, TransferPath};
 
 /// The helper program, compiled in here too for its message types and checks.
 #[allow(dead_code, missing_docs, unreachable_pub)]
@@ -51,8 +48,11 @@ fn link_secret_of(key: &str) -> ipc_core::tcp::Secret {
 /// Binds a TCP receiver on a port of the system's choice, with the honest secret; returns it and
 /// its endpoint (`tcp://127.0.0.1:PORT`).
 fn bind<T: DeserializeOwned>(capacity: u32) -> (Receiver<T>, String) {
-    let options = ReceiverOptions { secret: Some(secret_of(KEY)), capacity, ..ReceiverOptions::default() };
-    let receiver = Receiver::<T>::bind_with("tcp://127.0.0.1:0", options).expect("binding a TCP receiver");
+    let receiver = Receiver::<T>::builder()
+        .secret(secret_of(KEY))
+        .capacity(capacity)
+        .bind("tcp://127.0.0.1:0")
+        .expect("binding a TCP receiver");
     let addr = receiver.local_addr().expect("a TCP receiver has an address");
     assert!(addr.ip().is_loopback() && addr.port() != 0, "{addr}");
     (receiver, format!("tcp://{addr}"))
@@ -63,8 +63,7 @@ fn addr_of(endpoint: &str) -> SocketAddr {
 }
 
 fn connect<T: Serialize>(endpoint: &str, key: &str) -> tensor_queue::Result<Sender<T>> {
-    let options = ConnectOptions { secret: Some(secret_of(key)), timeout: Duration::from_secs(10) };
-    Sender::<T>::connect_with(endpoint, &options)
+    Sender::<T>::builder().secret(secret_of(key)).timeout(Duration::from_secs(10)).connect(endpoint)
 }
 
 fn is_auth_failed(error: &Error) -> bool {
@@ -534,7 +533,7 @@ fn no_secret_or_a_short_one_is_an_error_at_bind_and_connect() {
         assert!(matches!(bound, Err(Error::SecretNotSet { variable: SECRET_ENV })), "{:?}", bound.err());
         let connected = Sender::<Probe>::connect(endpoint.as_str());
         assert!(matches!(connected, Err(Error::SecretNotSet { variable: SECRET_ENV })), "{:?}", connected.err());
-        let connected = Sender::<Probe>::connect_with(endpoint.as_str(), &ConnectOptions::default());
+        let connected = Sender::<Probe>::builder().connect(endpoint.as_str());
         assert!(matches!(connected, Err(Error::SecretNotSet { variable: SECRET_ENV })), "{:?}", connected.err());
     }
     // The receiver never saw any of them and still serves.
@@ -593,7 +592,7 @@ fn a_silent_connector_does_not_delay_an_honest_sender() {
 }
 
 /// `connect` to a port nobody listens on fails, and to a listener that never speaks gives up after
-/// `ConnectOptions::timeout`: an error, never a hang.
+/// `SenderBuilder::timeout`: an error, never a hang.
 #[test]
 fn connect_to_nobody_or_to_a_mute_listener_fails_within_its_timeout() {
     // A port that was just free.
@@ -612,8 +611,8 @@ fn connect_to_nobody_or_to_a_mute_listener_fails_within_its_timeout() {
     });
     let outcome = within(Duration::from_secs(8), move || {
         let start = Instant::now();
-        let options = ConnectOptions { secret: Some(secret_of(KEY)), timeout: Duration::from_secs(1) };
-        let result = Sender::<Probe>::connect_with(endpoint.as_str(), &options).map(|_| ());
+        let builder = Sender::<Probe>::builder().secret(secret_of(KEY)).timeout(Duration::from_secs(1));
+        let result = builder.connect(endpoint.as_str()).map(|_| ());
         (result.map_err(|e| format!("{e:?}")), start.elapsed())
     });
     let (result, took) = outcome.expect("connect to a mute listener hung past 8 s with a 1 s timeout");

@@ -224,22 +224,30 @@ pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
 /// # Ok(()) }
 /// ```
 pub fn from_parent_with_capacity<T: DeserializeOwned>(capacity: u32) -> Result<Receiver<T>> {
-    from_parent_with(ReceiverOptions { capacity, ..ReceiverOptions::default() })
+    from_parent_options(ReceiverOptions { capacity, ..ReceiverOptions::default() })
 }
 
 /// [`from_parent`] with `options` (the capacity per sender, and the routing policy).
 ///
 /// ```no_run
 /// # fn main() -> tensor_queue::Result<()> {
+/// # #![allow(deprecated)]
 /// use tensor_queue::route::{Landing, Routing};
 /// use tensor_queue::{ReceiverOptions, Tensor, from_parent_with};
 /// // A child that wants every tensor in host memory:
-/// let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..Default::default() };
+/// let mut options = ReceiverOptions::default();
+/// options.routing = Routing::default().land(Landing::Host);
 /// let mut inputs = from_parent_with::<Tensor>(options)?;
 /// let x = inputs.recv()?;
 /// # drop(x); Ok(()) }
 /// ```
+#[deprecated(note = "use `Receiver::builder().capacity(..).routing(..).from_parent()`")]
 pub fn from_parent_with<T: DeserializeOwned>(options: ReceiverOptions) -> Result<Receiver<T>> {
+    from_parent_options(options)
+}
+
+/// [`from_parent`] with `options` (what the builder and the deprecated `from_parent_with` do).
+pub(super) fn from_parent_options<T: DeserializeOwned>(options: ReceiverOptions) -> Result<Receiver<T>> {
     let mut sockets = take_parent_sockets()?;
     Receiver::from_connection_with(Connection::from(sockets.remove(0)), options)
 }

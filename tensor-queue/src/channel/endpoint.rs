@@ -33,7 +33,7 @@ pub enum Endpoint {
 }
 
 /// The prefix that makes a string a TCP endpoint.
-pub const TCP_PREFIX: &str = "tcp://";
+pub(crate) const TCP_PREFIX: &str = "tcp://";
 
 impl Endpoint {
     /// [`Error::Invalid`] for what is neither a socket path nor `tcp://host:port`: another
@@ -148,19 +148,24 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
-/// How a sender connects (see [`Sender::connect_with`](crate::Sender::connect_with)).
+/// How a sender connects, for the deprecated [`Sender::connect_with`](crate::Sender::connect_with):
+/// build senders with [`Sender::builder`](crate::Sender::builder) instead. Not constructible with
+/// a literal (`#[non_exhaustive]`): start from `default()`.
 ///
 /// ```
 /// use std::time::Duration;
 /// use tensor_queue::{ConnectOptions, Secret};
-/// let options = ConnectOptions {
-///     secret: Some(Secret::from_bytes(*b"a secret of at least 16 bytes")?),
-///     timeout: Duration::from_secs(30),
-/// };
-/// assert_eq!(ConnectOptions::default().timeout, Duration::from_secs(10));
+/// let mut options = ConnectOptions::default();
+/// assert_eq!(options.timeout, Duration::from_secs(10));
+/// options.secret = Some(Secret::from_bytes(*b"a secret of at least 16 bytes")?);
 /// # Ok::<(), tensor_queue::Error>(())
 /// ```
+///
+/// ```compile_fail,E0639
+/// let options = tensor_queue::ConnectOptions { secret: None, timeout: std::time::Duration::from_secs(1) };
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ConnectOptions {
     /// The secret a TCP receiver expects; `None`: the one in `TQ_SECRET`. Unused for Unix sockets.
     pub secret: Option<Secret>,

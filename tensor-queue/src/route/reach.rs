@@ -34,7 +34,7 @@ pub struct LinkReach {
 /// The GPUs a process can use and what each can reach.
 ///
 /// ```
-/// use tensor_queue::route::{DeviceReach, LinkReach, Reach};
+/// use tensor_queue::testing::{DeviceReach, LinkReach, Reach};
 /// use tensor_queue::Uuid;
 /// let (a, b) = (Uuid([1; 16]), Uuid([2; 16]));
 /// let reach = Reach {
