@@ -126,6 +126,20 @@ pub enum Error {
     /// An argument that makes no sense.
     #[error("invalid: {0}")]
     Invalid(String),
+    /// An endpoint that is neither a socket path nor `tcp://host:port` (see the problem for the
+    /// fix); nothing was bound or connected.
+    #[error("{endpoint}: {problem}")]
+    BadEndpoint {
+        /// The endpoint, as given.
+        endpoint: String,
+        /// What is wrong with it.
+        problem: crate::EndpointProblem,
+    },
+    /// A write into a host tensor that is read-only in this process: a received tensor, unless
+    /// its sender made it with [`crate::Tensor::zeros_writable`]. Copy it first
+    /// ([`crate::Tensor::to_vec`]) to change it here.
+    #[error("the tensor is read-only here: its sender shared it read-only")]
+    ReadOnly,
     /// A child started by [`crate::spawn_ready`] did not take its channel; it was killed and
     /// reaped. `step` says what happened.
     #[error("the child {program} failed: {step}")]

@@ -59,9 +59,9 @@ pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, 
 #[allow(deprecated)] // still offered, deprecated where it is defined
 pub use channel::from_parent_with;
 pub use channel::{
-    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverBuilder, ReceiverOptions,
-    Rejection, Sender, SenderBuilder, SpawnStep, from_parent, from_parent_duplex, from_parent_with_capacity,
-    is_spawned_child, monotonic_ns, spawn, spawn_duplex, spawn_ready, spawn_timeout,
+    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, EndpointProblem, MessageInfo, Receiver, ReceiverBuilder,
+    ReceiverOptions, Rejection, Sender, SenderBuilder, SpawnStep, from_parent, from_parent_duplex,
+    from_parent_with_capacity, is_spawned_child, monotonic_ns, spawn, spawn_duplex, spawn_ready, spawn_timeout,
 };
 pub use convert::NativeElement;
 pub use copy::HostCopy;

@@ -268,7 +268,7 @@ impl Tensor {
     /// sender.send(&t)?;
     /// let received = receiver.recv()?;
     /// assert_eq!(received.to_vec::<i64>()?, [0, 7, 0, 0]);
-    /// assert!(received.set(&[0, 0], 1i64).is_err(), "read-only for receivers");
+    /// assert!(matches!(received.set(&[0, 0], 1i64), Err(tensor_queue::Error::ReadOnly)), "read-only for receivers");
     /// # Ok(()) }
     /// ```
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Tensor> {
@@ -768,7 +768,7 @@ impl Tensor {
 
     fn check_writable(&self) -> Result<()> {
         if self.storage.chunk.host().is_some_and(|memory| !memory.is_writable()) {
-            return Err(Error::Invalid("the tensor is read-only here: its sender shared it read-only".into()));
+            return Err(Error::ReadOnly);
         }
         Ok(())
     }

@@ -475,7 +475,10 @@ fn received_host_tensors_are_read_only_unless_shared_writable() {
     let shared = Tensor::zeros_writable(DType::F32, &[2]).unwrap();
     sender.send(&vec![private.clone(), shared.clone()]).unwrap();
     let received = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
-    assert!(received[0].set(&[0], 9.0f32).is_err(), "a read-only tensor cannot be written");
+    assert!(
+        matches!(received[0].set(&[0], 9.0f32), Err(Error::ReadOnly)),
+        "a read-only tensor cannot be written, and the error says why"
+    );
     assert_eq!(received[0].to_vec::<f32>().unwrap(), [1.0, 2.0], "but it reads");
     received[1].set(&[1], 7.0f32).unwrap();
     assert_eq!(shared.get::<f32>(&[1]).unwrap(), 7.0, "a writable one is shared both ways");

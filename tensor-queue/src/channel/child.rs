@@ -319,6 +319,7 @@ mod tests {
         for path in &squatted {
             std::fs::create_dir_all(path).unwrap();
         }
+        assert!(!crate::is_spawned_child());
         let mut command = Command::new(std::env::current_exe().unwrap());
         command.args(["--exact", NAME, "--test-threads=1", "--nocapture"]).stdout(Stdio::piped());
         let started = spawn::<u32>(&mut command);
@@ -336,6 +337,7 @@ mod tests {
 
     fn child_side() {
         let raw: std::os::fd::RawFd = std::env::var(ENDPOINT_ENV).unwrap().parse().expect("one descriptor number");
+        assert!(crate::is_spawned_child());
         assert_eq!(close_on_exec(raw), Some(false), "spawn cleared close-on-exec for the child");
         let mut receiver = from_parent::<u32>().unwrap();
         assert_eq!(close_on_exec(raw), Some(true), "our own children do not inherit it");

@@ -36,28 +36,26 @@ pub enum Endpoint {
 pub(crate) const TCP_PREFIX: &str = "tcp://";
 
 impl Endpoint {
-    /// [`Error::Invalid`] for what is neither a socket path nor `tcp://host:port`: another
+    /// [`Error::BadEndpoint`] for what is neither a socket path nor `tcp://host:port`: another
     /// scheme (`http://...`, which would otherwise be taken for a path), or a TCP address without a
-    /// port. `bind` and `connect` check this before anything else.
+    /// port or with one that is not a number. `bind` and `connect` check this before anything
+    /// else.
     ///
     /// ```
-    /// use tensor_queue::{Endpoint, Error, Receiver};
+    /// use tensor_queue::{Endpoint, EndpointProblem, Error, Receiver};
     /// assert!(Endpoint::from("/tmp/queue.sock").check().is_ok());
     /// assert!(Endpoint::from("tcp://127.0.0.1:0").check().is_ok());
-    /// let Err(Error::Invalid(why)) = Receiver::<u32>::bind("tcp://127.0.0.1") else { panic!() };
-    /// assert!(why.contains("needs a port"), "{why}");
-    /// let Err(Error::Invalid(why)) = Receiver::<u32>::bind("http://127.0.0.1:0") else { panic!() };
-    /// assert!(why.contains("tcp://host:port"), "{why}");
+    /// let Err(Error::BadEndpoint { endpoint, problem }) = Receiver::<u32>::bind("tcp://127.0.0.1") else { panic!() };
+    /// assert_eq!((endpoint.as_str(), problem), ("tcp://127.0.0.1", EndpointProblem::NoPort));
+    /// let Err(error) = Receiver::<u32>::bind("http://127.0.0.1:0") else { panic!() };
+    /// assert!(matches!(&error, Error::BadEndpoint { problem: EndpointProblem::Scheme(s), .. } if s == "http"));
+    /// assert!(error.to_string().contains("tcp://host:port"), "{error}");
     /// ```
     pub fn check(&self) -> Result<()> {
+        let bad = |problem| Err(Error::BadEndpoint { endpoint: self.to_string(), problem });
         match self {
             Endpoint::Unix(path) => match path.to_str().and_then(scheme) {
-                Some(scheme) => Err(Error::Invalid(format!(
-                    "{}: a `{scheme}://` endpoint is not supported; use a socket path or tcp://host:port \
-                     (for a path that starts this way, write ./{})",
-                    path.display(),
-                    path.display()
-                ))),
+                Some(scheme) => bad(EndpointProblem::Scheme(scheme.to_string())),
                 None => Ok(()),
             },
             Endpoint::Tcp(address) => {
@@ -65,16 +63,30 @@ impl Endpoint {
                 let port = address.rsplit_once(':').filter(|(_, port)| !port.contains(']')).map(|(_, port)| port);
                 match port {
                     Some(port) if port.parse::<u16>().is_ok() => Ok(()),
-                    Some(port) => {
-                        Err(Error::Invalid(format!("{self}: the port `{port}` is not a number from 0 to 65535")))
-                    }
-                    None => Err(Error::Invalid(format!(
-                        "{self} needs a port: {self}:PORT (when binding, port 0 picks a free one)"
-                    ))),
+                    Some(port) => bad(EndpointProblem::BadPort(port.to_string())),
+                    None => bad(EndpointProblem::NoPort),
                 }
             }
         }
     }
+}
+
+/// What is wrong with an endpoint ([`Error::BadEndpoint`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EndpointProblem {
+    /// A URL-like endpoint of a scheme other than `tcp` (its scheme, such as `http`): use a socket
+    /// path or `tcp://host:port` (for a path that starts this way, write `./` before it).
+    #[error(
+        "a `{0}://` endpoint is not supported; use a socket path or tcp://host:port (for a path that starts this way, write ./ before it)"
+    )]
+    Scheme(String),
+    /// A TCP endpoint without a port: add `:PORT` (when binding, port 0 picks a free one).
+    #[error("a TCP endpoint needs a port: tcp://host:PORT (when binding, port 0 picks a free one)")]
+    NoPort,
+    /// A TCP endpoint whose port (given) is not a number from 0 to 65535.
+    #[error("the port `{0}` is not a number from 0 to 65535")]
+    BadPort(String),
 }
 
 /// The scheme of a URL-like text (`http` in `http://host`), if it starts like one.

@@ -138,7 +138,7 @@ pub use child::{
     spawn_timeout,
 };
 pub use connection::MessageInfo;
-pub use endpoint::{ConnectOptions, Endpoint};
+pub use endpoint::{ConnectOptions, Endpoint, EndpointProblem};
 pub use receiver::{Receiver, ReceiverOptions};
 pub(crate) use release::{Fences, ReceivedLease, failed};
 pub use select::Select;
