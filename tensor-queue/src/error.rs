@@ -126,6 +126,48 @@ pub enum Error {
     /// An argument that makes no sense.
     #[error("invalid: {0}")]
     Invalid(String),
+    /// An endpoint that is neither a socket path nor `tcp://host:port` (see the problem for the
+    /// fix); nothing was bound or connected.
+    #[error("{endpoint}: {problem}")]
+    BadEndpoint {
+        /// The endpoint, as given.
+        endpoint: String,
+        /// What is wrong with it.
+        problem: crate::EndpointProblem,
+    },
+    /// A write into a host tensor that is read-only in this process: a received tensor, unless
+    /// its sender made it with [`crate::Tensor::zeros_writable`]. Copy it first
+    /// ([`crate::Tensor::to_vec`]) to change it here.
+    #[error("the tensor is read-only here: its sender shared it read-only")]
+    ReadOnly,
+    /// A child started by [`crate::spawn_ready`] did not take its channel; it was killed and
+    /// reaped. `step` says what happened.
+    #[error("the child {program} failed: {step}")]
+    ChildNotReady {
+        /// The program, as the command named it.
+        program: String,
+        /// The step that failed.
+        step: crate::SpawnStep,
+    },
+    /// A TCP secret ([`crate::Secret`]) with fewer bytes than the shortest accepted; use a longer
+    /// one (for example `openssl rand -hex 32`).
+    #[error("{origin} has {len} bytes; a secret needs at least {min}: use a longer one")]
+    SecretTooShort {
+        /// Where the secret came from: the variable it was read from ([`crate::SECRET_ENV`]), or
+        /// `"the secret given"`.
+        origin: &'static str,
+        /// The secret's length in bytes.
+        len: usize,
+        /// The shortest length accepted ([`crate::MIN_SECRET_LEN`]).
+        min: usize,
+    },
+    /// No secret was given for a TCP endpoint and the variable it is read from is not set: give
+    /// every process the same secret (for example `openssl rand -hex 32`).
+    #[error("{variable} is not set: give every process the same secret, for example `openssl rand -hex 32`")]
+    SecretNotSet {
+        /// The variable ([`crate::SECRET_ENV`]).
+        variable: &'static str,
+    },
     /// A sender found nothing listening at its endpoint: no socket file there, or no process
     /// accepting on it (the receiver is not bound yet, or has gone).
     #[error("nothing listens at {endpoint} ({cause}); is the receiver bound there and still running?")]
@@ -173,10 +215,4 @@ pub enum Refusal {
     /// The peer refused this process, and said why.
     #[error("{0}")]
     ByPeer(String),
-}
-
-impl From<cuda_sys::Error> for Error {
-    fn from(error: cuda_sys::Error) -> Self {
-        Error::Core(error.into())
-    }
 }

@@ -18,7 +18,7 @@ use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
 use serde::Serialize;
 use tensor_queue::route::{Landing, PeerMode, Routing};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Tensor, TransferPath, memory};
+use tensor_queue::{DType, Error, Receiver, Tensor, TransferPath, memory};
 
 fn main() {
     run_gpu_tests(vec![
@@ -1162,9 +1162,8 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
         Some(context) => Some(context.device().uuid()?),
         None => None,
     };
-    let options = ReceiverOptions { routing: way.routing(other)?, ..ReceiverOptions::default() };
     let path = socket_path(&format!("killed-{way:?}-{moment:?}"));
-    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let mut receiver = Receiver::<FaultBatch>::builder().routing(way.routing(other)?).bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?.to_string();
     let (tensors, len, spin) = match moment {
         Moment::DuringCopy => (4, 256 * MIB, Duration::ZERO),
@@ -1430,9 +1429,8 @@ fn host_landing_delivers_whole_tensors() -> Result<()> {
     const TAIL: usize = 4096;
     let context = gpu()?;
     let seed = case_seed()?;
-    let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..ReceiverOptions::default() };
     let path = socket_path("host-whole");
-    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let mut receiver = Receiver::<FaultBatch>::builder().routing(Routing::default().land(Landing::Host)).bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?;
     let (len, seed_text) = (LEN.to_string(), seed.to_string());
     let args = ["batch", "--to", path, "--tensors", "4", "--len", &len, "--seed", &seed_text];
@@ -1446,7 +1444,7 @@ fn host_landing_delivers_whole_tensors() -> Result<()> {
     for (k, tensor) in batch.tensors.iter().enumerate().rev() {
         // SAFETY: a host-landed tensor is this receiver's own memory (no clone, no view, never
         // sent on), and nothing writes it while `bytes` lives.
-        let bytes = unsafe { tensor.as_slice::<u8>()? };
+        let bytes = unsafe { tensor.host_elements::<u8>()?.as_slice() };
         tails.push((
             k,
             bytes[LEN - TAIL..] == reference::pattern(TAIL, batch.seed + k as u64 + (LEN - TAIL) as u64 / 8)[..],

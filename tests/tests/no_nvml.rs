@@ -6,8 +6,9 @@
 
 use std::time::Duration;
 
-use tensor_queue::route::{Landing, Reach, Routing};
-use tensor_queue::{Context, DType, Device, Receiver, ReceiverOptions, Sender, Stream, Tensor, Uuid};
+use tensor_queue::route::{Landing, Routing};
+use tensor_queue::testing::Reach;
+use tensor_queue::{Context, DType, Device, Receiver, Sender, Stream, Tensor, Uuid};
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -53,8 +54,7 @@ fn send_gpu_tensor(ordinal: i32, target: Option<Uuid>) {
     if let Some(target) = target {
         routing = routing.land(Landing::Device(target));
     }
-    let options = ReceiverOptions { routing, ..ReceiverOptions::default() };
-    let mut receiver = Receiver::<Tensor>::bind_with(&path, options).unwrap();
+    let mut receiver = Receiver::<Tensor>::builder().routing(routing).bind(&path).unwrap();
     let sender = Sender::<Tensor>::connect(&path).unwrap();
     let data: Vec<f32> = (0..1024).map(|i| i as f32).collect();
     let tensor = Tensor::from_slice_cuda(&data, DType::F32, &[1024], &stream).unwrap();

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tensor_queue::route::Reach;
+use tensor_queue::testing::Reach;
 
 use crate::output::{print, warn};
 use crate::report::{Measurement, Report};

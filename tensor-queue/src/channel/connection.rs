@@ -44,6 +44,7 @@ use crate::{Error, Result, Tensor, TransferPath};
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MessageInfo {
     /// The sender's process id.
     pub sender_pid: u32,

@@ -15,7 +15,7 @@ use crate::{Error, Result};
 
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
-    /// asks [`crate::route::choose`] first).
+    /// asks `crate::route::choose` first).
     pub(super) fn check_route(&self, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<()> {
         let strict = devices.routing.strict;
         // Whether the landing was a fallback is the sender's knowledge: the lenient reading here.

@@ -34,7 +34,7 @@ pub struct LinkReach {
 /// The GPUs a process can use and what each can reach.
 ///
 /// ```
-/// use tensor_queue::route::{DeviceReach, LinkReach, Reach};
+/// use tensor_queue::testing::{DeviceReach, LinkReach, Reach};
 /// use tensor_queue::Uuid;
 /// let (a, b) = (Uuid([1; 16]), Uuid([2; 16]));
 /// let reach = Reach {
@@ -83,11 +83,11 @@ impl Reach {
     }
 
     fn query(topology: fn() -> ipc_core::Result<Topology>) -> ipc_core::Result<Reach> {
-        if !cuda_sys::is_available() {
+        if !ipc_core::is_available() {
             return Ok(Reach::default());
         }
         Ok(Reach::from_topology(&topology()?, |ordinal| {
-            let attribute = cuda_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
+            let attribute = ipc_core::DeviceAttribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
             ipc_core::Device::get(ordinal).and_then(|d| d.attribute(attribute)).is_ok_and(|v| v != 0)
         }))
     }

@@ -50,7 +50,7 @@ use integration_tests::{arg, number};
 use ipc_core::{Context, Device, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
 use tensor_queue::route::{Landing, PeerMode, Routing};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor, from_parent};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor, from_parent};
 
 /// How long a helper may live at most, unless `--deadline-s` says otherwise.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
@@ -250,7 +250,7 @@ fn consume(args: &[String]) -> Result<()> {
     let len = number(args, "--len", 65536)? as usize;
     let context = if args.iter().any(|a| a == "--host") { None } else { Some(gpu()?) };
     let routing = landing(arg(args, "--landing").as_deref().unwrap_or("same"))?;
-    let mut items = Receiver::<FaultItem>::bind_with(&listen, ReceiverOptions { routing, ..Default::default() })?;
+    let mut items = Receiver::<FaultItem>::builder().routing(routing).bind(&listen)?;
     std::thread::spawn(|| {
         for line in std::io::stdin().lock().lines() {
             if line.is_err() {
