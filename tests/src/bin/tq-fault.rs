@@ -32,9 +32,9 @@
 //!   `released` (or `unreleased <n>` after 30 s) and `cuda ok`: killed tests kill it after `sent`.
 //!   With `--die-after-us A` (not 0) it SIGKILLs itself `A` µs after `send_on` returned instead (after
 //!   printing `sent`): a moment inside its own copies, too short for another process to hit.
-//!   With `--die-in-send-us A` (not 0) a thread SIGKILLs it `A` µs after the send began: on a
-//!   TCP channel, in the middle of writing the message's frames (it prints `sending` first, and
-//!   `sent` only if the send finished before). `--host` sends host tensors instead (no CUDA).
+//!   On a TCP channel `send` returns once the message is queued, and its link writes it in the
+//!   background: a kill then is in the middle of writing its frames. It prints `sending` before
+//!   the send. `--host` sends host tensors instead (no CUDA).
 //!   `P` may be a TCP endpoint (`tcp://HOST:PORT`): the secret comes from `TQ_SECRET`.
 //! - `hold`: take items from the parent ([`tensor_queue::from_parent`]), check each on the GPU
 //!   (`holding <n> ok|bad`), keep them all, and wait to be killed.
@@ -401,15 +401,8 @@ fn batch(args: &[String]) -> Result<()> {
     // Every allocation and fill is queued before `ready`: the sends that follow take little time.
     println!("ready");
     let die_after = Duration::from_micros(number(args, "--die-after-us", 0)?);
-    let die_in_send = Duration::from_micros(number(args, "--die-in-send-us", 0)?);
     let message = FaultBatch { pid: std::process::id(), seed, tensors };
-    if !die_in_send.is_zero() {
-        println!("sending");
-        std::thread::spawn(move || {
-            std::thread::sleep(die_in_send);
-            let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
-        });
-    }
+    println!("sending");
     match &gpu {
         Some((_, _, stream)) => sender.send_on(&message, stream)?,
         None => sender.send(&message)?,
@@ -428,10 +421,6 @@ fn batch(args: &[String]) -> Result<()> {
         println!("unreleased {}", sender.outstanding_leases());
     }
     report_cuda(gpu.as_ref().map(|(context, _, _)| context));
-    if !die_in_send.is_zero() {
-        // The send finished before the kill: wait for it, so the process always dies by SIGKILL.
-        std::thread::sleep(die_in_send + Duration::from_secs(10));
-    }
     Ok(())
 }
 
