@@ -32,6 +32,9 @@
 //!   `released` (or `unreleased <n>` after 30 s) and `cuda ok`: killed tests kill it after `sent`.
 //!   With `--die-after-us A` (not 0) it SIGKILLs itself `A` µs after `send_on` returned instead (after
 //!   printing `sent`): a moment inside its own copies, too short for another process to hit.
+//!   With `--die-in-send-us A` (not 0) a thread SIGKILLs it `A` µs after `send_on` began: on a
+//!   TCP channel that lands on the host, `send_on` waits for the GPU work and copies the tensors
+//!   to the host before it returns, so this is a kill inside them.
 //!   On a TCP channel `send` returns once the message is queued, and its link writes it in the
 //!   background: a kill then is in the middle of writing its frames. It prints `sending` before
 //!   the send. `--host` sends host tensors instead (no CUDA).
@@ -402,7 +405,14 @@ fn batch(args: &[String]) -> Result<()> {
     println!("ready");
     let die_after = Duration::from_micros(number(args, "--die-after-us", 0)?);
     let message = FaultBatch { pid: std::process::id(), seed, tensors };
+    let die_in_send = Duration::from_micros(number(args, "--die-in-send-us", 0)?);
     println!("sending");
+    if !die_in_send.is_zero() {
+        std::thread::spawn(move || {
+            std::thread::sleep(die_in_send);
+            let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+        });
+    }
     match &gpu {
         Some((_, _, stream)) => sender.send_on(&message, stream)?,
         None => sender.send(&message)?,
