@@ -16,7 +16,7 @@ use tensor_queue::testing::{Reach, choose};
 use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor, TransferPath, Uuid, is_gpu_available};
 
 fn tq_cross() -> std::path::PathBuf {
-    bin_path("tq-cross").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tq-cross").into())
+    bin_path("tq-cross").expect("the tq-cross helper, built with these tests")
 }
 
 /// A made-up GPU that no machine has.

@@ -1561,6 +1561,21 @@ fn reported_until(receiver: &mut Receiver<Probe>, enough: impl Fn(&[Error]) -> b
     reported
 }
 
+/// A sender killed with only part of one record of a message written (less than a packet: the
+/// receiver's link holds the piece) leaves an entry in `take_errors` too (issue 21: the piece
+/// was not counted, and the loss went unreported).
+#[test]
+fn a_tcp_sender_killed_mid_record_is_reported() {
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let mut doomed = hostile(&["half-record-tcp", &endpoint], Some(KEY));
+    doomed.expect("ready", Duration::from_secs(60));
+    // Read the hello and the half record before the kill.
+    let _ = receiver.recv_timeout(Duration::from_millis(500));
+    doomed.kill();
+    let reported = reported_until(&mut receiver, |errors| errors.iter().any(is_unfinished));
+    assert!(reported.iter().any(is_unfinished), "the lost message is reported: {reported:?}");
+}
+
 /// Hundreds of silent connections, from the honest sender's own address, cannot keep it out:
 /// the oldest unfinished handshakes make room for new ones, and each one dropped is reported,
 /// not blamed on the secret.

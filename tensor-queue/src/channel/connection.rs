@@ -231,7 +231,10 @@ impl Connected {
 
     /// Why the connection ends with a message lost, if one was under way.
     pub fn lost(&self, why: &str) -> Option<Error> {
-        let received = self.unfinished() as u64;
+        // Over TCP the link also holds the piece of a packet still arriving: a sender killed
+        // with part of one written lost a message too (issue 21). (Not counted for the idle
+        // deadline: a piece read just now after a long quiet is no message idling.)
+        let received = (self.unfinished() + self.peer.link.partial()) as u64;
         (received > 0).then(|| Error::Unfinished { received, why: why.into() })
     }
 
