@@ -77,7 +77,7 @@ for a in sorted(fedges):
         if a < b and a in fedges.get(b, ()): print(f'  {a} <-> {b}')
 # layers (docs/ARCHITECTURE.md): a module imports only from lower layers, or from its own folder
 LAYERS = {'sync': 0, 'switches': 0, 'clock': 0, 'route': 0, 'tensor::dtype': 0, 'tensor::layout': 0,
-          'wire': 1, 'error': 2, 'memory': 3, 'fences': 4, 'tensor': 5, 'side_table': 6,
+          'wire': 1, 'error': 2, 'secret': 3, 'memory': 3, 'fences': 4, 'tensor': 5, 'side_table': 6,
           'links': 6, 'send': 7, 'recv': 7, 'channel': 8}
 def layer(x):
     parts = x.split('::')
@@ -87,6 +87,8 @@ def layer(x):
 print('\nUPWARD or SIDEWAYS imports (should be none):')
 bad = 0
 for a in sorted(edges):
+    if a == '':
+        continue  # lib.rs, the facade, may name anything
     for b in sorted(edges[a]):
         if top(a) == top(b) and b not in ('tensor::dtype', 'tensor::layout') or (top(a) == top(b) == 'tensor'): continue
         la, lb = layer(a), layer(b)

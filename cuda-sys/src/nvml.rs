@@ -53,13 +53,22 @@ pub enum NvmlError {
     },
 }
 
+/// The library, once [`library`] has tried to open it.
+static LIBRARY: OnceLock<Result<SharedLibrary, NvmlError>> = OnceLock::new();
+
 /// The process's NVML, opened on first use.
 pub fn library() -> Result<&'static SharedLibrary, NvmlError> {
-    static LIBRARY: OnceLock<Result<SharedLibrary, NvmlError>> = OnceLock::new();
     LIBRARY
         .get_or_init(|| SharedLibrary::open(LIBRARY_NAME).map_err(|reason| NvmlError::LibraryNotFound { reason }))
         .as_ref()
         .map_err(Clone::clone)
+}
+
+/// Whether this process has tried to load NVML (successfully or not): tests use it to prove
+/// that a path (such as sending a message) never pays for NVML.
+#[doc(hidden)]
+pub fn load_attempted() -> bool {
+    LIBRARY.get().is_some()
 }
 
 /// The address of the NVML function `symbol` in [`library`].

@@ -46,6 +46,16 @@ impl PinnedHostBuffer {
         Ok(buffer)
     }
 
+    /// Copies `dst.len()` bytes from `offset` into `dst` (through raw pointers: GPU work still
+    /// writing the buffer gives a torn copy, never undefined behaviour; synchronize it first for
+    /// its data).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        crate::error::check_range(offset, dst.len(), self.len)?;
+        // SAFETY: the range lies in the live allocation (checked above); `dst` is another object.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
     /// The bytes.
     ///
     /// # Safety
@@ -360,6 +370,61 @@ impl SharedMemory {
         Ok(())
     }
 
+    /// Sets `count` bytes from `offset` to `value` ([`Error::ReadOnlyMemory`] if the mapping is
+    /// read-only); see [`SharedMemory::write`].
+    ///
+    /// ```
+    /// # fn main() -> ipc_core::Result<()> {
+    /// let memory = ipc_core::SharedMemory::create("doc", 4096)?;
+    /// memory.fill(4, 3, 0xab)?;
+    /// let mut back = [0u8; 8];
+    /// memory.read(0, &mut back)?;
+    /// assert_eq!(back, [0, 0, 0, 0, 0xab, 0xab, 0xab, 0]);
+    /// assert!(memory.fill(4090, 7, 0).is_err(), "outside the mapping");
+    /// # Ok(()) }
+    /// ```
+    pub fn fill(&self, offset: usize, count: usize, value: u8) -> Result<()> {
+        if !self.writable {
+            return Err(Error::ReadOnlyMemory);
+        }
+        crate::error::check_range(offset, count, self.len)?;
+        // SAFETY: the range lies in the live mapping, which is writable (both checked above), and
+        // no reference into the mapping is handed out safely.
+        unsafe { std::ptr::write_bytes(self.ptr.add(offset), value, count) };
+        Ok(())
+    }
+
+    /// The `count` elements of type `T` from byte `offset`, borrowed as a [`SharedElements`]:
+    /// copied out safely, or seen in place with its `unsafe` [`SharedElements::as_slice`].
+    /// [`Error::OutOfBounds`] outside the mapping, [`Error::InvalidArgument`] where `offset` is not
+    /// aligned for `T`.
+    ///
+    /// ```
+    /// # fn main() -> ipc_core::Result<()> {
+    /// let memory = ipc_core::SharedMemory::create("doc", 4096)?;
+    /// memory.write(8, bytemuck::cast_slice(&[1u32, 2, 3]))?;
+    /// let elements = memory.elements::<u32>(8, 3)?;
+    /// assert_eq!(elements.to_vec(), [1, 2, 3]); // a copy: always sound
+    /// // SAFETY: nothing writes the memory while `view` lives.
+    /// let view = unsafe { elements.as_slice() };
+    /// assert_eq!(view, [1, 2, 3]);
+    /// assert!(memory.elements::<u32>(6, 1).is_err(), "unaligned");
+    /// # Ok(()) }
+    /// ```
+    pub fn elements<T: bytemuck::Pod>(&self, offset: usize, count: usize) -> Result<SharedElements<'_, T>> {
+        let bytes =
+            count.checked_mul(std::mem::size_of::<T>()).ok_or(Error::OutOfBounds { offset, count, len: self.len })?;
+        crate::error::check_range(offset, bytes, self.len)?;
+        // The mapping is page-aligned, so the address is aligned where the offset is.
+        if !offset.is_multiple_of(std::mem::align_of::<T>()) {
+            return Err(Error::InvalidArgument(format!(
+                "byte {offset} is not aligned for {}",
+                std::any::type_name::<T>()
+            )));
+        }
+        Ok(SharedElements { memory: self, offset, count, element: std::marker::PhantomData })
+    }
+
     /// The bytes, borrowed in place.
     ///
     /// # Safety
@@ -405,6 +470,65 @@ impl SharedMemory {
     pub fn pin(self, context: &Arc<Context>) -> Result<PinnedSharedMemory> {
         let device_ptr = crate::DeviceMemory::device_ptr(&self.registered(context)?);
         Ok(PinnedSharedMemory { memory: self, device_ptr, context: context.clone() })
+    }
+}
+
+/// Elements of type `T` in a [`SharedMemory`] mapping, in bounds and aligned (from
+/// [`SharedMemory::elements`]). Copying them out ([`SharedElements::to_vec`]) is always sound;
+/// seeing them in place ([`SharedElements::as_slice`]) is `unsafe`, because the memory is shared:
+/// other mappings and other processes may write it while a `&[T]` lives, which the compiler
+/// cannot see.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedElements<'a, T> {
+    memory: &'a SharedMemory,
+    offset: usize,
+    count: usize,
+    element: std::marker::PhantomData<T>,
+}
+
+impl<'a, T: bytemuck::Pod> SharedElements<'a, T> {
+    /// How many elements.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The elements, copied (through raw pointers, see [`SharedMemory::read`]: a write meanwhile
+    /// gives a torn copy, never undefined behaviour).
+    pub fn to_vec(&self) -> Vec<T> {
+        let mut out = vec![T::zeroed(); self.count];
+        let read = self.memory.read(self.offset, bytemuck::cast_slice_mut(&mut out));
+        debug_assert!(read.is_ok(), "the range was checked when the elements were made");
+        out
+    }
+
+    /// The elements, borrowed in place (no copy) for as long as the memory is borrowed.
+    ///
+    /// # Safety
+    /// No one may write these bytes while the slice lives: not this process (through the
+    /// mapping's [`SharedMemory::write`], [`SharedMemory::fill`], [`SharedMemory::store_u64`],
+    /// [`SharedMemory::as_ptr`], another mapping of the file, or a GPU that has it registered),
+    /// nor another process that holds the file writable. Where that cannot be promised, use
+    /// [`SharedElements::to_vec`].
+    ///
+    /// ```compile_fail,E0133
+    /// # fn main() -> ipc_core::Result<()> {
+    /// let memory = ipc_core::SharedMemory::create("doc", 4096)?;
+    /// let view: &[u8] = memory.elements::<u8>(0, 8)?.as_slice(); // unsafe: `fill` writes under it
+    /// memory.fill(0, 8, 1)?;
+    /// assert_eq!(view[0], 0);
+    /// # Ok(()) }
+    /// ```
+    pub unsafe fn as_slice(&self) -> &'a [T] {
+        // SAFETY: the range lies in the live mapping, which `'a` borrows, and is aligned for `T`
+        // (both checked by `SharedMemory::elements`); every bit pattern is a `T` (`Pod`), and the
+        // file is zero-filled, so the bytes are initialised; the caller promises that nobody
+        // writes them while the slice lives.
+        unsafe { std::slice::from_raw_parts(self.memory.ptr.add(self.offset).cast::<T>(), self.count) }
     }
 }
 

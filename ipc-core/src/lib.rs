@@ -49,11 +49,14 @@ mod event;
 pub mod fd_passing;
 mod handle;
 mod host;
+pub mod inherit;
 pub mod layout;
 mod memory;
 mod module;
 pub mod nccl;
 pub mod process;
+#[cfg(feature = "tokio")]
+pub mod reactor;
 pub mod seqpacket;
 mod stream;
 pub mod tcp;
@@ -66,7 +69,7 @@ pub use device::{Device, Uuid};
 pub use error::{Error, Result};
 pub use event::{Event, IpcEventHandle};
 pub use handle::HostId;
-pub use host::{PinnedHostBuffer, PinnedSharedMemory, RegisteredMemory, SharedMemory};
+pub use host::{PinnedHostBuffer, PinnedSharedMemory, RegisteredMemory, SharedElements, SharedMemory};
 pub use memory::{DeviceBuffer, DeviceMemory, ImportedIpcMemory, IpcMemHandle, copy_peer_async};
 pub use module::{Function, LaunchConfig, Module};
 pub use stream::Stream;
@@ -74,6 +77,21 @@ pub use topology::{Interconnect, PeerLink, Topology};
 pub use vmm::VmmAllocation;
 
 pub use cuda_sys as sys;
+
+/// A device property to ask [`Device::attribute`] for (the driver's `CUdevice_attribute`), named
+/// here so that users of this crate need not name `cuda_sys`.
+pub use cuda_sys::CUdevice_attribute as DeviceAttribute;
+
+/// Whether a CUDA driver is loaded and initialises here (asked once).
+///
+/// ```
+/// if !ipc_core::is_available() {
+///     println!("no CUDA driver here: host memory only");
+/// }
+/// ```
+pub fn is_available() -> bool {
+    cuda_sys::is_available()
+}
 
 /// Runs a release call from `Drop` with `context` current, logging a failure (crate policy).
 pub(crate) fn release_in(context: &Context, call: impl FnOnce() -> std::result::Result<(), cuda_sys::Error>) {

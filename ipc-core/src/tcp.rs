@@ -525,6 +525,17 @@ impl TcpLink {
         !matches!(lock(&self.shared.inbox).whole(), Ok(None))
     }
 
+    /// How many bytes were read of a message not yet whole (a message arrives in pieces): what
+    /// is lost if the peer dies now. 0 while a whole message waits at the front (the next read
+    /// takes it).
+    pub fn partial(&self) -> usize {
+        let inbox = lock(&self.shared.inbox);
+        match inbox.whole() {
+            Ok(None) => inbox.data.len() - inbox.start,
+            _ => 0,
+        }
+    }
+
     /// Closes both directions: the peer reads the end, and calls here fail.
     pub fn shutdown(&self) {
         let _ = self.shared.stream.shutdown(Shutdown::Both);

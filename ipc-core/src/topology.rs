@@ -94,12 +94,23 @@ pub struct Topology {
 impl Topology {
     /// Asks the driver (and NVML, where present) about every device pair.
     pub fn query() -> Result<Topology> {
+        Topology::query_with(true)
+    }
+
+    /// Asks the driver alone about every device pair: everything [`Topology::query`] answers
+    /// except the interconnect, which is [`Interconnect::Unknown`]. NVML's initialisation costs
+    /// tens of milliseconds, and peer access (what a route needs) is the driver's answer.
+    pub fn query_driver() -> Result<Topology> {
+        Topology::query_with(false)
+    }
+
+    fn query_with(use_nvml: bool) -> Result<Topology> {
         let devices = Device::all()?;
         let mut summaries = Vec::new();
         for device in &devices {
             summaries.push(DeviceSummary { ordinal: device.ordinal(), uuid: device.uuid()?, name: device.name()? });
         }
-        let nvml = nvml::Nvml::open();
+        let nvml = if use_nvml { nvml::Nvml::open() } else { None };
         let mut links = Vec::new();
         for from in &devices {
             for to in devices.iter().filter(|to| *to != from) {

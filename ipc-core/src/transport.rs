@@ -55,6 +55,12 @@ pub trait Packets: AsFd + Send + Sync + 'static {
     /// see it (a byte stream reads ahead).
     fn has_buffered(&self) -> bool;
 
+    /// How many bytes of a packet not yet whole were read already (a byte stream reads a packet
+    /// in pieces): what is lost if the peer dies now.
+    fn partial(&self) -> usize {
+        0
+    }
+
     /// When a packet taken earlier is still being written and holds up the next (a byte stream
     /// finishing a packet in the background), waits up to `timeout` for it to be out and returns
     /// true; returns false at once otherwise (then room in the socket is what to wait for).
@@ -135,6 +141,10 @@ impl Packets for TcpLink {
 
     fn has_buffered(&self) -> bool {
         TcpLink::has_buffered(self)
+    }
+
+    fn partial(&self) -> usize {
+        TcpLink::partial(self)
     }
 
     fn wait_sent(&self, timeout: std::time::Duration) -> bool {

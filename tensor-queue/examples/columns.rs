@@ -34,12 +34,12 @@ fn value(row: u64, column: u64) -> f32 {
 }
 
 fn main() -> Fallible {
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return worker();
     }
     let report_path = std::env::temp_dir().join(format!("columns-{}.sock", std::process::id()));
     let mut done = Receiver::<Done>::bind(&report_path)?;
-    let gpu = cuda_sys::is_available();
+    let gpu = tensor_queue::is_gpu_available();
     let context = if gpu { Some(Context::on_ordinal(0)?) } else { None };
     let matrix = match &context {
         Some(context) => {

@@ -14,9 +14,7 @@ use std::time::Duration;
 use kernels::{Kernels, reference};
 use serde::{Deserialize, Serialize};
 use tensor_queue::route::{Landing, PeerMode, Routing};
-use tensor_queue::{
-    Context, DType, Device, DeviceMemory, ReceiverOptions, Stream, Tensor, Uuid, from_parent_with, monotonic_ns, spawn,
-};
+use tensor_queue::{Context, DType, Device, DeviceMemory, Receiver, Stream, Tensor, Uuid, monotonic_ns, spawn};
 
 #[derive(Serialize, Deserialize)]
 struct Message {
@@ -128,7 +126,7 @@ fn consumer(mode: &str) -> Fallible {
     if let Some(target) = target {
         Kernels::get(&Context::primary(Device::by_uuid(&target)?)?)?; // loaded before anything arrives
     }
-    let mut receiver = from_parent_with::<Message>(ReceiverOptions { routing, ..Default::default() })?;
+    let mut receiver = Receiver::<Message>::builder().routing(routing).from_parent()?;
     let message = receiver.recv()?;
     let mut bad = 0;
     for (tensor, expected) in message.tensors.iter().zip(&message.sums) {

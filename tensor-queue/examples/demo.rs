@@ -37,7 +37,7 @@ fn main() -> Fallible {
     }
     let reply_path = std::env::temp_dir().join(format!("demo-{}.sock", std::process::id()));
     let mut replies = Receiver::<Reply>::bind(&reply_path)?;
-    let gpu = if cuda_sys::is_available() {
+    let gpu = if tensor_queue::is_gpu_available() {
         let context = Context::on_ordinal(0)?;
         let stream = Stream::new(&context)?;
         println!("demo: GPU 0 is {} ({})", context.device().name()?, context.device().uuid()?);
@@ -45,7 +45,7 @@ fn main() -> Fallible {
     } else {
         println!(
             "demo: no GPU here ({}); using host tensors",
-            cuda_sys::library().err().map(|e| e.to_string()).unwrap_or_default()
+            ipc_core::driver_info::driver_version().err().map(|e| e.to_string()).unwrap_or_default()
         );
         None
     };

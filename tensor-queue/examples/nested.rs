@@ -29,10 +29,10 @@ struct Batch {
 }
 
 fn main() -> Fallible {
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return consumer();
     }
-    let gpu = cuda_sys::is_available().then(|| -> Fallible<_> {
+    let gpu = tensor_queue::is_gpu_available().then(|| -> Fallible<_> {
         let context = Context::on_ordinal(0)?;
         let stream = Stream::new(&context)?;
         Ok((context, stream))

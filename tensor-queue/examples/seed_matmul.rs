@@ -22,10 +22,10 @@ const STEPS: usize = 50;
 type Fallible = Result<(), std::boxed::Box<dyn std::error::Error>>;
 
 fn main() -> Fallible {
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return consumer();
     }
-    let gpu = cuda_sys::is_available();
+    let gpu = tensor_queue::is_gpu_available();
     // Large enough that the 50 products take far longer than a hand-off (about a second).
     let n: u64 = if gpu { 4096 } else { 96 };
     let mut child = Command::new(std::env::current_exe()?);
@@ -71,7 +71,7 @@ fn main() -> Fallible {
 
 fn consumer() -> Fallible {
     // A ready consumer: GPU context and kernels loaded before anything arrives.
-    if cuda_sys::is_available() {
+    if tensor_queue::is_gpu_available() {
         Kernels::get(&Context::on_ordinal(0)?)?;
     }
     let mut receiver = from_parent::<Box>()?;

@@ -23,13 +23,13 @@ struct Item {
 
 fn main() -> Fallible {
     let items: u64 = std::env::args().nth(1).map(|n| n.parse()).transpose()?.unwrap_or(2000);
-    if std::env::var_os(tensor_queue::channel::ENDPOINT_ENV).is_some() {
+    if tensor_queue::is_spawned_child() {
         return consumer(items);
     }
     let mut command = Command::new(std::env::current_exe()?);
     command.arg(items.to_string());
     let (mut child, sender) = spawn::<Item>(&mut command)?;
-    if cuda_sys::is_available() {
+    if tensor_queue::is_gpu_available() {
         let context = Context::on_ordinal(0)?;
         let stream = Stream::new(&context)?;
         let kernels = Kernels::get(&context)?;

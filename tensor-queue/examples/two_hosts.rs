@@ -20,7 +20,7 @@ use std::process::{Command, Stdio};
 use kernels::{Kernels, reference};
 use serde::{Deserialize, Serialize};
 use tensor_queue::route::{Landing, Routing};
-use tensor_queue::{Context, DType, Device, Receiver, ReceiverOptions, Sender, Stream, Tensor, is_gpu_available};
+use tensor_queue::{Context, DType, Device, Receiver, Sender, Stream, Tensor, is_gpu_available};
 
 #[derive(Serialize, Deserialize)]
 struct Batch {
@@ -126,7 +126,7 @@ fn gpu_checksum(tensor: &Tensor, stream: &Stream) -> Fallible<u64> {
 
 fn trainer(endpoint: &str, host: bool) -> Fallible {
     let routing = if host || !is_gpu_available() { Routing::default().land(Landing::Host) } else { Routing::default() };
-    let mut receiver = Receiver::<Batch>::bind_with(endpoint, ReceiverOptions { routing, ..Default::default() })?;
+    let mut receiver = Receiver::<Batch>::builder().routing(routing).bind(endpoint)?;
     let address = receiver.local_addr().ok_or("not bound to TCP")?;
     println!("trainer: listening on tcp://{address}");
     let (mut bad, mut paths) = (0, Vec::new());

@@ -126,6 +126,48 @@ pub enum Error {
     /// An argument that makes no sense.
     #[error("invalid: {0}")]
     Invalid(String),
+    /// An endpoint that is neither a socket path nor `tcp://host:port` (see the problem for the
+    /// fix); nothing was bound or connected.
+    #[error("{endpoint}: {problem}")]
+    BadEndpoint {
+        /// The endpoint, as given.
+        endpoint: String,
+        /// What is wrong with it.
+        problem: EndpointProblem,
+    },
+    /// A write into a host tensor that is read-only in this process: a received tensor, unless
+    /// its sender made it with [`crate::Tensor::zeros_writable`]. Copy it first
+    /// ([`crate::Tensor::to_vec`]) to change it here.
+    #[error("the tensor is read-only here: its sender shared it read-only")]
+    ReadOnly,
+    /// A child started by [`crate::spawn_ready`] did not take its channel; it was killed and
+    /// reaped. `step` says what happened.
+    #[error("the child {program} failed: {step}")]
+    ChildNotReady {
+        /// The program, as the command named it.
+        program: String,
+        /// The step that failed.
+        step: SpawnStep,
+    },
+    /// A TCP secret ([`crate::Secret`]) with fewer bytes than the shortest accepted; use a longer
+    /// one (for example `openssl rand -hex 32`).
+    #[error("{origin} has {len} bytes; a secret needs at least {min}: use a longer one")]
+    SecretTooShort {
+        /// Where the secret came from: the variable it was read from ([`crate::SECRET_ENV`]), or
+        /// `"the secret given"`.
+        origin: &'static str,
+        /// The secret's length in bytes.
+        len: usize,
+        /// The shortest length accepted ([`crate::MIN_SECRET_LEN`]).
+        min: usize,
+    },
+    /// No secret was given for a TCP endpoint and the variable it is read from is not set: give
+    /// every process the same secret (for example `openssl rand -hex 32`).
+    #[error("{variable} is not set: give every process the same secret, for example `openssl rand -hex 32`")]
+    SecretNotSet {
+        /// The variable ([`crate::SECRET_ENV`]).
+        variable: &'static str,
+    },
     /// A sender found nothing listening at its endpoint: no socket file there, or no process
     /// accepting on it (the receiver is not bound yet, or has gone).
     #[error("nothing listens at {endpoint} ({cause}); is the receiver bound there and still running?")]
@@ -175,16 +217,60 @@ pub enum Refusal {
     ByPeer(String),
 }
 
-impl From<cuda_sys::Error> for Error {
-    fn from(error: cuda_sys::Error) -> Self {
-        Error::Core(error.into())
-    }
-}
-
 impl Error {
     /// Whether `recv` can go on after this error with the next message (an iterator or a
     /// `Stream` of messages goes on after it).
     pub(crate) fn about_one_message(&self) -> bool {
         matches!(self, Error::Rejected { .. } | Error::ProducerFailed { .. } | Error::Decode(_))
+    }
+}
+
+/// What is wrong with an endpoint ([`Error::BadEndpoint`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum EndpointProblem {
+    /// A URL-like endpoint of a scheme other than `tcp` (its scheme, such as `http`): use a socket
+    /// path or `tcp://host:port` (for a path that starts this way, write `./` before it).
+    #[error(
+        "a `{0}://` endpoint is not supported; use a socket path or tcp://host:port (for a path that starts this way, write ./ before it)"
+    )]
+    Scheme(String),
+    /// A TCP endpoint without a port: add `:PORT` (when binding, port 0 picks a free one).
+    #[error("a TCP endpoint needs a port: tcp://host:PORT (when binding, port 0 picks a free one)")]
+    NoPort,
+    /// A TCP endpoint whose port (given) is not a number from 0 to 65535.
+    #[error("the port `{0}` is not a number from 0 to 65535")]
+    BadPort(String),
+}
+
+/// A step of starting a child with a channel at which it failed ([`Error::ChildNotReady`], from
+/// [`spawn_ready`](crate::spawn_ready)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SpawnStep {
+    /// The child did not take its end of the channel ([`from_parent`](crate::from_parent)) within `timeout`; it was
+    /// killed and reaped.
+    TakeChannel {
+        /// How long it was given.
+        timeout: std::time::Duration,
+    },
+    /// The child exited before it took its end of the channel (it fails at start-up, or does
+    /// not call [`from_parent`](crate::from_parent)).
+    Exited {
+        /// How it ended.
+        status: std::process::ExitStatus,
+    },
+}
+
+impl std::fmt::Display for SpawnStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SpawnStep::TakeChannel { timeout } => {
+                write!(f, "it did not take its channel (from_parent) within {timeout:?}; it was killed")
+            }
+            SpawnStep::Exited { status } => {
+                write!(f, "it ended ({status}) before taking its channel (does it call from_parent?)")
+            }
+        }
     }
 }

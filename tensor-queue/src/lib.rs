@@ -29,6 +29,11 @@
 //!   tensor, chosen by topology and the receiver's [`route::Routing`], and reported on every
 //!   received tensor ([`Tensor::path`]); see [`route`].
 //! - See [`channel`] for the hand-off protocol, the ordering mechanism and why it was chosen.
+//!
+//! This crate has no `unsafe` code (`forbid(unsafe_code)`): raw memory, descriptors and the
+//! driver are ipc-core's, behind safe types.
+
+#![forbid(unsafe_code)]
 
 pub mod channel;
 mod clock;
@@ -38,6 +43,7 @@ mod links;
 pub mod memory;
 mod recv;
 pub mod route;
+mod secret;
 mod send;
 mod side_table;
 mod switches;
@@ -45,10 +51,12 @@ mod sync;
 mod tensor;
 pub mod wire;
 
+#[allow(deprecated)] // still offered, deprecated where it is defined
+pub use channel::from_parent_with;
 pub use channel::{
-    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, MessageInfo, Receiver, ReceiverOptions, Rejection, Sender,
-    from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, monotonic_ns, spawn, spawn_duplex,
-    spawn_timeout,
+    Broadcast, ConnectOptions, DEFAULT_CAPACITY, Endpoint, EndpointProblem, MessageInfo, Receiver, ReceiverBuilder,
+    ReceiverOptions, Rejection, Sender, SenderBuilder, SpawnStep, from_parent, from_parent_duplex,
+    from_parent_with_capacity, is_spawned_child, monotonic_ns, spawn, spawn_duplex, spawn_ready, spawn_timeout,
 };
 pub use error::{Error, Refusal, Result};
 pub use tensor::convert::NativeElement;
@@ -56,12 +64,16 @@ pub use tensor::copy::HostCopy;
 pub use tensor::dtype::{DType, Element};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};
 
+/// A contiguous host tensor's elements in its shared memory ([`Tensor::host_elements`]): copied
+/// out safely, or borrowed in place with the `unsafe` `as_slice`.
+pub use ipc_core::SharedElements as HostElements;
+/// The variable a TCP secret is read from where none is given, and a secret's shortest length.
+pub use ipc_core::tcp::{MIN_SECRET_LEN, SECRET_ENV};
 /// What a GPU program needs besides the channel, so that one crate is enough: devices by ordinal
 /// or UUID, their primary contexts, streams, and the [`DeviceMemory`] methods of
 /// [`Tensor::cuda_view`].
 pub use ipc_core::{Context, Device, DeviceMemory, Stream, Uuid};
-// The TCP link's shared secret, the variable it is read from, and its shortest length.
-pub use ipc_core::tcp::{MIN_SECRET_LEN, SECRET_ENV, Secret};
+pub use secret::Secret;
 
 /// This crate's version (`Cargo.toml`'s), for tools that report it, such as `tq version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -82,7 +94,31 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// # Ok(()) }
 /// ```
 pub fn is_gpu_available() -> bool {
-    cuda_sys::is_available()
+    ipc_core::is_available()
+}
+
+/// What the workspace's own tests and tools (the `tq` CLI's doctor) drive directly: the pure
+/// route decision and what it decides from. Not part of the API: it changes without notice.
+///
+/// These left the public API (each fails to compile, E0603):
+/// ```compile_fail,E0603
+/// use tensor_queue::route::choose;
+/// ```
+/// ```compile_fail,E0603
+/// use tensor_queue::route::Reach;
+/// ```
+/// ```compile_fail,E0603
+/// let _ = tensor_queue::channel::TCP_PREFIX;
+/// ```
+/// ```compile_fail,E0624
+/// let (a, _b) = ipc_core::seqpacket::Connection::pair().unwrap();
+/// let _ = tensor_queue::Sender::<u8>::from_connection(a);
+/// ```
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::route::choose::{choose, choose_remote};
+    pub use crate::route::reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
+    pub use crate::route::staging::staging_piece;
 }
 
 /// The README's program, run as a doctest so that it stays true.

@@ -127,10 +127,10 @@ fn gpus_here() -> std::result::Result<Gpus, String> {
     Ok(Gpus { uuids, restricted: std::env::var_os("CUDA_VISIBLE_DEVICES").is_some() })
 }
 
-/// The `tq-cross` binary: next to the tests (or where the GPU bundle says), else where cargo
-/// built it.
+/// The `tq-cross` binary: next to the tests, or where the GPU bundle says (cargo's build path
+/// does not exist in the bundle).
 fn tq_cross() -> std::path::PathBuf {
-    bin_path("tq-cross").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tq-cross").into())
+    bin_path("tq-cross").expect("the tq-cross helper, built with these tests")
 }
 
 // ---------------------------------------------------------------- processes

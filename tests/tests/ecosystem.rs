@@ -192,20 +192,25 @@ fn tensors_made_by_the_conversions_arrive_as_they_were_made() {
 
 #[test]
 fn endpoints_that_are_neither_a_path_nor_tcp_host_port_are_refused_with_the_reason() {
+    use tensor_queue::EndpointProblem;
     use tensor_queue::Sender;
-    let invalid = |result: tensor_queue::Result<()>| match result {
-        Err(Error::Invalid(why)) => why,
-        other => panic!("expected Error::Invalid, got {other:?}"),
+    let bad = |result: tensor_queue::Result<()>, expected: EndpointProblem| match result {
+        Err(error @ Error::BadEndpoint { .. }) => {
+            let Error::BadEndpoint { problem, .. } = &error else { unreachable!() };
+            assert_eq!(problem, &expected);
+            error.to_string()
+        }
+        other => panic!("expected Error::BadEndpoint, got {other:?}"),
     };
-    let why = invalid(Receiver::<u32>::bind("http://127.0.0.1:0").map(drop));
+    let why = bad(Receiver::<u32>::bind("http://127.0.0.1:0").map(drop), EndpointProblem::Scheme("http".into()));
     assert!(why.contains("`http://`") && why.contains("tcp://host:port"), "{why}");
-    let why = invalid(Sender::<u32>::connect("unix:///tmp/x.sock").map(drop));
-    assert!(why.contains("`unix://`"), "{why}");
-    let why = invalid(Receiver::<u32>::bind("tcp://127.0.0.1").map(drop));
+    let why = bad(Sender::<u32>::connect("unix:///tmp/x.sock").map(drop), EndpointProblem::Scheme("unix".into()));
+    assert!(why.contains("`unix://`") && why.starts_with("unix:///tmp/x.sock"), "{why}");
+    let why = bad(Receiver::<u32>::bind("tcp://127.0.0.1").map(drop), EndpointProblem::NoPort);
     assert!(why.contains("needs a port"), "{why}");
-    let why = invalid(Sender::<u32>::connect("tcp://[::1]").map(drop));
+    let why = bad(Sender::<u32>::connect("tcp://[::1]").map(drop), EndpointProblem::NoPort);
     assert!(why.contains("needs a port"), "{why}");
-    let why = invalid(Receiver::<u32>::bind("tcp://127.0.0.1:http").map(drop));
+    let why = bad(Receiver::<u32>::bind("tcp://127.0.0.1:http").map(drop), EndpointProblem::BadPort("http".into()));
     assert!(why.contains("`http` is not a number"), "{why}");
 }
 
@@ -243,4 +248,32 @@ fn spawning_a_missing_program_names_it() {
         "{:?}",
         gone.err()
     );
+}
+
+#[test]
+fn spawn_ready_says_which_step_failed_and_spawn_timeout_keeps_its_errors() {
+    use std::time::Duration;
+    use tensor_queue::SpawnStep;
+    // A child that exits without taking its channel.
+    match tensor_queue::spawn_ready::<u32>(Command::new("sh").args(["-c", "exit 3"]), Duration::from_secs(10)) {
+        Err(Error::ChildNotReady { program, step: SpawnStep::Exited { status } }) => {
+            assert_eq!(program, "sh");
+            assert_eq!(status.code(), Some(3));
+        }
+        other => panic!("expected ChildNotReady(Exited), got {:?}", other.map(drop)),
+    }
+    // A child that never takes it: the step and the time it was given, and it is killed.
+    let started = std::time::Instant::now();
+    match tensor_queue::spawn_ready::<u32>(Command::new("sleep").arg("60"), Duration::from_millis(300)) {
+        Err(error @ Error::ChildNotReady { step: SpawnStep::TakeChannel { .. }, .. }) => {
+            let Error::ChildNotReady { step: SpawnStep::TakeChannel { timeout }, .. } = &error else { unreachable!() };
+            assert_eq!(*timeout, Duration::from_millis(300));
+            assert!(error.to_string().contains("from_parent"), "{error}");
+        }
+        other => panic!("expected ChildNotReady(TakeChannel), got {:?}", other.map(drop)),
+    }
+    assert!(started.elapsed() < Duration::from_secs(60), "the child was killed, not waited for");
+    // spawn_timeout still answers a child that never takes its channel with Error::Timeout.
+    let late = tensor_queue::spawn_timeout::<u32>(Command::new("sleep").arg("60"), Duration::from_millis(300));
+    assert!(matches!(late, Err(Error::Timeout)), "{:?}", late.err());
 }

@@ -18,7 +18,7 @@ use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
 use serde::Serialize;
 use tensor_queue::route::{Landing, PeerMode, Routing};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Tensor, TransferPath, memory};
+use tensor_queue::{DType, Error, Receiver, Tensor, TransferPath, memory};
 
 fn main() {
     run_gpu_tests(vec![
@@ -129,10 +129,11 @@ impl Proc {
     fn command(args: &[String]) -> Result<Command> {
         let mut command = Command::new(bin_path("tq-fault")?);
         command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        command.env(tensor_queue::SECRET_ENV, TCP_SECRET);
         Ok(command)
     }
 
-    /// Starts `tq-fault <args>`.
+    /// Starts `tq-fault <args>` (with [`TCP_SECRET`] in `TQ_SECRET`, for the TCP channels).
     fn start(name: &str, args: &[String]) -> Result<Proc> {
         let child = Proc::command(args)?.spawn().with_context(|| format!("starting tq-fault for {name}"))?;
         Ok(Proc::adopt(name, child))
@@ -1098,6 +1099,12 @@ enum Way {
     PeerMap,
     /// Staged through pinned host memory onto GPU 1.
     StagedAcross,
+    /// Over a TCP channel (`tcp://127.0.0.1`, the secret in `TQ_SECRET`), landed in host memory:
+    /// the producer copies to the host and writes the bytes on the link.
+    Tcp,
+    /// Over a TCP channel onto GPU 1: the tensors move through NCCL (the producer counts as on
+    /// another host).
+    Nccl,
 }
 
 impl Way {
@@ -1111,6 +1118,8 @@ impl Way {
             Way::PeerCopy => on_other()?.peer(PeerMode::Copy),
             Way::PeerMap => on_other()?.peer(PeerMode::Map),
             Way::StagedAcross => on_other()?.peer(PeerMode::Stage),
+            Way::Tcp => Routing::default().land(Landing::Host),
+            Way::Nccl => on_other()?,
         })
     }
 
@@ -1122,21 +1131,35 @@ impl Way {
             Way::Host => &[TransferPath::StagedToHost],
             Way::PeerCopy => &[TransferPath::PeerCopied],
             Way::PeerMap => &[TransferPath::PeerMapped],
+            Way::Tcp => &[TransferPath::Tcp],
+            Way::Nccl => &[TransferPath::Nccl],
         }
+    }
+
+    /// Whether the channel is a TCP one (its sender counts as on another host).
+    fn over_tcp(self) -> bool {
+        matches!(self, Way::Tcp | Way::Nccl)
     }
 }
 
 /// When the producer is killed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Moment {
-    /// After `send_on` returned with 2 s of GPU work queued, and reaped, before the receiver's
-    /// first `recv` (it had read nothing of the producer, not even its hello).
+    /// After `send_on` returned with 2 s of GPU work queued (1 s over NCCL; none over TCP to the
+    /// host, where `send_on` waits for it), and reaped, before the receiver's first `recv` (it
+    /// had read nothing of the producer, not even its hello).
     BeforeRecv,
-    /// After `send_on` returned with 2 s of GPU work queued, while the receiver is receiving.
+    /// After `send_on` returned with 2 s of GPU work queued (1 s over NCCL), while the receiver
+    /// is receiving. Over TCP to the host, 500 ms into the 1 s of work `send_on` waits for.
     DuringWork,
     /// 3 ms after `send_on` returned with no work before its 1 GiB of copies (4 x 256 MiB):
     /// while they run, on the copy routes (it SIGKILLs itself: `tq-fault batch --die-after-us`).
+    /// Over TCP to the host, 20 ms into `send_on`'s copies to the host (`--die-in-send-us`).
     DuringCopy,
+    /// On a TCP channel, in the middle of writing a 256 MiB message (4 x 64 MiB) that the
+    /// receiver does not read: once the producer uses no more CPU (its link waits for room in
+    /// the socket), it is SIGKILLed. The message cannot arrive; it must be reported lost.
+    MidFrame,
 }
 
 /// What one killed-producer case saw.
@@ -1147,6 +1170,38 @@ enum Outcome {
     Whole,
     /// Delivered with `producer_failed()` true.
     Flagged,
+    /// Not delivered, and `take_errors()` has an entry for it (a TCP channel's message that the
+    /// producer died in the middle of writing).
+    Lost,
+    /// Never sent: the producer died inside `send_on` (over TCP to the host it waits for the GPU
+    /// work and copies before it returns), and the receiver saw nothing of the message.
+    Unsent,
+}
+
+/// The secret of the killed-producer cases' TCP channels.
+const TCP_SECRET: &str = "the fault suite's TCP secret, 0123456789";
+
+/// Waits until process `pid` uses no CPU for 300 ms (all its threads wait), for up to `timeout`.
+fn wait_blocked(pid: u32, timeout: Duration) -> Result<()> {
+    let ticks = || -> Result<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+        // The fields after the command name, which is in parentheses and may hold spaces.
+        let fields: Vec<&str> = stat.rsplit_once(')').context("a /proc stat line")?.1.split_whitespace().collect();
+        let field = |i: usize| -> Result<u64> { Ok(fields.get(i).context("a short /proc stat line")?.parse::<u64>()?) };
+        Ok(field(11)? + field(12)?) // utime and stime, fields 14 and 15 of the line
+    };
+    let start = Instant::now();
+    let (mut last, mut still_since) = (ticks()?, Instant::now());
+    loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let now = ticks()?;
+        if now != last {
+            (last, still_since) = (now, Instant::now());
+        } else if still_since.elapsed() >= Duration::from_millis(300) {
+            return Ok(());
+        }
+        ensure!(start.elapsed() < timeout, "pid {pid} kept using CPU for {timeout:?}");
+    }
 }
 
 /// GPU time queued before the doomed producer's first fill, for the work moments.
@@ -1155,25 +1210,49 @@ const DOOMED_SPIN: Duration = Duration::from_secs(2);
 /// Kills a `tq-fault batch` producer at `moment` on `way`, then checks as a user would: its
 /// message is refused (`ProducerFailed`) or delivered flagged (`producer_failed()`), or delivered
 /// whole with the producer's bytes (checked on the GPU); every received tensor's stream drains;
-/// `recv` then says `Disconnected` (nothing of it stays parked); a new producer's message
-/// arrives intact; and the receiver's contexts still work.
+/// `recv` then says `Disconnected` (nothing of it stays parked); a message neither delivered nor
+/// refused left an entry in `take_errors()`; a new producer's message arrives intact; and the
+/// receiver's contexts still work.
 fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -> Result<Outcome> {
     let other = match contexts.get(1) {
         Some(context) => Some(context.device().uuid()?),
         None => None,
     };
-    let options = ReceiverOptions { routing: way.routing(other)?, ..ReceiverOptions::default() };
-    let path = socket_path(&format!("killed-{way:?}-{moment:?}"));
-    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
-    let path = path.to_str().context("a UTF-8 socket path")?.to_string();
+    let builder = Receiver::<FaultBatch>::builder().routing(way.routing(other)?);
+    let (mut receiver, path) = if way.over_tcp() {
+        let receiver =
+            builder.secret(tensor_queue::Secret::from_bytes(TCP_SECRET.as_bytes())?).bind("tcp://127.0.0.1:0")?;
+        let endpoint = format!("tcp://{}", receiver.local_addr().context("a TCP receiver's address")?);
+        (receiver, endpoint)
+    } else {
+        let path = socket_path(&format!("killed-{way:?}-{moment:?}"));
+        let receiver = builder.bind(&path)?;
+        (receiver, path.to_str().context("a UTF-8 socket path")?.to_string())
+    };
     let (tensors, len, spin) = match moment {
         Moment::DuringCopy => (4, 256 * MIB, Duration::ZERO),
+        Moment::MidFrame => (4, 64 * MIB, Duration::ZERO),
+        // Over TCP to the host `send_on` waits for the work itself: none is needed before it
+        // returns, and less is enough to die inside it.
+        Moment::BeforeRecv if way == Way::Tcp => (4, 32 * MIB, Duration::ZERO),
+        _ if way.over_tcp() => (4, 32 * MIB, DOOMED_SPIN / 2),
         _ => (4, 32 * MIB, DOOMED_SPIN),
     };
+    // Over TCP to the host, `send_on` itself waits for the work and copies: the producer kills
+    // itself inside it (500 ms into its 1 s of GPU work; 20 ms into copying 1 GiB to the host).
+    let in_send = way == Way::Tcp && matches!(moment, Moment::DuringWork | Moment::DuringCopy);
     let batch_args = |seed: u64, tensors: usize, len: usize, spin: Duration| {
-        let die = if moment == Moment::DuringCopy && spin.is_zero() && tensors > 2 { "3000" } else { "0" };
+        let doomed = tensors > 2;
+        let die = if doomed && !in_send && moment == Moment::DuringCopy { "3000" } else { "0" };
+        let die_in_send = match moment {
+            Moment::DuringWork if doomed && in_send => "500000",
+            Moment::DuringCopy if doomed && in_send => "20000",
+            _ => "0",
+        };
         strings(&[
             "batch",
+            "--die-in-send-us",
+            die_in_send,
             "--die-after-us",
             die,
             "--to",
@@ -1197,18 +1276,39 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
         doomed.poll();
         // During its copies it kills itself, 3 ms after `send_on` returned: too soon to be hit
         // from here (it has printed `sent` first).
+        // Asked once per turn: a process that ends between two questions (it kills itself) must
+        // not be taken for one that ended before it sent.
+        let exited = doomed.exited()?.is_some();
         let due = match moment {
-            Moment::DuringCopy => doomed.exited()?.is_some(),
+            _ if in_send => exited,
+            Moment::DuringCopy => exited,
+            Moment::MidFrame => {
+                // Its copies done, its link stuck writing to a receiver that does not read.
+                doomed.has_said("sent") && {
+                    wait_blocked(doomed.pid(), Duration::from_secs(30))?;
+                    true
+                }
+            }
             _ => doomed.has_said("sent"),
         };
         if due {
-            doomed.finish_lines(Duration::from_millis(100));
-            ensure!(doomed.has_said("sent"), "the doomed producer ended before it sent; {}", doomed.tail(10));
+            // Up to its end of output once it has exited (the lines still in the pipe).
+            doomed.finish_lines(Duration::from_millis(if exited { 5000 } else { 100 }));
+            ensure!(
+                in_send || doomed.has_said("sent"),
+                "the doomed producer ended before it sent; {}",
+                doomed.tail(10)
+            );
+            ensure!(
+                !in_send || (doomed.has_said("sending") && !doomed.has_said("sent")),
+                "the doomed producer was to die inside send_on; {}",
+                doomed.tail(10)
+            );
             break;
         }
-        ensure!(doomed.exited()?.is_none(), "the doomed producer ended before it sent; {}", doomed.tail(10));
+        ensure!(!exited, "the doomed producer ended before it sent; {}", doomed.tail(10));
         ensure!(started.elapsed() < Duration::from_secs(60), "no send within 60 s; {}", doomed.tail(10));
-        if moment == Moment::BeforeRecv {
+        if matches!(moment, Moment::BeforeRecv | Moment::MidFrame) {
             std::thread::sleep(Duration::from_micros(200));
         } else {
             take_doomed(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_micros(200))?;
@@ -1233,22 +1333,32 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
     };
     let status = doomed.exit_within(Duration::from_secs(10))?;
     ensure!(status.and_then(|s| s.signal()) == Some(9), "the doomed producer ended with {status:?}");
+    let errors = receiver.take_errors();
+    // Over TCP a message the producer died in the middle of writing is lost, and reported.
+    let lost = way.over_tcp() && held.is_empty() && refused == 0 && !errors.is_empty();
+    let unsent = in_send && held.is_empty() && refused == 0;
     ensure!(
-        held.len() + refused == 1,
-        "the killed producer's one message was delivered {} times and refused {refused} times",
+        held.len() + refused == 1 || lost || unsent,
+        "the killed producer's one message was delivered {} times and refused {refused} times; errors: {errors:?}",
         held.len()
     );
     let outcome = match held.first() {
         Some(batch) => judge(batch, way, len)?,
+        None if lost => Outcome::Lost,
+        None if unsent => Outcome::Unsent,
         None => Outcome::Refused,
     };
-    let errors = receiver.take_errors();
+    if moment == Moment::MidFrame {
+        ensure!(matches!(outcome, Outcome::Lost), "a 256 MiB message the receiver never read was delivered");
+    }
     println!(
         "  {way:?} killed {moment:?}: {}; Disconnected {} ms after the kill; errors: {errors:?}",
         match outcome {
             Outcome::Refused => "refused (ProducerFailed)",
             Outcome::Whole => "delivered whole (the driver finished its work)",
             Outcome::Flagged => "delivered, producer_failed()",
+            Outcome::Lost => "lost, reported in take_errors()",
+            Outcome::Unsent => "never sent (killed inside send_on), nothing received",
         },
         disconnected.as_millis()
     );
@@ -1380,8 +1490,9 @@ fn killed_cases(cases: &[(Way, Moment)], contexts: &[Arc<Context>]) -> Result<()
 }
 
 /// A producer SIGKILLed with its message sent, on each route of one GPU (mapped, staged, landed
-/// on the host) and at each moment (before the receiver's first `recv`, during its GPU work,
-/// during its copies): see [`killed_case`].
+/// on the host, over TCP to the host) and at each moment (before the receiver's first `recv`,
+/// during its GPU work, during its copies, in the middle of writing a frame over TCP): see
+/// [`killed_case`]. (Host tensors over TCP: `faults_host.rs`, in CI.)
 fn killed_on_one_gpu() -> Result<()> {
     let context = gpu()?;
     killed_cases(
@@ -1394,12 +1505,17 @@ fn killed_on_one_gpu() -> Result<()> {
             (Way::Staged, Moment::BeforeRecv),
             (Way::Staged, Moment::DuringWork),
             (Way::Staged, Moment::DuringCopy),
+            (Way::Tcp, Moment::BeforeRecv),
+            (Way::Tcp, Moment::DuringWork),
+            (Way::Tcp, Moment::DuringCopy),
+            (Way::Tcp, Moment::MidFrame),
         ],
         &[context],
     )
 }
 
-/// The same across two GPUs: the peer copy, the peer mapping and staging onto GPU 1.
+/// The same across two GPUs: the peer copy, the peer mapping, staging onto GPU 1, and NCCL over
+/// a TCP channel onto GPU 1.
 fn killed_across_gpus() -> Result<()> {
     let contexts = vec![gpu()?, Context::on_ordinal(1)?];
     Kernels::get(&contexts[1])?;
@@ -1412,6 +1528,9 @@ fn killed_across_gpus() -> Result<()> {
             (Way::PeerMap, Moment::DuringWork),
             (Way::StagedAcross, Moment::BeforeRecv),
             (Way::StagedAcross, Moment::DuringCopy),
+            (Way::Nccl, Moment::BeforeRecv),
+            (Way::Nccl, Moment::DuringWork),
+            (Way::Nccl, Moment::DuringCopy),
         ],
         &contexts,
     )
@@ -1426,9 +1545,8 @@ fn host_landing_delivers_whole_tensors() -> Result<()> {
     const TAIL: usize = 4096;
     let context = gpu()?;
     let seed = case_seed()?;
-    let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..ReceiverOptions::default() };
     let path = socket_path("host-whole");
-    let mut receiver = Receiver::<FaultBatch>::bind_with(&path, options)?;
+    let mut receiver = Receiver::<FaultBatch>::builder().routing(Routing::default().land(Landing::Host)).bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?;
     let (len, seed_text) = (LEN.to_string(), seed.to_string());
     let args = ["batch", "--to", path, "--tensors", "4", "--len", &len, "--seed", &seed_text];
@@ -1442,7 +1560,7 @@ fn host_landing_delivers_whole_tensors() -> Result<()> {
     for (k, tensor) in batch.tensors.iter().enumerate().rev() {
         // SAFETY: a host-landed tensor is this receiver's own memory (no clone, no view, never
         // sent on), and nothing writes it while `bytes` lives.
-        let bytes = unsafe { tensor.as_slice::<u8>()? };
+        let bytes = unsafe { tensor.host_elements::<u8>()?.as_slice() };
         tails.push((
             k,
             bytes[LEN - TAIL..] == reference::pattern(TAIL, batch.seed + k as u64 + (LEN - TAIL) as u64 / 8)[..],

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use integration_tests::socket_path;
 use serde::{Deserialize, Serialize};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
 
 /// Runs `f` on a thread and fails the test if it has not returned within `bound`.
 fn within<R: Send + 'static>(bound: Duration, what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
@@ -224,8 +224,7 @@ fn endpoint_naming_errors_are_errors_and_return_promptly() {
 #[test]
 fn try_send_and_send_timeout_return_within_their_promise_for_a_huge_message() {
     let path = socket_path("outside-nonblock");
-    let options = ReceiverOptions { capacity: 1, ..Default::default() };
-    let mut rx = Receiver::<Tensor>::bind_with(&path, options).unwrap();
+    let mut rx = Receiver::<Tensor>::builder().capacity(1).bind(&path).unwrap();
     let tx = Sender::<Tensor>::connect(&path).unwrap();
     let small = Tensor::new(&[1u8; 16], &[16]).unwrap();
     tx.send(&small).unwrap(); // fills the one credit; the receiver does not read
@@ -457,11 +456,11 @@ fn two_processes_each_sending_a_large_message_first_do_not_deadlock_tcp() {
 /// receive.
 fn big_first(mine: &str, theirs: &str, len: usize, env: &[(&str, &str)]) {
     let tcp = mine.starts_with("tcp://");
-    let options = ReceiverOptions {
-        secret: tcp.then(|| tensor_queue::Secret::from_bytes(*b"outside-tester-secret-0123456789").unwrap()),
-        ..Default::default()
-    };
-    let mut rx = Receiver::<Tensor>::bind_with(mine, options).unwrap();
+    let mut builder = Receiver::<Tensor>::builder();
+    if tcp {
+        builder = builder.secret(tensor_queue::Secret::from_bytes(*b"outside-tester-secret-0123456789").unwrap());
+    }
+    let mut rx = builder.bind(mine).unwrap();
     let my_endpoint = match rx.local_addr() {
         Some(addr) => format!("tcp://127.0.0.1:{}", addr.port()),
         None => mine.to_string(),
@@ -473,11 +472,11 @@ fn big_first(mine: &str, theirs: &str, len: usize, env: &[(&str, &str)]) {
         None => theirs.to_string(),
     };
     peer.write_line(&my_endpoint);
-    let connect = tensor_queue::ConnectOptions {
-        secret: tcp.then(|| tensor_queue::Secret::from_bytes(*b"outside-tester-secret-0123456789").unwrap()),
-        ..Default::default()
-    };
-    let tx = Sender::<Tensor>::connect_with(their_endpoint.as_str(), &connect).unwrap();
+    let mut connect = Sender::<Tensor>::builder();
+    if tcp {
+        connect = connect.secret(tensor_queue::Secret::from_bytes(*b"outside-tester-secret-0123456789").unwrap());
+    }
+    let tx = connect.connect(their_endpoint.as_str()).unwrap();
     let big = Tensor::new(&pattern(len, 3), &[len]).unwrap();
     let (got, tx) = within(Duration::from_secs(240), "send big first, then receive", move || {
         tx.send(&big).unwrap();
@@ -495,21 +494,19 @@ fn big_first(mine: &str, theirs: &str, len: usize, env: &[(&str, &str)]) {
 
 const SECRET: &[u8; 32] = b"outside-tester-secret-0123456789";
 
-fn secret() -> Option<tensor_queue::Secret> {
-    Some(tensor_queue::Secret::from_bytes(*SECRET).unwrap())
+fn secret() -> tensor_queue::Secret {
+    tensor_queue::Secret::from_bytes(*SECRET).unwrap()
 }
 
 /// A TCP receiver on a free loopback port, and its endpoint.
 fn tcp_receiver<T: serde::de::DeserializeOwned>(capacity: u32) -> (Receiver<T>, String) {
-    let options = ReceiverOptions { capacity, secret: secret(), ..Default::default() };
-    let rx = Receiver::<T>::bind_with("tcp://127.0.0.1:0", options).unwrap();
+    let rx = Receiver::<T>::builder().capacity(capacity).secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
     let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
     (rx, endpoint)
 }
 
 fn tcp_sender<T: Serialize>(endpoint: &str) -> tensor_queue::Result<Sender<T>> {
-    let options = tensor_queue::ConnectOptions { secret: secret(), timeout: Duration::from_secs(60) };
-    Sender::<T>::connect_with(endpoint, &options)
+    Sender::<T>::builder().secret(secret()).timeout(Duration::from_secs(60)).connect(endpoint)
 }
 
 #[test]

@@ -475,7 +475,10 @@ fn received_host_tensors_are_read_only_unless_shared_writable() {
     let shared = Tensor::zeros_writable(DType::F32, &[2]).unwrap();
     sender.send(&vec![private.clone(), shared.clone()]).unwrap();
     let received = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
-    assert!(received[0].set(&[0], 9.0f32).is_err(), "a read-only tensor cannot be written");
+    assert!(
+        matches!(received[0].set(&[0], 9.0f32), Err(Error::ReadOnly)),
+        "a read-only tensor cannot be written, and the error says why"
+    );
     assert_eq!(received[0].to_vec::<f32>().unwrap(), [1.0, 2.0], "but it reads");
     received[1].set(&[1], 7.0f32).unwrap();
     assert_eq!(shared.get::<f32>(&[1]).unwrap(), 7.0, "a writable one is shared both ways");
@@ -485,8 +488,8 @@ fn received_host_tensors_are_read_only_unless_shared_writable() {
 /// alone with the reason; its connection and the honest sender's go on.
 #[test]
 fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
+    use tensor_queue::Uuid;
     use tensor_queue::route::{Route, Routing, Strictness};
-    use tensor_queue::{ReceiverOptions, Uuid};
     let lies = |path: &std::path::Path, claims: &[(Route, Fence, Option<Uuid>)]| {
         let client = raw_client(path);
         let staging = SharedMemory::create("lying", 4096).unwrap();
@@ -527,7 +530,7 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
     // A receiver that takes only zero-copy routes.
     let path = socket_path("route-lies-strict");
     let routing = Routing::default().strict(Strictness::ZeroCopy);
-    let mut strict = Receiver::<Probe>::bind_with(&path, ReceiverOptions { routing, ..Default::default() }).unwrap();
+    let mut strict = Receiver::<Probe>::builder().routing(routing).bind(&path).unwrap();
     let signal = Fence::Signal { chunk: 5, offset: 0, value: 1 };
     let _client = lies(&path, &[(Route::Staged, signal, Some(Uuid([3; 16]))), (Route::Host, signal, None)]);
     let said = reasons(&mut strict, 2);

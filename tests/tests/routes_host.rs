@@ -11,11 +11,12 @@ use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::cross::{CrossItem, host_pattern_i32, views_of};
 use integration_tests::{bin_path, socket_path};
 use kernels::reference;
-use tensor_queue::route::{Landing, PeerMode, Reach, Route, Routing, Strictness, choose};
+use tensor_queue::route::{Landing, PeerMode, Route, Routing, Strictness};
+use tensor_queue::testing::{Reach, choose};
 use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor, TransferPath, Uuid, is_gpu_available};
 
 fn tq_cross() -> std::path::PathBuf {
-    bin_path("tq-cross").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tq-cross").into())
+    bin_path("tq-cross").expect("the tq-cross helper, built with these tests")
 }
 
 /// A made-up GPU that no machine has.
@@ -25,8 +26,7 @@ const NOWHERE: Uuid = Uuid([7; 16]);
 /// checks every tensor's bytes and path; returns what the producer printed.
 fn host_messages_through(routing: Routing, count: u64) -> Result<String> {
     let path = socket_path("routes-host");
-    let options = ReceiverOptions { capacity: 4, routing, secret: None };
-    let mut receiver = Receiver::<CrossItem>::bind_with(&path, options)?;
+    let mut receiver = Receiver::<CrossItem>::builder().capacity(4).routing(routing).bind(&path)?;
     let child = Command::new(tq_cross())
         .args(["produce", "--case", "host", "--deadline-s", "60", "--count", &count.to_string(), "--to"])
         .arg(&path)
@@ -96,7 +96,7 @@ fn sender_route_without_a_gpu_is_host_or_a_typed_error() -> Result<()> {
         [("default", Routing::default()), ("zero-copy", Routing::default().strict(Strictness::ZeroCopy))]
     {
         let path = socket_path("route-question");
-        let _receiver = Receiver::<u32>::bind_with(&path, ReceiverOptions { routing, ..Default::default() })?;
+        let _receiver = Receiver::<u32>::builder().routing(routing).bind(&path)?;
         let sender = Sender::<u32>::connect(&path)?;
         match sender.route(&NOWHERE, Duration::from_secs(10)) {
             Ok(choice) => {
@@ -117,7 +117,9 @@ fn sender_route_without_a_gpu_is_host_or_a_typed_error() -> Result<()> {
     Ok(())
 }
 
+/// Through the builder, and through the deprecated `bind_with` (which still works), in turn.
 #[test]
+#[allow(deprecated)]
 fn receiver_options_round_trip_through_bind_with() -> Result<()> {
     let other = Uuid([9; 16]);
     let policies = [
@@ -131,10 +133,16 @@ fn receiver_options_round_trip_through_bind_with() -> Result<()> {
         Routing::default().land_from(NOWHERE, Landing::Device(other)).strict(Strictness::NoStaging),
     ];
     for (n, routing) in policies.into_iter().enumerate() {
-        let options = ReceiverOptions { capacity: 3, routing: routing.clone(), secret: None };
-        ensure!(options.clone() == options, "ReceiverOptions compare");
         let path = socket_path("options");
-        let mut receiver = Receiver::<Tensor>::bind_with(&path, options)?;
+        let mut receiver = if n % 2 == 0 {
+            Receiver::<Tensor>::builder().capacity(3).routing(routing.clone()).bind(&path)?
+        } else {
+            let mut options = ReceiverOptions::default();
+            options.capacity = 3;
+            options.routing = routing.clone();
+            ensure!(options.clone() == options, "ReceiverOptions compare");
+            Receiver::<Tensor>::bind_with(&path, options)?
+        };
         let sender = Sender::<Tensor>::connect(&path)?;
         // The policy reached the sender: its answer is the pure decision on that policy (both
         // ends are this process, so both reaches are this machine's).

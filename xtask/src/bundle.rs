@@ -35,12 +35,16 @@ const BINARIES: &[&str] = &[
     "primitive-costs",
     "tq-bench",
     "tq-hosts",
-    "tq-hostile",
 ];
 
 /// Where tests and helpers name the binaries they start: `bin_path("NAME")` (the integration
-/// tests' lookup) and `CARGO_BIN_EXE_NAME` (cargo's).
-const HELPER_MARKERS: &[(&str, &str)] = &[("bin_path(\"", "\""), ("CARGO_BIN_EXE_", "\"")];
+/// tests' lookup, which the bundle's `run.sh` points at its `bin` folder).
+const HELPER_MARKERS: &[(&str, &str)] = &[("bin_path(\"", "\"")];
+
+/// Cargo's path to a binary it built (`env!("CARGO_BIN_EXE_NAME")`): baked into the test at
+/// compile time, it names a folder of this machine that does not exist on the GPU machine, so
+/// [`check_helpers`] refuses a test that uses it (`bin_path` finds the bundle's copy instead).
+const CARGO_BIN_PATH: &str = concat!("CARGO_BIN", "_EXE_");
 
 const RUN_SCRIPT: &str = include_str!("run-bundle.sh");
 const BENCH_SCRIPT: &str = include_str!("bench-bundle.sh");
@@ -122,28 +126,56 @@ pub fn build() -> Result<()> {
 }
 
 /// Fails, before anything is built, if a test or helper of the workspace starts a binary that is
-/// not in [`BINARIES`]: it would fail only on the GPU machine ("No such file").
+/// not in [`BINARIES`], or finds one through cargo's build path ([`CARGO_BIN_PATH`]): either
+/// would fail only on the GPU machine ("No such file").
 fn check_helpers(root: &Path) -> Result<()> {
     let mut sources = Vec::new();
     for crate_dir in ["tests", "tensor-queue", "ipc-core", "kernels"] {
         rust_files(&root.join(crate_dir), &mut sources)?;
     }
-    let mut missing: Vec<(String, PathBuf)> = Vec::new();
-    for source in &sources {
-        let text = std::fs::read_to_string(source).with_context(|| format!("reading {}", source.display()))?;
-        for name in helpers_named(&text) {
+    let sources = sources
+        .iter()
+        .map(|source| {
+            let text = std::fs::read_to_string(source).with_context(|| format!("reading {}", source.display()))?;
+            Ok((source.strip_prefix(root).unwrap_or(source).to_path_buf(), text))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    unbundled_helpers(&sources)
+}
+
+/// The check of [`check_helpers`] on `(path, text)` pairs of source files.
+fn unbundled_helpers(sources: &[(PathBuf, String)]) -> Result<()> {
+    let mut missing: Vec<(String, &Path)> = Vec::new();
+    let mut cargo_paths: Vec<&Path> = Vec::new();
+    for (source, text) in sources {
+        for name in helpers_named(text) {
             if !BINARIES.contains(&name.as_str()) && !missing.iter().any(|(n, _)| *n == name) {
-                missing.push((name, source.strip_prefix(root).unwrap_or(source).to_path_buf()));
+                missing.push((name, source));
             }
         }
+        if text.contains(CARGO_BIN_PATH) {
+            cargo_paths.push(source);
+        }
     }
+    let mut problems = Vec::new();
     if !missing.is_empty() {
         let missing: Vec<String> =
             missing.iter().map(|(name, source)| format!("{name} (started in {})", source.display())).collect();
-        bail!(
+        problems.push(format!(
             "tests start binaries the GPU bundle would not carry (add them to BINARIES in xtask/src/bundle.rs): {}",
             missing.join(", ")
-        );
+        ));
+    }
+    if !cargo_paths.is_empty() {
+        let files: Vec<String> = cargo_paths.iter().map(|p| p.display().to_string()).collect();
+        problems.push(format!(
+            "tests find binaries through cargo's build path ({CARGO_BIN_PATH}NAME), which does not exist in the GPU \
+             bundle: use integration_tests::bin_path (or the bundle's TQ_BIN) instead, in {}",
+            files.join(", ")
+        ));
+    }
+    if !problems.is_empty() {
+        bail!("{}", problems.join("; "));
     }
     Ok(())
 }
@@ -265,8 +297,32 @@ mod tests {
     #[test]
     fn finds_the_helpers_tests_start() {
         let text = r#"Command::new(bin_path("tcp-peer")?); bin_path(&format!("../examples/{name}"));
-            env!("CARGO_BIN_EXE_tq-cross"); bin_path("tcp-peer")"#;
+            bin_path("tq-cross"); bin_path("tcp-peer")"#;
         assert_eq!(helpers_named(text), ["tcp-peer", "tq-cross"]);
+    }
+
+    fn sources(texts: &[(&str, &str)]) -> Vec<(PathBuf, String)> {
+        texts.iter().map(|(path, text)| (PathBuf::from(path), text.to_string())).collect()
+    }
+
+    /// A test that finds a binary through cargo's build path is refused, named; one that uses
+    /// the bin-dir lookup passes; a helper the bundle does not carry is refused too.
+    #[test]
+    fn refuses_cargo_build_paths_and_unbundled_helpers() {
+        let cargo_path = format!("let peer = env!(\"{CARGO_BIN_PATH}tq-cross\");");
+        let error = unbundled_helpers(&sources(&[
+            ("tests/tests/a.rs", "bin_path(\"tq-cross\")"),
+            ("tests/tests/b.rs", &cargo_path),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("tests/tests/b.rs") && !error.contains("a.rs") && error.contains("bin_path"), "{error}");
+        // Also as a fallback after the bin-dir lookup: the baked-in path is still wrong there.
+        let fallback = format!("bin_path(\"tq\").unwrap_or_else(|_| env!(\"{CARGO_BIN_PATH}tq\").into())");
+        assert!(unbundled_helpers(&sources(&[("c.rs", &fallback)])).is_err());
+        let error = unbundled_helpers(&sources(&[("d.rs", "bin_path(\"not-carried\")")])).unwrap_err().to_string();
+        assert!(error.contains("not-carried (started in d.rs)"), "{error}");
+        unbundled_helpers(&sources(&[("e.rs", "Command::new(bin_path(\"tq-fault\")?)")])).unwrap();
     }
 
     /// The check the bundle makes, on this workspace: every helper a test starts is carried.

@@ -14,6 +14,8 @@ case "$what" in
   tests)
     # A test that hangs fails alone (pytest-timeout, where installed) instead of ending the step;
     # faulthandler prints every thread's stack first.
+    # The hostile peer the tests start is one of the bundle's binaries, not a cargo build's.
+    export TQ_HOSTILE="$here/../bin/tq-hostile"
     timeout=()
     python3 -c 'import pytest_timeout' 2>/dev/null && timeout=(--timeout=90)
     exec python3 -m pytest -v -rs -p no:cacheprovider -o faulthandler_timeout=80 "${timeout[@]}" "$here/tests" "$@" ;;

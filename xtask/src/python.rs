@@ -61,14 +61,17 @@ pub fn test() -> Result<()> {
         .current_dir(workspace_root()))
 }
 
-/// Builds the release abi3 wheel into `out` and downloads the pytest wheels the bundle needs
-/// (for the GPU machine's Python 3.12) into `out/test-wheels`.
+/// Builds the abi3 test wheel (release, with the `test-switches` feature that the GPU tests'
+/// negative controls need; a wheel for users is built without it: `pip install
+/// ./tensor-queue/python`) into `out` and downloads the pytest wheels the bundle needs (for the
+/// GPU machine's Python 3.12) into `out/test-wheels`.
 pub fn bundle_wheels(out: &Path) -> Result<()> {
     let python = ensure_venv()?;
-    println!("python: building the abi3 wheel (release) with maturin");
+    println!("python: building the abi3 test wheel (release, feature test-switches) with maturin");
     run(Command::new(&python)
         .args(["-m", "maturin", "build", "--release", "--quiet", "-m"])
         .arg(package_dir().join("Cargo.toml"))
+        .args(["--features", "test-switches,pyo3/extension-module"])
         .arg("--out")
         .arg(out)
         .current_dir(workspace_root()))?;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use tensor_queue::route::Reach;
+use tensor_queue::testing::Reach;
 
 use crate::output::{print, warn};
 use crate::report::{Measurement, Report};
@@ -61,7 +61,7 @@ pub fn gather(measure: bool) -> Report {
     let gpu = gpus::facts();
     let mut pair_rows = Vec::new();
     let handle_rows = if gpu.available {
-        pair_rows = pairs::pair_rows(Reach::local());
+        pair_rows = pairs::pair_rows(Reach::local_with_interconnect());
         if measure && !pair_rows.is_empty() {
             let progress = ProgressBar::new(pair_rows.len() as u64).with_style(
                 ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len}").unwrap_or(ProgressStyle::default_bar()),

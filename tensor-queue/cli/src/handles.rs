@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use ipc_core::seqpacket::Connection;
 use ipc_core::{DeviceBuffer, DeviceMemory, Event, ImportedIpcMemory, IpcEventHandle, IpcMemHandle, VmmAllocation};
 use serde::Serialize;
-use tensor_queue::route::Reach;
+use tensor_queue::testing::Reach;
 use tensor_queue::{Context, Device, Stream, Uuid};
 
 use crate::output::warn;

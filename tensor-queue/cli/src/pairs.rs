@@ -5,7 +5,8 @@
 use std::time::Instant;
 
 use serde::Serialize;
-use tensor_queue::route::{Landing, PeerMode, Reach, Route, Routing, choose, staging_piece};
+use tensor_queue::route::{Landing, PeerMode, Route, Routing};
+use tensor_queue::testing::{Reach, choose, staging_piece};
 use tensor_queue::{Context, Stream, Uuid};
 
 use crate::text::{paragraph, table};
@@ -341,7 +342,7 @@ pub fn apply_measurement(row: &mut PairRow, measured: ipc_core::Result<Vec<f64>>
 
 #[cfg(test)]
 mod tests {
-    use tensor_queue::route::{DeviceReach, LinkReach};
+    use tensor_queue::testing::{DeviceReach, LinkReach};
 
     use super::*;
     use crate::text::DEFAULT_WIDTH;

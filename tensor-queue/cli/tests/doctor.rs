@@ -11,9 +11,18 @@ use std::process::{Command, Output, Stdio};
 use serde_json::Value;
 
 /// The `tq` binary: `TQ_BIN` where set (the GPU bundle, whose binaries are not where cargo
-/// built them), else the one cargo built for these tests.
+/// built them), else the one cargo built next to (or one folder above) this test. Not cargo's
+/// compile-time path to it, which names a folder the bundle does not have.
 fn tq() -> PathBuf {
-    std::env::var_os("TQ_BIN").map_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_tq")), PathBuf::from)
+    if let Some(path) = std::env::var_os("TQ_BIN") {
+        return path.into();
+    }
+    let exe = std::env::current_exe().expect("this test's own path");
+    let dir = exe.parent().expect("a test in a folder");
+    [dir.join("tq"), dir.join("..").join("tq")]
+        .into_iter()
+        .find(|path| path.is_file())
+        .expect("tq next to this test (build it with `cargo test -p tq`, or set TQ_BIN)")
 }
 
 /// `tq` with `args`, the GPUs hidden and neither library variable set.

@@ -6,7 +6,16 @@ Each figure runs both sides in real processes (spawn). Round trips: the parent s
 process sends what it received back; p50 over the iterations. Streaming: a producer makes a
 fresh tensor per message and sends it; the consumer receives and reads each; messages per second.
 Broadcast: one 1 GiB tensor to three consumers; seconds until all three have read it.
-tensor_queue's figures are its copy path (zero copy through channel memory is not in this build).
+tensor_queue's figures come twice: the copy path (tensors from torch's caching allocator, copied
+once into channel memory at send) and the zero-copy path (tensors made inside
+``tq.shareable()``). The echo sends on what it received, which tensor-queue copies (a received
+GPU tensor is never forwarded as it is).
+
+The Rust figures of the same run come from ``tq-bench --only rtt`` (the bundle's ``bin/tq-bench``,
+or ``--tq-bench PATH``); the cost of the Python layer is shown per hop as (Python - Rust) / 2
+(Rust's echo answers with an ack rather than sending the tensors back, so this is an upper
+bound), with the receive side measured directly: from the end of Rust's decode
+(``recv_with_info()["decoded_ns"]``) to ``recv`` returning the Python objects.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -70,32 +80,59 @@ def torch_echo(inq, outq) -> None:  # noqa: ANN001
         outq.put({k: v.clone() for k, v in msg.items()} if isinstance(msg, dict) else msg.clone())
 
 
-def make(kind: str):  # noqa: ANN201
+def make(kind: str, shareable: bool = False):  # noqa: ANN201
+    if shareable:
+        with tq.shareable():
+            return make(kind)
     if kind == "4KB":
         return torch.ones(1024, device=DEVICE)
     return {f"t{i}": torch.full((1024,), float(i), device=DEVICE) for i in range(16)}
 
 
-def rtt_tq(kind: str, n: int, spin: float) -> float:
+def rtt_tq(kind: str, n: int, spin: float, shareable: bool = False) -> dict[str, float]:
+    """p50 round trip, p50 `send()` call and p50 Python receive-side cost (after Rust's decode), in us."""
     inbox, outbox = address(), address()
     replies = tq.Receiver.bind(outbox)
     replies.set_spin(spin)
     child = mp.get_context("spawn").Process(target=tq_echo, args=(inbox, outbox, spin))
     child.start()
     sender = connect(inbox)
-    msg = make(kind)
+    msg = make(kind, shareable)
     sync()
-    times = []
+    times, sends, python_recv = [], [], []
     for i in range(n):
         t0 = time.perf_counter()
         sender.send(msg)
-        back = replies.recv(timeout=60)
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        back, info = replies.recv_with_info(timeout=60)
+        done_ns = time.monotonic_ns()
+        t2 = time.perf_counter()
+        times.append(t2 - t0)
+        sends.append(t1 - t0)
+        python_recv.append((done_ns - info["decoded_ns"]) * 1e-9)
         del back
     sender.close()
     child.join(60)
     replies.close()
-    return statistics.median(times[n // 10 :]) * 1e6
+    p50 = lambda xs: statistics.median(xs[n // 10 :]) * 1e6  # noqa: E731
+    return {"rtt": p50(times), "send_call": p50(sends), "python_recv": p50(python_recv)}
+
+
+def rust_round_trips(tq_bench: str | None, trips: int) -> dict[tuple[int, bool], float]:
+    """{(tensors, spin): p50 us} from `tq-bench --only rtt` in this run; empty where it is missing."""
+    if not tq_bench or not os.path.exists(tq_bench):
+        print(f"Rust figures skipped: no tq-bench at {tq_bench} (pass --tq-bench PATH)", flush=True)
+        return {}
+    out = tempfile.mkdtemp(prefix="tq-bench-rtt-")
+    done = subprocess.run(
+        [tq_bench, "--only", "rtt", "--out", out, "--trips", str(trips)], capture_output=True, text=True, timeout=600
+    )
+    if done.returncode != 0:
+        print(f"Rust figures skipped: tq-bench failed ({done.returncode}): {done.stderr[-2000:]}", flush=True)
+        return {}
+    with open(os.path.join(out, "bench.json")) as f:
+        runs = json.load(f).get("round_trips", [])
+    return {(r["tensors"], bool(r["spin"])): float(r["stats"]["p50_us"]) for r in runs}
 
 
 def rtt_torch(kind: str, n: int, queue_type: str) -> float:
@@ -140,16 +177,27 @@ def torch_stream_consumer(q, n: int, done) -> None:  # noqa: ANN001
     done.put(float(acc))
 
 
-def stream_tq(n: int) -> float:
+def stream_tq(n: int, shareable: bool = False) -> float:
     inbox, done = address(), address()
     finished = tq.Receiver.bind(done)
     child = mp.get_context("spawn").Process(target=tq_stream_consumer, args=(inbox, n, done))
     child.start()
     sender = connect(inbox)
     sync()
+    keep = []
     t0 = time.perf_counter()
     for i in range(n):
-        sender.send(torch.full((FIVE_MB,), 1.0, device=DEVICE))
+        if shareable:
+            with tq.shareable():
+                x = torch.full((FIVE_MB,), 1.0, device=DEVICE)
+            # torch may give a freed pool block to the next tensor while the consumer still reads
+            # it: keep the last ones alive (the consumer holds at most its capacity, 16).
+            keep.append(x)
+            if len(keep) > 32:
+                keep.pop(0)
+        else:
+            x = torch.full((FIVE_MB,), 1.0, device=DEVICE)
+        sender.send(x)
     total = finished.recv(timeout=300)
     elapsed = time.perf_counter() - t0
     child.join(60)
@@ -205,14 +253,18 @@ def torch_big_consumer(q, done) -> None:  # noqa: ANN001
         done.put(value)
 
 
-def broadcast_tq(reps: int) -> float:
+def broadcast_tq(reps: int, shareable: bool = False) -> float:
     inboxes, done = [address() for _ in range(3)], address()
     replies = tq.Receiver.bind(done)
     children = [mp.get_context("spawn").Process(target=tq_big_consumer, args=(p, done)) for p in inboxes]
     for c in children:
         c.start()
     broadcast = tq.Broadcast([connect(p) for p in inboxes])
-    w = torch.ones(256 * 1024 * 1024, device=DEVICE)
+    if shareable:
+        with tq.shareable():
+            w = torch.ones(256 * 1024 * 1024, device=DEVICE)
+    else:
+        w = torch.ones(256 * 1024 * 1024, device=DEVICE)
     sync()
     times = []
     for _ in range(reps):
@@ -255,6 +307,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--only", default="rtt,stream,broadcast")
+    here = os.path.dirname(os.path.abspath(__file__))
+    parser.add_argument(
+        "--tq-bench",
+        default=os.environ.get("TQ_BENCH", os.path.join(here, "..", "..", "bin", "tq-bench")),
+        help="the Rust benchmark binary for the same run's Rust figures (default: the GPU bundle's bin/tq-bench)",
+    )
     args = parser.parse_args()
     n = 300 if args.quick else 2000
     rows = []
@@ -271,17 +329,50 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name(0) if CUDA else 'cpu'}; torch {torch.__version__}; python {sys.version.split()[0]}")
     print("torch DLPack C exchange API used:", tq._native.has_exchange_api(torch.empty(0)))
     only = args.only.split(",")
+    # The copy path keeps the rows' earlier names; the zero-copy path (CUDA only) adds its own.
+    paths = [("", False)] + ([(", zero copy", True)] if CUDA else [])
     if "rtt" in only:
-        for kind in ("4KB", "16 tensors"):
+        rust = rust_round_trips(args.tq_bench, n)
+        layer = []
+        for kind, tensors in (("4KB", 1), ("16 tensors", 16)):
             simple = rtt_torch(kind, n, "SimpleQueue")
             queue = rtt_torch(kind, n, "Queue")
-            row(f"round trip p50, {kind}, spin", "us", rtt_tq(kind, n, 50e-6), simple, queue, "lower")
-            row(f"round trip p50, {kind}, blocking", "us", rtt_tq(kind, n, 0.0), simple, queue, "lower")
+            for mode, spin in (("spin", 50e-6), ("blocking", 0.0)):
+                for path, shareable in paths:
+                    got = rtt_tq(kind, n, spin, shareable)
+                    row(f"round trip p50, {kind}, {mode}{path}", "us", got["rtt"], simple, queue, "lower")
+                    rust_p50 = rust.get((tensors, spin > 0))
+                    layer.append(
+                        {
+                            "benchmark": f"{kind}, {mode}{path or ', copy path'}",
+                            "python_rtt_us": got["rtt"],
+                            "rust_rtt_us": rust_p50,
+                            "python_minus_rust_per_hop_us": (got["rtt"] - rust_p50) / 2 if rust_p50 else None,
+                            "send_call_us": got["send_call"],
+                            "python_recv_side_us": got["python_recv"],
+                        }
+                    )
+        print("\nthe Python layer (p50, us): Python RTT | Rust RTT (tq-bench, same run) | (Python - Rust) / 2 per hop | "
+              "send() call | receive side after Rust's decode")
+        for item in layer:
+            rust_text = f"{item['rust_rtt_us']:8.1f}" if item["rust_rtt_us"] else "     n/a"
+            hop = item["python_minus_rust_per_hop_us"]
+            hop_text = f"{hop:8.1f}" if hop is not None else "     n/a"
+            print(
+                f"  {item['benchmark']:36s} {item['python_rtt_us']:8.1f} | {rust_text} | {hop_text} | "
+                f"{item['send_call_us']:8.1f} | {item['python_recv_side_us']:8.1f}",
+                flush=True,
+            )
+        rows.append({"python_layer": layer})
     if "stream" in only:
         m = 100 if args.quick else 300
-        row("fresh 5 MB tensors streamed (copy path)", "msg/s", stream_tq(m), stream_torch(m, "SimpleQueue"), stream_torch(m, "Queue"), "higher")
+        simple, queue = stream_torch(m, "SimpleQueue"), stream_torch(m, "Queue")
+        for path, shareable in paths:
+            row(f"fresh 5 MB tensors streamed ({'zero copy' if shareable else 'copy path'})", "msg/s", stream_tq(m, shareable), simple, queue, "higher")
     if "broadcast" in only and CUDA:
-        row("1 GiB to 3 consumers (copy path)", "ms", broadcast_tq(2) * 1e3, None, broadcast_torch(2) * 1e3, "lower")
+        torch_ms = broadcast_torch(2) * 1e3
+        for path, shareable in paths:
+            row(f"1 GiB to 3 consumers ({'zero copy' if shareable else 'copy path'})", "ms", broadcast_tq(2, shareable) * 1e3, None, torch_ms, "lower")
     print("stats of this process:", tq.stats())
     if args.json:
         with open(args.json, "w") as f:

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use cuda_sys::CUstream;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use tensor_queue::{ConnectOptions, Error, MessageInfo, Stream};
+use tensor_queue::{Error, MessageInfo, Stream};
 
 use crate::dlpack::SendOrder;
 use crate::errors::{raise, to_py};
@@ -238,7 +238,7 @@ fn send_order(stream: Option<&Bound<'_, PyAny>>, copy: &str) -> PyResult<SendOrd
         "never" => true,
         other => return Err(raise("InvalidArgument", format!("copy must be \"auto\" or \"never\", not {other:?}"))),
     };
-    Ok(SendOrder { explicit, never_copy, ..SendOrder::default() })
+    Ok(SendOrder::new(explicit, never_copy))
 }
 
 /// The stream a message's GPU copies were queued on, to send it ordered after them; a message
@@ -307,9 +307,8 @@ impl Sender {
     #[staticmethod]
     #[pyo3(signature = (address, timeout = 10.0))]
     fn connect(py: Python<'_>, address: String, timeout: f64) -> PyResult<Sender> {
-        let options = ConnectOptions { timeout: duration(timeout, "timeout")?, ..ConnectOptions::default() };
-        let sender =
-            py.detach(|| tensor_queue::Sender::<Value>::connect_with(address.as_str(), &options)).map_err(to_py)?;
+        let builder = tensor_queue::Sender::<Value>::builder().timeout(duration(timeout, "timeout")?);
+        let sender = py.detach(|| builder.connect(address.as_str())).map_err(to_py)?;
         Ok(Sender { end: Mutex::new(Owned::new(sender)), address })
     }
 

@@ -17,7 +17,9 @@ use dlpark::ffi::{
 };
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::ffi;
+use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 use tensor_queue::{DType, Tensor, TensorDevice};
 
@@ -26,7 +28,7 @@ use std::sync::Arc;
 use cuda_sys::CUstream;
 
 use crate::value::Framework;
-use crate::{exchange, gpu, stats};
+use crate::{exchange, gpu, shareable, stats};
 
 const VERSIONED: &CStr = c"dltensor_versioned";
 const LEGACY: &CStr = c"dltensor";
@@ -46,9 +48,10 @@ impl From<PyErr> for ImportError {
 }
 
 fn framework_of(value: &Bound<'_, PyAny>) -> PyResult<Framework> {
-    let module = value.get_type().module()?.to_string();
+    let module = value.get_type().module()?;
+    let module = module.to_str()?;
     Ok(if module == "numpy" || module.starts_with("numpy.") {
-        if value.hasattr("__dlpack__")? { Framework::Numpy } else { Framework::NumpyScalar }
+        if value.hasattr(intern!(value.py(), "__dlpack__"))? { Framework::Numpy } else { Framework::NumpyScalar }
     } else if module == "torch" || module.starts_with("torch.") {
         Framework::Torch
     } else {
@@ -57,7 +60,8 @@ fn framework_of(value: &Bound<'_, PyAny>) -> PyResult<Framework> {
 }
 
 /// What sending a message's arrays needs besides their bytes: the GPUs whose streams its copies
-/// were queued on, the stream the caller gave, and whether copies are allowed.
+/// were queued on, the stream the caller gave, whether copies are allowed, and the orderings
+/// between torch's streams and ours, each queued once per message instead of once per tensor.
 #[derive(Default)]
 pub struct SendOrder {
     /// The GPUs whose extension streams hold the message's copies (in first-use order).
@@ -66,13 +70,57 @@ pub struct SendOrder {
     pub explicit: Option<CUstream>,
     /// `send(copy="never")`: an array that would be copied is refused instead.
     pub never_copy: bool,
+    /// (ordinal, producer stream) pairs our stream already waits for.
+    waited: Vec<(i32, usize)>,
+    /// Producer streams that must wait for our copies before torch may reuse their sources.
+    copied_from: Vec<(Arc<gpu::DeviceState>, usize)>,
+    /// Sources made for this message (a strided tensor's `contiguous()` copy), kept until the
+    /// producer's stream waits for our copies of them.
+    keep: Vec<Py<PyAny>>,
 }
 
 impl SendOrder {
+    /// The order of a `send(stream=explicit, copy="never" if never_copy)`.
+    pub fn new(explicit: Option<CUstream>, never_copy: bool) -> SendOrder {
+        SendOrder { explicit, never_copy, ..SendOrder::default() }
+    }
+
     fn used(&mut self, state: Arc<gpu::DeviceState>) {
         if !self.devices.iter().any(|d| d.ordinal == state.ordinal) {
             self.devices.push(state);
         }
+    }
+
+    /// GPU `ordinal`'s state, its stream ordered after the work queued so far on `producer`.
+    fn after_producer(&mut self, ordinal: i32, producer: CUstream) -> Result<Arc<gpu::DeviceState>, String> {
+        let state = gpu::device(ordinal)?;
+        if !self.waited.contains(&(ordinal, producer as usize)) {
+            state.order_after(state.stream.raw(), producer)?;
+            self.waited.push((ordinal, producer as usize));
+        }
+        self.used(state.clone());
+        Ok(state)
+    }
+
+    /// Work queued on `producer` since the last wait (a `contiguous()` copy) is waited for anew.
+    fn producer_moved(&mut self, ordinal: i32, producer: CUstream) {
+        self.waited.retain(|&pair| pair != (ordinal, producer as usize));
+    }
+
+    /// Queues the producer streams' waits for our copies (torch may reuse a copied source only
+    /// after them) and lets the message's temporaries go. Runs once the message is encoded, or
+    /// failed to be: copies queued before a failure read their sources all the same.
+    pub fn finish(&mut self) -> Result<(), String> {
+        let mut result = Ok(());
+        for (state, producer) in self.copied_from.drain(..) {
+            if let Err(e) = state.order_after(producer as CUstream, state.stream.raw()) {
+                // A broken context: wait instead, so no source is reused before it is read.
+                let _ = state.stream.synchronize();
+                result = Err(e);
+            }
+        }
+        self.keep.clear();
+        result
     }
 }
 
@@ -96,45 +144,74 @@ pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<
     let array = match framework {
         // NumPy scalars have no `__dlpack__`; a 0-d array holds the same.
         Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (value,))?,
-        _ if value.hasattr("__dlpack__")? => value.clone(),
+        _ if value.hasattr(intern!(py, "__dlpack__"))? => value.clone(),
         _ => return Ok(None),
     };
-    if order.never_copy {
-        return Err(ImportError::Refused(
-            "would be copied into channel memory, and copy=\"never\" was asked (only arrays received from a \
-             channel are sent without a copy)"
-                .into(),
-        ));
-    }
-    if framework == Framework::Torch && array.getattr("requires_grad")?.is_truthy()? {
+    if framework == Framework::Torch && array.getattr(intern!(py, "requires_grad"))?.is_truthy()? {
         return Err(ImportError::Refused("requires grad: send x.detach() (gradients do not cross processes)".into()));
     }
-    let tensor = match exchange::api_of(&array) {
+    let (tensor, copied) = match exchange::api_of(&array) {
         Some(api) => {
             stats::SEND_EXCHANGE_API.add(1);
             import_described(&array, api, order)?
         }
         None => {
             stats::SEND_DLPACK_FALLBACK.add(1);
-            import_dlpack(&array, order)?
+            (import_dlpack(&array, order)?, true)
         }
     };
-    stats::SEND_COPIES.add(1);
-    stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
+    if copied {
+        stats::SEND_COPIES.add(1);
+        stats::SEND_COPY_BYTES.add(tensor.nbytes() as u64);
+    } else {
+        stats::SEND_ZERO_COPIES.add(1);
+        stats::SEND_ZERO_COPY_BYTES.add(tensor.nbytes() as u64);
+    }
     Ok(Some((tensor, framework)))
 }
 
-/// Through the framework's exchange table: no Python calls.
+/// Refuses an array that would be copied when `copy="never"` was asked.
+fn may_copy(order: &SendOrder) -> Result<(), ImportError> {
+    if order.never_copy {
+        return Err(ImportError::Refused(
+            "would be copied into channel memory, and copy=\"never\" was asked (only arrays received from a \
+             channel and CUDA tensors made inside `with tensor_queue.shareable():` are sent without a copy)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// A CUDA array that lies inside `tq.shareable()` memory, as a view of it (no copy) ordered after
+/// `producer`; `None` for any other array.
+fn zero_copy(
+    t: &DLTensor,
+    layout: &Layout,
+    producer: CUstream,
+    order: &mut SendOrder,
+) -> Result<Option<Tensor>, ImportError> {
+    let ptr = t.data as u64 + t.byte_offset;
+    let strides = layout.strides.clone().unwrap_or_else(|| tensor_queue::contiguous_strides(&layout.dims));
+    let Some(tensor) = shareable::find(ptr, layout.dtype, &layout.dims, &strides) else {
+        return Ok(None);
+    };
+    // The message goes ordered after this extension's stream, which waits for the producer's.
+    order.after_producer(t.device.device_id, producer).map_err(ImportError::Refused)?;
+    Ok(Some(tensor))
+}
+
+/// Through the framework's exchange table: no Python calls. The tensor, and whether it is a copy.
 fn import_described(
     array: &Bound<'_, PyAny>,
     api: exchange::Api,
     order: &mut SendOrder,
-) -> Result<Tensor, ImportError> {
+) -> Result<(Tensor, bool), ImportError> {
     let py = array.py();
     let described = api.describe(array).map_err(|e| refused_export(py, e))?;
     if described.device.device_type != DLDeviceType::CUDA {
+        may_copy(order)?;
         // SAFETY: `described` is valid while `array` lives and Python is not re-entered.
-        return unsafe { copy_in(&described) }.map_err(ImportError::Refused);
+        return unsafe { copy_in(&described) }.map(|t| (t, true)).map_err(ImportError::Refused);
     }
     let ordinal = described.device.device_id;
     let producer = match order.explicit {
@@ -142,24 +219,34 @@ fn import_described(
         None => api.current_stream(py, ordinal)?,
     };
     // SAFETY: as above.
-    if unsafe { layout(&described) }.map_err(ImportError::Refused)?.contiguous {
-        // SAFETY: as above.
-        return unsafe { copy_device(&described, producer, order) }.map_err(ImportError::Refused);
+    let layout = unsafe { layout(&described) }.map_err(ImportError::Refused)?;
+    if let Some(tensor) = zero_copy(&described, &layout, producer, order)? {
+        return Ok((tensor, false));
     }
-    // Strided: the framework makes it contiguous on the same stream first.
+    may_copy(order)?;
+    if layout.contiguous {
+        // SAFETY: as above.
+        return unsafe { copy_device(&described, producer, order) }.map(|t| (t, true)).map_err(ImportError::Refused);
+    }
+    // Strided: the framework makes it contiguous on the same stream first, which our stream must
+    // then wait for; the copy is kept until the producer's stream waits for ours.
     let contiguous = array.call_method0("contiguous")?;
+    order.producer_moved(ordinal, producer);
     let described = api.describe(&contiguous).map_err(|e| refused_export(py, e))?;
-    // SAFETY: `described` is valid while `contiguous` lives (to the end of this function).
-    unsafe { copy_device(&described, producer, order) }.map_err(ImportError::Refused)
+    // SAFETY: `described` is valid while `contiguous` lives (in `order.keep`, past the copy).
+    let copied = unsafe { copy_device(&described, producer, order) }.map(|t| (t, true)).map_err(ImportError::Refused);
+    order.keep.push(contiguous.unbind());
+    copied
 }
 
-/// Through `__dlpack__` (other frameworks, older torch).
+/// Through `__dlpack__` (other frameworks, older torch): always a copy.
 fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tensor, ImportError> {
+    may_copy(order)?;
     let py = array.py();
     let kwargs = PyDict::new(py);
-    kwargs.set_item("max_version", (1, 0))?;
+    kwargs.set_item(intern!(py, "max_version"), (1, 0))?;
     let mut cuda = None;
-    if let Ok(device) = array.call_method0("__dlpack_device__") {
+    if let Ok(device) = array.call_method0(intern!(py, "__dlpack_device__")) {
         let (device_type, device_id): (i32, i32) = device.extract()?;
         if device_type == DLDeviceType::CUDA.0 as i32 {
             let state = gpu::device(device_id).map_err(ImportError::Refused)?;
@@ -178,7 +265,7 @@ fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tens
             )));
         }
     }
-    let capsule = match array.call_method("__dlpack__", (), Some(&kwargs)) {
+    let capsule = match array.call_method(intern!(py, "__dlpack__"), (), Some(&kwargs)) {
         Ok(capsule) => capsule,
         // Producers older than DLPack 1.0 take no `max_version`.
         Err(error) if error.is_instance_of::<PyTypeError>(py) => {
@@ -251,8 +338,11 @@ unsafe fn copy_device(t: &DLTensor, producer: CUstream, order: &mut SendOrder) -
         return Err("is a strided CUDA array: make it contiguous first".into());
     }
     let ptr = t.data as u64 + t.byte_offset;
-    let (tensor, state) = gpu::copy_in(t.device.device_id, ptr, dtype, &dims, producer)?;
-    order.used(state);
+    let state = order.after_producer(t.device.device_id, producer)?;
+    let tensor = gpu::copy_in(&state, ptr, dtype, &dims)?;
+    if !order.copied_from.iter().any(|(s, p)| s.ordinal == state.ordinal && *p == producer as usize) {
+        order.copied_from.push((state, producer as usize));
+    }
     Ok(tensor)
 }
 
@@ -594,11 +684,11 @@ impl Array {
         let size = self.tensor.dtype().size() as i64;
         let strides: Vec<i64> = self.tensor.strides().iter().map(|s| s * size).collect();
         let dict = PyDict::new(py);
-        dict.set_item("version", 3)?;
-        dict.set_item("shape", PyTuple::new(py, self.tensor.shape())?)?;
-        dict.set_item("typestr", typestr)?;
-        dict.set_item("data", (data as usize, !writable))?;
-        dict.set_item("strides", PyTuple::new(py, strides)?)?;
+        dict.set_item(intern!(py, "version"), 3)?;
+        dict.set_item(intern!(py, "shape"), PyTuple::new(py, self.tensor.shape())?)?;
+        dict.set_item(intern!(py, "typestr"), typestr)?;
+        dict.set_item(intern!(py, "data"), (data as usize, !writable))?;
+        dict.set_item(intern!(py, "strides"), PyTuple::new(py, strides)?)?;
         Ok(dict)
     }
 
@@ -642,23 +732,32 @@ impl Array {
 }
 
 /// The Python object for a received array, as the framework it left.
-pub fn export(py: Python<'_>, tensor: Tensor, framework: Framework) -> PyResult<Bound<'_, PyAny>> {
+/// `ordered`: the stream waits already queued for this message (see `gpu::Lent::new`).
+pub fn export<'py>(
+    py: Python<'py>,
+    tensor: Tensor,
+    framework: Framework,
+    ordered: &mut Vec<(usize, usize)>,
+) -> PyResult<Bound<'py, PyAny>> {
     stats::ARRAYS_RECEIVED.add(1);
     let array = Bound::new(py, Array { tensor, framework })?;
+    // Looked up once per process, not once per array.
+    static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    static FROM_DLPACK: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     match framework {
-        Framework::Numpy => py.import("numpy")?.call_method1("asarray", (array,)),
-        Framework::NumpyScalar => py.import("numpy")?.call_method1("asarray", (array,))?.get_item(()),
+        Framework::Numpy => ASARRAY.import(py, "numpy", "asarray")?.call1((array,)),
+        Framework::NumpyScalar => ASARRAY.import(py, "numpy", "asarray")?.call1((array,))?.get_item(()),
         Framework::Torch if array.get().tensor.device() != TensorDevice::Host => {
             let tensor = array.get().tensor.clone();
             drop(array);
-            export_cuda_torch(py, tensor)
+            export_cuda_torch(py, tensor, ordered)
         }
         Framework::Torch => {
             let nbytes = array.get().tensor.nbytes() as u64;
             // Legacy capsule: torch takes it whatever its version; the clone gives torch memory
             // it owns and may write (torch has no read-only tensors).
             let capsule = array.get().capsule(py, false)?;
-            let tensor = py.import("torch.utils.dlpack")?.call_method1("from_dlpack", (capsule,))?;
+            let tensor = FROM_DLPACK.import(py, "torch.utils.dlpack", "from_dlpack")?.call1((capsule,))?;
             stats::RECEIVE_COPIES.add(1);
             stats::RECEIVE_COPY_BYTES.add(nbytes);
             tensor.call_method0("clone")
@@ -668,7 +767,11 @@ pub fn export(py: Python<'_>, tensor: Tensor, framework: Framework) -> PyResult<
 }
 
 /// A received CUDA tensor as a torch tensor, without a copy, ordered on torch's current stream.
-fn export_cuda_torch(py: Python<'_>, tensor: Tensor) -> PyResult<Bound<'_, PyAny>> {
+fn export_cuda_torch<'py>(
+    py: Python<'py>,
+    tensor: Tensor,
+    ordered: &mut Vec<(usize, usize)>,
+) -> PyResult<Bound<'py, PyAny>> {
     let failed = |e: String| crate::errors::raise("TensorQueueError", e);
     let ordinal = gpu::ordinal_of(&tensor).map_err(failed)?;
     let api = exchange::torch_api(py)?;
@@ -682,7 +785,7 @@ fn export_cuda_torch(py: Python<'_>, tensor: Tensor) -> PyResult<Bound<'_, PyAny
     let shape: Vec<i64> = tensor.shape().iter().map(|&n| n as i64).collect();
     let strides = tensor.strides().to_vec();
     let dtype = dl_dtype(tensor.dtype());
-    let lent = gpu::Lent::new(tensor, consumer).map_err(failed)?;
+    let lent = gpu::Lent::new(tensor, consumer, ordered).map_err(failed)?;
     let data = lent.ptr().map_err(failed)? as usize as *mut c_void;
     let mut export = Box::new(Exported {
         managed: DLManagedTensorVersioned {

@@ -19,7 +19,11 @@ pub fn to_py(error: Error) -> PyErr {
         Error::RouteRefused(_) => "RouteRefused",
         // A TCP peer that failed the secret's challenge is refused as surely as one of another user.
         Error::PeerRefused(_) | Error::Core(ipc_core::Error::AuthFailed { .. }) => "PeerRefused",
-        Error::Invalid(_) => "InvalidArgument",
+        Error::Invalid(_)
+        | Error::BadEndpoint { .. }
+        | Error::ReadOnly
+        | Error::SecretTooShort { .. }
+        | Error::SecretNotSet { .. } => "InvalidArgument",
         Error::Frame { .. }
         | Error::Protocol(_)
         | Error::ConnectionClosed { .. }

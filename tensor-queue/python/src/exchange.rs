@@ -99,8 +99,20 @@ impl Api {
     }
 }
 
-/// torch's table, found through `torch.Tensor` (for receipts, where no torch object is at hand).
+/// torch's table (its address), once found.
+static TORCH: OnceLock<Option<usize>> = OnceLock::new();
+
+/// torch's table, found through `torch.Tensor` (for receipts, where no torch object is at hand)
+/// once per process: an import and an attribute lookup per received tensor add up.
 pub fn torch_api(py: Python<'_>) -> PyResult<Option<Api>> {
-    let tensor_type = py.import("torch")?.getattr("Tensor")?;
-    Ok(api_of_type(tensor_type.cast::<pyo3::types::PyType>()?))
+    let address = match TORCH.get() {
+        Some(&address) => address,
+        None => {
+            let tensor_type = py.import("torch")?.getattr("Tensor")?;
+            let found = api_of_type(tensor_type.cast::<pyo3::types::PyType>()?).map(|api| api.0 as *const _ as usize);
+            *TORCH.get_or_init(|| found)
+        }
+    };
+    // SAFETY: stored from a live table; tables are static in their framework.
+    Ok(address.map(|address| Api(unsafe { &*(address as *const DLPackExchangeAPI) })))
 }

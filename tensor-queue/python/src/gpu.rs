@@ -27,6 +27,26 @@ pub struct DeviceState {
     pub context: Arc<Context>,
     /// Copies into channel memory and releases run here.
     pub stream: Stream,
+    /// The event every ordering records and waits on (reused: a wait takes the event's state
+    /// when it is queued, so recording it again later changes no earlier wait). Creating and
+    /// destroying one per tensor cost two driver calls each time.
+    event: Mutex<Event>,
+}
+
+impl DeviceState {
+    /// Makes `waiter` wait for the work queued on `stream` so far (raw handles: torch's streams
+    /// or ours).
+    pub fn order_after(&self, waiter: CUstream, stream: CUstream) -> Result<(), String> {
+        let event = self.event.lock().unwrap_or_else(|e| e.into_inner());
+        self.context.bind().map_err(|e| e.to_string())?;
+        // SAFETY: both streams are live in this context (torch's current stream, or ours), the
+        // event too; the lock keeps another thread's record from landing between the two calls.
+        unsafe {
+            driver!(cuEventRecord(event.raw(), stream)).map_err(|e| e.to_string())?;
+            driver!(cuStreamWaitEvent(waiter, event.raw(), 0)).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
 }
 
 static DEVICES: OnceLock<Mutex<HashMap<i32, Arc<DeviceState>>>> = OnceLock::new();
@@ -40,7 +60,8 @@ pub fn device(ordinal: i32) -> Result<Arc<DeviceState>, String> {
     }
     let context = Context::on_ordinal(ordinal).map_err(|e| format!("GPU {ordinal}: {e}"))?;
     let stream = Stream::new(&context).map_err(|e| format!("GPU {ordinal}: {e}"))?;
-    let state = Arc::new(DeviceState { ordinal, context, stream });
+    let event = Mutex::new(Event::new(&context).map_err(|e| format!("GPU {ordinal}: {e}"))?);
+    let state = Arc::new(DeviceState { ordinal, context, stream, event });
     devices.insert(ordinal, state.clone());
     Ok(state)
 }
@@ -64,46 +85,34 @@ impl DeviceMemory for Foreign {
     }
 }
 
-/// Makes `waiter` wait for the work queued on `stream` so far (raw handles: torch's streams).
-fn order_after(context: &Arc<Context>, waiter: CUstream, stream: CUstream) -> Result<(), String> {
-    let event = Event::new(context).map_err(|e| e.to_string())?;
-    context.bind().map_err(|e| e.to_string())?;
-    // SAFETY: both streams are live in `context` (torch's current stream, or ours), the event too;
-    // an event may be destroyed while the work it captured is pending.
-    unsafe {
-        driver!(cuEventRecord(event.raw(), stream)).map_err(|e| e.to_string())?;
-        driver!(cuStreamWaitEvent(waiter, event.raw(), 0)).map_err(|e| e.to_string())?;
-    }
-    Ok(())
-}
-
-/// Copies `nbytes` of contiguous device memory at `ptr` on GPU `ordinal` into a new channel
-/// tensor, ordered after `producer` (torch's stream), which then waits for the copy.
-pub fn copy_in(
-    ordinal: i32,
-    ptr: CUdeviceptr,
-    dtype: DType,
-    dims: &[u64],
-    producer: CUstream,
-) -> Result<(Tensor, Arc<DeviceState>), String> {
-    let state = device(ordinal)?;
+/// Copies `nbytes` of contiguous device memory at `ptr` on `state`'s GPU into a new channel
+/// tensor on `state`'s stream. The caller orders that stream after the producer's first, and the
+/// producer's stream after it before the source may be reused (see `dlpack::SendOrder`).
+pub fn copy_in(state: &DeviceState, ptr: CUdeviceptr, dtype: DType, dims: &[u64]) -> Result<Tensor, String> {
     let tensor = Tensor::empty_cuda(&state.context, dtype, dims).map_err(|e| e.to_string())?;
     let nbytes = tensor.nbytes();
-    order_after(&state.context, state.stream.raw(), producer)?;
     let source = Foreign { ptr, len: nbytes, context: state.context.clone() };
     let view = tensor.cuda_view().map_err(|e| e.to_string())?;
     state.stream.copy_async(&view, 0, &source, 0, nbytes).map_err(|e| e.to_string())?;
     drop(view);
-    order_after(&state.context, producer, state.stream.raw())?;
-    Ok((tensor, state))
+    Ok(tensor)
 }
+
+/// Ordinals by GPU UUID (finding one enumerates the devices: several driver calls per tensor).
+static ORDINALS: OnceLock<Mutex<HashMap<ipc_core::Uuid, i32>>> = OnceLock::new();
 
 /// The ordinal of a received CUDA tensor's GPU.
 pub fn ordinal_of(tensor: &Tensor) -> Result<i32, String> {
-    match tensor.device() {
-        TensorDevice::Cuda(uuid) => ipc_core::Device::by_uuid(&uuid).map(|d| d.ordinal()).map_err(|e| e.to_string()),
-        TensorDevice::Host => Err("a host tensor".into()),
+    let TensorDevice::Cuda(uuid) = tensor.device() else {
+        return Err("a host tensor".into());
+    };
+    let ordinals = ORDINALS.get_or_init(Default::default);
+    if let Some(&ordinal) = ordinals.lock().unwrap_or_else(|e| e.into_inner()).get(&uuid) {
+        return Ok(ordinal);
     }
+    let ordinal = ipc_core::Device::by_uuid(&uuid).map(|d| d.ordinal()).map_err(|e| e.to_string())?;
+    ordinals.lock().unwrap_or_else(|e| e.into_inner()).insert(uuid, ordinal);
+    Ok(ordinal)
 }
 
 /// A received CUDA tensor lent to torch: ordered on `consumer`, and given back on drop only after
@@ -127,11 +136,17 @@ fn recorded() -> std::sync::MutexGuard<'static, HashMap<CUdeviceptr, Vec<usize>>
 }
 
 impl Lent {
-    /// Lends `tensor` to work on `consumer` (torch's current stream of its device).
-    pub fn new(tensor: Tensor, consumer: CUstream) -> Result<Lent, String> {
+    /// Lends `tensor` to work on `consumer` (torch's current stream of its device). `ordered`
+    /// lists the (consumer, stream) waits already queued for this message: its tensors landed
+    /// before any was handed over, so one wait per pair covers them all.
+    pub fn new(tensor: Tensor, consumer: CUstream, ordered: &mut Vec<(usize, usize)>) -> Result<Lent, String> {
         let state = device(ordinal_of(&tensor)?)?;
         if let Some(stream) = tensor.stream() {
-            order_after(&state.context, consumer, stream.raw())?;
+            let pair = (consumer as usize, stream.raw() as usize);
+            if !ordered.contains(&pair) {
+                state.order_after(consumer, stream.raw())?;
+                ordered.push(pair);
+            }
         }
         let lent = Lent { tensor, state, consumer };
         recorded().insert(lent.ptr()?, Vec::new());
@@ -147,9 +162,9 @@ impl Lent {
 impl Drop for Lent {
     fn drop(&mut self) {
         let extra = self.ptr().ok().and_then(|ptr| recorded().remove(&ptr)).unwrap_or_default();
-        let mut ordered = order_after(&self.state.context, self.state.stream.raw(), self.consumer).is_ok();
+        let mut ordered = self.state.order_after(self.state.stream.raw(), self.consumer).is_ok();
         for stream in extra {
-            ordered &= order_after(&self.state.context, self.state.stream.raw(), stream as CUstream).is_ok();
+            ordered &= self.state.order_after(self.state.stream.raw(), stream as CUstream).is_ok();
         }
         if !ordered || self.tensor.record_stream(&self.state.stream).is_err() {
             // Ordering failed (a broken context): wait instead of handing memory back early.

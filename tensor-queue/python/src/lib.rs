@@ -10,6 +10,7 @@ mod dlpack;
 mod errors;
 mod exchange;
 mod gpu;
+mod shareable;
 mod stats;
 mod value;
 
@@ -54,6 +55,19 @@ fn has_exchange_api(value: &Bound<'_, PyAny>) -> bool {
     exchange::api_of(value).is_some()
 }
 
+/// Whether this build has tensor-queue's test switches (the `test-switches` feature: the GPU
+/// bundle's test wheel); without them `TENSOR_QUEUE_TEST_SKIP_ORDERING` does nothing.
+#[pyfunction]
+fn test_switches() -> bool {
+    cfg!(feature = "test-switches")
+}
+
+/// How many blocks of channel memory torch's `tq.shareable()` pools hold in this process.
+#[pyfunction]
+fn shareable_blocks() -> usize {
+    shareable::block_count()
+}
+
 /// The extension's version (the workspace's).
 #[pyfunction]
 fn version() -> &'static str {
@@ -71,6 +85,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(memory_trim, m)?)?;
     m.add_function(wrap_pyfunction!(is_gpu_available, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(test_switches, m)?)?;
+    m.add_function(wrap_pyfunction!(shareable_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(record_stream, m)?)?;
     m.add_function(wrap_pyfunction!(has_exchange_api, m)?)?;
     m.add_function(wrap_pyfunction!(stats::stats, m)?)?;

@@ -31,6 +31,10 @@ pub static ARRAYS_RECEIVED: Counter = Counter::new();
 pub static SEND_COPIES: Counter = Counter::new();
 /// Their bytes.
 pub static SEND_COPY_BYTES: Counter = Counter::new();
+/// CUDA arrays sent without a copy (made inside `tq.shareable()`: they lie in channel memory).
+pub static SEND_ZERO_COPIES: Counter = Counter::new();
+/// Their bytes.
+pub static SEND_ZERO_COPY_BYTES: Counter = Counter::new();
 /// Arrays taken through a framework's DLPack C exchange table (torch: no Python calls).
 pub static SEND_EXCHANGE_API: Counter = Counter::new();
 /// Arrays taken through `__dlpack__` (other frameworks, older torch; a GPU copy waits on the CPU).
@@ -40,13 +44,15 @@ pub static RECEIVE_COPIES: Counter = Counter::new();
 /// Their bytes.
 pub static RECEIVE_COPY_BYTES: Counter = Counter::new();
 
-const ALL: [(&str, &Counter); 10] = [
+const ALL: [(&str, &Counter); 12] = [
     ("messages_sent", &MESSAGES_SENT),
     ("messages_received", &MESSAGES_RECEIVED),
     ("arrays_sent", &ARRAYS_SENT),
     ("arrays_received", &ARRAYS_RECEIVED),
     ("send_copies", &SEND_COPIES),
     ("send_copy_bytes", &SEND_COPY_BYTES),
+    ("send_zero_copies", &SEND_ZERO_COPIES),
+    ("send_zero_copy_bytes", &SEND_ZERO_COPY_BYTES),
     ("send_exchange_api", &SEND_EXCHANGE_API),
     ("send_dlpack_fallback", &SEND_DLPACK_FALLBACK),
     ("receive_copies", &RECEIVE_COPIES),

@@ -118,7 +118,11 @@ fn type_name(value: &Bound<'_, PyAny>) -> String {
 /// Encodes a Python message; `order` gathers what its GPU arrays' copies need.
 pub fn encode(message: &Bound<'_, PyAny>, order: &mut SendOrder) -> PyResult<Value> {
     let mut path = Vec::new();
-    encode_at(message, &mut path, false, order)
+    let encoded = encode_at(message, &mut path, false, order);
+    let finished = order.finish().map_err(|e| raise("TensorQueueError", e));
+    let encoded = encoded?;
+    finished?;
+    Ok(encoded)
 }
 
 fn not_sendable(path: &[Step<'_>], why: impl std::fmt::Display) -> PyErr {
@@ -210,6 +214,11 @@ fn encode_at<'py>(
 
 /// Decodes a received message into Python objects.
 pub fn decode<'py>(py: Python<'py>, value: Value) -> PyResult<Bound<'py, PyAny>> {
+    decode_at(py, value, &mut Vec::new())
+}
+
+/// `ordered`: the stream waits queued so far for this message's CUDA tensors.
+fn decode_at<'py>(py: Python<'py>, value: Value, ordered: &mut Vec<(usize, usize)>) -> PyResult<Bound<'py, PyAny>> {
     Ok(match value {
         Value::None => py.None().into_bound(py),
         Value::Bool(b) => PyBool::new(py, b).to_owned().into_any(),
@@ -219,21 +228,21 @@ pub fn decode<'py>(py: Python<'py>, value: Value) -> PyResult<Bound<'py, PyAny>>
         Value::Str(s) => PyString::new(py, &s).into_any(),
         Value::Bytes(b) => PyBytes::new(py, &b).into_any(),
         Value::List(items) => {
-            let items = items.into_iter().map(|v| decode(py, v)).collect::<PyResult<Vec<_>>>()?;
+            let items = items.into_iter().map(|v| decode_at(py, v, ordered)).collect::<PyResult<Vec<_>>>()?;
             PyList::new(py, items)?.into_any()
         }
         Value::Tuple(items) => {
-            let items = items.into_iter().map(|v| decode(py, v)).collect::<PyResult<Vec<_>>>()?;
+            let items = items.into_iter().map(|v| decode_at(py, v, ordered)).collect::<PyResult<Vec<_>>>()?;
             PyTuple::new(py, items)?.into_any()
         }
         Value::Dict(items) => {
             let dict = PyDict::new(py);
             for (k, v) in items {
-                dict.set_item(decode(py, k)?, decode(py, v)?)?;
+                dict.set_item(decode_at(py, k, ordered)?, decode_at(py, v, ordered)?)?;
             }
             dict.into_any()
         }
-        Value::Array(tensor, framework) => dlpack::export(py, tensor, framework)?,
+        Value::Array(tensor, framework) => dlpack::export(py, tensor, framework, ordered)?,
     })
 }
 

@@ -15,7 +15,9 @@ own memory is never exported. Received host memory is read-only: a NumPy array a
 ``writeable=False`` (``arr.copy()`` to write); a torch host tensor arrives as a copy torch owns
 (torch has no read-only tensors, and a write to read-only memory would kill the process). A CUDA
 tensor arrives without a copy, ordered on the receiver's current stream; its memory goes back when
-torch frees it and the work queued on it is done (see ``record_stream``).
+torch frees it and the work queued on it is done (see ``record_stream``). For zero copy, allocate
+CUDA tensors inside ``with tq.shareable():`` (channel memory): those are sent without a copy and
+the consumer's writes reach the producer.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ._errors import (
 )
 from ._native import Array, Broadcast, Receiver, Sender, is_gpu_available, reset_stats, stats
 from ._queue import Queue
+from ._shareable import shareable, shareable_pool
 from . import memory
 
 __version__: str = _native.version()
@@ -125,5 +128,7 @@ __all__ = [
     "memory",
     "record_stream",
     "reset_stats",
+    "shareable",
+    "shareable_pool",
     "stats",
 ]

@@ -100,33 +100,88 @@ def produce_torch(q: tq.Queue, n: int) -> None:
 # --- GPU workers (torch with CUDA) ---
 
 
-def gpu_produce_seed(q: tq.Queue, results: tq.Queue, skip_ordering: bool) -> None:
-    """The seed scenario: y is still being computed (queued matmuls) when it is sent."""
+SEED_SHAPE = (2048, 2048)
+
+
+def gpu_seed_consume(address: str, skip_ordering: bool, out) -> None:  # noqa: ANN001
+    """The seed scenario's consumer, in a process of its own so that the test switch (read once a
+    process) applies to it alone. Its checksum kernels are launched on the current stream the
+    moment `recv` returns, with no torch synchronisation in between: only the channel's ordering
+    keeps them after the producer's queued work."""
+    if skip_ordering:
+        # The negative control: receivers skip the stream wait (a `test-switches` build only).
+        os.environ["TENSOR_QUEUE_TEST_SKIP_ORDERING"] = "1"
     import torch
 
-    torch.manual_seed(0)
-    a = torch.randn(2048, 2048, device="cuda")
-    # Warm up: the first send maps channel memory, which may wait for the device; the consumer
-    # holds this one, so the memory stays mapped for the real send.
-    q.put({"warm": torch.zeros(2048, 2048, device="cuda")})
+    with tq.Receiver.bind(address) as receiver:
+        # Warm up: map the producer's memory and give the block back, so the real message reuses
+        # it with no mapping or allocation (which may wait for the device) on either side.
+        warm = receiver.recv(timeout=120)
+        stale = float(torch.sum(warm["x"], dtype=torch.float64))
+        del warm
+        torch.cuda.synchronize()
+        msg = receiver.recv(timeout=120)
+        x = msg["x"]
+        total = torch.sum(x, dtype=torch.float64)  # launched at once on the current stream
+        norm = torch.linalg.vector_norm(x, dtype=torch.float64)
+        got = {"sum": float(total), "norm": float(norm)}
+        out.put(
+            {
+                "who": "consumer",
+                **got,
+                "stale_sum": stale,
+                "step": msg["step"],
+                "cuda": x.is_cuda,
+                "test_switches": tq._native.test_switches(),
+            }
+        )
+        del msg, x
+        torch.cuda.synchronize()
+
+
+def gpu_seed_produce(address: str, seed: int, out) -> None:  # noqa: ANN001
+    """The seed scenario's producer: y is still being computed (a long sleep, then matmuls, queued)
+    when it is sent; the copy into channel memory is queued behind that work."""
+    import torch
+
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            sender = tq.Sender.connect(address)
+            break
+        except tq.TensorQueueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    torch.manual_seed(seed)
+    a = torch.randn(*SEED_SHAPE, device="cuda")
+
+    def compute(sleep_cycles: int) -> torch.Tensor:
+        y = torch.zeros(*SEED_SHAPE, device="cuda")
+        if sleep_cycles:
+            torch.cuda._sleep(sleep_cycles)  # the queue is busy: what follows runs well after send returns
+        y.copy_(a)
+        for _ in range(8):
+            y = y @ a / 64.0
+        return y
+
+    compute(0)  # torch's caching allocator holds the blocks the real run needs
+    # Stale data of the same size (all -1) sent, read and given back: the real message reuses the
+    # block, so its send maps and allocates nothing.
+    sender.send({"x": torch.full(SEED_SHAPE, -1.0, device="cuda")}, timeout=60)
     torch.cuda.synchronize()
-    y = torch.zeros(2048, 2048, device="cuda")
-    torch.cuda._sleep(200_000_000)  # the queue is busy: what follows runs well after send returns
-    y.copy_(a)
-    for _ in range(8):
-        y = y @ a / 64.0
-    idle = torch.cuda.Stream()
-    if skip_ordering:
-        q.put({"x": y, "step": 3}, stream=idle)  # the negative control: ordered after an idle stream
-    else:
-        q.put({"x": y, "step": 3})
+    if not sender.wait_released(120):
+        raise RuntimeError("the consumer did not give the warm-up tensor back within 120 s")
+    y = compute(1_000_000_000)  # about half a second of queued work on an H100
+    sender.send({"x": y, "step": 3}, timeout=60)
     torch.cuda.synchronize()
     st = tq.stats()
     paths = (
         f"exchange_api={st['send_exchange_api']} dlpack_fallback={st['send_dlpack_fallback']} "
         f"(torch's exchange table usable here: {tq._native.has_exchange_api(y)}, torch {torch.__version__})"
     )
-    results.put({"sum": float(y.double().sum()), "norm": float(y.double().norm()), "paths": paths})
+    out.put({"who": "producer", "sum": float(y.double().sum()), "norm": float(y.double().norm()), "paths": paths})
+    sender.wait_released(120)  # the consumer has read it: the channel can close
 
 
 def gpu_receive_from_dying_producer(log) -> None:  # noqa: ANN001
@@ -213,17 +268,17 @@ def gpu_consume_many(address: str, n: int, out) -> None:  # noqa: ANN001
     import torch
 
     with tq.Receiver.bind(address, capacity=64) as receiver:
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device="cuda")
         first_allocated = None
         for i in range(n):
             msg = receiver.recv(timeout=120)
-            total += float(msg["x"][0]) if i % 1000 == 0 else 0.0
+            total += torch.sum(msg["x"], dtype=torch.float64)  # on the GPU, no CPU wait
             del msg
             if i == 1000:
                 torch.cuda.synchronize()
                 first_allocated = tq.memory.usage()["device_bytes"]
         torch.cuda.synchronize()
-        out.put({"first": first_allocated, "last": tq.memory.usage()["device_bytes"], "total": total})
+        out.put({"first": first_allocated, "last": tq.memory.usage()["device_bytes"], "total": float(total)})
 
 
 def gpu_write_back(address: str, done) -> None:  # noqa: ANN001
@@ -235,6 +290,20 @@ def gpu_write_back(address: str, done) -> None:  # noqa: ANN001
         torch.cuda.synchronize()
         done.set()
         time.sleep(2)
+
+
+def gpu_add_one_in_place(address: str, done) -> None:  # noqa: ANN001
+    """Adds 1 in place to every tensor of the message it receives, then says so (after a sync)."""
+    import torch
+
+    with tq.Receiver.bind(address) as receiver:
+        msg = receiver.recv(timeout=60)
+        for tensor in msg.values():
+            tensor.add_(1)
+        torch.cuda.synchronize()
+        done.set()
+        del msg
+        torch.cuda.synchronize()
 
 
 def gpu_receive_on(address: str, ordinal: int, out) -> None:  # noqa: ANN001

@@ -21,7 +21,6 @@ use std::task::{Context, Poll};
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 
 use super::{Receiver, Sender};
@@ -35,11 +34,8 @@ fn register(fd: std::os::fd::BorrowedFd<'_>) -> Result<Registration> {
         return Err(Error::Invalid("the async API needs a tokio runtime (with IO enabled)".into()));
     }
     let fd = fd.try_clone_to_owned().map_err(|e| ipc_core::Error::Os { what: "dup", source: e })?;
-    // SAFETY: an `OwnedFd` is open for as long as it lives, and `AsyncFd` owns this one: it stays
-    // the same open descriptor until the registration drops.
-    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.map_err(|e| {
-        ipc_core::Error::Os { what: "registering with the tokio reactor", source: e.into_parts().1 }.into()
-    })
+    ipc_core::reactor::register_readable(fd)
+        .map_err(|e| ipc_core::Error::Os { what: "registering with the tokio reactor", source: e }.into())
 }
 
 impl<T: DeserializeOwned> Receiver<T> {

@@ -7,22 +7,21 @@
 //!   that other threads start at the same moment do not inherit it.
 //! - The child takes it once and sets close-on-exec on it again, so its own children do not
 //!   inherit it either.
+//!
+//! The mechanism (and its `unsafe`) is `ipc_core::inherit`; this module names the variable and
+//! turns its errors into this crate's.
 
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
+use std::os::fd::OwnedFd;
 use std::process::{Child, Command};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use ipc_core::inherit::{TakeError, spawn_with_sockets, take_inherited_sockets};
 use ipc_core::seqpacket::Connection;
-use rustix::io::{FdFlags, fcntl_dupfd_cloexec, fcntl_setfd};
-use rustix::net::{AddressFamily, SocketType};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{DEFAULT_CAPACITY, ENDPOINT_ENV, Receiver, ReceiverOptions, Sender};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, SpawnStep};
 
 /// Starts `command` as a child with a channel to it: the child calls [`from_parent`] for the
 /// receiving end. The child is a fresh process (`exec`), never a fork of this one, so this is safe
@@ -48,8 +47,8 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 }
 
 /// [`spawn`], then waits up to `timeout` for the child to take its end ([`Sender::wait_ready`]).
-/// A child that exits first, or does not take it in time, is killed and reaped, and the error
-/// says which.
+/// A child that exits first ([`Error::Invalid`]), or does not take it in time
+/// ([`Error::Timeout`]), is killed and reaped; [`spawn_ready`] says which step in the error.
 ///
 /// ```no_run
 /// # fn main() -> tensor_queue::Result<()> {
@@ -64,27 +63,56 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 /// # Ok(()) }
 /// ```
 pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> Result<(Child, Sender<T>)> {
+    spawn_ready(command, timeout).map_err(|error| match error {
+        // `Error::Timeout` carries no text; the log says which step it was (`spawn_ready` says
+        // it in the error).
+        Error::ChildNotReady { program, step: SpawnStep::TakeChannel { timeout } } => {
+            tracing::warn!(program, ?timeout, "the child did not take its channel (from_parent) in time; killed");
+            Error::Timeout
+        }
+        Error::ChildNotReady { program, step: SpawnStep::Exited { status } } => Error::Invalid(format!(
+            "the child {program} ended ({status}) before taking its channel (does it call from_parent?)"
+        )),
+        other => other,
+    })
+}
+
+/// [`spawn_timeout`] with the failed step in the error: a child that does not take its end in
+/// time, or exits first, is killed and reaped and is [`Error::ChildNotReady`] with the
+/// [`SpawnStep`] (where `spawn_timeout` gives [`Error::Timeout`] or [`Error::Invalid`]).
+///
+/// ```
+/// use std::process::Command;
+/// use std::time::Duration;
+/// use tensor_queue::{Error, SpawnStep};
+/// // `true` exits at once without taking its channel.
+/// match tensor_queue::spawn_ready::<u32>(&mut Command::new("true"), Duration::from_secs(30)) {
+///     Err(Error::ChildNotReady { program, step: SpawnStep::Exited { status } }) => {
+///         assert_eq!(program, "true");
+///         assert!(status.success());
+///     }
+///     other => panic!("expected ChildNotReady, got {:?}", other.map(|_| ())),
+/// }
+/// // `sleep 30` never takes it: killed when the second is up.
+/// match tensor_queue::spawn_ready::<u32>(Command::new("sleep").arg("30"), Duration::from_secs(1)) {
+///     Err(Error::ChildNotReady { step: SpawnStep::TakeChannel { timeout }, .. }) => {
+///         assert_eq!(timeout, Duration::from_secs(1));
+///     }
+///     other => panic!("expected ChildNotReady, got {:?}", other.map(|_| ())),
+/// }
+/// ```
+pub fn spawn_ready<T: Serialize>(command: &mut Command, timeout: Duration) -> Result<(Child, Sender<T>)> {
     let (mut child, sender) = spawn(command)?;
     match sender.wait_ready(timeout) {
         Ok(()) => Ok((child, sender)),
         Err(error) => {
             let _ = child.kill();
             let status = child.wait().map_err(|e| Error::Invalid(format!("reaping the child: {e}")))?;
-            Err(match error {
-                Error::Timeout => {
-                    // `Error::Timeout` carries no text; the log says which step it was.
-                    tracing::warn!(
-                        program = program(command),
-                        ?timeout,
-                        "the child did not take its channel (from_parent) in time; killed"
-                    );
-                    Error::Timeout
-                }
-                _ => Error::Invalid(format!(
-                    "the child {} ended ({status}) before taking its channel (does it call from_parent?)",
-                    program(command)
-                )),
-            })
+            let step = match error {
+                Error::Timeout => SpawnStep::TakeChannel { timeout },
+                _ => SpawnStep::Exited { status },
+            };
+            Err(Error::ChildNotReady { program: program(command), step })
         }
     }
 }
@@ -118,44 +146,12 @@ pub fn spawn_duplex<Request: Serialize, Answer: DeserializeOwned>(
 
 /// Starts `command` with `count` socket pairs, the child's ends inherited; our ends, in order.
 fn start(command: &mut Command, count: usize) -> Result<(Child, Vec<Connection>)> {
-    let mut ours = Vec::with_capacity(count);
-    let mut theirs = Vec::with_capacity(count);
-    for _ in 0..count {
-        let (mine, child_end) = Connection::pair()?;
-        // Above the standard streams, which the child's stdio set-up may replace before our hook runs.
-        let child_end =
-            fcntl_dupfd_cloexec(&child_end, 3).map_err(|e| Error::Invalid(format!("duplicating a socket: {e}")))?;
-        ours.push(mine);
-        theirs.push(child_end);
-    }
-    let raws: Vec<RawFd> = theirs.iter().map(AsRawFd::as_raw_fd).collect();
-    let listed = raws.iter().map(RawFd::to_string).collect::<Vec<_>>().join(",");
-    // The hook stays on `command` after this call; disarmed, it does nothing if `command` is
-    // spawned again (by then the numbers may name other descriptors).
-    let armed = Arc::new(AtomicBool::new(true));
-    let hook_armed = armed.clone();
-    let hook = move || {
-        if hook_armed.load(Ordering::Relaxed) {
-            for &raw in &raws {
-                // SAFETY: `raw` is open in the child, a copy of this process's descriptor table
-                // at fork time, because `theirs` lives until the child has started; it is
-                // borrowed only for this call.
-                let fd = unsafe { BorrowedFd::borrow_raw(raw) };
-                fcntl_setfd(fd, FdFlags::empty())?;
-            }
+    spawn_with_sockets(command, ENDPOINT_ENV, count).map_err(|error| match error {
+        ipc_core::Error::Os { what: "starting the child", source } => {
+            Error::Invalid(format!("starting the child {}: {source}", program(command)))
         }
-        Ok(())
-    };
-    // SAFETY: the hook runs in the child between `fork` and `exec`, where only async-signal-safe
-    // calls are allowed: it reads an atomic and makes `fcntl` system calls (rustix calls the
-    // kernel directly), and neither allocates nor takes a lock (the list was made before).
-    unsafe { command.pre_exec(hook) };
-    let started = command.env(ENDPOINT_ENV, listed).spawn();
-    armed.store(false, Ordering::Relaxed);
-    // Our copies of the child's ends go, so that a child which exits without taking them hangs up.
-    drop(theirs);
-    let child = started.map_err(|e| Error::Invalid(format!("starting the child {}: {e}", program(command))))?;
-    Ok((child, ours))
+        other => other.into(),
+    })
 }
 
 /// The program `command` runs, for messages.
@@ -196,22 +192,30 @@ pub fn from_parent<T: DeserializeOwned>() -> Result<Receiver<T>> {
 /// # Ok(()) }
 /// ```
 pub fn from_parent_with_capacity<T: DeserializeOwned>(capacity: u32) -> Result<Receiver<T>> {
-    from_parent_with(ReceiverOptions { capacity, ..ReceiverOptions::default() })
+    from_parent_options(ReceiverOptions { capacity, ..ReceiverOptions::default() })
 }
 
 /// [`from_parent`] with `options` (the capacity per sender, and the routing policy).
 ///
 /// ```no_run
 /// # fn main() -> tensor_queue::Result<()> {
+/// # #![allow(deprecated)]
 /// use tensor_queue::route::{Landing, Routing};
 /// use tensor_queue::{ReceiverOptions, Tensor, from_parent_with};
 /// // A child that wants every tensor in host memory:
-/// let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..Default::default() };
+/// let mut options = ReceiverOptions::default();
+/// options.routing = Routing::default().land(Landing::Host);
 /// let mut inputs = from_parent_with::<Tensor>(options)?;
 /// let x = inputs.recv()?;
 /// # drop(x); Ok(()) }
 /// ```
+#[deprecated(note = "use `Receiver::builder().capacity(..).routing(..).from_parent()`")]
 pub fn from_parent_with<T: DeserializeOwned>(options: ReceiverOptions) -> Result<Receiver<T>> {
+    from_parent_options(options)
+}
+
+/// [`from_parent`] with `options` (what the builder and the deprecated `from_parent_with` do).
+pub(super) fn from_parent_options<T: DeserializeOwned>(options: ReceiverOptions) -> Result<Receiver<T>> {
     let mut sockets = take_parent_sockets()?;
     Receiver::from_connection_with(Connection::from(sockets.remove(0)), options)
 }
@@ -238,61 +242,24 @@ pub fn from_parent_duplex<Request: DeserializeOwned, Answer: Serialize>() -> Res
     Ok((requests, answers))
 }
 
-/// Whether this process has taken the descriptor from [`ENDPOINT_ENV`]: after that the number
-/// may name another file, so it must never be wrapped again.
-static TAKEN: AtomicBool = AtomicBool::new(false);
-
 /// Takes ownership of the sockets that [`spawn`] or [`spawn_duplex`] left open in this process.
 fn take_parent_sockets() -> Result<Vec<OwnedFd>> {
-    let value = std::env::var(ENDPOINT_ENV).map_err(|_| {
-        Error::Invalid(format!("{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"))
-    })?;
-    if TAKEN.load(Ordering::Acquire) {
-        return Err(already_taken());
-    }
-    let raws =
-        value.split(',').map(|number| number.parse::<RawFd>()).collect::<std::result::Result<Vec<_>, _>>().map_err(
-            |_| {
-                Error::Invalid(format!(
-                    "{ENDPOINT_ENV}={value:?} is not a list of descriptors (set by tensor_queue::spawn)"
-                ))
-            },
-        )?;
-    for &raw in &raws {
-        ipc_core::fd_passing::check_open(raw)?;
-        // SAFETY: `raw` is open (checked above) and borrowed only for these two queries.
-        let borrowed = unsafe { BorrowedFd::borrow_raw(raw) };
-        check_parent_socket(borrowed, raw)?;
-    }
-    if TAKEN.swap(true, Ordering::AcqRel) {
-        return Err(already_taken());
-    }
-    let mut fds = Vec::with_capacity(raws.len());
-    for raw in raws {
-        // SAFETY: `raw` is open and is a Unix `SOCK_SEQPACKET` socket (checked above), left open
-        // for this process by `spawn` and owned by nothing else here; `TAKEN` makes this the one
-        // `OwnedFd` ever made from it in this process.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        fcntl_setfd(&fd, FdFlags::CLOEXEC).map_err(|e| Error::Invalid(format!("setting close-on-exec: {e}")))?;
-        fds.push(fd);
-    }
-    Ok(fds)
-}
-
-fn already_taken() -> Error {
-    Error::Invalid("the channel from the parent was already taken: from_parent works once per process".into())
-}
-
-/// Checks that `fd` is what `spawn` leaves: a Unix `SOCK_SEQPACKET` socket.
-fn check_parent_socket(fd: BorrowedFd<'_>, raw: RawFd) -> Result<()> {
-    let wrong =
-        || Error::Invalid(format!("descriptor {raw} from {ENDPOINT_ENV} is not the socket tensor_queue::spawn left"));
-    let domain = rustix::net::sockopt::socket_domain(fd).map_err(|_| wrong())?;
-    let kind = rustix::net::sockopt::socket_type(fd).map_err(|_| wrong())?;
-    if domain != AddressFamily::UNIX || kind != SocketType::SEQPACKET {
-        return Err(wrong());
-    }
-    Ok(())
+    take_inherited_sockets(ENDPOINT_ENV).map_err(|error| match error {
+        TakeError::NotSet => {
+            Error::Invalid(format!("{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"))
+        }
+        TakeError::NotAList { value } => Error::Invalid(format!(
+            "{ENDPOINT_ENV}={value:?} is not a list of descriptors (set by tensor_queue::spawn)"
+        )),
+        TakeError::AlreadyTaken => {
+            Error::Invalid("the channel from the parent was already taken: from_parent works once per process".into())
+        }
+        TakeError::NotASocket { fd } => {
+            Error::Invalid(format!("descriptor {fd} from {ENDPOINT_ENV} is not the socket tensor_queue::spawn left"))
+        }
+        TakeError::Core(error) => error.into(),
+        other => Error::Invalid(format!("taking the channel from the parent: {other}")),
+    })
 }
 
 #[cfg(test)]
@@ -300,7 +267,7 @@ mod tests {
     use std::path::PathBuf;
     use std::process::Stdio;
 
-    use rustix::io::fcntl_getfd;
+    use ipc_core::inherit::close_on_exec;
 
     use super::*;
 
@@ -320,6 +287,7 @@ mod tests {
         for path in &squatted {
             std::fs::create_dir_all(path).unwrap();
         }
+        assert!(!crate::is_spawned_child());
         let mut command = Command::new(std::env::current_exe().unwrap());
         command.args(["--exact", NAME, "--test-threads=1", "--nocapture"]).stdout(Stdio::piped());
         let started = spawn::<u32>(&mut command);
@@ -336,14 +304,11 @@ mod tests {
     }
 
     fn child_side() {
-        let raw: RawFd = std::env::var(ENDPOINT_ENV).unwrap().parse().expect("one descriptor number");
-        // SAFETY: the descriptor is open (spawn left it) and borrowed only for this query.
-        let inherited = fcntl_getfd(unsafe { BorrowedFd::borrow_raw(raw) }).unwrap();
-        assert_eq!(inherited, FdFlags::empty(), "spawn cleared close-on-exec for the child");
+        let raw: std::os::fd::RawFd = std::env::var(ENDPOINT_ENV).unwrap().parse().expect("one descriptor number");
+        assert!(crate::is_spawned_child());
+        assert_eq!(close_on_exec(raw), Some(false), "spawn cleared close-on-exec for the child");
         let mut receiver = from_parent::<u32>().unwrap();
-        // SAFETY: `receiver` owns the descriptor and keeps it open; borrowed only for this query.
-        let taken = fcntl_getfd(unsafe { BorrowedFd::borrow_raw(raw) }).unwrap();
-        assert_eq!(taken, FdFlags::CLOEXEC, "our own children do not inherit it");
+        assert_eq!(close_on_exec(raw), Some(true), "our own children do not inherit it");
         let again = from_parent::<u32>().map(drop);
         assert!(matches!(again, Err(Error::Invalid(ref m)) if m.contains("already taken")), "{again:?}");
         assert_eq!(receiver.recv().unwrap(), 42);

@@ -6,7 +6,7 @@
 //! iteration instead of being an item. So it ends exactly when `recv` would say every sender has
 //! gone:
 //! - a receiver of one connection ([`spawn`](crate::spawn), [`from_parent`](crate::from_parent),
-//!   [`Receiver::from_connection`]): its sender has dropped (or its process ended) and every
+//!   [`spawn_duplex`](crate::spawn_duplex)): its sender has dropped (or its process ended) and every
 //!   message it sent has been received;
 //! - a bound receiver: at least one sender has joined, none is connected now, and every message
 //!   they sent has been received. That is a moment, not an end, unless the receiver knows no more

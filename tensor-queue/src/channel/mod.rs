@@ -107,6 +107,7 @@
 #[cfg(feature = "tokio")]
 mod asynchronous;
 mod broadcast;
+mod builder;
 mod child;
 pub mod iter;
 mod receiver;
@@ -114,11 +115,15 @@ mod select;
 mod sender;
 
 pub use crate::clock::monotonic_ns;
-pub use crate::links::endpoint::{ConnectOptions, Endpoint, TCP_PREFIX};
+pub use crate::error::{EndpointProblem, SpawnStep};
+pub use crate::links::endpoint::{ConnectOptions, Endpoint};
 pub use crate::recv::connection::{MessageInfo, UNFINISHED_IDLE};
 pub use broadcast::Broadcast;
+pub use builder::{ReceiverBuilder, SenderBuilder};
+#[allow(deprecated)] // still offered, deprecated where it is defined
+pub use child::from_parent_with;
 pub use child::{
-    from_parent, from_parent_duplex, from_parent_with, from_parent_with_capacity, spawn, spawn_duplex, spawn_timeout,
+    from_parent, from_parent_duplex, from_parent_with_capacity, spawn, spawn_duplex, spawn_ready, spawn_timeout,
 };
 pub use receiver::{Receiver, ReceiverOptions};
 pub use select::Select;
@@ -150,13 +155,17 @@ pub const DEFAULT_CAPACITY: u32 = 16;
 pub const SENDER_DROP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The environment variable through which [`spawn`] tells a child the number of the inherited
-/// descriptor that is its end of the channel.
+/// descriptor that is its end of the channel (ask [`is_spawned_child`] instead).
+pub(crate) const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
+
+/// Whether this process was started by [`spawn`] or [`spawn_duplex`] (so [`from_parent`] or
+/// [`from_parent_duplex`] has a channel to take).
 ///
 /// ```
 /// # fn main() -> tensor_queue::Result<()> {
-/// use tensor_queue::{channel::ENDPOINT_ENV, from_parent};
+/// use tensor_queue::{from_parent, is_spawned_child};
 /// // A worker that can also be started by hand, without a parent's channel:
-/// if std::env::var_os(ENDPOINT_ENV).is_some() {
+/// if is_spawned_child() {
 ///     let mut jobs = from_parent::<String>()?;
 ///     while let Ok(job) = jobs.recv() {
 ///         println!("{job}");
@@ -166,4 +175,11 @@ pub const SENDER_DROP_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// }
 /// # Ok(()) }
 /// ```
-pub const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
+///
+/// The variable's name is no longer public:
+/// ```compile_fail,E0603
+/// let _ = tensor_queue::channel::ENDPOINT_ENV;
+/// ```
+pub fn is_spawned_child() -> bool {
+    std::env::var_os(ENDPOINT_ENV).is_some()
+}

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipc_core::seqpacket::{Connection, Listener};
-use ipc_core::tcp::{Secret, TcpListener};
+use ipc_core::tcp::TcpListener;
 use ipc_core::{Stream, Uuid};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::io::Errno;
@@ -25,23 +25,29 @@ use crate::recv::connection::{Arrival, Connected, MessageInfo, Progress, Ready};
 use crate::recv::devices::Devices;
 use crate::recv::readiness::Readiness;
 use crate::route::{MAX_SOURCES, Routing};
+use crate::secret::Secret;
 use crate::side_table;
 use crate::sync::lock;
 use crate::wire::MAX_PACKET;
 
-/// How a receiver is set up.
+/// How a receiver is set up, for the deprecated [`Receiver::bind_with`] and
+/// [`from_parent_with`](crate::from_parent_with): build receivers with [`Receiver::builder`]
+/// instead. Not constructible with a literal (`#[non_exhaustive]`): start from `default()`.
 ///
 /// ```
-/// use tensor_queue::route::{Landing, Routing, Strictness};
+/// use tensor_queue::route::{Routing, Strictness};
 /// use tensor_queue::{DEFAULT_CAPACITY, ReceiverOptions};
-/// let options = ReceiverOptions::default();
+/// let mut options = ReceiverOptions::default();
 /// assert_eq!(options.capacity, DEFAULT_CAPACITY);
-/// assert_eq!(options.routing, Routing::default());
-/// // Refuse anything that is not zero-copy:
-/// let strict = ReceiverOptions { routing: Routing::default().strict(Strictness::ZeroCopy), ..options };
-/// assert_eq!(strict.routing.landing, Landing::AsSent);
+/// options.routing = Routing::default().strict(Strictness::ZeroCopy);
+/// ```
+///
+/// ```compile_fail,E0639
+/// use tensor_queue::{route::Routing, ReceiverOptions};
+/// let options = ReceiverOptions { capacity: 4, routing: Routing::default(), secret: None };
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReceiverOptions {
     /// Messages each sender may have sent and not yet received (at least 1).
     pub capacity: u32,
@@ -60,7 +66,7 @@ impl Default for ReceiverOptions {
 
 impl ReceiverOptions {
     /// The options with a capacity of at least 1, or why they cannot be used.
-    fn checked(mut self) -> Result<ReceiverOptions> {
+    pub(super) fn checked(mut self) -> Result<ReceiverOptions> {
         self.capacity = self.capacity.max(1);
         if self.routing.per_source.len() > MAX_SOURCES {
             return Err(Error::Invalid(format!("more than {MAX_SOURCES} per-source landings")));
@@ -165,29 +171,37 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn bind_with_capacity(endpoint: impl Into<Endpoint>, capacity: u32) -> Result<Receiver<T>> {
-        Receiver::bind_with(endpoint, ReceiverOptions { capacity, ..ReceiverOptions::default() })
+        Receiver::bind_options(endpoint.into(), ReceiverOptions { capacity, ..ReceiverOptions::default() })
     }
 
     /// Listens at `path` with `options`: the capacity per sender, and where GPU tensors land
     /// (see [`crate::route`]).
     ///
     /// ```
+    /// # #![allow(deprecated)]
     /// # fn main() -> tensor_queue::Result<()> {
     /// use tensor_queue::route::{Landing, Routing};
     /// use tensor_queue::{DType, Receiver, ReceiverOptions, Sender, Tensor};
     /// # let path = std::env::temp_dir().join(format!("doc-{}-bind-with.sock", std::process::id()));
     /// // A consumer that wants host tensors, whatever GPU they were made on.
-    /// let options = ReceiverOptions { routing: Routing::default().land(Landing::Host), ..Default::default() };
+    /// let mut options = ReceiverOptions::default();
+    /// options.routing = Routing::default().land(Landing::Host);
     /// let mut receiver = Receiver::<Tensor>::bind_with(&path, options)?;
     /// let sender = Sender::<Tensor>::connect(&path)?;
     /// sender.send(&Tensor::from_slice(&[1u8, 2], DType::U8, &[2])?)?;
     /// assert_eq!(receiver.recv()?.to_vec::<u8>()?, [1, 2]);
     /// # Ok(()) }
     /// ```
+    #[deprecated(note = "use `Receiver::builder().capacity(..).routing(..).secret(..).bind(endpoint)`")]
     pub fn bind_with(endpoint: impl Into<Endpoint>, options: ReceiverOptions) -> Result<Receiver<T>> {
+        Receiver::bind_options(endpoint.into(), options)
+    }
+
+    /// Listens at `endpoint` with `options` (what the builder and the deprecated `bind_with` do).
+    pub(super) fn bind_options(endpoint: Endpoint, options: ReceiverOptions) -> Result<Receiver<T>> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options)?;
-        let listening = options.listen(endpoint.into())?;
+        let listening = options.listen(endpoint)?;
         let acceptor = Acceptor::start(listening, options.greeting())?;
         receiver.readiness.watch(acceptor.doorbell.as_fd())?;
         receiver.acceptor = Some(acceptor);
@@ -195,37 +209,12 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     /// A receiver over an already connected socket (see [`super::from_parent`]).
-    ///
-    /// ```
-    /// # fn main() -> tensor_queue::Result<()> {
-    /// use ipc_core::seqpacket::Connection;
-    /// use tensor_queue::{Error, Receiver, Sender};
-    /// let (ours, theirs) = Connection::pair()?;
-    /// let mut receiver = Receiver::<String>::from_connection(ours, 4)?;
-    /// let sender = Sender::<String>::from_connection(theirs)?; // usually in a process you started
-    /// sender.send(&"ping".to_string())?;
-    /// assert_eq!(receiver.recv()?, "ping");
-    /// drop(sender);
-    /// assert!(matches!(receiver.recv(), Err(Error::Disconnected)), "its one sender left");
-    /// # Ok(()) }
-    /// ```
-    pub fn from_connection(connection: Connection, capacity: u32) -> Result<Receiver<T>> {
+    pub(crate) fn from_connection(connection: Connection, capacity: u32) -> Result<Receiver<T>> {
         Receiver::from_connection_with(connection, ReceiverOptions { capacity, ..ReceiverOptions::default() })
     }
 
     /// A receiver over an already connected socket, with `options`.
-    ///
-    /// ```
-    /// # fn main() -> tensor_queue::Result<()> {
-    /// use ipc_core::seqpacket::Connection;
-    /// use tensor_queue::{Receiver, ReceiverOptions, Sender};
-    /// let (ours, theirs) = Connection::pair()?;
-    /// let mut receiver = Receiver::<u8>::from_connection_with(ours, ReceiverOptions::default())?;
-    /// Sender::<u8>::from_connection(theirs)?.send(&3)?;
-    /// assert_eq!(receiver.recv()?, 3);
-    /// # Ok(()) }
-    /// ```
-    pub fn from_connection_with(connection: Connection, options: ReceiverOptions) -> Result<Receiver<T>> {
+    pub(crate) fn from_connection_with(connection: Connection, options: ReceiverOptions) -> Result<Receiver<T>> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options)?;
         let link = Link::new(Box::new(connection))?;
@@ -280,9 +269,9 @@ impl<T: DeserializeOwned> Receiver<T> {
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {
-    /// use tensor_queue::{Receiver, ReceiverOptions, Secret};
-    /// let secret = Some(Secret::from_bytes(*b"a secret of at least 16 bytes")?);
-    /// let receiver = Receiver::<u32>::bind_with("tcp://127.0.0.1:0", ReceiverOptions { secret, ..Default::default() })?;
+    /// use tensor_queue::{Receiver, Secret};
+    /// let secret = Secret::from_bytes(*b"a secret of at least 16 bytes")?;
+    /// let receiver = Receiver::<u32>::builder().secret(secret).bind("tcp://127.0.0.1:0")?;
     /// let address = receiver.local_addr().expect("bound to TCP");
     /// assert_ne!(address.port(), 0);
     /// println!("senders connect to tcp://{address}");
@@ -298,10 +287,10 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {
     /// use tensor_queue::route::{Landing, Routing};
-    /// use tensor_queue::{Receiver, ReceiverOptions};
+    /// use tensor_queue::Receiver;
     /// # let path = std::env::temp_dir().join(format!("doc-{}-routing.sock", std::process::id()));
     /// let routing = Routing::default().land(Landing::Host);
-    /// let receiver = Receiver::<u8>::bind_with(&path, ReceiverOptions { routing: routing.clone(), ..Default::default() })?;
+    /// let receiver = Receiver::<u8>::builder().routing(routing.clone()).bind(&path)?;
     /// assert_eq!(receiver.routing(), &routing);
     /// # Ok(()) }
     /// ```

@@ -91,44 +91,40 @@ impl<T: Serialize> Sender<T> {
     /// # Ok(()) }
     /// ```
     pub fn connect(endpoint: impl Into<Endpoint>) -> Result<Sender<T>> {
-        Sender::connect_with(endpoint, &ConnectOptions::default())
+        Sender::connect_options(&endpoint.into(), &ConnectOptions::default())
     }
 
     /// Connects to the receiver at `endpoint` with `options`: for TCP, the secret to prove and
     /// how long connecting may take.
     ///
     /// ```
+    /// # #![allow(deprecated)]
     /// # fn main() -> tensor_queue::Result<()> {
     /// use std::time::Duration;
-    /// use tensor_queue::{ConnectOptions, Receiver, ReceiverOptions, Secret, Sender};
+    /// use tensor_queue::{ConnectOptions, Receiver, Secret, Sender};
     /// let secret = Secret::from_bytes(*b"a secret of at least 16 bytes")?; // usually TQ_SECRET
-    /// let options = ReceiverOptions { secret: Some(secret.clone()), ..Default::default() };
-    /// let mut receiver = Receiver::<String>::bind_with("tcp://127.0.0.1:0", options)?; // on another host
+    /// let mut receiver = Receiver::<String>::builder().secret(secret.clone()).bind("tcp://127.0.0.1:0")?;
     /// let endpoint = format!("tcp://{}", receiver.local_addr().expect("bound to TCP"));
-    /// let options = ConnectOptions { secret: Some(secret), timeout: Duration::from_secs(5) };
+    /// let mut options = ConnectOptions::default();
+    /// options.secret = Some(secret);
+    /// options.timeout = Duration::from_secs(5);
     /// let sender = Sender::<String>::connect_with(endpoint, &options)?;
     /// sender.send(&"over TCP".to_string())?;
     /// assert_eq!(receiver.recv()?, "over TCP");
     /// # Ok(()) }
     /// ```
+    #[deprecated(note = "use `Sender::builder().secret(..).timeout(..).connect(endpoint)`")]
     pub fn connect_with(endpoint: impl Into<Endpoint>, options: &ConnectOptions) -> Result<Sender<T>> {
-        Sender::from_link(Link::new(endpoint::connect(&endpoint.into(), options)?)?)
+        Sender::connect_options(&endpoint.into(), options)
+    }
+
+    /// Connects to `endpoint` with `options` (what the builder and the deprecated `connect_with` do).
+    pub(super) fn connect_options(endpoint: &Endpoint, options: &ConnectOptions) -> Result<Sender<T>> {
+        Sender::from_link(Link::new(endpoint::connect(endpoint, options)?)?)
     }
 
     /// A sender over an already connected socket (see [`spawn`](super::spawn)).
-    ///
-    /// ```
-    /// # fn main() -> tensor_queue::Result<()> {
-    /// use ipc_core::seqpacket::Connection;
-    /// use tensor_queue::{DEFAULT_CAPACITY, Receiver, Sender};
-    /// let (ours, theirs) = Connection::pair()?; // `theirs` would go to a process you start
-    /// let sender = Sender::<u32>::from_connection(ours)?;
-    /// let mut receiver = Receiver::<u32>::from_connection(theirs, DEFAULT_CAPACITY)?;
-    /// sender.send(&7)?;
-    /// assert_eq!(receiver.recv()?, 7);
-    /// # Ok(()) }
-    /// ```
-    pub fn from_connection(connection: Connection) -> Result<Sender<T>> {
+    pub(crate) fn from_connection(connection: Connection) -> Result<Sender<T>> {
         Sender::from_link(Link::new(Box::new(connection))?)
     }
 

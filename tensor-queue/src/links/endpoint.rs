@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ipc_core::seqpacket::Connection;
-use ipc_core::tcp::{Secret, TcpLink};
+use ipc_core::tcp::TcpLink;
 use ipc_core::transport::Packets;
 
-use crate::error::{Error, Result};
+use crate::error::{EndpointProblem, Error, Result};
+use crate::secret::Secret;
 
 /// Where a receiver listens and a sender connects.
 ///
@@ -33,31 +34,29 @@ pub enum Endpoint {
 }
 
 /// The prefix that makes a string a TCP endpoint.
-pub const TCP_PREFIX: &str = "tcp://";
+pub(crate) const TCP_PREFIX: &str = "tcp://";
 
 impl Endpoint {
-    /// [`Error::Invalid`] for what is neither a socket path nor `tcp://host:port`: another
+    /// [`Error::BadEndpoint`] for what is neither a socket path nor `tcp://host:port`: another
     /// scheme (`http://...`, which would otherwise be taken for a path), or a TCP address without a
-    /// port. `bind` and `connect` check this before anything else.
+    /// port or with one that is not a number. `bind` and `connect` check this before anything
+    /// else.
     ///
     /// ```
-    /// use tensor_queue::{Endpoint, Error, Receiver};
+    /// use tensor_queue::{Endpoint, EndpointProblem, Error, Receiver};
     /// assert!(Endpoint::from("/tmp/queue.sock").check().is_ok());
     /// assert!(Endpoint::from("tcp://127.0.0.1:0").check().is_ok());
-    /// let Err(Error::Invalid(why)) = Receiver::<u32>::bind("tcp://127.0.0.1") else { panic!() };
-    /// assert!(why.contains("needs a port"), "{why}");
-    /// let Err(Error::Invalid(why)) = Receiver::<u32>::bind("http://127.0.0.1:0") else { panic!() };
-    /// assert!(why.contains("tcp://host:port"), "{why}");
+    /// let Err(Error::BadEndpoint { endpoint, problem }) = Receiver::<u32>::bind("tcp://127.0.0.1") else { panic!() };
+    /// assert_eq!((endpoint.as_str(), problem), ("tcp://127.0.0.1", EndpointProblem::NoPort));
+    /// let Err(error) = Receiver::<u32>::bind("http://127.0.0.1:0") else { panic!() };
+    /// assert!(matches!(&error, Error::BadEndpoint { problem: EndpointProblem::Scheme(s), .. } if s == "http"));
+    /// assert!(error.to_string().contains("tcp://host:port"), "{error}");
     /// ```
     pub fn check(&self) -> Result<()> {
+        let bad = |problem| Err(Error::BadEndpoint { endpoint: self.to_string(), problem });
         match self {
             Endpoint::Unix(path) => match path.to_str().and_then(scheme) {
-                Some(scheme) => Err(Error::Invalid(format!(
-                    "{}: a `{scheme}://` endpoint is not supported; use a socket path or tcp://host:port \
-                     (for a path that starts this way, write ./{})",
-                    path.display(),
-                    path.display()
-                ))),
+                Some(scheme) => bad(EndpointProblem::Scheme(scheme.to_string())),
                 None => Ok(()),
             },
             Endpoint::Tcp(address) => {
@@ -65,12 +64,8 @@ impl Endpoint {
                 let port = address.rsplit_once(':').filter(|(_, port)| !port.contains(']')).map(|(_, port)| port);
                 match port {
                     Some(port) if port.parse::<u16>().is_ok() => Ok(()),
-                    Some(port) => {
-                        Err(Error::Invalid(format!("{self}: the port `{port}` is not a number from 0 to 65535")))
-                    }
-                    None => Err(Error::Invalid(format!(
-                        "{self} needs a port: {self}:PORT (when binding, port 0 picks a free one)"
-                    ))),
+                    Some(port) => bad(EndpointProblem::BadPort(port.to_string())),
+                    None => bad(EndpointProblem::NoPort),
                 }
             }
         }
@@ -148,19 +143,24 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
-/// How a sender connects (see [`Sender::connect_with`](crate::Sender::connect_with)).
+/// How a sender connects, for the deprecated [`Sender::connect_with`](crate::Sender::connect_with):
+/// build senders with [`Sender::builder`](crate::Sender::builder) instead. Not constructible with
+/// a literal (`#[non_exhaustive]`): start from `default()`.
 ///
 /// ```
 /// use std::time::Duration;
 /// use tensor_queue::{ConnectOptions, Secret};
-/// let options = ConnectOptions {
-///     secret: Some(Secret::from_bytes(*b"a secret of at least 16 bytes")?),
-///     timeout: Duration::from_secs(30),
-/// };
-/// assert_eq!(ConnectOptions::default().timeout, Duration::from_secs(10));
+/// let mut options = ConnectOptions::default();
+/// assert_eq!(options.timeout, Duration::from_secs(10));
+/// options.secret = Some(Secret::from_bytes(*b"a secret of at least 16 bytes")?);
 /// # Ok::<(), tensor_queue::Error>(())
 /// ```
+///
+/// ```compile_fail,E0639
+/// let options = tensor_queue::ConnectOptions { secret: None, timeout: std::time::Duration::from_secs(1) };
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ConnectOptions {
     /// The secret a TCP receiver expects; `None`: the one in `TQ_SECRET`. Unused for Unix sockets.
     pub secret: Option<Secret>,
@@ -175,10 +175,10 @@ impl Default for ConnectOptions {
 }
 
 /// The secret given, else the one in `TQ_SECRET`.
-pub(crate) fn secret(given: Option<&Secret>) -> Result<Secret> {
+pub(crate) fn secret(given: Option<&Secret>) -> Result<ipc_core::tcp::Secret> {
     match given {
-        Some(secret) => Ok(secret.clone()),
-        None => Ok(Secret::from_env()?),
+        Some(secret) => Ok(secret.core().clone()),
+        None => Ok(Secret::from_env()?.core().clone()),
     }
 }
 

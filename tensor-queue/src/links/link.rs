@@ -251,6 +251,11 @@ impl Link {
         self.connection.has_buffered()
     }
 
+    /// Bytes read of a packet that is not whole yet (over TCP a packet arrives in pieces).
+    pub fn partial(&self) -> usize {
+        self.connection.partial()
+    }
+
     /// Says who we are; a receiver adds how many messages a sender may have in flight, its GPUs
     /// and its routing policy (see [`crate::route`]).
     pub fn hello(&self, capacity: u32, reach: &Reach, routing: &Routing) -> Result<()> {

@@ -21,8 +21,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cuda_sys::CUdevice_attribute;
-use ipc_core::{DeviceMemory, Stream, VmmAllocation};
+use ipc_core::{DeviceAttribute, DeviceMemory, Stream, VmmAllocation};
 
 use crate::error::{Error, Result};
 use crate::memory::arena::{Chunk, ChunkMemory};
@@ -97,7 +96,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
     let at = match all.iter().position(|d| d.ordinal == ordinal) {
         Some(at) => at,
         None => {
-            let attribute = CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
+            let attribute = DeviceAttribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
             let supported = context.device().attribute(attribute)? != 0;
             all.push(DeviceSignals { ordinal, supported, zeroing: None, words: Words::new() });
             all.len() - 1

@@ -42,7 +42,7 @@ impl Placed {
 
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
-    /// asks [`crate::route::choose`] first).
+    /// asks `crate::route::choose` first).
     pub(crate) fn check_route(&self, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<()> {
         let strict = devices.routing.strict;
         // Whether the landing was a fallback is the sender's knowledge: the lenient reading here.

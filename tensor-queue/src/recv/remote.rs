@@ -163,9 +163,7 @@ impl Remote {
         if !inline.is_empty() {
             let allocation = Arena::host().allocate(bytes.len().max(ALIGN))?;
             let host = allocation.chunk.host().ok_or_else(|| Error::Protocol("a host arena on a device".into()))?;
-            // SAFETY: the allocation was just made with at least `bytes.len()` bytes and nothing
-            // else refers to them yet.
-            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), host.as_ptr().add(allocation.offset), bytes.len()) };
+            host.write(allocation.offset, &bytes)?;
             let storage = Arc::new(Storage::from_allocation(allocation));
             for index in inline {
                 let desc = &descs[index];

@@ -83,6 +83,7 @@ impl fmt::Display for Route {
 /// The route for one source GPU, where it lands, and, when it is slower than the link between
 /// the two GPUs allows, why.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Choice {
     /// The route.
     pub route: Route,
@@ -95,6 +96,7 @@ pub struct Choice {
 /// Why no route is allowed: the receiver's strictness refuses the only one there is.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the {route} route is refused by the receiver's policy ({strict:?}): {why}")]
+#[non_exhaustive]
 pub struct Forbidden {
     /// The route that would be needed.
     pub route: Route,
@@ -108,7 +110,8 @@ pub struct Forbidden {
 /// GPUs, sent by a process whose GPUs are `sender`.
 ///
 /// ```
-/// use tensor_queue::route::{DeviceReach, LinkReach, Reach, Route, Routing, Landing, choose};
+/// use tensor_queue::route::{Landing, Route, Routing};
+/// use tensor_queue::testing::{DeviceReach, LinkReach, Reach, choose};
 /// use tensor_queue::Uuid;
 /// let (a, b) = (Uuid([1; 16]), Uuid([2; 16]));
 /// let gpu = |uuid| DeviceReach { uuid, stream_ops: true };
@@ -172,7 +175,8 @@ pub fn choose(source: &Uuid, routing: &Routing, receiver: &Reach, sender: &Reach
 /// memory when it asks for host tensors or has no GPU.
 ///
 /// ```
-/// use tensor_queue::route::{DeviceReach, Landing, Reach, Route, Routing, Strictness, choose_remote};
+/// use tensor_queue::route::{Landing, Route, Routing, Strictness};
+/// use tensor_queue::testing::{DeviceReach, Reach, choose_remote};
 /// use tensor_queue::Uuid;
 /// let (here, there) = (Uuid([1; 16]), Uuid([2; 16]));
 /// let remote = Reach { devices: vec![DeviceReach { uuid: there, stream_ops: true }], links: vec![] };

@@ -14,7 +14,7 @@
 //!    message of many small tensors costs a few copy calls, not one each. The source memory is
 //!    the sender's again as soon as the copy is done on the GPU.
 //! 4. **[`Route::Staged`]** (no peer access, or no process that sees both GPUs): the sender's
-//!    stream copies the data into shared pinned host memory in pieces ([`staging_piece`]), writing
+//!    stream copies the data into shared pinned host memory in pieces (4 MiB, 16 MiB above 256 MiB), writing
 //!    a word in host memory after each; the receiver's stream waits for each word and copies that
 //!    piece onto B, so the two copies overlap. The staging memory is the sender's again once the
 //!    receiver's copies are done.
@@ -29,8 +29,8 @@
 //!    over the TCP link; a GPU tensor is first copied to host memory by the sender (a CPU wait).
 //!
 //! # How it is chosen
-//! The receiver's handshake lists its GPUs by UUID, what each can reach ([`Reach`]), and its
-//! [`Routing`]. The sender knows its own GPUs. [`choose`] decides from both, before anything is
+//! The receiver's handshake lists its GPUs by UUID, what each can reach, and its [`Routing`]. The
+//! sender knows its own GPUs. One pure function decides from both, before anything is
 //! sent: a route the receiver's [`Strictness`] refuses is
 //! [`Error::RouteRefused`](crate::Error::RouteRefused) at `send`, and nothing else on the
 //! channel is affected. Devices are matched by UUID, whatever `CUDA_VISIBLE_DEVICES` each side
@@ -40,24 +40,29 @@
 //!
 //! Every received tensor says how it came ([`Tensor::path`](crate::Tensor::path)).
 
-mod choose;
+pub(crate) mod choose;
 mod policy;
-mod reach;
+pub(crate) mod reach;
 
-pub use choose::{Choice, Forbidden, Route, choose, choose_remote};
-pub(crate) use choose::{allowed, target};
+pub use choose::{Choice, Forbidden, Route};
+pub(crate) use choose::{allowed, choose, choose_remote, target};
 pub use policy::{Landing, MAX_SOURCES, PeerMode, Routing, Strictness};
-pub use reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
+pub(crate) use reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
 
-/// The piece size of the staged route for a tensor of `len` bytes: 4 MiB pieces up to 256 MiB,
-/// 16 MiB above (a single-process sweep on an H200 did best with those; below about 1 MiB the
-/// CPU's enqueue cost dominates).
-///
-/// ```
-/// use tensor_queue::route::staging_piece;
-/// assert_eq!(staging_piece(64 << 20), 4 << 20);
-/// assert_eq!(staging_piece(1 << 30), 16 << 20);
-/// ```
-pub fn staging_piece(len: usize) -> usize {
-    if len > 256 << 20 { 16 << 20 } else { 4 << 20 }
+/// The staged route's piece size (in a module of its own so that it stays out of the public API
+/// while `crate::testing` re-exports it).
+pub(crate) mod staging {
+    /// The piece size of the staged route for a tensor of `len` bytes: 4 MiB pieces up to 256 MiB,
+    /// 16 MiB above (a single-process sweep on an H200 did best with those; below about 1 MiB the
+    /// CPU's enqueue cost dominates).
+    ///
+    /// ```
+    /// use tensor_queue::testing::staging_piece;
+    /// assert_eq!(staging_piece(64 << 20), 4 << 20);
+    /// assert_eq!(staging_piece(1 << 30), 16 << 20);
+    /// ```
+    pub fn staging_piece(len: usize) -> usize {
+        if len > 256 << 20 { 16 << 20 } else { 4 << 20 }
+    }
 }
+pub(crate) use staging::staging_piece;

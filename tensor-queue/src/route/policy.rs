@@ -73,6 +73,7 @@ pub enum Strictness {
 /// assert_eq!(routing.landing_for(&gpu1), Landing::Device(gpu1));
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Routing {
     /// Where tensors from any GPU land, unless `per_source` says otherwise.
     pub landing: Landing,

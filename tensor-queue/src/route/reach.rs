@@ -34,7 +34,7 @@ pub struct LinkReach {
 /// The GPUs a process can use and what each can reach.
 ///
 /// ```
-/// use tensor_queue::route::{DeviceReach, LinkReach, Reach};
+/// use tensor_queue::testing::{DeviceReach, LinkReach, Reach};
 /// use tensor_queue::Uuid;
 /// let (a, b) = (Uuid([1; 16]), Uuid([2; 16]));
 /// let reach = Reach {
@@ -58,24 +58,36 @@ pub const MAX_DEVICES: usize = 64;
 
 impl Reach {
     /// This process's GPUs as the driver reports them (asked once), or none where there is no
-    /// driver or no GPU.
+    /// driver or no GPU. Everything a route decision needs, and only that: the driver's answers
+    /// (cheap), never NVML's (tens of milliseconds to initialise), so links' `nvlink` is `None`.
     pub fn local() -> &'static Reach {
         static LOCAL: OnceLock<Reach> = OnceLock::new();
-        LOCAL.get_or_init(|| match Reach::query() {
+        LOCAL.get_or_init(|| Reach::query_or_none(Topology::query_driver))
+    }
+
+    /// [`Reach::local`] with each link's `nvlink` asked of NVML where it is present (asked once):
+    /// for reports such as `tq doctor`, never for the route of a message (it does not change one).
+    pub fn local_with_interconnect() -> &'static Reach {
+        static LOCAL: OnceLock<Reach> = OnceLock::new();
+        LOCAL.get_or_init(|| Reach::query_or_none(Topology::query))
+    }
+
+    fn query_or_none(topology: fn() -> ipc_core::Result<Topology>) -> Reach {
+        match Reach::query(topology) {
             Ok(reach) => reach,
             Err(error) => {
                 tracing::debug!(%error, "no GPUs here: host routes only");
                 Reach::default()
             }
-        })
+        }
     }
 
-    fn query() -> ipc_core::Result<Reach> {
-        if !cuda_sys::is_available() {
+    fn query(topology: fn() -> ipc_core::Result<Topology>) -> ipc_core::Result<Reach> {
+        if !ipc_core::is_available() {
             return Ok(Reach::default());
         }
-        Ok(Reach::from_topology(&Topology::query()?, |ordinal| {
-            let attribute = cuda_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
+        Ok(Reach::from_topology(&topology()?, |ordinal| {
+            let attribute = ipc_core::DeviceAttribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS;
             ipc_core::Device::get(ordinal).and_then(|d| d.attribute(attribute)).is_ok_and(|v| v != 0)
         }))
     }

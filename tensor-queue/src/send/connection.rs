@@ -43,6 +43,7 @@ use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Rejection {
     /// The message's sequence number on this connection: the first message sent is 1.
     pub seq: u64,

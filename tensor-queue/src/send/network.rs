@@ -327,9 +327,9 @@ fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Resu
         (Some(host), _) => {
             let from = storage.offset + start;
             let have = (end - start).min(len);
-            // SAFETY: the storage lies in the live mapping (checked when the tensor was made);
-            // copied through raw pointers, since others may write the shared memory meanwhile.
-            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr().add(from), out.as_mut_ptr(), have) };
+            // The mapping's `read` copies through raw pointers, since others may write the shared
+            // memory meanwhile.
+            host.read(from, &mut out[..have])?;
         }
         (None, Some(memory)) => {
             let stream = stream_after(stream, memory.context())?;

@@ -114,13 +114,16 @@ impl Tensor {
             return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
         }
         let tensor = Tensor::zeros(dtype, &dims(shape))?;
-        let base = tensor.host_base()?;
-        // SAFETY: the tensor was just made here, contiguous, zeroed and at offset 0; this is its
-        // only handle, and it is not returned (so neither cloned nor sent) before the borrow
-        // ends. Host storage is 512-aligned and `T` has the dtype's size, so the cast is aligned.
-        let bytes = unsafe { std::slice::from_raw_parts_mut(base, tensor.nbytes()) };
-        let elements = bytemuck::try_cast_slice_mut(bytes).map_err(|e| Error::Invalid(format!("{e}")))?;
-        fill(elements);
+        // Filled in a buffer of our own, then copied in: a `&mut` into shared memory would need
+        // `unsafe` (this crate has none), and the copy is one pass over memory `fill` just wrote.
+        let mut elements = Vec::new();
+        elements
+            .try_reserve_exact(tensor.numel() as usize)
+            .map_err(|_| Error::Invalid(format!("{} bytes do not fit in memory", tensor.nbytes())))?;
+        elements.resize(tensor.numel() as usize, T::zeroed());
+        fill(&mut elements);
+        let (memory, at) = tensor.host_storage()?;
+        memory.write(at, bytemuck::cast_slice(&elements))?;
         Ok(tensor)
     }
 }

@@ -527,9 +527,11 @@ impl HostCopy {
             Pending::Ready(bytes) => Ok(bytes),
             Pending::Copying { buffer, done, len } => {
                 done.synchronize()?;
-                // SAFETY: the copy into the buffer is done (synchronized above), and nothing else
-                // writes it: it is this value's own.
-                Ok(unsafe { buffer.as_slice() }[..len].to_vec())
+                // The copy into the buffer is done (synchronized above), and nothing else writes
+                // it: it is this value's own.
+                let mut bytes = vec![0; len];
+                buffer.read(0, &mut bytes)?;
+                Ok(bytes)
             }
         }
     }

@@ -10,12 +10,13 @@ mod view;
 use std::sync::Arc;
 
 use ipc_core::layout::strided_byte_span;
-use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream, Uuid};
+use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, SharedMemory, Stream, Uuid};
 
 use crate::error::{Error, Result};
 use crate::fences::{Fences, failed};
 use crate::memory::arena::{Allocation, Arena, Chunk, ChunkMemory};
 use crate::tensor::dtype::{DType, Element};
+use ipc_core::SharedElements as HostElements;
 
 /// Where a tensor's bytes are.
 ///
@@ -283,7 +284,7 @@ impl Tensor {
     /// sender.send(&t)?;
     /// let received = receiver.recv()?;
     /// assert_eq!(received.to_vec::<i64>()?, [0, 7, 0, 0]);
-    /// assert!(received.set(&[0, 0], 1i64).is_err(), "read-only for receivers");
+    /// assert!(matches!(received.set(&[0, 0], 1i64), Err(tensor_queue::Error::ReadOnly)), "read-only for receivers");
     /// # Ok(()) }
     /// ```
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Tensor> {
@@ -313,9 +314,8 @@ impl Tensor {
 
     fn zeros_in(arena: &Arc<Arena>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let tensor = Tensor::from_arena(arena, dtype, shape)?;
-        let base = tensor.host_base()?;
-        // SAFETY: the storage was just allocated here; nothing else refers to these bytes yet.
-        unsafe { std::ptr::write_bytes(base, 0, tensor.storage.len) };
+        let (memory, at) = tensor.host_storage()?;
+        memory.fill(at, tensor.storage.len, 0)?;
         Ok(tensor)
     }
 
@@ -357,10 +357,8 @@ impl Tensor {
                 tensor.nbytes()
             )));
         }
-        let base = tensor.host_base()?;
-        // SAFETY: the storage was just allocated here with at least `nbytes` bytes; nothing else
-        // refers to them yet, and `bytes` is another allocation.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base, bytes.len()) };
+        let (memory, at) = tensor.host_storage()?;
+        memory.write(at, bytes)?;
         Ok(tensor)
     }
 
@@ -584,6 +582,12 @@ impl Tensor {
         }
     }
 
+    /// The same tensor with another element type (its layout checked by the caller, see
+    /// `view.rs`).
+    pub(crate) fn with_dtype(&self, dtype: DType) -> Tensor {
+        Tensor { dtype, ..self.clone() }
+    }
+
     /// The same storage seen with another layout (checked by the caller, see `view.rs`).
     pub(crate) fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
         Tensor { shape, strides, offset, ..self.clone() }
@@ -601,10 +605,11 @@ impl Tensor {
         Ok((start as usize, end as usize))
     }
 
-    pub(crate) fn host_base(&self) -> Result<*mut u8> {
+    /// The shared memory holding a host tensor's storage, and the storage's first byte in it.
+    /// Every access to host data goes through this mapping's bounds-checked methods.
+    pub(crate) fn host_storage(&self) -> Result<(&SharedMemory, usize)> {
         let memory = self.storage.chunk.host().ok_or_else(|| Error::Invalid("not a host tensor".into()))?;
-        // SAFETY: `storage.offset + len` lies inside the chunk (arena or validated frame).
-        Ok(unsafe { memory.as_ptr().add(self.storage.offset) })
+        Ok((memory, self.storage.offset))
     }
 
     /// The address of the first element (index `[0, ..., 0]`) of a host tensor, and whether this
@@ -628,17 +633,21 @@ impl Tensor {
     /// ```
     pub fn host_address(&self) -> Result<(*mut u8, bool)> {
         let writable = self.check_writable().is_ok();
-        // SAFETY: the view's offset lies inside the storage (checked when the view was made or
-        // received), so the sum stays inside the mapping.
-        Ok((unsafe { self.host_base()?.add(self.offset) }, writable))
+        let (memory, at) = self.host_storage()?;
+        // The view's offset lies inside the storage (checked when the view was made or received),
+        // so the sum stays inside the mapping.
+        Ok((memory.as_ptr().wrapping_add(at + self.offset), writable))
     }
 
-    /// The elements of a contiguous host tensor, typed, borrowed in place (no copy).
+    /// The elements of a contiguous host tensor, typed, in place: copy them out
+    /// ([`HostElements::to_vec`](crate::HostElements::to_vec)), or borrow them without a copy
+    /// through the `unsafe` [`HostElements::as_slice`](crate::HostElements::as_slice). (This
+    /// replaces `Tensor::as_slice`, which was an `unsafe fn` of the tensor.)
     ///
-    /// # Safety
+    /// # Safety of `as_slice`
     /// Host tensors are shared memory, written through `&self` and by other processes, so the
-    /// compiler cannot see the writes a `&[T]` must never overlap. While the returned slice
-    /// lives, nobody may write its bytes:
+    /// compiler cannot see the writes a `&[T]` must never overlap. While the slice lives, nobody
+    /// may write its bytes:
     /// - not this process: [`Tensor::set`], [`Tensor::fill`], [`Tensor::copy_into`] (as the
     ///   destination) or a GPU copy into it, on this tensor, a clone or any view of its storage,
     ///   from any thread;
@@ -652,10 +661,10 @@ impl Tensor {
     /// use tensor_queue::{DType, Tensor};
     /// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2])?;
     /// // SAFETY: `t` has no clone or view, was never sent, and is not written while `s` lives.
-    /// let s = unsafe { t.as_slice::<i32>()? };
+    /// let s = unsafe { t.host_elements::<i32>()?.as_slice() };
     /// assert_eq!(s, [1, 2, 3, 4]); // no copy
     /// let strided = t.transpose(0, 1)?;
-    /// assert!(unsafe { strided.as_slice::<i32>() }.is_err(), "strided: use to_vec");
+    /// assert!(strided.host_elements::<i32>().is_err(), "strided: use to_vec");
     /// assert_eq!(t.to_vec::<i32>()?, [1, 2, 3, 4]); // the safe way: a copy
     /// # Ok(()) }
     /// ```
@@ -667,7 +676,7 @@ impl Tensor {
     /// use tensor_queue::{DType, Tensor};
     /// let t = Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[2])?;
     /// let other = t.clone();
-    /// let view: &[f32] = t.as_slice::<f32>()?;
+    /// let view: &[f32] = t.host_elements::<f32>()?.as_slice();
     /// other.set(&[0], 99.0f32)?; // would change view[0] under a live shared borrow
     /// assert_eq!(view[0], 1.0);
     /// # Ok(()) }
@@ -677,7 +686,7 @@ impl Tensor {
     /// # fn main() -> tensor_queue::Result<()> {
     /// use tensor_queue::{DType, Tensor};
     /// let t = Tensor::zeros(DType::F32, &[2, 2])?;
-    /// let view: &[f32] = t.as_slice::<f32>()?;
+    /// let view: &[f32] = t.host_elements::<f32>()?.as_slice();
     /// t.select(0, 1)?.fill(3.0f32)?;
     /// assert_eq!(view[2], 0.0);
     /// # Ok(()) }
@@ -687,7 +696,7 @@ impl Tensor {
     /// # fn main() -> tensor_queue::Result<()> {
     /// use tensor_queue::{DType, Tensor};
     /// let t = Tensor::zeros(DType::U8, &[4])?;
-    /// let view: &[u8] = t.as_slice::<u8>()?;
+    /// let view: &[u8] = t.host_elements::<u8>()?.as_slice();
     /// Tensor::from_slice(&[1u8; 4], DType::U8, &[4])?.copy_into(&t)?;
     /// assert_eq!(view, [0; 4]);
     /// # Ok(()) }
@@ -700,7 +709,7 @@ impl Tensor {
     /// let mut receiver = Receiver::<Tensor>::bind(&path)?;
     /// let sender = Sender::<Tensor>::connect(&path)?;
     /// let result = Tensor::zeros_writable(DType::F32, &[2])?;
-    /// let mine: &[f32] = result.as_slice::<f32>()?;
+    /// let mine: &[f32] = result.host_elements::<f32>()?.as_slice();
     /// sender.send(&result)?;
     /// receiver.recv()?.set(&[0], 5.0f32)?; // a worker (another process, usually) writes it
     /// assert_eq!(mine[0], 0.0);
@@ -716,35 +725,41 @@ impl Tensor {
     /// let t = Tensor::zeros(DType::F32, &[2])?;
     /// sender.send(&t)?;
     /// let received = receiver.recv()?;
-    /// let view: &[f32] = received.as_slice::<f32>()?;
+    /// let view: &[f32] = received.host_elements::<f32>()?.as_slice();
     /// t.set(&[0], 1.0f32)?; // the sender (another process, usually) writes its own memory
     /// assert_eq!(view[0], 0.0);
     /// # Ok(()) }
     /// ```
-    pub unsafe fn as_slice<T: Element>(&self) -> Result<&[T]> {
+    ///
+    /// The old `unsafe fn` of the tensor is gone (E0599):
+    /// ```compile_fail,E0599
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// let t = tensor_queue::Tensor::from_slice(&[1.0f32], tensor_queue::DType::F32, &[1])?;
+    /// let view: &[f32] = unsafe { t.as_slice::<f32>()? };
+    /// # Ok(()) }
+    /// ```
+    pub fn host_elements<T: Element>(&self) -> Result<HostElements<'_, T>> {
         if !T::matches(self.dtype) {
             return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
         }
         if !self.is_contiguous() {
-            return Err(Error::Invalid("as_slice needs a contiguous tensor".into()));
+            return Err(Error::Invalid("host_elements needs a contiguous tensor".into()));
         }
-        let base = self.host_base()?;
-        // SAFETY: the range lies in the live mapping (checked when the view was made or received);
-        // alignment holds since allocations are 512-aligned and offsets are element multiples;
-        // the caller promises that nobody writes it while the slice lives.
-        let bytes = unsafe { std::slice::from_raw_parts(base.add(self.offset), self.nbytes()) };
-        bytemuck::try_cast_slice(bytes).map_err(|e| Error::Invalid(format!("unaligned view: {e}")))
+        let (memory, at) = self.host_storage()?;
+        // In range: the view lies in its storage (checked when it was made or received); aligned:
+        // allocations are 512-aligned and offsets are element multiples (checked again here).
+        Ok(memory.elements::<T>(at + self.offset, self.numel() as usize)?)
     }
 
-    fn element_ptr<T: Element>(&self, index: &[u64]) -> Result<*mut T> {
+    fn check_element<T: Element>(&self) -> Result<()> {
         if !T::matches(self.dtype) {
             return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
         }
-        self.byte_ptr(index).map(|ptr| ptr.cast())
+        Ok(())
     }
 
-    /// The first byte of one element of a host tensor.
-    fn byte_ptr(&self, index: &[u64]) -> Result<*mut u8> {
+    /// The mapping of a host tensor, and the first byte of one element of it there.
+    fn element_at(&self, index: &[u64]) -> Result<(&SharedMemory, usize)> {
         if index.len() != self.shape.len() {
             return Err(Error::Invalid(format!("index {index:?} of a {:?} {:?} tensor", self.dtype, self.shape)));
         }
@@ -755,8 +770,11 @@ impl Tensor {
             }
             at += i as i64 * s * self.dtype.size() as i64;
         }
-        // SAFETY: the index is inside the shape, and the view inside the storage.
-        Ok(unsafe { self.host_base()?.offset(at as isize) })
+        let (memory, storage) = self.host_storage()?;
+        // Inside the storage: the index is inside the shape, and the view inside the storage.
+        let at = usize::try_from(storage as i64 + at)
+            .map_err(|_| Error::Invalid("the view reaches outside its storage".into()))?;
+        Ok((memory, at))
     }
 
     /// Writes one element of a host tensor from its bytes.
@@ -765,16 +783,14 @@ impl Tensor {
         if bytes.len() != self.dtype.size() {
             return Err(Error::Invalid(format!("{} bytes for a {:?} element", bytes.len(), self.dtype)));
         }
-        let ptr = self.byte_ptr(index)?;
-        // SAFETY: `ptr` points at one element (`bytes.len()` bytes) inside the live, writable
-        // mapping; `bytes` is another allocation.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+        let (memory, at) = self.element_at(index)?;
+        memory.write(at, bytes)?;
         Ok(())
     }
 
     fn check_writable(&self) -> Result<()> {
         if self.storage.chunk.host().is_some_and(|memory| !memory.is_writable()) {
-            return Err(Error::Invalid("the tensor is read-only here: its sender shared it read-only".into()));
+            return Err(Error::ReadOnly);
         }
         Ok(())
     }
@@ -790,9 +806,11 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn get<T: Element>(&self, index: &[u64]) -> Result<T> {
-        let ptr = self.element_ptr::<T>(index)?;
-        // SAFETY: `ptr` points at one element inside the live mapping.
-        Ok(unsafe { ptr.read_volatile() })
+        self.check_element::<T>()?;
+        let (memory, at) = self.element_at(index)?;
+        let mut value = T::zeroed();
+        memory.read(at, bytemuck::bytes_of_mut(&mut value))?;
+        Ok(value)
     }
 
     /// Writes one element of a host tensor (shared with every holder of the storage). A received
@@ -809,29 +827,26 @@ impl Tensor {
     /// ```
     pub fn set<T: Element>(&self, index: &[u64], value: T) -> Result<()> {
         self.check_writable()?;
-        let ptr = self.element_ptr::<T>(index)?;
-        // SAFETY: `ptr` points at one element inside the live, writable mapping; concurrent writers
-        // to the same element are the program's to avoid, as with any shared buffer.
-        unsafe { ptr.write_volatile(value) };
+        self.check_element::<T>()?;
+        let (memory, at) = self.element_at(index)?;
+        // Concurrent writers to the same element are the program's to avoid, as with any shared
+        // buffer (each gets a torn value at worst, never undefined behaviour).
+        memory.write(at, bytemuck::bytes_of(&value))?;
         Ok(())
     }
 
     /// The elements of a host tensor in row-major order, as bytes (a copy; any strides).
     pub(crate) fn host_bytes(&self) -> Result<Vec<u8>> {
-        let base = self.host_base()?;
-        // Copied through raw pointers, never through a `&[u8]`: the memory is shared, and
+        let (memory, base) = self.host_storage()?;
+        // Copied by the mapping's `read`, never through a `&[u8]`: the memory is shared, and
         // others may write it meanwhile (they then get a torn copy, never undefined behaviour
         // of a reference whose bytes changed under it).
         if self.is_contiguous() {
             let mut out = Vec::new();
             out.try_reserve_exact(self.nbytes())
                 .map_err(|_| Error::Invalid(format!("{} bytes do not fit in memory", self.nbytes())))?;
-            // SAFETY: a contiguous view's bytes lie in the live storage (checked when it was
-            // made); `out` has room for them and is another allocation.
-            unsafe {
-                std::ptr::copy_nonoverlapping(base.add(self.offset), out.as_mut_ptr(), self.nbytes());
-                out.set_len(self.nbytes());
-            }
+            out.resize(self.nbytes(), 0);
+            memory.read(base + self.offset, &mut out)?;
             return Ok(out);
         }
         let size = self.dtype.size();
@@ -843,15 +858,11 @@ impl Tensor {
         for _ in 0..self.numel() {
             let at: i64 = index.iter().zip(&self.strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
             let mut element = [0u8; 16];
-            // SAFETY: every index is inside the shape and the view inside the live storage; an
-            // element is at most 16 bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    base.offset(self.offset as isize + at as isize),
-                    element.as_mut_ptr(),
-                    size,
-                )
-            };
+            // Every index is inside the shape and the view inside the storage; an element is at
+            // most 16 bytes.
+            let from = usize::try_from((base + self.offset) as i64 + at)
+                .map_err(|_| Error::Invalid("the view reaches outside its storage".into()))?;
+            memory.read(from, &mut element[..size])?;
             out.extend_from_slice(&element[..size]);
             for d in (0..index.len()).rev() {
                 index[d] += 1;
@@ -972,8 +983,7 @@ mod tests {
         assert_eq!(contiguous_strides(&[0, 1 << 40, 1 << 40]), [i64::MAX, 1 << 40, 1], "no overflow");
         let bytes = Tensor::zeros(DType::U8, &[512]).unwrap();
         assert!(bytes.reshape(&[(1 << 55) + 1, 512]).is_err(), "a product that wraps to 512 is refused");
-        // SAFETY: nothing writes `t` (and the call fails before borrowing).
-        assert!(unsafe { t.as_slice::<i32>() }.is_err(), "the element type must match");
+        assert!(t.host_elements::<i32>().is_err(), "the element type must match");
         assert!(t.get::<f32>(&[3, 0]).is_err());
         assert_eq!(t.device(), TensorDevice::Host);
         assert_eq!(t.path(), TransferPath::Local);

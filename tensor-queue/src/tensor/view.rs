@@ -8,6 +8,7 @@
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+use crate::tensor::dtype::DType;
 
 impl Tensor {
     /// A view with dimensions `a` and `b` swapped (no copy).
@@ -236,6 +237,32 @@ impl Tensor {
         // right count, but row-major strides that overflow.
         let strides = row_major_strides(shape).ok_or_else(|| invalid(self, &call, "its strides overflow"))?;
         checked_view(self, &call, shape.to_vec(), strides, self.offset())
+    }
+}
+
+impl Tensor {
+    /// The same storage seen as `dtype` elements with `shape` and `strides` (in elements), element
+    /// 0 at `byte_offset` bytes past this tensor's element 0 (no copy). For foreign code that
+    /// places its own arrays inside channel memory (the Python package's `tq.shareable()`: torch
+    /// tensors carved out of one [`Tensor::empty_cuda`] block) and sends them without a copy. The
+    /// view is checked like every other: aligned, inside the storage (its allocation, which may be
+    /// rounded up past the tensor's own bytes), and acceptable to receivers.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{DType, Tensor};
+    /// let block = Tensor::from_slice(&[0u8, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0], DType::U8, &[12])?;
+    /// let ints = block.as_layout(DType::I32, &[2], &[1], 4)?; // bytes 4..12 as two i32
+    /// assert_eq!(ints.to_vec::<i32>()?, [1, 2]);
+    /// assert!(block.as_layout(DType::I32, &[1 << 20], &[1], 4).is_err(), "past the storage's end");
+    /// assert!(block.as_layout(DType::I32, &[1], &[1], 2).is_err(), "unaligned");
+    /// # Ok(()) }
+    /// ```
+    pub fn as_layout(&self, dtype: DType, shape: &[u64], strides: &[i64], byte_offset: usize) -> Result<Tensor> {
+        let call = format!("as_layout({dtype:?}, {shape:?}, {strides:?}, {byte_offset})");
+        let offset =
+            self.offset().checked_add(byte_offset).ok_or_else(|| invalid(self, &call, "the offset overflows"))?;
+        checked_view(&self.with_dtype(dtype), &call, shape.to_vec(), strides.to_vec(), offset)
     }
 }
 
@@ -543,6 +570,37 @@ mod tests {
         assert!(invalid(base().transpose(0, 1).unwrap().reshape(&[24])).contains("contiguous"));
         let empty = base().narrow(0, 0, 0).unwrap();
         assert!(empty.reshape(&[0, 1 << 40, 1 << 40]).is_err(), "the right count, but strides that overflow");
+    }
+
+    #[test]
+    fn views_of_one_block_travel_together_in_one_message() {
+        // What `tq.shareable()` sends: several tensors carved out of one block, in one message.
+        let block = Tensor::from_slice(&(0..64u8).collect::<Vec<_>>(), DType::U8, &[64]).unwrap();
+        let a = block.as_layout(DType::I32, &[2, 2], &[1, 2], 16).unwrap();
+        let b = block.as_layout(DType::U8, &[8], &[1], 40).unwrap();
+        let path = std::env::temp_dir().join(format!("tq-views-{}.sock", std::process::id()));
+        let mut receiver = crate::channel::Receiver::<Vec<Tensor>>::bind(&path).unwrap();
+        let sender = crate::channel::Sender::<Vec<Tensor>>::connect(&path).unwrap();
+        sender.send(&vec![a.clone(), b.clone()]).unwrap();
+        let got = receiver.recv().unwrap();
+        assert_eq!(got[0].to_vec::<i32>().unwrap(), a.to_vec::<i32>().unwrap());
+        assert_eq!(got[1].to_vec::<u8>().unwrap(), (40..48u8).collect::<Vec<_>>());
+        drop(got);
+        assert!(sender.wait_released(std::time::Duration::from_secs(10)));
+    }
+
+    #[test]
+    fn as_layout_checks_offset_alignment_and_bounds() {
+        let block = Tensor::zeros(DType::U8, &[64]).unwrap();
+        let grid = block.as_layout(DType::F32, &[2, 2], &[1, 2], 8).unwrap();
+        assert_eq!(
+            (grid.dtype(), grid.shape(), grid.strides(), grid.offset()),
+            (DType::F32, &[2, 2][..], &[1, 2][..], 8)
+        );
+        assert!(block.as_layout(DType::F32, &[4], &[1], usize::MAX).is_err(), "the offset overflows");
+        assert!(block.as_layout(DType::F32, &[4], &[1], 6).is_err(), "unaligned");
+        assert!(block.as_layout(DType::F32, &[4], &[-1], 0).is_err(), "reaches before the storage");
+        assert!(block.narrow(0, 8, 8).unwrap().as_layout(DType::I64, &[1], &[1], 0).unwrap().offset() == 8);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::io::{BufRead, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
 
 /// Prints one line and flushes it, so the test sees each step as it happens.
 fn say(line: &str) {
@@ -87,10 +87,7 @@ fn main() -> Result<()> {
         "fd-starved" => {
             let spare: u64 = args[2].parse()?;
             let count: usize = args[3].parse()?;
-            let mut receiver = Receiver::<Tensor>::bind_with(
-                args[1].as_str(),
-                ReceiverOptions { capacity: 64, ..Default::default() },
-            )?;
+            let mut receiver = Receiver::<Tensor>::builder().capacity(64).bind(args[1].as_str())?;
             let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
             rustix::process::setrlimit(
                 rustix::process::Resource::Nofile,

@@ -25,7 +25,7 @@ use integration_tests::queue::Probe;
 use integration_tests::{arg, number};
 use kernels::reference;
 use serde::{Deserialize, Serialize};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
 
 /// A message with tensors at every depth: a struct, an option, a vector, a map, a tuple.
 #[derive(Serialize, Deserialize)]
@@ -277,8 +277,7 @@ fn send(to: &str, count: u64, tag: u64, seed: u64, len: usize, pause_ms: u64, li
 }
 
 fn recv(bind: &str, capacity: u32, count: Option<u64>, idle: bool) -> Result<()> {
-    let options = ReceiverOptions { capacity, ..ReceiverOptions::default() };
-    let mut receiver = Receiver::<Probe>::bind_with(bind, options)?;
+    let mut receiver = Receiver::<Probe>::builder().capacity(capacity).bind(bind)?;
     match receiver.local_addr() {
         Some(addr) => say(&format!("listening {}", addr.port())),
         None => say("listening unix"),

@@ -64,8 +64,7 @@ use ipc_core::{DeviceBuffer, DeviceMemory};
 use kernels::{Kernels, reference};
 use serde::Serialize;
 use tensor_queue::{
-    Broadcast, Context, DType, Device, Error, Receiver, ReceiverOptions, Sender, Stream, Tensor, TensorDevice, Uuid,
-    memory,
+    Broadcast, Context, DType, Device, Error, Receiver, Sender, Stream, Tensor, TensorDevice, Uuid, memory,
 };
 
 const MIB: usize = 1 << 20;
@@ -550,7 +549,7 @@ fn consume(args: &[String]) -> Result<()> {
     memory::trim();
     let mut baseline = snapshot(&contexts)?;
     println!("baseline {}", json(&baseline));
-    let mut receiver = Receiver::<CrossItem>::bind_with(&listen, ReceiverOptions { capacity, routing, secret: None })?;
+    let mut receiver = Receiver::<CrossItem>::builder().capacity(capacity).routing(routing).bind(&listen)?;
     let (commands, stdin_lines) = mpsc::channel::<String>();
     std::thread::spawn(move || {
         for line in std::io::stdin().lock().lines() {
@@ -696,7 +695,7 @@ fn forward(args: &[String]) -> Result<()> {
     for uuid in &uuids {
         Kernels::get(&Context::primary(Device::by_uuid(uuid)?)?)?;
     }
-    let mut receiver = Receiver::<CrossItem>::bind_with(&listen, ReceiverOptions { routing, ..Default::default() })?;
+    let mut receiver = Receiver::<CrossItem>::builder().routing(routing).bind(&listen)?;
     let onward = (0..senders).map(|_| Sender::<CrossItem>::connect(&to)).collect::<tensor_queue::Result<Vec<_>>>()?;
     println!("ready");
     // One stream of this process per landing GPU, made when first needed.

@@ -32,6 +32,13 @@
 //!   `released` (or `unreleased <n>` after 30 s) and `cuda ok`: killed tests kill it after `sent`.
 //!   With `--die-after-us A` (not 0) it SIGKILLs itself `A` µs after `send_on` returned instead (after
 //!   printing `sent`): a moment inside its own copies, too short for another process to hit.
+//!   With `--die-in-send-us A` (not 0) a thread SIGKILLs it `A` µs after `send_on` began: on a
+//!   TCP channel that lands on the host, `send_on` waits for the GPU work and copies the tensors
+//!   to the host before it returns, so this is a kill inside them.
+//!   On a TCP channel `send` returns once the message is queued, and its link writes it in the
+//!   background: a kill then is in the middle of writing its frames. It prints `sending` before
+//!   the send. `--host` sends host tensors instead (no CUDA).
+//!   `P` may be a TCP endpoint (`tcp://HOST:PORT`): the secret comes from `TQ_SECRET`.
 //! - `hold`: take items from the parent ([`tensor_queue::from_parent`]), check each on the GPU
 //!   (`holding <n> ok|bad`), keep them all, and wait to be killed.
 //!
@@ -50,7 +57,7 @@ use integration_tests::{arg, number};
 use ipc_core::{Context, Device, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
 use tensor_queue::route::{Landing, PeerMode, Routing};
-use tensor_queue::{DType, Error, Receiver, ReceiverOptions, Sender, Tensor, from_parent};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor, from_parent};
 
 /// How long a helper may live at most, unless `--deadline-s` says otherwise.
 const DEFAULT_DEADLINE: Duration = Duration::from_secs(120);
@@ -250,7 +257,7 @@ fn consume(args: &[String]) -> Result<()> {
     let len = number(args, "--len", 65536)? as usize;
     let context = if args.iter().any(|a| a == "--host") { None } else { Some(gpu()?) };
     let routing = landing(arg(args, "--landing").as_deref().unwrap_or("same"))?;
-    let mut items = Receiver::<FaultItem>::bind_with(&listen, ReceiverOptions { routing, ..Default::default() })?;
+    let mut items = Receiver::<FaultItem>::builder().routing(routing).bind(&listen)?;
     std::thread::spawn(|| {
         for line in std::io::stdin().lock().lines() {
             if line.is_err() {
@@ -366,26 +373,50 @@ fn batch(args: &[String]) -> Result<()> {
     let len = number(args, "--len", 4096)? as usize;
     let seed = number(args, "--seed", 0)?;
     let spin = Duration::from_micros(number(args, "--spin-us", 0)?);
-    let context = Context::on_ordinal(number(args, "--device", 0)? as i32)?;
-    let kernels = Kernels::get(&context)?;
-    let stream = Stream::new(&context)?;
+    let host = args.iter().any(|a| a == "--host");
+    let gpu = if host {
+        None
+    } else {
+        let context = Context::on_ordinal(number(args, "--device", 0)? as i32)?;
+        let kernels = Kernels::get(&context)?;
+        let stream = Stream::new(&context)?;
+        Some((context, kernels, stream))
+    };
     let sender = Sender::<FaultBatch>::connect(&to)?;
     sender.wait_ready(Duration::from_secs(30))?;
     let mut tensors = Vec::new();
     for k in 0..count {
-        let tensor = Tensor::empty_cuda(&context, DType::U8, &[len as u64])?;
-        let view = tensor.cuda_view()?;
-        if k == 0 && !spin.is_zero() {
-            kernels.spin_then_fill(&view, len, seed + k, spin, &stream)?;
-        } else {
-            kernels.fill(&view, 0, len, seed + k, &stream)?;
-        }
+        let tensor = match &gpu {
+            Some((context, kernels, stream)) => {
+                let tensor = Tensor::empty_cuda(context, DType::U8, &[len as u64])?;
+                let view = tensor.cuda_view()?;
+                if k == 0 && !spin.is_zero() {
+                    kernels.spin_then_fill(&view, len, seed + k, spin, stream)?;
+                } else {
+                    kernels.fill(&view, 0, len, seed + k, stream)?;
+                }
+                tensor
+            }
+            None => Tensor::from_slice(&reference::pattern(len, seed + k), DType::U8, &[len as u64])?,
+        };
         tensors.push(tensor);
     }
     // Every allocation and fill is queued before `ready`: the sends that follow take little time.
     println!("ready");
     let die_after = Duration::from_micros(number(args, "--die-after-us", 0)?);
-    sender.send_on(&FaultBatch { pid: std::process::id(), seed, tensors }, &stream)?;
+    let message = FaultBatch { pid: std::process::id(), seed, tensors };
+    let die_in_send = Duration::from_micros(number(args, "--die-in-send-us", 0)?);
+    println!("sending");
+    if !die_in_send.is_zero() {
+        std::thread::spawn(move || {
+            std::thread::sleep(die_in_send);
+            let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+        });
+    }
+    match &gpu {
+        Some((_, _, stream)) => sender.send_on(&message, stream)?,
+        None => sender.send(&message)?,
+    }
     let sent = Instant::now();
     println!("sent");
     if !die_after.is_zero() {
@@ -399,7 +430,7 @@ fn batch(args: &[String]) -> Result<()> {
     } else {
         println!("unreleased {}", sender.outstanding_leases());
     }
-    report_cuda(Some(&context));
+    report_cuda(gpu.as_ref().map(|(context, _, _)| context));
     Ok(())
 }
 

@@ -17,6 +17,8 @@
 //!   of frame parts that never end; says `ready`, and holds it until stdin closes;
 //! - `mid-message-tcp ADDR`: says hello and the first part of a two-part message, says `ready`,
 //!   and waits to be killed.
+//! - `half-record-tcp ADDR`: says hello and half of the one record of a small message (its length
+//!   header and the first half of its bytes), says `ready`, and waits to be killed.
 //!
 //! - `attack-received PATH`: binds a `Receiver<Tensor>` at `PATH`, says `listening`, receives
 //!   one host tensor, then attacks every shared-memory file it holds as a receiver would to write
@@ -123,6 +125,16 @@ fn run() -> Result<()> {
             link.send(&hello())?;
             let whole = Frame::Bytes { data: vec![5u8; 2 * MAX_PACKET] }.encode();
             link.send(&packets(&whole)[0])?;
+            say("ready");
+            until_stdin_closes();
+            Ok(())
+        }
+        "half-record-tcp" => {
+            let link = authenticated(&arg(1)?)?;
+            link.send(&hello())?;
+            let whole = Frame::Bytes { data: vec![5u8; 1000] }.encode();
+            let mut raw = std::fs::File::from(link.as_fd().try_clone_to_owned()?);
+            raw.write_all(&[&(whole.len() as u32).to_le_bytes()[..], &whole[..whole.len() / 2]].concat())?;
             say("ready");
             until_stdin_closes();
             Ok(())

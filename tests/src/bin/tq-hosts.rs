@@ -34,9 +34,7 @@ use kernels::Kernels;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tensor_queue::route::{Landing, Routing};
-use tensor_queue::{
-    ConnectOptions, Context, DType, Device, Receiver, ReceiverOptions, Secret, Sender, Stream, Tensor, monotonic_ns,
-};
+use tensor_queue::{Context, DType, Device, Receiver, Secret, Sender, Stream, Tensor, monotonic_ns};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -211,8 +209,7 @@ fn producer(quick: bool) -> Result<()> {
             Routing::default()
         })
     };
-    let options = ReceiverOptions { routing: land(0)?, capacity: 2, ..Default::default() };
-    let mut answers = Receiver::<Answer>::bind_with("tcp://127.0.0.1:0", options)?;
+    let mut answers = Receiver::<Answer>::builder().routing(land(0)?).capacity(2).bind("tcp://127.0.0.1:0")?;
     let reply = format!("tcp://{}", answers.local_addr().context("bound to TCP")?);
     let mut child = Command::new(std::env::current_exe()?)
         .args(["--role", "consumer", "--reply", &reply])
@@ -226,8 +223,10 @@ fn producer(quick: bool) -> Result<()> {
             break endpoint.to_string();
         }
     };
-    let options = ConnectOptions { secret: Some(Secret::from_env()?), timeout: Duration::from_secs(30) };
-    let items = Sender::<Item>::connect_with(endpoint.as_str(), &options)?;
+    let items = Sender::<Item>::builder()
+        .secret(Secret::from_env()?)
+        .timeout(Duration::from_secs(30))
+        .connect(endpoint.as_str())?;
     let stream = match &context {
         Some(context) => Some(Stream::new(context)?),
         None => None,
@@ -317,10 +316,7 @@ fn consumer(args: &[String]) -> Result<()> {
     if gpu {
         Kernels::get(&Context::on_ordinal(1)?)?; // contexts ready before anything arrives
     }
-    let mut items = Receiver::<Item>::bind_with(
-        "tcp://127.0.0.1:0",
-        ReceiverOptions { routing, capacity: 2, ..Default::default() },
-    )?;
+    let mut items = Receiver::<Item>::builder().routing(routing).capacity(2).bind("tcp://127.0.0.1:0")?;
     println!("listening tcp://{}", items.local_addr().context("bound to TCP")?);
     std::io::stdout().flush()?;
     let answers = Sender::<Answer>::connect(reply.as_str())?;

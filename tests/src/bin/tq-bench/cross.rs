@@ -238,11 +238,10 @@ fn consumer(args: &[String]) -> Result<()> {
     // Ready before anything arrives: contexts, the stream received tensors are ordered on.
     let set_up = || -> Result<(tensor_queue::Receiver<CrossMsg>, Option<Arc<Context>>)> {
         let context = if way == Way::Host { None } else { Some(Context::primary(Device::by_uuid(&land)?)?) };
-        let mut items = tensor_queue::from_parent_with::<CrossMsg>(ReceiverOptions {
-            capacity,
-            routing: way.routing(land),
-            secret: None,
-        })?;
+        let mut items = tensor_queue::Receiver::<CrossMsg>::builder()
+            .capacity(capacity)
+            .routing(way.routing(land))
+            .from_parent()?;
         items.set_spin(spin);
         if let Some(context) = &context {
             items.set_stream(Arc::new(Stream::new(context)?))?;
