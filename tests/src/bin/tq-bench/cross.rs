@@ -39,9 +39,7 @@ use ipc_core::{DeviceBuffer, Event, PinnedHostBuffer, copy_peer_async};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tensor_queue::route::{Landing, PeerMode, Route, Routing};
-use tensor_queue::{
-    Context, Device, DeviceMemory, Error, ReceiverOptions, Sender, Stream, Tensor, TensorDevice, Uuid, monotonic_ns,
-};
+use tensor_queue::{Context, Device, DeviceMemory, Error, Sender, Stream, Tensor, TensorDevice, Uuid, monotonic_ns};
 
 use super::{Bench, us};
 
