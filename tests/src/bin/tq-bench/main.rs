@@ -542,9 +542,11 @@ impl Bench {
                     .against("C socket floor, blocking, p50 (target: ratio >= 0.67)", floor_p50)
                     .target(floor_p50.map_or(15.0, |f| 1.5 * f)),
             );
+            // Issue 26's rows: same GPU, against the socket floor of the same wait.
             self.rows.push(
                 Row::new(format!("round trip 1 x 4 KB, {mode}, p50"), p50, "us")
-                    .against(format!("C socket floor, same wait ({floor_key})"), field(floor, floor_key)),
+                    .against(format!("C socket floor, same wait ({floor_key})"), field(floor, floor_key))
+                    .target(if spin { 8.0 } else { 20.0 }),
             );
             self.rows.push(
                 Row::new(format!("round trip 1 x 4 KB, {mode}, p99"), get(1, spin, "p99_us"), "us")
