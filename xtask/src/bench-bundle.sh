@@ -4,7 +4,9 @@
 # printed last; bench.json, latency.png and throughput.png go to $OUT (or ./results). Arguments
 # are passed on to tq-bench (for example `--only rtt,stream`). `--only cross` runs the cross-device
 # table alone (2 GPUs; with its anchors, bench/cross_anchors.py among them) and skips the primitive
-# costs and the MPS run. `--only hosts` runs the across-hosts table alone (tq-hosts).
+# costs and the MPS run. `--only hosts` runs the across-hosts table alone (tq-hosts; host tensors
+# over TCP against a plain TCP stream included). `--only host-msgs` runs issue 26's 1,000,000 small
+# host messages alone (no GPU needed). BENCHMARKS.md lists which command prints each row of issue 26.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 results=${OUT:-$here/results}
@@ -24,8 +26,11 @@ if [ "$only" = "hosts" ]; then
     | tee "$results/hosts-table.md"
   exit "${PIPESTATUS[0]}"
 fi
+# A section of its own (cross, host-msgs) skips the primitive costs and the MPS run.
+alone=""
+case "$only" in cross|host-msgs) alone=1 ;; esac
 primitives=()
-if [ "$only" != "cross" ]; then
+if [ -z "$alone" ]; then
   echo "[0] CUDA IPC primitive costs" >&2
   "$here/bin/primitive-costs" 2>&1 | tee "$results/primitive-costs.txt"
   primitives=(--primitives "$results/primitive-costs.txt")
@@ -33,7 +38,7 @@ fi
 # Streaming again under MPS (kernels of both processes share the GPU without time-slicing), with a
 # private MPS daemon that is stopped afterwards; NO_MPS=1 skips it.
 mps=()
-if [ -z "${NO_MPS:-}" ] && [ "$only" != "cross" ] && command -v nvidia-cuda-mps-control > /dev/null; then
+if [ -z "${NO_MPS:-}" ] && [ -z "$alone" ] && command -v nvidia-cuda-mps-control > /dev/null; then
   echo "[mps] streaming under a private MPS daemon" >&2
   mkdir -p "$results/mps"
   export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)

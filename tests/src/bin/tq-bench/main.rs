@@ -2,17 +2,19 @@
 //! machine. Prints a table of ratios last, writes the full results as JSON and the plots as PNG.
 //!
 //! `tq-bench [--out DIR] [--floor BIN] [--primitives FILE] [--mps FILE] [--torch SCRIPT] [--python PYTHON] [--only a,b]
-//! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--no-fill] [--no-read]`; on the GPU
+//! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--messages N] [--no-fill] [--no-read]`; on the GPU
 //! machine, `bash target/gpu-bundle/bench.sh` (which `cargo xtask bench` runs). Sections:
 //! `setup`, `floor`, `torch`, `rtt`, `breakdown`, `stream`, `broadcast`, `cross` (GPU0 -> GPU1 by each
 //! route, with its own table printed last; `--cross-anchors SCRIPT` names `cross_anchors.py`, which is
-//! otherwise looked for beside `--torch`; see `cross.rs`).
+//! otherwise looked for beside `--torch`; see `cross.rs`), `host-msgs` (`--messages N` small host
+//! messages to a receiver process, no GPU needed; see `host_msgs.rs`).
 //!
 //! Every time is the machine's `CLOCK_MONOTONIC` (one clock for all processes), read on the side
 //! of the barrier where the data became usable. Without a GPU the same sections run with host
 //! tensors (shared memory), and the GPU-only parts say that they were skipped.
 
 mod cross;
+mod host_msgs;
 mod plot;
 
 use std::io::IsTerminal;
@@ -47,6 +49,8 @@ struct Options {
     in_flight: u64,
     items: u64,
     trips: usize,
+    /// Messages per run of section `host-msgs`.
+    messages: u64,
     fill: bool,
     read: bool,
 }
@@ -71,6 +75,7 @@ impl Options {
             in_flight: number("--in-flight", 4)?,
             items: number("--items", 20_000)?,
             trips: number("--trips", 10_000)? as usize,
+            messages: number("--messages", 1_000_000)?,
             fill: !args.iter().any(|a| a == "--no-fill"),
             read: !args.iter().any(|a| a == "--no-read"),
         })
@@ -201,6 +206,9 @@ fn main() -> Result<()> {
     if let Some(result) = cross::child_role() {
         return result;
     }
+    if std::env::args().nth(1).as_deref() == Some(host_msgs::RECEIVER_FLAG) {
+        return host_msgs::receiver();
+    }
     let options = Options::parse()?;
     std::fs::create_dir_all(&options.out).with_context(|| format!("creating {}", options.out.display()))?;
     let gpu = match integration_tests::gpu_skip_reason() {
@@ -215,7 +223,7 @@ fn main() -> Result<()> {
     };
     let machine = machine(gpu.as_ref())?;
     eprintln!("tq-bench on {machine}");
-    let sections = ["setup", "floor", "torch", "rtt", "breakdown", "stream", "broadcast", "cross"];
+    let sections = ["setup", "floor", "torch", "rtt", "breakdown", "stream", "broadcast", "cross", "host-msgs"];
     let steps = sections.iter().filter(|s| options.wants(s)).count();
     let mut bench = Bench {
         gpu,
@@ -249,6 +257,7 @@ fn main() -> Result<()> {
             "stream" => bench.streaming(torch.as_ref())?,
             "broadcast" => bench.broadcast()?,
             "cross" => bench.cross()?,
+            "host-msgs" => bench.host_msgs()?,
             _ => unreachable!(),
         }
     }
@@ -533,9 +542,11 @@ impl Bench {
                     .against("C socket floor, blocking, p50 (target: ratio >= 0.67)", floor_p50)
                     .target(floor_p50.map_or(15.0, |f| 1.5 * f)),
             );
+            // Issue 26's rows: same GPU, against the socket floor of the same wait.
             self.rows.push(
                 Row::new(format!("round trip 1 x 4 KB, {mode}, p50"), p50, "us")
-                    .against(format!("C socket floor, same wait ({floor_key})"), field(floor, floor_key)),
+                    .against(format!("C socket floor, same wait ({floor_key})"), field(floor, floor_key))
+                    .target(if spin { 8.0 } else { 20.0 }),
             );
             self.rows.push(
                 Row::new(format!("round trip 1 x 4 KB, {mode}, p99"), get(1, spin, "p99_us"), "us")
