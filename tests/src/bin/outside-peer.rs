@@ -88,6 +88,10 @@ fn main() -> Result<()> {
             let spare: u64 = args[2].parse()?;
             let count: usize = args[3].parse()?;
             let mut receiver = Receiver::<Tensor>::builder().capacity(64).bind(args[1].as_str())?;
+            // What every receiver asks once per process at its first hello: where a CUDA driver
+            // is, its initialisation opens descriptors of its own (/dev/nvidia*), which would
+            // otherwise take the spare ones (on the GPU machine every message was refused).
+            let _ = tensor_queue::testing::Reach::local();
             let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
             rustix::process::setrlimit(
                 rustix::process::Resource::Nofile,
