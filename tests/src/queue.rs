@@ -139,6 +139,34 @@ pub struct FaultBatch {
     pub tensors: Vec<Tensor>,
 }
 
+/// One `recv` of a killed-producer case's receiver, for up to `wait` (`faults_gpu` and
+/// `faults_host`): a message of the doomed producer `doomed_pid` goes into `held` (to be judged
+/// once it is dead), a refusal (`ProducerFailed` of its one message) counts in `refused`. Whether
+/// `recv` said `Disconnected`.
+pub fn take_doomed(
+    receiver: &mut Receiver<FaultBatch>,
+    doomed_pid: u32,
+    held: &mut Vec<FaultBatch>,
+    refused: &mut usize,
+    wait: Duration,
+) -> Result<bool> {
+    match receiver.recv_with_info(Some(wait)) {
+        Ok((batch, info)) => {
+            ensure!(info.sender_pid == doomed_pid && batch.pid == doomed_pid, "a message from pid {}", batch.pid);
+            held.push(batch);
+            Ok(false)
+        }
+        Err(tensor_queue::Error::ProducerFailed { pid, seq, .. }) => {
+            ensure!(pid == doomed_pid && seq == 1, "ProducerFailed for pid {pid} seq {seq}");
+            *refused += 1;
+            Ok(false)
+        }
+        Err(tensor_queue::Error::Timeout) => Ok(false),
+        Err(tensor_queue::Error::Disconnected) => Ok(true),
+        Err(error) => anyhow::bail!("recv: {error:?}"),
+    }
+}
+
 /// One message of the fault suite (`tq-fault` and `faults_gpu`).
 #[derive(Serialize, Deserialize)]
 pub struct FaultItem {

@@ -12,7 +12,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
-use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed, wait_for};
+use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed, take_doomed, wait_for};
 use integration_tests::{GpuTest, bin_path, run_gpu_tests, socket_path};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
@@ -1311,7 +1311,7 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
         if matches!(moment, Moment::BeforeRecv | Moment::MidFrame) {
             std::thread::sleep(Duration::from_micros(200));
         } else {
-            take_doomed(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_micros(200))?;
+            take_doomed(&mut receiver, doomed.pid(), &mut held, &mut refused, Duration::from_micros(200))?;
         }
     }
     doomed.sigkill()?;
@@ -1327,7 +1327,7 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
             "30 s after the kill, no Disconnected; its message was {}",
             if held.len() + refused == 0 { "neither delivered nor reported" } else { "handled" }
         );
-        if take_doomed(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_millis(100))? {
+        if take_doomed(&mut receiver, doomed.pid(), &mut held, &mut refused, Duration::from_millis(100))? {
             break killed_at.elapsed();
         }
     };
@@ -1397,33 +1397,6 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
         cuda_ok(context)?;
     }
     Ok(outcome)
-}
-
-/// One `recv` of the killed-case receiver, for up to `wait`: keeps a message of the doomed
-/// producer in `held` (checked once it is dead: see [`judge`]) and notes a refusal in `refused`.
-/// Whether `recv` said `Disconnected`.
-fn take_doomed(
-    receiver: &mut Receiver<FaultBatch>,
-    doomed: &Proc,
-    held: &mut Vec<FaultBatch>,
-    refused: &mut usize,
-    wait: Duration,
-) -> Result<bool> {
-    match receiver.recv_with_info(Some(wait)) {
-        Ok((batch, info)) => {
-            ensure!(info.sender_pid == doomed.pid() && batch.pid == doomed.pid(), "a message from pid {}", batch.pid);
-            held.push(batch);
-            Ok(false)
-        }
-        Err(Error::ProducerFailed { pid, seq, .. }) => {
-            ensure!(pid == doomed.pid() && seq == 1, "ProducerFailed for pid {pid} seq {seq}");
-            *refused += 1;
-            Ok(false)
-        }
-        Err(Error::Timeout) => Ok(false),
-        Err(Error::Disconnected) => Ok(true),
-        Err(error) => bail!("recv: {error:?}"),
-    }
 }
 
 /// What a delivered message of a killed producer is: whole (every byte its producer's, checked

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::bin_path;
-use integration_tests::queue::{FaultBatch, checksum, wait_for};
+use integration_tests::queue::{FaultBatch, checksum, take_doomed, wait_for};
 use kernels::reference;
 use tensor_queue::{Error, Receiver, SECRET_ENV, Secret, TransferPath};
 
@@ -195,32 +195,6 @@ fn batch_args(endpoint: &str, seed: u64, tensors: usize, len: usize, die_after_u
     args.iter().map(|a| a.to_string()).collect()
 }
 
-/// One `recv` for up to `wait`: a message of the doomed producer goes into `held`, a refusal
-/// counts in `refused`. Whether `recv` said `Disconnected`.
-fn take(
-    receiver: &mut Receiver<FaultBatch>,
-    doomed: &Proc,
-    held: &mut Vec<FaultBatch>,
-    refused: &mut usize,
-    wait: Duration,
-) -> Result<bool> {
-    match receiver.recv_with_info(Some(wait)) {
-        Ok((batch, info)) => {
-            ensure!(info.sender_pid == doomed.pid() && batch.pid == doomed.pid(), "a message from pid {}", batch.pid);
-            held.push(batch);
-            Ok(false)
-        }
-        Err(Error::ProducerFailed { pid, seq, .. }) => {
-            ensure!(pid == doomed.pid() && seq == 1, "ProducerFailed for pid {pid} seq {seq}");
-            *refused += 1;
-            Ok(false)
-        }
-        Err(Error::Timeout) => Ok(false),
-        Err(Error::Disconnected) => Ok(true),
-        Err(error) => bail!("recv: {error:?}"),
-    }
-}
-
 /// Kills a `tq-fault batch --host` producer at `moment` and checks what the receiver sees (see
 /// the module's comment).
 fn killed_case(moment: Moment, seed: u64) -> Result<Outcome> {
@@ -257,7 +231,7 @@ fn killed_case(moment: Moment, seed: u64) -> Result<Outcome> {
             let start = Instant::now();
             while doomed.child.try_wait()?.is_none() {
                 ensure!(start.elapsed() < Duration::from_secs(30), "it did not die within 30 s; {}", doomed.tail());
-                take(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_micros(200))?;
+                take_doomed(&mut receiver, doomed.pid(), &mut held, &mut refused, Duration::from_micros(200))?;
                 doomed.poll();
             }
         }
@@ -269,7 +243,7 @@ fn killed_case(moment: Moment, seed: u64) -> Result<Outcome> {
     // Its message (if any), then the end of its connection.
     loop {
         ensure!(killed_at.elapsed() < Duration::from_secs(30), "30 s after the kill, no Disconnected");
-        if take(&mut receiver, &doomed, &mut held, &mut refused, Duration::from_millis(100))? {
+        if take_doomed(&mut receiver, doomed.pid(), &mut held, &mut refused, Duration::from_millis(100))? {
             break;
         }
     }
