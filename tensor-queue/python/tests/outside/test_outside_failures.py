@@ -56,6 +56,9 @@ def test_consumer_sigkilled_holding_arrays_memory_comes_back(sock_path, ctx):
         for _ in range(100):
             s.send(np.zeros(10), timeout=5)
             time.sleep(0.01)
+    # The small messages sent before the hang-up was seen are given back when the sender's
+    # reader thread takes in the hang-up, which may come just after `send` raised.
+    assert s.wait_released(30), "messages sent to the dead consumer not given back"
     tq.memory.trim()
     assert tq.memory.usage()["in_use_bytes"] == 0
 
