@@ -187,6 +187,17 @@ pub fn fault_seed(tag: u64, thread: u64, index: u64) -> u64 {
     (tag << 40) | (thread << 32) | index
 }
 
+/// The seed of a fault-suite run: `TQ_FAULT_SEED` if set (to replay a run), else new; printed
+/// with how to replay it.
+pub fn case_seed() -> Result<u64> {
+    let seed = match std::env::var("TQ_FAULT_SEED") {
+        Ok(text) => text.parse().with_context(|| format!("TQ_FAULT_SEED={text:?} is not a number"))?,
+        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 & 0xffff_ffff,
+    };
+    println!("seed {seed} (replay with TQ_FAULT_SEED={seed})");
+    Ok(seed)
+}
+
 /// Polls `done` every 200 us for up to `timeout`: how long it took to hold, or `None`.
 pub fn wait_for(timeout: Duration, mut done: impl FnMut() -> bool) -> Option<Duration> {
     let start = Instant::now();

@@ -12,7 +12,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
-use integration_tests::queue::{FaultBatch, FaultItem, checksum, fault_seed, take_doomed, wait_for};
+use integration_tests::queue::{FaultBatch, FaultItem, case_seed, checksum, fault_seed, take_doomed, wait_for};
 use integration_tests::{GpuTest, bin_path, run_gpu_tests, socket_path};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
@@ -1424,16 +1424,6 @@ fn drained_checksum(tensor: &Tensor) -> Result<u64> {
         return checksum(tensor); // in host memory
     }
     bounded_checksum(tensor)
-}
-
-/// The seed of the killed-producer cases: `TQ_FAULT_SEED` if set (to replay a run), else new.
-fn case_seed() -> Result<u64> {
-    let seed = match std::env::var("TQ_FAULT_SEED") {
-        Ok(text) => text.parse().with_context(|| format!("TQ_FAULT_SEED={text:?} is not a number"))?,
-        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 & 0xffff_ffff,
-    };
-    println!("seed {seed} (replay with TQ_FAULT_SEED={seed})");
-    Ok(seed)
 }
 
 /// Runs `cases`, each with its own seed from [`case_seed`]: all of them, then every failure.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::bin_path;
-use integration_tests::queue::{FaultBatch, checksum, take_doomed, wait_for};
+use integration_tests::queue::{FaultBatch, case_seed, checksum, take_doomed, wait_for};
 use kernels::reference;
 use tensor_queue::{Error, Receiver, SECRET_ENV, Secret, TransferPath};
 
@@ -302,16 +302,6 @@ fn killed_case(moment: Moment, seed: u64) -> Result<Outcome> {
     ensure!(healthy.has_said("released"), "{}", healthy.tail());
     ensure!(receiver.take_errors().is_empty(), "a healthy producer's goodbye reported an error");
     Ok(outcome)
-}
-
-/// The seed: `TQ_FAULT_SEED` if set (to replay a run), else new.
-fn case_seed() -> Result<u64> {
-    let seed = match std::env::var("TQ_FAULT_SEED") {
-        Ok(text) => text.parse().with_context(|| format!("TQ_FAULT_SEED={text:?} is not a number"))?,
-        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos() as u64 & 0xffff_ffff,
-    };
-    println!("seed {seed} (replay with TQ_FAULT_SEED={seed})");
-    Ok(seed)
 }
 
 /// Runs the cases of `moments`, each with its own seed from [`case_seed`]: all, then every failure.
