@@ -7,33 +7,16 @@ import os
 import queue
 import signal
 import sys
-import tempfile
 import time
-import uuid
 
 import numpy as np
 import pytest
 
 import tensor_queue as tq
 import workers
+from helpers import address, connect, interrupt_program
 
 METHODS = ["spawn", "forkserver"]
-
-
-def address() -> str:
-    return os.path.join(tempfile.gettempdir(), f"tq-test-{uuid.uuid4().hex[:12]}.sock")
-
-
-def connect(path: str, timeout: float = 30.0) -> tq.Sender:
-    """Connects once the child has bound `path`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return tq.Sender.connect(path)
-        except tq.TensorQueueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
 
 
 def assert_same(got, want, where="msg"):  # noqa: ANN001
@@ -329,26 +312,12 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_interrupts_close_waiting_for_a_receiver_that_never_reads():
-    import subprocess
-
     path = address()
     receiver = tq.Receiver.bind(path)
-    prog = subprocess.Popen(
-        [sys.executable, "-c", CLOSE_AFTER_BIG_SEND, path],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tempfile.gettempdir(),
-    )
     try:
-        assert prog.stdout.readline().strip() == "sent", prog.stderr.read()
-        time.sleep(0.5)  # into close()'s wait (the receiver never reads)
-        prog.send_signal(signal.SIGINT)
-        out, err = prog.communicate(timeout=30)
+        # into close()'s wait (the receiver never reads)
+        out, err = interrupt_program(CLOSE_AFTER_BIG_SEND, path, ready="sent")
     finally:
-        if prog.poll() is None:
-            prog.kill()
-            prog.communicate()
         receiver.close()
     assert "interrupted" in out, (out, err)
 
@@ -379,27 +348,14 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_interrupts_a_broadcast_waiting_for_a_full_receiver():
-    import subprocess
-
     paths = [address(), address()]
     readers = [tq.Receiver.bind(paths[0]), tq.Receiver.bind(paths[1], capacity=1)]
-    prog = subprocess.Popen(
-        [sys.executable, "-c", BROADCAST_TO_A_FULL_RECEIVER, *paths],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tempfile.gettempdir(),
-    )
-    try:
-        assert prog.stdout.readline().strip() == "sent", prog.stderr.read()
+
+    def first_arrived():
         assert readers[0].recv(timeout=30) == "first"
-        time.sleep(0.5)  # into the second send's wait
-        prog.send_signal(signal.SIGINT)
-        out, err = prog.communicate(timeout=30)
-    finally:
-        if prog.poll() is None:
-            prog.kill()
-            prog.communicate()
+
+    # into the second send's wait
+    out, err = interrupt_program(BROADCAST_TO_A_FULL_RECEIVER, *paths, ready="sent", before=first_arrived)
     assert "interrupted" in out, (out, err)
     # All or none: the first receiver did not get the second message either (its sender has
     # gone since: Disconnected, after everything sent was received).

@@ -7,9 +7,7 @@ import os
 import queue
 import secrets
 import signal
-import tempfile
 import time
-import uuid
 
 import pytest
 
@@ -18,24 +16,18 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device here: the GPU tests run on the GPU machine", allow_module_level=True)
 
 import tensor_queue as tq  # noqa: E402
+import helpers  # noqa: E402
 import workers  # noqa: E402
 
 ctx = mp.get_context("spawn")
 
 
 def address() -> str:
-    return os.path.join(tempfile.gettempdir(), f"tq-gpu-{uuid.uuid4().hex[:12]}.sock")
+    return helpers.address("tq-gpu")
 
 
 def connect(path: str, timeout: float = 60.0) -> tq.Sender:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return tq.Sender.connect(path)
-        except tq.TensorQueueError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
+    return helpers.connect(path, timeout)
 
 
 def finish(child, timeout: float, what: str) -> None:  # noqa: ANN001

@@ -40,3 +40,20 @@ def program(code, *args, env=None, **kw):
         cwd=kw.pop("cwd", tempfile.gettempdir()),
         **kw,
     )
+
+
+def interrupt(prog, what, after=1.0):
+    """Waits for `prog` to print "ready", Ctrl-C's it `after` seconds later and returns its
+    (stdout, stderr); fails the test if it does not end within 15 s (a hang)."""
+    import signal
+    import time
+
+    assert prog.stdout.readline().strip() == "ready"
+    time.sleep(after)
+    prog.send_signal(signal.SIGINT)
+    try:
+        return prog.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        prog.kill()
+        prog.communicate()
+        pytest.fail(f"SIGINT did not interrupt {what} within 15 s")

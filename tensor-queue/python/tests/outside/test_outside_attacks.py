@@ -4,7 +4,6 @@ a Queue producer killed, odd dtypes and timeouts."""
 import os
 import queue
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import pytest
 import tensor_queue as tq
 
 from . import _workers
-from .conftest import program
+from .conftest import interrupt, program
 
 SEND_BIG_STR = """
 import sys, time, tensor_queue as tq
@@ -198,14 +197,6 @@ def test_sigint_interrupts_send_blocked_on_big_payload(sock_path):
         """,
         sock_path,
     )
-    assert prog.stdout.readline().strip() == "ready"
-    time.sleep(1.5)
-    prog.send_signal(signal.SIGINT)
-    try:
-        out, err = prog.communicate(timeout=15)
-    except Exception:
-        prog.kill()
-        prog.communicate()
-        pytest.fail("SIGINT did not interrupt a send blocked on a big payload within 15 s")
+    out, err = interrupt(prog, "a send blocked on a big payload", after=1.5)
     assert "interrupted" in out or "sent" in out, (out, err)
     r.close()

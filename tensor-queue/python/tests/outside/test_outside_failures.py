@@ -13,7 +13,7 @@ import pytest
 import tensor_queue as tq
 
 from . import _workers
-from .conftest import program
+from .conftest import interrupt, program
 
 
 def test_producer_sigkilled_mid_stream(sock_path, ctx):
@@ -96,15 +96,7 @@ except KeyboardInterrupt:
 @pytest.mark.parametrize("call", ["r.recv()", "r.recv(timeout=60)", "next(iter(r))"])
 def test_sigint_interrupts_blocked_recv(sock_path, call):
     prog = program(BLOCKED_RECV.replace("{call}", call), sock_path)
-    assert prog.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
-    prog.send_signal(signal.SIGINT)
-    try:
-        out, err = prog.communicate(timeout=15)
-    except Exception:
-        prog.kill()
-        prog.communicate()
-        pytest.fail("SIGINT did not interrupt a blocked recv within 15 s")
+    out, err = interrupt(prog, "a blocked recv", after=0.5)
     assert "interrupted" in out, (out, err)
 
 
@@ -120,15 +112,7 @@ def test_sigint_interrupts_blocked_queue_get(sock_path):
             print("interrupted", flush=True)
         """
     )
-    assert prog.stdout.readline().strip() == "ready"
-    time.sleep(1.0)
-    prog.send_signal(signal.SIGINT)
-    try:
-        out, err = prog.communicate(timeout=15)
-    except Exception:
-        prog.kill()
-        prog.communicate()
-        pytest.fail("SIGINT did not interrupt a blocked Queue.get within 15 s")
+    out, err = interrupt(prog, "a blocked Queue.get")
     assert "interrupted" in out, (out, err)
 
 
@@ -148,15 +132,7 @@ def test_sigint_interrupts_blocked_send(sock_path):
         """,
         sock_path,
     )
-    assert prog.stdout.readline().strip() == "ready"
-    time.sleep(1.0)
-    prog.send_signal(signal.SIGINT)
-    try:
-        out, err = prog.communicate(timeout=15)
-    except Exception:
-        prog.kill()
-        prog.communicate()
-        pytest.fail("SIGINT did not interrupt a blocked send within 15 s")
+    out, err = interrupt(prog, "a blocked send")
     assert "interrupted" in out, (out, err)
 
 

@@ -1,0 +1,54 @@
+"""What the package's own tests share: fresh socket paths, connecting once a child has bound, and
+Ctrl-C'ing a separate program in the middle of a call."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import tensor_queue as tq
+
+
+def address(prefix: str = "tq-test") -> str:
+    """A fresh Unix socket path in the temporary folder."""
+    return os.path.join(tempfile.gettempdir(), f"{prefix}-{uuid.uuid4().hex[:12]}.sock")
+
+
+def connect(path: str, timeout: float = 30.0) -> tq.Sender:
+    """Connects once the child has bound `path`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return tq.Sender.connect(path)
+        except tq.TensorQueueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def interrupt_program(code: str, *args: str, ready: str, before=None) -> tuple[str, str]:
+    """Runs `code` as a separate program, waits for it to print `ready`, runs `before()` (if
+    given), Ctrl-C's it half a second later and returns its (stdout, stderr)."""
+    prog = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tempfile.gettempdir(),  # not the source folder, whose tensor_queue/ has no _native
+    )
+    try:
+        assert prog.stdout.readline().strip() == ready, prog.stderr.read()
+        if before is not None:
+            before()
+        time.sleep(0.5)  # into the call's wait
+        prog.send_signal(signal.SIGINT)
+        return prog.communicate(timeout=30)
+    finally:
+        if prog.poll() is None:
+            prog.kill()
+            prog.communicate()
