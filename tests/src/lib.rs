@@ -3,6 +3,7 @@
 //! of the tensor-queue tests.
 
 pub mod cross;
+pub mod outside_messages;
 pub mod queue;
 
 use std::path::PathBuf;

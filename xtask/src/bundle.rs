@@ -31,6 +31,7 @@ const BINARIES: &[&str] = &[
     "tcp-peer",
     "tq-hostile",
     "outside-peer",
+    "outside-msg-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",

@@ -1,0 +1,847 @@
+//! An outside tester's tests of the messages users send, written from the README and the rustdoc
+//! only, with the other end a separate program (`outside-msg-peer`): many tensors and views of one
+//! storage per message, a consumer holding hundreds of messages, several senders per process, peers
+//! killed at the worst moment, a receiver that stops reading, TCP with odd sizes and a wrong
+//! secret, and the typed errors a caller matches on.
+//!
+//! Every wait has a bound that fails the test; none is a speed assertion. GPU variants are
+//! reported as ignored, with the reason, where there is no GPU.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::outside_messages::{
+    Held, Many, OverTcp, Tagged, check_many, check_over_tcp, check_tagged, held, many, tagged,
+};
+use integration_tests::{bin_path, gpu_skip_reason, note_gpu_skips, socket_path, stdout_lines};
+use libtest_mimic::{Arguments, Completion, Failed, Trial};
+use tensor_queue::{Context, DType, Error, Receiver, Secret, Sender, Stream, Tensor, TransferPath, memory};
+
+/// The bound on any one wait: far past what a healthy run takes, short of a CI job's patience.
+const BOUND: Duration = Duration::from_secs(30);
+
+type Test = fn() -> Result<()>;
+
+fn main() {
+    let host: &[(&str, Test)] = &[
+        ("many_tensors_and_views_of_one_storage_reach_a_separate_process_exactly", many_tensors_to_a_child),
+        ("many_tensors_from_a_separate_process_arrive_exactly_with_their_layouts", many_tensors_from_a_peer),
+        ("views_of_one_writable_storage_are_one_memory_in_the_receiver", views_alias_in_the_receiver),
+        ("malformed_views_and_shapes_are_typed_errors_never_panics", malformed_views_are_typed_errors),
+        ("typed_errors_for_bad_input_and_a_closed_receiver", typed_errors_for_bad_input),
+        ("consumer_holding_hundreds_then_dropping_in_random_order_gives_everything_back", consumer_holds_hundreds),
+        ("receiver_killed_while_holding_many_leased_messages_gives_everything_back", receiver_killed_while_holding),
+        ("several_senders_per_process_keep_their_order_and_lose_nothing", several_senders_per_process),
+        ("sender_killed_right_after_sending_before_the_receiver_looked_loses_nothing", sender_killed_before_look),
+        (
+            "sender_killed_as_soon_as_send_returned_delivers_an_exact_prefix_then_the_end",
+            sender_killed_right_after_send_returned,
+        ),
+        ("sender_killed_while_the_receiver_holds_its_tensors_leaves_them_intact", sender_killed_while_held),
+        ("receiver_that_stops_reading_makes_sends_time_out_typed_then_resume", receiver_stops_reading),
+        ("capacity_one_and_thousands_of_messages_lose_nothing_and_keep_order", tiny_capacity_many_messages),
+        ("tcp_many_tensors_odd_sizes_and_views_arrive_exactly", tcp_many_tensors_and_odd_sizes),
+        ("tcp_wrong_secret_is_a_typed_error_and_the_honest_sender_goes_on", tcp_wrong_secret),
+    ];
+    let gpu: &[(&str, Test)] = &[
+        ("gpu_many_tensors_and_views_reach_a_separate_process_exactly", gpu_many_tensors_to_a_child),
+        ("gpu_consumer_holding_many_then_dropping_in_random_order_gives_everything_back", gpu_consumer_holds_many),
+        (
+            "gpu_sender_killed_right_after_sending_before_the_receiver_looked_loses_nothing",
+            gpu_sender_killed_before_look,
+        ),
+    ];
+    let mut trials: Vec<Trial> = host.iter().map(|&(name, run)| Trial::test(name, move || outcome(run))).collect();
+    let no_gpu = gpu_skip_reason();
+    for &(name, run) in gpu {
+        let no_gpu = no_gpu.clone();
+        trials.push(Trial::ignorable_test(name, move || match no_gpu {
+            Some(_) => Ok(Completion::ignored_with("no GPU")),
+            None => outcome(run).map(|()| Completion::Completed),
+        }));
+    }
+    let arguments = Arguments::from_args();
+    let conclusion = libtest_mimic::run(&arguments, trials);
+    if let Some(reason) = no_gpu {
+        note_gpu_skips(gpu.len(), &reason);
+    }
+    conclusion.exit()
+}
+
+fn outcome(run: Test) -> Result<(), Failed> {
+    run().map_err(|e| Failed::from(format!("{e:#}")))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+/// Tests that read `memory::usage()` (process-wide) take this exclusively; every other test that
+/// makes tensors in this process holds it shared, so no other test's tensors come and go meanwhile.
+static MEMORY: RwLock<()> = RwLock::new(());
+
+fn shared_memory_use() -> RwLockReadGuard<'static, ()> {
+    MEMORY.read().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn exclusive_memory_use() -> RwLockWriteGuard<'static, ()> {
+    MEMORY.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A second process, its stdout as lines; killed and reaped if the test ends first.
+struct Peer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    role: String,
+}
+
+impl Peer {
+    fn command(role: &str, args: &[&str]) -> Result<Command> {
+        let mut command = Command::new(bin_path("outside-msg-peer")?);
+        command.arg(role).args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
+        Ok(command)
+    }
+
+    /// Starts `outside-msg-peer ROLE ARGS` with `env`.
+    fn start(role: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Peer> {
+        let mut command = Peer::command(role, args)?;
+        command.envs(env.iter().copied());
+        let child = command.spawn().context("starting outside-msg-peer")?;
+        Ok(Peer::from_child(child, role))
+    }
+
+    /// Starts `outside-msg-peer ROLE ARGS` as a child with a channel to it (`tensor_queue::spawn`).
+    fn spawn<T: serde::Serialize>(role: &str, args: &[&str]) -> Result<(Peer, Sender<T>)> {
+        let (child, sender) = tensor_queue::spawn::<T>(&mut Peer::command(role, args)?)?;
+        Ok((Peer::from_child(child, role), sender))
+    }
+
+    fn from_child(mut child: Child, role: &str) -> Peer {
+        let lines = stdout_lines(&mut child, Some(format!("peer {role}")));
+        Peer { child, lines, role: role.to_string() }
+    }
+
+    /// The next line it prints; an `error` line, its exit or silence for [`BOUND`] fail the test.
+    fn line(&self) -> Result<String> {
+        let line = self
+            .lines
+            .recv_timeout(BOUND)
+            .with_context(|| format!("peer {} said nothing within {BOUND:?}", self.role))?;
+        ensure!(!line.starts_with("error"), "peer {}: {line}", self.role);
+        Ok(line)
+    }
+
+    /// Waits for the line `expected`.
+    fn expect(&self, expected: &str) -> Result<()> {
+        let line = self.line()?;
+        ensure!(line == expected, "peer {} said {line:?}, expected {expected:?}", self.role);
+        Ok(())
+    }
+
+    fn write(&mut self, line: &str) -> Result<()> {
+        let stdin = self.child.stdin.as_mut().context("peer's stdin")?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+
+    /// Closes its stdin and waits (bounded) for it to exit successfully.
+    fn finish(mut self) -> Result<()> {
+        drop(self.child.stdin.take());
+        let status = self.wait_exit()?;
+        ensure!(status.success(), "peer {} exited with {status}", self.role);
+        Ok(())
+    }
+
+    fn wait_exit(&mut self) -> Result<std::process::ExitStatus> {
+        let deadline = Instant::now() + BOUND;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Ok(status);
+            }
+            ensure!(Instant::now() < deadline, "peer {} did not exit within {BOUND:?}", self.role);
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGKILLs it and reaps it: it is gone when this returns.
+    fn kill(&mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `f` on a thread of its own; fails if it has not returned within `bound` (a hang).
+fn within<R: Send + 'static>(bound: Duration, what: &str, f: impl FnOnce() -> R + Send + 'static) -> Result<R> {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(bound).map_err(|_| anyhow::anyhow!("{what} did not return within {bound:?}"))
+}
+
+/// Polls `done` until it holds; fails after [`BOUND`].
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) -> Result<()> {
+    let deadline = Instant::now() + BOUND;
+    while !done() {
+        ensure!(Instant::now() < deadline, "{what}: not within {BOUND:?}");
+        thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+/// The seed of a random order: `TQ_OUTSIDE_SEED` replays one, else the clock picks it. Printed.
+fn seed() -> u64 {
+    let seed = std::env::var("TQ_OUTSIDE_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+    });
+    eprintln!("random order seed {seed} (replay with TQ_OUTSIDE_SEED={seed})");
+    seed
+}
+
+/// Bytes of the tensors of [`held`] messages `ids`.
+fn held_bytes(ids: impl Iterator<Item = u64>) -> Result<usize> {
+    let mut total = 0;
+    for id in ids {
+        total += held(id)?.tensors.iter().map(Tensor::nbytes).sum::<usize>();
+    }
+    Ok(total)
+}
+
+/// The whole process's arena memory is back where it started: nothing in use beyond `before`,
+/// and after `trim` no more chunks than before.
+fn memory_back_to(before: &memory::MemoryUsage) -> Result<()> {
+    wait_until("in-use bytes back to their start", || memory::usage().in_use_bytes == before.in_use_bytes)
+        .with_context(|| format!("now {:?}, at the start {before:?}", memory::usage()))?;
+    memory::trim();
+    let after = memory::usage();
+    ensure!(after.host_bytes <= before.host_bytes, "host chunks after trim {after:?}, at the start {before:?}");
+    ensure!(after.device_bytes <= before.device_bytes, "device chunks after trim {after:?}, at the start {before:?}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Many tensors per message, views of one storage.
+
+fn many_tensors_to_a_child() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (peer, sender) = Peer::spawn::<Many>("recv-many", &[])?;
+    for id in 0..3 {
+        sender.send(&many(id, None)?)?;
+    }
+    for id in 0..3 {
+        peer.expect(&format!("ok {id}"))?;
+    }
+    ensure!(sender.wait_released(BOUND), "the child still holds tensors after checking them");
+    ensure!(sender.outstanding_leases() == 0, "{} leases outstanding", sender.outstanding_leases());
+    drop(sender);
+    peer.expect("done 3")?;
+    peer.finish()
+}
+
+fn many_tensors_from_a_peer() -> Result<()> {
+    let _memory = shared_memory_use();
+    let path = socket_path("om-many");
+    let mut receiver = Receiver::<Many>::bind(&path)?;
+    receiver.expect_senders(1);
+    let path = path.to_str().context("socket path")?.to_string();
+    let peer = Peer::start("send-many", &["--to", &path, "--count", "2", "--first", "5"], &[])?;
+    for id in 5..7 {
+        let message = receiver.recv_timeout(BOUND)?;
+        ensure!(message.id == id, "message {} arrived where {id} was due", message.id);
+        check_many(&message, true)?;
+        for t in message.small.iter().chain(&message.views) {
+            ensure!(t.path() == TransferPath::HostSharedMemory, "a host tensor came by {:?}", t.path());
+        }
+    }
+    peer.expect("sent")?;
+    peer.finish()?;
+    match receiver.recv_timeout(BOUND) {
+        Err(Error::Disconnected) => Ok(()),
+        other => bail!("after its only sender left: {:?}", other.map(|m| m.id)),
+    }
+}
+
+fn views_alias_in_the_receiver() -> Result<()> {
+    let _memory = shared_memory_use();
+    let base = Tensor::zeros_writable(DType::I32, &[64, 64])?;
+    let (mut peer, sender) = Peer::spawn::<(Tensor, Tensor)>("alias", &[])?;
+    // Two overlapping views of one storage: rows 0..40 and rows 2..42.
+    sender.send(&(base.narrow(0, 0, 40)?, base.narrow(0, 2, 40)?))?;
+    peer.expect("b sees 4242")?;
+    ensure!(base.get::<i32>(&[5, 3])? == 4242, "the sender does not see the receiver's write");
+    ensure!(base.get::<i32>(&[5, 4])? == 0 && base.get::<i32>(&[3, 3])? == 0, "the write landed elsewhere too");
+    peer.write("")?;
+    peer.finish()
+}
+
+/// Runs `f`, catching a panic (which is a failure of its own, not a refusal).
+fn attempt(f: impl FnOnce() -> tensor_queue::Result<Tensor>) -> std::thread::Result<tensor_queue::Result<Tensor>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+}
+
+fn malformed_views_are_typed_errors() -> Result<()> {
+    let _memory = shared_memory_use();
+    let t = Tensor::new(&(0..24).collect::<Vec<i32>>(), &[2, 3, 4])?;
+    let max = tensor_queue::wire::MAX_DIMS;
+    let attempts: Vec<(&str, std::thread::Result<tensor_queue::Result<Tensor>>)> = vec![
+        ("one dimension too many", attempt(|| Tensor::zeros(DType::U8, &vec![1; max + 1]))),
+        ("transpose past the dims", attempt(|| t.transpose(0, 3))),
+        ("permute naming a dim twice", attempt(|| t.permute(&[0, 0, 1]))),
+        ("permute missing a dim", attempt(|| t.permute(&[0, 1]))),
+        ("narrow past the end", attempt(|| t.narrow(2, 3, 2))),
+        ("narrow with u64::MAX", attempt(|| t.narrow(1, u64::MAX, 2))),
+        ("slice start past end", attempt(|| t.slice(2, 3, 1, 1))),
+        ("slice step 0", attempt(|| t.slice(2, 0, 4, 0))),
+        ("select out of range", attempt(|| t.select(0, 2))),
+        ("select past the dims", attempt(|| t.select(3, 0))),
+        ("expand a size that is not 1", attempt(|| t.expand(&[2, 5, 4]))),
+        ("expand to fewer dims", attempt(|| t.expand(&[4]))),
+        ("flip a dim twice", attempt(|| t.flip(&[1, 1]))),
+        ("flip past the dims", attempt(|| t.flip(&[3]))),
+        ("reshape to another count", attempt(|| t.reshape(&[5, 5]))),
+        ("reshape a strided view", attempt(|| t.transpose(0, 2).and_then(|v| v.reshape(&[24])))),
+        ("layout far past the storage", attempt(|| t.as_layout(DType::I32, &[1 << 30], &[1], 0))),
+        ("layout unaligned", attempt(|| t.as_layout(DType::I32, &[2], &[1], 2))),
+        ("layout with a negative stride before the start", attempt(|| t.as_layout(DType::I32, &[2], &[-1], 0))),
+        ("layout with stride overflow", attempt(|| t.as_layout(DType::U8, &[2, 2], &[i64::MAX, 1], 0))),
+        ("layout dims and strides of different lengths", attempt(|| t.as_layout(DType::I32, &[2, 2], &[1], 0))),
+        ("overflowing shape", attempt(|| Tensor::zeros(DType::F64, &[u64::MAX, 2]))),
+        ("overflowing shape from data", attempt(|| Tensor::new(&[1u8], &[usize::MAX, 2]))),
+    ];
+    for (what, result) in attempts {
+        match result {
+            Err(_) => bail!("{what}: panicked"),
+            Ok(Ok(view)) => bail!("{what}: accepted, shape {:?} strides {:?}", view.shape(), view.strides()),
+            Ok(Err(Error::Invalid(_))) => {}
+            Ok(Err(other)) => bail!("{what}: {other:?}, expected Error::Invalid"),
+        }
+    }
+    // The most dimensions are accepted and cross a channel (exactly checked in the tests above).
+    ensure!(Tensor::zeros(DType::U8, &vec![1; max])?.shape().len() == max);
+    // Views that are odd but valid are not refused: an empty slice at the very end, a 0-d view.
+    ensure!(t.slice(2, 4, 4, 1)?.numel() == 0 && t.select(0, 1)?.select(0, 2)?.select(0, 3)?.get::<i32>(&[])? == 23);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed errors.
+
+fn typed_errors_for_bad_input() -> Result<()> {
+    let _memory = shared_memory_use();
+    // Mismatched data length.
+    match Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[3]) {
+        Err(Error::Invalid(_)) => {}
+        other => bail!("2 elements for 3: {other:?}"),
+    }
+    match Tensor::from_bytes(&[0u8; 7], DType::I32, &[2]) {
+        Err(Error::Invalid(_)) => {}
+        other => bail!("7 bytes for 2 i32: {other:?}"),
+    }
+    match Tensor::new(&[1u8, 2], &[3]) {
+        Err(Error::Invalid(_)) => {}
+        other => bail!("Tensor::new, 2 elements for 3: {other:?}"),
+    }
+    // Wrong dtype: data of another element type, and reading as another element type.
+    match Tensor::from_slice(&[1.0f64], DType::F32, &[1]) {
+        Err(Error::Invalid(_)) => {}
+        other => bail!("f64 data for an F32 tensor: {other:?}"),
+    }
+    let t = Tensor::from_slice(&[1i32, 2], DType::I32, &[2])?;
+    match t.to_vec::<f32>() {
+        Err(Error::Invalid(_)) => {}
+        other => bail!("an I32 tensor read as f32: {other:?}"),
+    }
+    match t.get::<i64>(&[0]) {
+        Err(Error::Invalid(_)) => {}
+        other => bail!("an I32 element read as i64: {other:?}"),
+    }
+    match Tensor::build_as::<f32>(DType::F64, &[1], |_| ()) {
+        Err(Error::Invalid(_)) => {}
+        other => bail!("build_as f32 elements for F64: {other:?}"),
+    }
+    // Bad endpoints and nothing listening.
+    match Sender::<u32>::connect("http://localhost:7000") {
+        Err(Error::BadEndpoint { .. }) => {}
+        other => bail!("an http endpoint: {:?}", other.map(|_| ())),
+    }
+    match Sender::<u32>::connect(&socket_path("om-nobody")) {
+        Err(Error::NoReceiver { .. }) => {}
+        other => bail!("nothing bound there: {:?}", other.map(|_| ())),
+    }
+    // Capacity 0 ("at least 1") is refused, or taken as 1: never a channel nothing can cross.
+    let zero = socket_path("om-cap0");
+    match Receiver::<u32>::builder().capacity(0).bind(&zero) {
+        Err(Error::Invalid(_)) => {}
+        Ok(mut receiver) => {
+            let sender = Sender::<u32>::connect(&zero)?;
+            sender.send_timeout(&7, BOUND).context("the one message a capacity-0 receiver must still take")?;
+            ensure!(receiver.recv_timeout(BOUND)? == 7, "capacity 0");
+        }
+        Err(other) => bail!("capacity 0: {other:?}"),
+    }
+    match Secret::from_bytes(*b"short") {
+        Err(Error::SecretTooShort { len: 5, .. }) => {}
+        other => bail!("a 5-byte secret: {other:?}"),
+    }
+
+    // Sending to a closed receiver (dropped in this process), then to one killed in another.
+    let path = socket_path("om-closed");
+    let mut receiver = Receiver::<Tensor>::bind(&path)?;
+    let sender = Sender::<Tensor>::connect(&path)?;
+    sender.send(&t)?;
+    let received = receiver.recv_timeout(BOUND)?;
+    // A received tensor cannot be sent on as it is; a copy can.
+    match sender.send(&received) {
+        Err(Error::NotSendable(_)) => {}
+        other => bail!("sending a received tensor on: {other:?}"),
+    }
+    // A message too large for one frame is refused before anything is sent; the channel goes on.
+    let huge = Sender::<Vec<u8>>::connect(&path)?;
+    let limit = tensor_queue::wire::MAX_MESSAGE_BYTES;
+    match huge.send(&vec![0u8; limit + 1]) {
+        Err(Error::TooLarge { size, limit: l }) => ensure!(size > l && l == limit, "TooLarge {{ {size}, {l} }}"),
+        other => bail!("a {limit}+1-byte payload: {other:?}"),
+    }
+    drop(huge);
+    sender.send(&received.copy()?)?;
+    ensure!(receiver.recv_timeout(BOUND)?.to_vec::<i32>()? == [1, 2], "the channel goes on after the refusals");
+    drop(received);
+    drop(receiver);
+    wait_until("the sender sees its receiver closed", || !sender.is_connected())?;
+    let sender = within(BOUND, "send to a closed receiver", move || match sender.send(&Tensor::new(&[1u8], &[1])?) {
+        Err(Error::Disconnected) => Ok(sender),
+        other => bail!("send to a dropped receiver: {other:?}"),
+    })??;
+    match sender.send_timeout(&Tensor::new(&[1u8], &[1])?, Duration::from_millis(100)) {
+        Err(Error::Disconnected) => {}
+        other => bail!("send_timeout to a dropped receiver: {other:?}"),
+    }
+    match sender.try_send(&Tensor::new(&[1u8], &[1])?) {
+        Err(Error::Disconnected) => {}
+        other => bail!("try_send to a dropped receiver: {other:?}"),
+    }
+
+    let (mut peer, sender) = Peer::spawn::<Held>("reader", &["--capacity", "4"])?;
+    peer.expect("ready")?;
+    sender.wait_ready(BOUND)?;
+    peer.kill()?;
+    wait_until("the sender sees its receiver's process gone", || !sender.is_connected())?;
+    within(BOUND, "send to a killed receiver", move || match sender.send(&held(1)?) {
+        Err(Error::Disconnected) => Ok(()),
+        other => bail!("send to a killed receiver: {other:?}"),
+    })?
+}
+
+// ---------------------------------------------------------------------------------------------
+// A consumer holding many messages.
+
+fn consumer_holds_hundreds() -> Result<()> {
+    let _memory = exclusive_memory_use();
+    const COUNT: u64 = 300;
+    let before = memory::usage();
+    let (mut peer, sender) = Peer::spawn::<Held>("hold", &["--count", "300", "--capacity", "300"])?;
+    for id in 0..COUNT {
+        sender.send(&held(id)?)?; // the sender drops its own handles at once: only leases keep them
+    }
+    peer.expect("holding 300")?;
+    let with_tensors = (0..COUNT).filter(|id| id % 3 != 0).count();
+    ensure!(
+        sender.outstanding_leases() == with_tensors,
+        "{} leases outstanding while the receiver holds {with_tensors} messages with tensors (and {} without)",
+        sender.outstanding_leases(),
+        COUNT as usize - with_tensors
+    );
+    let held_now = held_bytes(0..COUNT)?;
+    let usage = memory::usage();
+    ensure!(
+        usage.in_use_bytes >= before.in_use_bytes + held_now,
+        "{usage:?} while {held_now} bytes are held (start {before:?})"
+    );
+    ensure!(
+        !sender.wait_released(Duration::from_millis(10)),
+        "wait_released says released while the receiver holds them"
+    );
+
+    peer.write(&format!("drop {}", seed()))?;
+    peer.expect("dropped")?;
+    ensure!(
+        sender.wait_released(BOUND),
+        "{} leases still outstanding after the receiver dropped everything",
+        sender.outstanding_leases()
+    );
+    ensure!(sender.outstanding_leases() == 0, "{} leases outstanding", sender.outstanding_leases());
+    memory_back_to(&before)?;
+    // The channel still works after all that.
+    sender.send(&held(COUNT + 1)?)?;
+    drop(sender);
+    peer.finish()
+}
+
+fn receiver_killed_while_holding() -> Result<()> {
+    let _memory = exclusive_memory_use();
+    const COUNT: u64 = 200;
+    let before = memory::usage();
+    let (mut peer, sender) = Peer::spawn::<Held>("hold", &["--count", "200", "--capacity", "200"])?;
+    for id in 0..COUNT {
+        sender.send(&held(id)?)?;
+    }
+    peer.expect("holding 200")?;
+    ensure!(sender.outstanding_leases() > 0, "nothing leased while the receiver holds {COUNT} messages");
+    peer.kill()?;
+    ensure!(
+        sender.wait_released(BOUND),
+        "{} leases still outstanding after the receiver was killed",
+        sender.outstanding_leases()
+    );
+    ensure!(sender.outstanding_leases() == 0, "{} leases outstanding", sender.outstanding_leases());
+    wait_until("is_connected turns false", || !sender.is_connected())?;
+    within(BOUND, "send to a killed receiver", move || match sender.send(&held(1)?) {
+        Err(Error::Disconnected) => Ok(()),
+        other => bail!("send after the receiver was killed: {other:?}"),
+    })??;
+    memory_back_to(&before)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several senders.
+
+fn several_senders_per_process() -> Result<()> {
+    let _memory = shared_memory_use();
+    const COUNT: u64 = 150;
+    let path = socket_path("om-senders");
+    let mut receiver = Receiver::<Tagged>::bind(&path)?;
+    // Two processes with 3 connections each (4 threads: one sends through a clone), and this
+    // process with 2 more: 8 connections.
+    receiver.expect_senders(8);
+    let path_text = path.to_str().context("socket path")?.to_string();
+    let args = ["--to", &path_text, "--senders", "3", "--clones", "1", "--count", "150"];
+    let peers = [Peer::start("senders", &args, &[])?, Peer::start("senders", &args, &[])?];
+    let locals: Vec<_> = (0..2u32)
+        .map(|s| {
+            let path = path.clone();
+            thread::spawn(move || -> Result<()> {
+                let sender = Sender::<Tagged>::connect(&path)?;
+                for seq in 0..COUNT {
+                    sender.send(&tagged(std::process::id(), 100 + s, seq)?)?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let got = within(Duration::from_secs(60), "receiving from 8 senders until the end", move || -> Result<_> {
+        let mut by_sender: BTreeMap<(u32, u32), Vec<u64>> = BTreeMap::new();
+        for message in receiver.iter() {
+            let message = message?;
+            check_tagged(&message)?;
+            by_sender.entry((message.pid, message.sender)).or_default().push(message.seq);
+        }
+        Ok(by_sender)
+    })??;
+    for local in locals {
+        local.join().map_err(|_| anyhow::anyhow!("a local sender panicked"))??;
+    }
+    for peer in peers {
+        peer.expect("done")?;
+        peer.finish()?;
+    }
+    ensure!(got.len() == 2 * 4 + 2, "messages from {} senders, expected 10: {:?}", got.len(), got.keys());
+    for ((pid, sender), seqs) in got {
+        ensure!(
+            seqs == (0..COUNT).collect::<Vec<_>>(),
+            "pid {pid} sender {sender}: {} messages, out of order or lost",
+            seqs.len()
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peers killed at the worst moment.
+
+/// Killed once `send` has returned for every message and their bytes are in the socket, before
+/// the receiver looked: every message arrives, exact, then the end.
+fn sender_killed_before_look() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (mut receiver, path) = bound_many("om-killed-written")?;
+    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "1"], &[])?;
+    peer.expect("sent")?;
+    peer.expect("written")?; // every byte is in the socket; the receiver has not looked yet
+    peer.kill()?;
+    let message = receiver.recv_timeout(BOUND).context("the message of a sender killed after writing it")?;
+    ensure!(message.id == 0, "message {} where 0 was due", message.id);
+    check_many(&message, true)?;
+    match receiver.recv_timeout(BOUND) {
+        Err(Error::Disconnected) => {}
+        other => bail!("after the killed sender's message: {:?}", other.map(|m| m.id)),
+    }
+    let errors = receiver.take_errors();
+    ensure!(!errors.iter().any(is_lost_message), "a message was reported lost though it arrived: {errors:?}");
+    Ok(())
+}
+
+/// Killed as soon as `send` has returned for four large messages, their bytes perhaps still
+/// queued in the sender: what arrives is a prefix, each message exact, then the end; a message cut
+/// short is reported (`ConnectionClosed` caused by `Unfinished`), never delivered.
+fn sender_killed_right_after_send_returned() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (mut receiver, path) = bound_many("om-killed-sent")?;
+    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "4"], &[])?;
+    peer.expect("sent")?;
+    peer.kill()?;
+    let mut arrived = 0;
+    loop {
+        match receiver.recv_timeout(BOUND) {
+            Ok(message) => {
+                ensure!(message.id == arrived, "message {} where {arrived} was due", message.id);
+                check_many(&message, true)?;
+                arrived += 1;
+            }
+            Err(Error::Disconnected) => break,
+            Err(other) => bail!("after {arrived} messages of a killed sender: {other:?}"),
+        }
+    }
+    ensure!(arrived <= 4, "{arrived} messages of 4");
+    eprintln!("{arrived} of 4 messages arrived before the killed sender's end");
+    Ok(())
+}
+
+/// A receiver for `Many` messages from one sender, and its path.
+fn bound_many(tag: &str) -> Result<(Receiver<Many>, String)> {
+    let path = socket_path(tag);
+    let mut receiver = Receiver::<Many>::bind(&path)?;
+    receiver.expect_senders(1);
+    Ok((receiver, path.to_str().context("socket path")?.to_string()))
+}
+
+/// Whether `error` reports a message lost with its sender.
+fn is_lost_message(error: &Error) -> bool {
+    matches!(error, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Unfinished { .. }))
+}
+
+fn sender_killed_while_held() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (mut receiver, path) = bound_many("om-killed-held")?;
+    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "3"], &[])?;
+    let mut holding = Vec::new();
+    for _ in 0..3 {
+        holding.push(receiver.recv_timeout(BOUND)?);
+    }
+    peer.expect("sent")?;
+    peer.kill()?;
+    // The sender is gone; what it sent is still here, byte for byte.
+    for message in &holding {
+        check_many(message, true)?;
+    }
+    match receiver.recv_timeout(BOUND) {
+        Err(Error::Disconnected) => {}
+        other => bail!("after the killed sender: {:?}", other.map(|m| m.id)),
+    }
+    for message in &holding {
+        check_many(message, true)?;
+    }
+    drop(holding);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// A receiver that stops reading; tiny capacity, many messages.
+
+fn receiver_stops_reading() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (mut peer, sender) = Peer::spawn::<Held>("reader", &["--capacity", "3"])?;
+    peer.expect("ready")?;
+    sender.wait_ready(BOUND)?;
+    for id in 1..=3 {
+        sender.send_timeout(&held(id)?, BOUND)?;
+    }
+    // Credits exhausted: typed refusals, nothing sent.
+    for refused in [100, 101] {
+        match sender.send_timeout(&held(refused)?, Duration::from_millis(100)) {
+            Err(Error::Timeout) => {}
+            other => bail!("send_timeout with no credit: {other:?}"),
+        }
+    }
+    match sender.try_send(&held(102)?) {
+        Err(Error::Full) => {}
+        other => bail!("try_send with no credit: {other:?}"),
+    }
+    peer.write("read 2")?;
+    peer.expect("got 1 2")?;
+    // Room again: sends go on where they left off.
+    for id in 4..=5 {
+        sender.send_timeout(&held(id)?, BOUND).with_context(|| format!("send {id} after the receiver read"))?;
+    }
+    peer.write("read 3")?;
+    peer.expect("got 3 4 5")?;
+    ensure!(sender.wait_released(BOUND), "the reader dropped everything it read");
+    drop(sender);
+    peer.finish()
+}
+
+fn tiny_capacity_many_messages() -> Result<()> {
+    let _memory = shared_memory_use();
+    const COUNT: u64 = 3000;
+    let path = socket_path("om-flood");
+    let mut receiver = Receiver::<(u64, Option<Tensor>)>::builder().capacity(1).bind(&path)?;
+    receiver.expect_senders(1);
+    let path_text = path.to_str().context("socket path")?.to_string();
+    let peer = Peer::start("flood", &["--to", &path_text, "--count", &COUNT.to_string()], &[])?;
+    let got = within(Duration::from_secs(60), "receiving 3,000 messages at capacity 1", move || -> Result<u64> {
+        let mut next = 0;
+        for message in receiver.iter() {
+            let (i, tensor) = message?;
+            ensure!(i == next, "message {i} where {next} was due");
+            match tensor {
+                Some(t) => ensure!(i % 10 == 0 && t.to_vec::<i64>()? == [i as i64; 4], "message {i}'s tensor"),
+                None => ensure!(i % 10 != 0, "message {i} lost its tensor"),
+            }
+            next += 1;
+        }
+        Ok(next)
+    })??;
+    ensure!(got == COUNT, "{got} of {COUNT} messages");
+    peer.expect("done")?;
+    peer.finish()
+}
+
+// ---------------------------------------------------------------------------------------------
+// TCP.
+
+const KEY: &str = "outside-messages-shared-secret-0123456789";
+
+fn tcp_many_tensors_and_odd_sizes() -> Result<()> {
+    let _memory = shared_memory_use();
+    let mut receiver = Receiver::<OverTcp>::builder().secret(Secret::from_bytes(KEY)?).bind("tcp://127.0.0.1:0")?;
+    let endpoint = format!("tcp://{}", receiver.local_addr().context("bound to TCP")?);
+    let peer = Peer::start("tcp-send", &["--to", &endpoint, "--count", "2"], &[(tensor_queue::SECRET_ENV, KEY)])?;
+    for id in 0..2 {
+        let message = receiver.recv_timeout(BOUND)?;
+        ensure!(message.many.id == id, "message {} where {id} was due", message.many.id);
+        check_over_tcp(&message)?;
+        ensure!(message.odd.iter().all(|t| t.path() == TransferPath::Tcp), "a host tensor over TCP came another way");
+    }
+    peer.expect("sent")?;
+    peer.finish()
+}
+
+fn tcp_wrong_secret() -> Result<()> {
+    let _memory = shared_memory_use();
+    let mut receiver = Receiver::<OverTcp>::builder().secret(Secret::from_bytes(KEY)?).bind("tcp://127.0.0.1:0")?;
+    let endpoint = format!("tcp://{}", receiver.local_addr().context("bound to TCP")?);
+    let wrong = Secret::from_bytes("not-the-secret-the-receiver-holds")?;
+    let attempt = {
+        let endpoint = endpoint.clone();
+        within(BOUND, "connect with a wrong secret", move || {
+            Sender::<OverTcp>::builder()
+                .secret(wrong)
+                .timeout(Duration::from_secs(10))
+                .connect(endpoint.as_str())
+                .map(|_| ())
+        })?
+    };
+    match attempt {
+        Err(Error::Core(ipc_core::Error::AuthFailed { .. })) => {}
+        other => bail!("a wrong secret: {other:?}"),
+    }
+    // A separate program with the wrong secret in TQ_SECRET fails the same way.
+    let mut impostor = Peer::start(
+        "tcp-send",
+        &["--to", &endpoint, "--count", "1"],
+        &[(tensor_queue::SECRET_ENV, "another-wrong-secret-of-length")],
+    )?;
+    let line = impostor.lines.recv_timeout(BOUND).context("the impostor said nothing")?;
+    ensure!(line.starts_with("error Core(AuthFailed"), "the impostor: {line}");
+    ensure!(!impostor.wait_exit()?.success(), "the impostor exited successfully");
+    // The receiver reports the refusals, and an honest sender goes on.
+    let honest = Peer::start("tcp-send", &["--to", &endpoint, "--count", "1"], &[(tensor_queue::SECRET_ENV, KEY)])?;
+    let message = receiver.recv_timeout(BOUND)?;
+    check_over_tcp(&message)?;
+    honest.expect("sent")?;
+    honest.finish()?;
+    let errors = receiver.take_errors();
+    ensure!(
+        errors.iter().any(|e| format!("{e:?}").contains("AuthFailed")),
+        "take_errors after two wrong secrets: {errors:?}"
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU variants.
+
+fn gpu_stream() -> Result<Stream> {
+    Ok(Stream::new(&Context::on_ordinal(0)?)?)
+}
+
+fn gpu_many_tensors_to_a_child() -> Result<()> {
+    let _memory = shared_memory_use();
+    let stream = gpu_stream()?;
+    let (peer, sender) = Peer::spawn::<Many>("recv-many", &[])?;
+    for id in 0..3 {
+        sender.send_on(&many(id, Some(&stream))?, &stream)?;
+    }
+    for id in 0..3 {
+        peer.expect(&format!("ok {id}"))?;
+    }
+    ensure!(sender.wait_released(BOUND), "the child still holds GPU tensors after checking them");
+    drop(sender);
+    peer.expect("done 3")?;
+    peer.finish()
+}
+
+fn gpu_consumer_holds_many() -> Result<()> {
+    let _memory = exclusive_memory_use();
+    let before = memory::usage();
+    let stream = gpu_stream()?;
+    let (mut peer, sender) = Peer::spawn::<Many>("hold-many", &["--count", "32"])?;
+    for id in 0..32 {
+        sender.send_on(&many(id, Some(&stream))?, &stream)?;
+    }
+    peer.expect("holding 32")?;
+    ensure!(
+        sender.outstanding_leases() == 32,
+        "{} leases outstanding for 32 held messages",
+        sender.outstanding_leases()
+    );
+    peer.write(&format!("drop {}", seed()))?;
+    peer.expect("dropped")?;
+    ensure!(
+        sender.wait_released(BOUND),
+        "{} leases outstanding after the receiver dropped all",
+        sender.outstanding_leases()
+    );
+    stream.synchronize()?;
+    memory_back_to(&before)?;
+    drop(sender);
+    peer.finish()
+}
+
+fn gpu_sender_killed_before_look() -> Result<()> {
+    let _memory = shared_memory_use();
+    let _context = Context::on_ordinal(0)?;
+    let (mut receiver, path) = bound_many("om-gpu-killed")?;
+    let mut peer = Peer::start("send-many-gpu", &["--to", &path, "--count", "1"], &[])?;
+    peer.expect("written")?; // its GPU work was done and every byte written
+    peer.kill()?;
+    let message = receiver.recv_timeout(BOUND)?;
+    ensure!(message.id == 0, "message {} where 0 was due", message.id);
+    check_many(&message, true)?;
+    match receiver.recv_timeout(BOUND) {
+        Err(Error::Disconnected) => Ok(()),
+        other => bail!("after the killed GPU sender: {:?}", other.map(|m| m.id)),
+    }
+}
