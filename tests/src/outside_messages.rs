@@ -122,6 +122,30 @@ pub fn views(id: u64, stream: Option<&Stream>) -> Result<Vec<Tensor>> {
     ])
 }
 
+/// 1,024 tensors of one `[64, 64]` i32 storage: 500 clones of it, 500 of its rows (some twice)
+/// and 24 single elements.
+pub fn shared_storage(id: u64) -> Result<Vec<Tensor>> {
+    let base = patterned(id, DType::I32, &[64, 64], None)?;
+    let mut tensors = vec![base.clone(); 500];
+    for i in 0..500 {
+        tensors.push(base.narrow(0, i % 64, 1)?);
+    }
+    for i in 0..24 {
+        tensors.push(base.select(0, i)?.select(0, 63 - i)?);
+    }
+    Ok(tensors)
+}
+
+/// Checks tensors received as [`shared_storage`]`(id)`.
+pub fn check_shared_storage(id: u64, got: &[Tensor]) -> Result<()> {
+    let expected = shared_storage(id)?;
+    ensure!(got.len() == expected.len(), "{} tensors of one storage, expected {}", got.len(), expected.len());
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        check_tensor(&format!("tensor {i} of one storage"), g, e, true)?;
+    }
+    Ok(())
+}
+
 /// Message `id` of [`Many`], on `stream`'s GPU or on the host.
 pub fn many(id: u64, stream: Option<&Stream>) -> Result<Many> {
     let small = (0..SMALL).map(|i| small(id, i, stream)).collect::<Result<_>>()?;
@@ -142,7 +166,7 @@ pub fn odd(id: u64) -> Result<Vec<Tensor>> {
 
 /// Message `id` of [`Held`]: no tensor for every third id, else one to three of up to 5,000 bytes.
 pub fn held(id: u64) -> Result<Held> {
-    let count = if id % 3 == 0 { 0 } else { id % 3 + (id % 2) };
+    let count = if id.is_multiple_of(3) { 0 } else { id % 3 + (id % 2) };
     let tensors = (0..count)
         .map(|k| patterned(id * 4 + k, DType::U8, &[(id * 37 + k) % 5000 + 1], None))
         .collect::<Result<_>>()?;
@@ -247,7 +271,7 @@ impl Shuffle {
     }
 
     /// The next number.
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -257,7 +281,7 @@ impl Shuffle {
     /// `items` in a random order (Fisher-Yates).
     pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
-            let j = (self.next() % (i as u64 + 1)) as usize;
+            let j = (self.next_u64() % (i as u64 + 1)) as usize;
             items.swap(i, j);
         }
     }

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use integration_tests::outside_messages::{
-    Held, Many, OverTcp, Shuffle, Tagged, check_held, check_many, many, odd, tagged,
+    Held, Many, OverTcp, Shuffle, Tagged, check_held, check_many, check_shared_storage, check_tensor, many, odd,
+    shared_storage, tagged,
 };
 use integration_tests::{arg, number};
 use tensor_queue::{Context, Error, Receiver, Sender, Stream, Tensor};
@@ -66,6 +67,24 @@ fn run(args: &[String]) -> Result<()> {
                 }
             }
             say(&format!("done {n}"));
+        }
+        // Receives `shared_storage(3)`, checks it, then drops all but its last tensor and the
+        // last when told.
+        "partial" => {
+            let mut receiver = tensor_queue::from_parent::<Vec<Tensor>>()?;
+            let mut tensors = receiver.recv_timeout(BOUND)?;
+            check_shared_storage(3, &tensors)?;
+            say(&format!("ok {}", tensors.len()));
+            command().context("expected `drop all but one`")?;
+            let last = tensors.pop().context("no tensor")?;
+            drop(tensors);
+            say("1 left");
+            command().context("expected `drop the last`")?;
+            let expected = shared_storage(3)?.pop().context("no tensor")?;
+            check_tensor("the last tensor, after the others were dropped", &last, &expected, true)?;
+            drop(last);
+            say("0 left");
+            wait_for_eof();
         }
         // Receives two views of one writable storage, writes through the first and reports what
         // the second (overlapping it) reads at the same element.
