@@ -44,8 +44,11 @@ fn main() {
             "sender_killed_as_soon_as_send_returned_delivers_an_exact_prefix_then_the_end",
             sender_killed_right_after_send_returned,
         ),
+        ("sender_killed_before_sending_anything_ends_the_stream", sender_killed_before_sending_anything),
+        ("receiver_killed_while_a_send_waits_for_credits_is_a_typed_error", receiver_killed_while_a_send_waits),
         ("sender_killed_while_the_receiver_holds_its_tensors_leaves_them_intact", sender_killed_while_held),
         ("receiver_that_stops_reading_makes_sends_time_out_typed_then_resume", receiver_stops_reading),
+        ("tcp_receiver_that_stops_reading_makes_sends_time_out_typed_then_resume", tcp_receiver_stops_reading),
         ("capacity_one_and_thousands_of_messages_lose_nothing_and_keep_order", tiny_capacity_many_messages),
         ("tcp_many_tensors_odd_sizes_and_views_arrive_exactly", tcp_many_tensors_and_odd_sizes),
         ("tcp_wrong_secret_is_a_typed_error_and_the_honest_sender_goes_on", tcp_wrong_secret),
@@ -664,6 +667,46 @@ fn is_lost_message(error: &Error) -> bool {
     matches!(error, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Unfinished { .. }))
 }
 
+fn sender_killed_before_sending_anything() -> Result<()> {
+    let (mut receiver, path) = bound_many("om-killed-silent")?;
+    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "0"], &[])?;
+    peer.expect("sent")?; // connected, nothing sent
+    peer.kill()?;
+    match receiver.recv_timeout(BOUND) {
+        Err(Error::Disconnected) => Ok(()),
+        other => bail!("after a sender killed before sending: {:?}", other.map(|m| m.id)),
+    }
+}
+
+fn receiver_killed_while_a_send_waits() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (mut peer, sender) = Peer::spawn::<Held>("reader", &["--capacity", "2"])?;
+    peer.expect("ready")?;
+    sender.wait_ready(BOUND)?;
+    for id in 1..=2 {
+        sender.send_timeout(&held(id)?, BOUND)?; // sent, never read
+    }
+    // No credit left: this send waits until the receiver is killed under it.
+    let waiting = {
+        let sender = sender.clone();
+        thread::spawn(move || sender.send(&held(3).expect("message 3")))
+    };
+    thread::sleep(Duration::from_millis(100)); // not a bound: only a likelier moment to kill
+    peer.kill()?;
+    let result = within(BOUND, "a send waiting for credits when its receiver was killed", move || waiting.join())?;
+    match result {
+        Ok(Err(Error::Disconnected)) => {}
+        Ok(other) => bail!("the waiting send: {other:?}"),
+        Err(_) => bail!("the waiting send panicked"),
+    }
+    ensure!(
+        sender.wait_released(BOUND),
+        "{} leases outstanding after the receiver was killed",
+        sender.outstanding_leases()
+    );
+    Ok(())
+}
+
 fn sender_killed_while_held() -> Result<()> {
     let _memory = shared_memory_use();
     let (mut receiver, path) = bound_many("om-killed-held")?;
@@ -720,6 +763,34 @@ fn receiver_stops_reading() -> Result<()> {
     peer.write("read 3")?;
     peer.expect("got 3 4 5")?;
     ensure!(sender.wait_released(BOUND), "the reader dropped everything it read");
+    drop(sender);
+    peer.finish()
+}
+
+fn tcp_receiver_stops_reading() -> Result<()> {
+    let _memory = shared_memory_use();
+    let mut peer =
+        Peer::start("reader", &["--capacity", "2", "--at", "tcp://127.0.0.1:0"], &[(tensor_queue::SECRET_ENV, KEY)])?;
+    let line = peer.line()?;
+    let endpoint = line.strip_prefix("ready ").with_context(|| format!("the reader said {line:?}"))?;
+    let sender = Sender::<Held>::builder().secret(Secret::from_bytes(KEY)?).connect(endpoint)?;
+    sender.wait_ready(BOUND)?;
+    for id in 1..=2 {
+        sender.send_timeout(&held(id)?, BOUND)?;
+    }
+    match sender.send_timeout(&held(100)?, Duration::from_millis(100)) {
+        Err(Error::Timeout) => {}
+        other => bail!("send_timeout over TCP with no credit: {other:?}"),
+    }
+    match sender.try_send(&held(101)?) {
+        Err(Error::Full) => {}
+        other => bail!("try_send over TCP with no credit: {other:?}"),
+    }
+    peer.write("read 1")?;
+    peer.expect("got 1")?;
+    sender.send_timeout(&held(3)?, BOUND).context("send after the TCP receiver read")?;
+    peer.write("read 2")?;
+    peer.expect("got 2 3")?;
     drop(sender);
     peer.finish()
 }

@@ -176,11 +176,25 @@ fn run(args: &[String]) -> Result<()> {
             say("done");
         }
         // A receiver that reads only when told (`read K`), `Held` messages with capacity
-        // `--capacity`; it prints the ids it read, and ends when stdin closes.
+        // `--capacity`, from the parent or bound at `--at`; it prints the ids it read, and ends
+        // when stdin closes.
         "reader" => {
             let capacity = number(args, "--capacity", 2)? as u32;
-            let mut receiver = Receiver::<Held>::builder().capacity(capacity).from_parent()?;
-            say("ready");
+            let builder = Receiver::<Held>::builder().capacity(capacity);
+            let mut receiver = match arg(args, "--at") {
+                // Over TCP (secret from TQ_SECRET): the test connects to the port printed.
+                Some(endpoint) => {
+                    let receiver = builder.bind(endpoint.as_str())?;
+                    let address = receiver.local_addr().context("bound to TCP")?;
+                    say(&format!("ready tcp://{address}"));
+                    receiver
+                }
+                None => {
+                    let receiver = builder.from_parent()?;
+                    say("ready");
+                    receiver
+                }
+            };
             while let Some(line) = command() {
                 let k: usize = line.strip_prefix("read ").context("expected `read K`")?.trim().parse()?;
                 let mut ids = Vec::new();
