@@ -38,6 +38,7 @@ fn main() {
         ("typed_errors_for_bad_input_and_a_closed_receiver", typed_errors_for_bad_input),
         ("consumer_holding_hundreds_then_dropping_in_random_order_gives_everything_back", consumer_holds_hundreds),
         ("receiver_killed_while_holding_many_leased_messages_gives_everything_back", receiver_killed_while_holding),
+        ("a_hundred_connections_from_one_process_lose_nothing", a_hundred_connections_from_one_process),
         ("several_senders_per_process_keep_their_order_and_lose_nothing", several_senders_per_process),
         ("sender_killed_right_after_sending_before_the_receiver_looked_loses_nothing", sender_killed_before_look),
         (
@@ -288,6 +289,7 @@ fn many_tensors_from_a_peer() -> Result<()> {
     receiver.expect_senders(1);
     let path = path.to_str().context("socket path")?.to_string();
     let peer = Peer::start("send-many", &["--to", &path, "--count", "2", "--first", "5"], &[])?;
+    let mut holding = Vec::new();
     for id in 5..7 {
         let message = receiver.recv_timeout(BOUND)?;
         ensure!(message.id == id, "message {} arrived where {id} was due", message.id);
@@ -295,9 +297,16 @@ fn many_tensors_from_a_peer() -> Result<()> {
         for t in message.small.iter().chain(&message.views) {
             ensure!(t.path() == TransferPath::HostSharedMemory, "a host tensor came by {:?}", t.path());
         }
+        holding.push(message);
     }
     peer.expect("sent")?;
+    peer.expect("written")?;
+    // The sender's program ends normally while this process holds its tensors: it exits (its
+    // Sender's drop waits for nothing this side holds) and what it sent stays as it was.
     peer.finish()?;
+    for message in &holding {
+        check_many(message, true)?;
+    }
     match receiver.recv_timeout(BOUND) {
         Err(Error::Disconnected) => Ok(()),
         other => bail!("after its only sender left: {:?}", other.map(|m| m.id)),
@@ -692,6 +701,32 @@ fn several_senders_per_process() -> Result<()> {
             "pid {pid} sender {sender}: {} messages, out of order or lost",
             seqs.len()
         );
+    }
+    Ok(())
+}
+
+fn a_hundred_connections_from_one_process() -> Result<()> {
+    let _memory = shared_memory_use();
+    let path = socket_path("om-hundred");
+    let mut receiver = Receiver::<Tagged>::bind(&path)?;
+    receiver.expect_senders(100);
+    let path_text = path.to_str().context("socket path")?.to_string();
+    let peer = Peer::start("senders", &["--to", &path_text, "--senders", "100", "--count", "4"], &[])?;
+    let got =
+        within(Duration::from_secs(60), "receiving from 100 connections until the end", move || -> Result<_> {
+            let mut by_sender: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+            for message in receiver.iter() {
+                let message = message?;
+                check_tagged(&message)?;
+                by_sender.entry(message.sender).or_default().push(message.seq);
+            }
+            Ok(by_sender)
+        })??;
+    peer.expect("done")?;
+    peer.finish()?;
+    ensure!(got.len() == 100, "messages from {} of 100 senders", got.len());
+    for (sender, seqs) in got {
+        ensure!(seqs == [0, 1, 2, 3], "sender {sender}: {seqs:?}");
     }
     Ok(())
 }
