@@ -251,10 +251,11 @@ fn held_bytes(ids: impl Iterator<Item = u64>) -> Result<usize> {
     Ok(total)
 }
 
-/// The whole process's arena memory is back where it started: nothing in use beyond `before`,
-/// and after `trim` no more chunks than before.
+/// The whole process's arena memory is back where it started: no more in use than `before`, and
+/// after `trim` no more chunks than before.
 fn memory_back_to(before: &memory::MemoryUsage) -> Result<()> {
-    wait_until("in-use bytes back to their start", || memory::usage().in_use_bytes == before.in_use_bytes)
+    // (At most: tensors an earlier test sent may have been released since.)
+    wait_until("in-use bytes back to their start", || memory::usage().in_use_bytes <= before.in_use_bytes)
         .with_context(|| format!("now {:?}, at the start {before:?}", memory::usage()))?;
     memory::trim();
     let after = memory::usage();
@@ -603,10 +604,7 @@ fn consumer_holds_hundreds() -> Result<()> {
     );
     let held_now = held_bytes(0..COUNT)?;
     let usage = memory::usage();
-    ensure!(
-        usage.in_use_bytes >= before.in_use_bytes + held_now,
-        "{usage:?} while {held_now} bytes are held (start {before:?})"
-    );
+    ensure!(usage.in_use_bytes >= held_now, "{usage:?} while {held_now} bytes are held (start {before:?})");
     ensure!(
         !sender.wait_released(Duration::from_millis(10)),
         "wait_released says released while the receiver holds them"
