@@ -37,6 +37,7 @@ fn main() {
         ("malformed_views_and_shapes_are_typed_errors_never_panics", malformed_views_are_typed_errors),
         ("typed_errors_for_bad_input_and_a_closed_receiver", typed_errors_for_bad_input),
         ("consumer_holding_hundreds_then_dropping_in_random_order_gives_everything_back", consumer_holds_hundreds),
+        ("receiver_closed_while_holding_keeps_the_memory_until_it_drops_the_messages", receiver_closed_while_holding),
         ("receiver_killed_while_holding_many_leased_messages_gives_everything_back", receiver_killed_while_holding),
         ("a_hundred_connections_from_one_process_lose_nothing", a_hundred_connections_from_one_process),
         ("several_senders_per_process_keep_their_order_and_lose_nothing", several_senders_per_process),
@@ -621,6 +622,39 @@ fn consumer_holds_hundreds() -> Result<()> {
     memory_back_to(&before)?;
     // The channel still works after all that.
     sender.send(&held(COUNT + 1)?)?;
+    drop(sender);
+    peer.finish()
+}
+
+fn receiver_closed_while_holding() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (mut peer, sender) = Peer::spawn::<Held>("hold", &["--count", "50", "--capacity", "50"])?;
+    for id in 0..50 {
+        sender.send(&held(id)?)?;
+    }
+    peer.expect("holding 50")?;
+    peer.write("close")?;
+    peer.expect("closed")?; // its Receiver is gone; it still holds the messages, intact
+    wait_until("is_connected turns false once the receiver closed", || !sender.is_connected())?;
+    match sender.send(&held(1)?) {
+        Err(Error::Disconnected) => {}
+        other => bail!("send to a closed receiver: {other:?}"),
+    }
+    // Never released before the receiver drops them.
+    ensure!(!sender.wait_released(Duration::from_millis(50)), "released while the closed receiver still holds them");
+    let with_tensors = (0..50).filter(|id| id % 3 != 0).count();
+    ensure!(
+        sender.outstanding_leases() == with_tensors,
+        "{} leases outstanding, {with_tensors} held",
+        sender.outstanding_leases()
+    );
+    peer.write(&format!("drop {}", seed()))?;
+    peer.expect("dropped")?;
+    ensure!(
+        sender.wait_released(BOUND),
+        "{} leases outstanding after the receiver dropped all",
+        sender.outstanding_leases()
+    );
     drop(sender);
     peer.finish()
 }

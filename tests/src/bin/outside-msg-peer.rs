@@ -111,8 +111,9 @@ fn run(args: &[String]) -> Result<()> {
             say("written");
             wait_for_eof();
         }
-        // Receives `count` `Held` messages (capacity `--capacity`), checks and holds them all,
-        // then on `drop SEED` drops them in that seed's random order, and waits for stdin to close.
+        // Receives `count` `Held` messages (capacity `--capacity`), checks and holds them all;
+        // on `close` drops its receiver but keeps them; on `drop SEED` drops them in that seed's
+        // random order; then waits for stdin to close.
         "hold" => {
             let capacity = number(args, "--capacity", 16)? as u32;
             let mut receiver = Receiver::<Held>::builder().capacity(capacity).from_parent()?;
@@ -123,7 +124,16 @@ fn run(args: &[String]) -> Result<()> {
                 holding.push(message);
             }
             say(&format!("holding {}", holding.len()));
-            let Some(line) = command() else { return Ok(()) };
+            let Some(mut line) = command() else { return Ok(()) };
+            if line == "close" {
+                // Closes the channel but keeps the messages (and their tensors).
+                drop(receiver);
+                for message in &holding {
+                    check_held(message)?;
+                }
+                say("closed");
+                line = command().context("expected `drop SEED`")?;
+            }
             let seed: u64 = line.strip_prefix("drop ").context("expected `drop SEED`")?.trim().parse()?;
             Shuffle::new(seed).shuffle(&mut holding);
             while let Some(message) = holding.pop() {
