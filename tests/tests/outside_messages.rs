@@ -41,6 +41,7 @@ fn main() {
         ("receiver_killed_while_holding_many_leased_messages_gives_everything_back", receiver_killed_while_holding),
         ("a_hundred_connections_from_one_process_lose_nothing", a_hundred_connections_from_one_process),
         ("several_senders_per_process_keep_their_order_and_lose_nothing", several_senders_per_process),
+        ("sender_returning_from_main_right_after_sending_loses_nothing", sender_exits_right_after_sending),
         ("sender_killed_right_after_sending_before_the_receiver_looked_loses_nothing", sender_killed_before_look),
         (
             "sender_killed_as_soon_as_send_returned_delivers_an_exact_prefix_then_the_end",
@@ -765,6 +766,30 @@ fn a_hundred_connections_from_one_process() -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // Peers killed at the worst moment.
+
+/// A producer whose `main` returns right after its last `send`, before the receiver read
+/// anything: every message arrives, exact, then the end.
+fn sender_exits_right_after_sending() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (mut receiver, path) = bound_many("om-exits")?;
+    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "4", "--exit"], &[])?;
+    peer.expect("sent")?;
+    for id in 0..4 {
+        let message = receiver
+            .recv_timeout(BOUND)
+            .with_context(|| format!("message {id} of a sender that returned from main"))?;
+        ensure!(message.id == id, "message {} where {id} was due", message.id);
+        check_many(&message, true)?;
+    }
+    ensure!(peer.wait_exit()?.success(), "the sender's program failed");
+    match receiver.recv_timeout(BOUND) {
+        Err(Error::Disconnected) => {}
+        other => bail!("after the sender's end: {:?}", other.map(|m| m.id)),
+    }
+    let errors = receiver.take_errors();
+    ensure!(errors.is_empty(), "a sender that exited cleanly: {errors:?}");
+    Ok(())
+}
 
 /// Killed once `send` has returned for every message and their bytes are in the socket, before
 /// the receiver looked: every message arrives, exact, then the end.

@@ -97,7 +97,7 @@ fn run(args: &[String]) -> Result<()> {
         }
         // Sends `count` `Many` messages (from id `--first`), says when `send` has returned for all
         // (`sent`) and when their bytes are all in the socket (`written`), then stays alive until
-        // stdin closes (or the test kills it).
+        // stdin closes (or the test kills it); with `--exit`, returns from main right after `sent`.
         "send-many" => {
             let sender = Sender::<Many>::connect(to()?.as_str())?;
             let first = number(args, "--first", 0)?;
@@ -105,6 +105,9 @@ fn run(args: &[String]) -> Result<()> {
                 sender.send(&many(id, None)?)?;
             }
             say("sent");
+            if args.iter().any(|a| a == "--exit") {
+                return Ok(()); // main returns at once: the Sender's drop finishes the writing
+            }
             if !sender.wait_written(BOUND) {
                 bail!("the messages were not written within {BOUND:?}");
             }
