@@ -869,8 +869,20 @@ fn sender_killed_before_sending_anything() -> Result<()> {
 
 fn receiver_killed_while_a_send_waits() -> Result<()> {
     let _memory = shared_memory_use();
-    let (mut peer, sender) = Peer::spawn::<Held>("reader", &["--capacity", "2"])?;
+    let (peer, sender) = Peer::spawn::<Held>("reader", &["--capacity", "2"])?;
     peer.expect("ready")?;
+    kill_receiver_under_a_waiting_send(peer, sender).context("over a Unix socket")?;
+    let peer =
+        Peer::start("reader", &["--capacity", "2", "--at", "tcp://127.0.0.1:0"], &[(tensor_queue::SECRET_ENV, KEY)])?;
+    let line = peer.line()?;
+    let endpoint = line.strip_prefix("ready ").with_context(|| format!("the reader said {line:?}"))?;
+    let sender = Sender::<Held>::builder().secret(Secret::from_bytes(KEY)?).connect(endpoint)?;
+    kill_receiver_under_a_waiting_send(peer, sender).context("over TCP")
+}
+
+/// Fills the credits of `peer` (a reader that does not read), starts a send that waits for one,
+/// and kills the reader: the send ends with `Disconnected` and nothing stays leased.
+fn kill_receiver_under_a_waiting_send(mut peer: Peer, sender: Sender<Held>) -> Result<()> {
     sender.wait_ready(BOUND)?;
     for id in 1..=2 {
         sender.send_timeout(&held(id)?, BOUND)?; // sent, never read
