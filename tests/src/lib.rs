@@ -1,6 +1,6 @@
 //! Shared pieces of the integration tests: starting the helper binary as a second process with a
 //! connected socket, small message encodings, and the GPU skip rule; [`queue`] holds the messages
-//! of the tensor-queue tests.
+//! of the tensor-queue tests, [`outside_messages`] those of the outside tests of what users send.
 
 pub mod cross;
 pub mod outside_messages;
