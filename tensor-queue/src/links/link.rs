@@ -151,7 +151,7 @@ impl Link {
             std::thread::Builder::new()
                 .name("tq-link-writer".into())
                 .spawn(move || write_queued(&*connection, &outbox, &drained))
-                .map_err(|e| Error::Protocol(format!("spawning a link writer: {e}")))?;
+                .map_err(|source| ipc_core::Error::Os { what: "spawning a link writer", source })?;
         }
         Ok(())
     }
