@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use ipc_core::Uuid;
 
-use crate::tensor::dtype::DType;
 use crate::wire::FrameError;
 
 /// Result with this crate's [`Error`].
@@ -359,7 +358,7 @@ impl std::fmt::Display for SpawnStep {
 /// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2]).unwrap();
 /// match t.get::<f32>(&[0, 0]) {
 ///     Err(Error::Tensor(TensorProblem::DTypeMismatch { dtype, element })) => {
-///         assert_eq!((dtype, element), (DType::I32, "f32"))
+///         assert_eq!((dtype.as_str(), element), ("I32", "f32"))
 ///     }
 ///     other => panic!("expected a dtype mismatch, got {other:?}"),
 /// }
@@ -377,22 +376,23 @@ pub enum TensorProblem {
         /// The bytes of the tensor.
         tensor_bytes: usize,
     },
-    /// Elements of a Rust type that does not hold the tensor's dtype (such as `f32` for
-    /// [`DType::F64`]).
-    #[error("{element} elements cannot hold {dtype:?}")]
+    /// Elements of a Rust type that do not hold the tensor's dtype (such as `f32` for
+    /// [`crate::DType::F64`]).
+    #[error("{element} elements cannot hold {dtype}")]
     DTypeMismatch {
-        /// The tensor's dtype.
-        dtype: DType,
+        /// The tensor's dtype, as its `Debug` writes it (`F64`; the tensor's `dtype()` is the
+        /// value). A name, not a `DType`: the error imports nothing of the tensor folder.
+        dtype: String,
         /// The Rust element type asked for.
         element: &'static str,
     },
     /// One element's bytes of the wrong length for the dtype.
-    #[error("{len} bytes for a {dtype:?} element")]
+    #[error("{len} bytes for a {size}-byte element")]
     ElementBytes {
         /// The bytes given.
         len: usize,
-        /// The tensor's dtype.
-        dtype: DType,
+        /// The bytes of one element of the tensor's dtype.
+        size: usize,
     },
     /// A call that needs a contiguous tensor, on a strided view: copy it first
     /// ([`crate::Tensor::contiguous`], or `to_vec`).
@@ -420,14 +420,14 @@ pub enum TensorProblem {
         to: Option<Uuid>,
     },
     /// A copy into a tensor of another dtype or shape.
-    #[error("copy of a {src_dtype:?} {src_shape:?} tensor into a {dst_dtype:?} {dst_shape:?} one")]
+    #[error("copy of a {src_dtype} {src_shape:?} tensor into a {dst_dtype} {dst_shape:?} one")]
     CopyMismatch {
-        /// The source's dtype.
-        src_dtype: DType,
+        /// The source's dtype, as its `Debug` writes it.
+        src_dtype: String,
         /// The source's shape.
         src_shape: Vec<u64>,
-        /// The destination's dtype.
-        dst_dtype: DType,
+        /// The destination's dtype, as its `Debug` writes it.
+        dst_dtype: String,
         /// The destination's shape.
         dst_shape: Vec<u64>,
     },

@@ -439,7 +439,10 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     fn next_message(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout past what an `Instant` can hold is an error, not a panic.
+        let deadline = timeout
+            .map(|timeout| Instant::now().checked_add(timeout).ok_or(Error::TimeoutTooLong { timeout }))
+            .transpose()?;
         loop {
             if let Some(ready) = self.unpark()? {
                 return self.deliver(ready);

@@ -361,9 +361,9 @@ impl Tensor {
     fn copy_into_with(&self, dst: &Tensor, stream: Option<&Stream>) -> Result<()> {
         if self.dtype() != dst.dtype() || self.shape() != dst.shape() {
             return Err(TensorProblem::CopyMismatch {
-                src_dtype: self.dtype(),
+                src_dtype: format!("{:?}", self.dtype()),
                 src_shape: self.shape().to_vec(),
-                dst_dtype: dst.dtype(),
+                dst_dtype: format!("{:?}", dst.dtype()),
                 dst_shape: dst.shape().to_vec(),
             }
             .into());

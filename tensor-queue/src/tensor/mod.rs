@@ -241,7 +241,9 @@ fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
 /// Whether elements of `T` hold `dtype`: a [`TensorProblem::DTypeMismatch`] if not.
 pub(crate) fn check_element<T: Element>(dtype: DType) -> Result<()> {
     if !T::matches(dtype) {
-        return Err(TensorProblem::DTypeMismatch { dtype, element: std::any::type_name::<T>() }.into());
+        return Err(
+            TensorProblem::DTypeMismatch { dtype: format!("{dtype:?}"), element: std::any::type_name::<T>() }.into()
+        );
     }
     Ok(())
 }
@@ -776,7 +778,7 @@ impl Tensor {
     pub(crate) fn set_bytes(&self, index: &[u64], bytes: &[u8]) -> Result<()> {
         self.check_writable()?;
         if bytes.len() != self.dtype.size() {
-            return Err(TensorProblem::ElementBytes { len: bytes.len(), dtype: self.dtype }.into());
+            return Err(TensorProblem::ElementBytes { len: bytes.len(), size: self.dtype.size() }.into());
         }
         let (memory, at) = self.element_at(index)?;
         memory.write(at, bytes)?;
