@@ -13,7 +13,7 @@
 //! on the runtime until the data is there.
 //!
 //! The runtime must have IO enabled (`enable_io` or `enable_all`); without one, these calls return
-//! [`Error::Invalid`].
+//! [`Error::NoRuntime`].
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;

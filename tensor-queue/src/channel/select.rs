@@ -76,7 +76,7 @@ impl Select {
         }
     }
 
-    /// Waits until a source is ready and returns its index; [`Error::Invalid`] if none is left.
+    /// Waits until a source is ready and returns its index; [`Error::NothingToSelect`] if none is left.
     pub fn ready(&self) -> Result<usize> {
         self.wait(None)?.ok_or(Error::Timeout)
     }

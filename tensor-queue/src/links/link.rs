@@ -161,6 +161,7 @@ impl Link {
     pub fn try_send(&self, frame: &Frame) -> Result<bool> {
         let bytes = frame.encode();
         if bytes.len() > MAX_PACKET {
+            // A string: the frames are this crate's own, small by construction (no caller acts on it).
             return Err(Error::Invalid(format!("a {}-byte control frame", bytes.len())));
         }
         let out = lock(&self.outbox);
