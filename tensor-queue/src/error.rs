@@ -1,5 +1,9 @@
 //! The error type of tensor-queue.
 
+use std::time::Duration;
+
+use ipc_core::Uuid;
+
 use crate::wire::FrameError;
 
 /// Result with this crate's [`Error`].
@@ -18,10 +22,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// What can go wrong sending or receiving.
 ///
 /// ```
-/// use tensor_queue::{DType, Error, Tensor};
+/// use tensor_queue::{DType, Error, Tensor, TensorProblem};
 /// match Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[3]) {
-///     Err(Error::Invalid(why)) => assert_eq!(why, "8 bytes of data for 12 bytes of tensor"),
-///     other => panic!("expected Error::Invalid, got {other:?}"),
+///     Err(Error::Tensor(TensorProblem::LengthMismatch { data_bytes, tensor_bytes })) => {
+///         assert_eq!((data_bytes, tensor_bytes), (8, 12))
+///     }
+///     other => panic!("expected a length mismatch, got {other:?}"),
 /// }
 /// ```
 #[derive(Debug, thiserror::Error)]
@@ -121,11 +127,75 @@ pub enum Error {
     #[error("peer refused: {0}")]
     PeerRefused(Refusal),
     /// A peer broke the protocol.
+    ///
+    /// Also the text of states that cannot arise unless this crate has a bug (a signal word in
+    /// the wrong kind of memory): nobody can act on those but by reporting them.
     #[error("protocol error: {0}")]
     Protocol(String),
-    /// An argument that makes no sense.
+    /// An argument that makes no sense, where no caller would act on the reason other than by
+    /// fixing the call (and states that cannot arise unless this crate has a bug). Reasons a
+    /// caller can act on have variants of their own: [`Error::Tensor`], [`Error::View`],
+    /// [`Error::NoParentChannel`], [`Error::NothingToSelect`], [`Error::TimeoutTooLong`] and others.
     #[error("invalid: {0}")]
     Invalid(String),
+    /// A tensor operation whose arguments do not fit the tensor (see the problem); nothing was
+    /// changed.
+    #[error("{0}")]
+    Tensor(TensorProblem),
+    /// A view ([`crate::Tensor::transpose`], `narrow`, `slice`, `expand`, `reshape`, ...) that
+    /// cannot be made of this tensor; the tensor is unchanged.
+    #[error("{call} of a {shape:?} tensor: {problem}")]
+    View {
+        /// The call, with its arguments (such as `narrow(0, 4, 2)`).
+        call: String,
+        /// The shape of the tensor it was called on.
+        shape: Vec<u64>,
+        /// What is wrong.
+        problem: ViewProblem,
+    },
+    /// [`crate::from_parent`] or [`crate::from_parent_duplex`] found no channel left by the
+    /// parent (see the problem): for example, this process was not started by
+    /// [`crate::spawn`] (connect to an endpoint instead).
+    #[error("{0}")]
+    NoParentChannel(ParentProblem),
+    /// The child could not be started at all ([`crate::spawn`] and the others): `source` says
+    /// why (a [`std::io::ErrorKind::NotFound`] program, say).
+    #[error("starting the child {program}: {source}")]
+    ChildNotStarted {
+        /// The program, as the command named it.
+        program: String,
+        /// What the operating system said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A [`crate::channel::Select`] with no source left to wait for (all were removed).
+    #[error("the Select has nothing to wait for")]
+    NothingToSelect,
+    /// A timeout longer than the operating system can wait; wait without one instead
+    /// (`recv`, `ready`).
+    #[error("a timeout of {timeout:?} is longer than the system can wait: wait without a timeout instead")]
+    TimeoutTooLong {
+        /// The timeout given.
+        timeout: Duration,
+    },
+    /// The async API was used outside a tokio runtime (with IO enabled).
+    #[error("the async API needs a tokio runtime (with IO enabled)")]
+    NoRuntime,
+    /// A [`crate::route::Routing`] with more per-source landings than a receiver keeps.
+    #[error("{count} per-source landings; at most {max}")]
+    TooManySources {
+        /// How many were given.
+        count: usize,
+        /// The most accepted ([`crate::route::MAX_SOURCES`]).
+        max: usize,
+    },
+    /// The NCCL communicator with a peer failed earlier: no more transfers go over it (the
+    /// connection is closed, or about to be).
+    #[error("the NCCL communicator with the peer failed: {why}")]
+    NcclFailed {
+        /// What failed first.
+        why: String,
+    },
     /// An endpoint that is neither a socket path nor `tcp://host:port` (see the problem for the
     /// fix); nothing was bound or connected.
     #[error("{endpoint}: {problem}")]
@@ -217,6 +287,12 @@ pub enum Refusal {
     ByPeer(String),
 }
 
+impl From<TensorProblem> for Error {
+    fn from(problem: TensorProblem) -> Error {
+        Error::Tensor(problem)
+    }
+}
+
 impl Error {
     /// Whether `recv` can go on after this error with the next message (an iterator or a
     /// `Stream` of messages goes on after it).
@@ -273,4 +349,266 @@ impl std::fmt::Display for SpawnStep {
             }
         }
     }
+}
+
+/// What is wrong with a tensor operation's arguments ([`Error::Tensor`]).
+///
+/// ```
+/// use tensor_queue::{DType, Error, Tensor, TensorProblem};
+/// let t = Tensor::from_slice(&[1i32, 2, 3, 4], DType::I32, &[2, 2]).unwrap();
+/// match t.get::<f32>(&[0, 0]) {
+///     Err(Error::Tensor(TensorProblem::DTypeMismatch { dtype, element })) => {
+///         assert_eq!((dtype.as_str(), element), ("I32", "f32"))
+///     }
+///     other => panic!("expected a dtype mismatch, got {other:?}"),
+/// }
+/// let strided = t.transpose(0, 1).unwrap();
+/// assert!(matches!(strided.host_elements::<i32>(), Err(Error::Tensor(TensorProblem::NotContiguous { .. }))));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorProblem {
+    /// Data of `data_bytes` bytes given for a tensor of `tensor_bytes`.
+    #[error("{data_bytes} bytes of data for {tensor_bytes} bytes of tensor")]
+    LengthMismatch {
+        /// The bytes given.
+        data_bytes: usize,
+        /// The bytes of the tensor.
+        tensor_bytes: usize,
+    },
+    /// Elements of a Rust type that do not hold the tensor's dtype (such as `f32` for
+    /// [`crate::DType::F64`]).
+    #[error("{element} elements cannot hold {dtype}")]
+    DTypeMismatch {
+        /// The tensor's dtype, as its `Debug` writes it (`F64`; the tensor's `dtype()` is the
+        /// value). A name, not a `DType`: the error imports nothing of the tensor folder.
+        dtype: String,
+        /// The Rust element type asked for.
+        element: &'static str,
+    },
+    /// One element's bytes of the wrong length for the dtype.
+    #[error("{len} bytes for a {size}-byte element")]
+    ElementBytes {
+        /// The bytes given.
+        len: usize,
+        /// The bytes of one element of the tensor's dtype.
+        size: usize,
+    },
+    /// A call that needs a contiguous tensor, on a strided view: copy it first
+    /// ([`crate::Tensor::contiguous`], or `to_vec`).
+    #[error("{call} needs a contiguous tensor (make one with contiguous())")]
+    NotContiguous {
+        /// The call.
+        call: &'static str,
+    },
+    /// A call for host tensors, on a GPU tensor.
+    #[error("not a host tensor")]
+    NotHost,
+    /// A call for GPU tensors, on a host tensor.
+    #[error("not a GPU tensor")]
+    NotCuda,
+    /// A copy between two devices (`None`: host memory), where `copy_into` copies within one.
+    #[error(
+        "copy_into moves data within one device ({}, to {}): use to_bytes and from_bytes_cuda, or a channel, across devices",
+        device(from),
+        device(to)
+    )]
+    AcrossDevices {
+        /// The device of the source (`None`: host).
+        from: Option<Uuid>,
+        /// The device of the destination (`None`: host).
+        to: Option<Uuid>,
+    },
+    /// A copy into a tensor of another dtype or shape.
+    #[error("copy of a {src_dtype} {src_shape:?} tensor into a {dst_dtype} {dst_shape:?} one")]
+    CopyMismatch {
+        /// The source's dtype, as its `Debug` writes it.
+        src_dtype: String,
+        /// The source's shape.
+        src_shape: Vec<u64>,
+        /// The destination's dtype, as its `Debug` writes it.
+        dst_dtype: String,
+        /// The destination's shape.
+        dst_shape: Vec<u64>,
+    },
+    /// An element index of the wrong length, or outside the shape.
+    #[error("index {index:?} is not inside a tensor of shape {shape:?}")]
+    BadIndex {
+        /// The index given.
+        index: Vec<u64>,
+        /// The tensor's shape.
+        shape: Vec<u64>,
+    },
+    /// More dimensions than a tensor may have.
+    #[error("{ndim} dimensions; at most {max}")]
+    TooManyDims {
+        /// How many were given.
+        ndim: usize,
+        /// The most accepted.
+        max: usize,
+    },
+    /// A shape whose bytes do not fit in an address (the product of its sizes overflows).
+    #[error("shape {shape:?} is too large")]
+    ShapeTooLarge {
+        /// The shape.
+        shape: Vec<u64>,
+    },
+    /// A buffer smaller than the shape needs ([`crate::Tensor::from_device_buffer`]).
+    #[error("shape {shape:?} needs {needed} bytes; the buffer has {available}")]
+    BufferTooSmall {
+        /// The shape.
+        shape: Vec<u64>,
+        /// The bytes it needs.
+        needed: usize,
+        /// The buffer's length.
+        available: usize,
+    },
+    /// A copy of the tensor into this process's memory could not be allocated (a broadcast
+    /// view may have far more elements than memory).
+    #[error("{bytes} bytes do not fit in memory")]
+    NoMemory {
+        /// The bytes the copy needs.
+        bytes: usize,
+    },
+    /// A view whose elements lie outside its storage (its layout arithmetic overflows, or it
+    /// reaches past either end).
+    #[error("the view reaches outside its storage")]
+    OutsideStorage,
+}
+
+/// A device for messages: a GPU's UUID, or the host.
+fn device(device: &Option<Uuid>) -> String {
+    device.map_or_else(|| "host".to_string(), |uuid| format!("GPU {uuid}"))
+}
+
+/// Why a view cannot be made ([`Error::View`]).
+///
+/// ```
+/// use tensor_queue::{DType, Error, Tensor, ViewProblem};
+/// let t = Tensor::zeros(DType::F32, &[2, 3]).unwrap();
+/// match t.narrow(1, 2, 2) {
+///     Err(Error::View { problem: ViewProblem::OutOfRange { dim, size }, .. }) => assert_eq!((dim, size), (1, 3)),
+///     other => panic!("expected an out-of-range view, got {other:?}"),
+/// }
+/// let error = t.transpose(0, 1).unwrap().reshape(&[6]).unwrap_err();
+/// assert!(matches!(error, Error::View { problem: ViewProblem::NotContiguous, .. }), "copy with contiguous() first");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ViewProblem {
+    /// A dimension the tensor does not have.
+    #[error("its dimensions are 0..{ndim}")]
+    NoSuchDim {
+        /// The dimension named.
+        dim: usize,
+        /// How many dimensions it has.
+        ndim: usize,
+    },
+    /// A dimension named twice where each may be named once.
+    #[error("dimension {dim} is named twice")]
+    DimTwice {
+        /// The dimension.
+        dim: usize,
+    },
+    /// A permutation that does not name each dimension.
+    #[error("name each of its {ndim} dimensions once")]
+    NotAPermutation {
+        /// How many dimensions it has.
+        ndim: usize,
+    },
+    /// A range or index past the end of a dimension.
+    #[error("dimension {dim} has {size} entries")]
+    OutOfRange {
+        /// The dimension.
+        dim: usize,
+        /// Its size.
+        size: u64,
+    },
+    /// A slice step of 0.
+    #[error("the step must be at least 1")]
+    ZeroStep,
+    /// A slice whose start lies past its end (clamped to the size).
+    #[error("start {start} is past the end {end} of dimension {dim}")]
+    StartPastEnd {
+        /// The start.
+        start: u64,
+        /// The end, clamped to the size.
+        end: u64,
+        /// The dimension.
+        dim: usize,
+    },
+    /// An `expand` to fewer dimensions than the tensor has.
+    #[error("expand cannot drop dimensions")]
+    DropsDims,
+    /// An `expand` of a dimension whose size is neither 1 nor the target.
+    #[error("dimension {dim} has size {size}, not {target}; only size-1 dimensions broadcast")]
+    NotBroadcastable {
+        /// The dimension (of the tensor).
+        dim: usize,
+        /// Its size.
+        size: u64,
+        /// The size asked for.
+        target: u64,
+    },
+    /// A `reshape` of a strided tensor: reshape a [`crate::Tensor::contiguous`] copy.
+    #[error("only a contiguous tensor can be reshaped without a copy")]
+    NotContiguous,
+    /// A `reshape` to another number of elements.
+    #[error("{numel} elements cannot be seen as that shape")]
+    CountMismatch {
+        /// The tensor's number of elements.
+        numel: u64,
+    },
+    /// A layout no receiver accepts, or whose arithmetic overflows, or that reaches outside the
+    /// storage (the text says which; no caller acts on the difference).
+    #[error("{0}")]
+    Layout(String),
+}
+
+/// Why no channel from the parent could be taken ([`Error::NoParentChannel`]).
+///
+/// ```
+/// use tensor_queue::{Error, ParentProblem};
+/// // This doc test was not started by `tensor_queue::spawn`:
+/// match tensor_queue::from_parent::<u32>() {
+///     Err(Error::NoParentChannel(ParentProblem::NotSpawned { variable })) => assert_eq!(variable, "TENSOR_QUEUE_ENDPOINT"),
+///     other => panic!("expected NotSpawned, got {:?}", other.map(|_| ())),
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ParentProblem {
+    /// This process was not started by [`crate::spawn`] or [`crate::spawn_duplex`]: `variable`
+    /// is not set.
+    #[error("{variable} is not set: was this process started by tensor_queue::spawn?")]
+    NotSpawned {
+        /// The variable (`TENSOR_QUEUE_ENDPOINT`).
+        variable: &'static str,
+    },
+    /// The variable does not hold a list of descriptors.
+    #[error("{variable}={value:?} is not a list of descriptors (set by tensor_queue::spawn)")]
+    NotAList {
+        /// The variable (`TENSOR_QUEUE_ENDPOINT`).
+        variable: &'static str,
+        /// What it holds.
+        value: String,
+    },
+    /// The channel was taken before: `from_parent` works once per process.
+    #[error("the channel from the parent was already taken: from_parent works once per process")]
+    AlreadyTaken,
+    /// A descriptor named by the variable is not the socket `spawn` left.
+    #[error("descriptor {fd} from {variable} is not the socket tensor_queue::spawn left")]
+    NotASocket {
+        /// The variable (`TENSOR_QUEUE_ENDPOINT`).
+        variable: &'static str,
+        /// The descriptor.
+        fd: i32,
+    },
+    /// This process was started by [`crate::spawn`] (one socket) but took its channel with
+    /// [`crate::from_parent_duplex`] (two).
+    #[error("this process was started by spawn, not spawn_duplex: use from_parent")]
+    NotDuplex,
+    /// Anything else that failed taking the sockets (its text).
+    #[error("taking the channel from the parent: {0}")]
+    Other(String),
 }

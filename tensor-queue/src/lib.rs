@@ -58,7 +58,7 @@ pub use channel::{
     ReceiverOptions, Rejection, Sender, SenderBuilder, SpawnStep, from_parent, from_parent_duplex,
     from_parent_with_capacity, is_spawned_child, monotonic_ns, spawn, spawn_duplex, spawn_ready, spawn_timeout,
 };
-pub use error::{Error, Refusal, Result};
+pub use error::{Error, ParentProblem, Refusal, Result, TensorProblem, ViewProblem};
 pub use tensor::convert::NativeElement;
 pub use tensor::copy::HostCopy;
 pub use tensor::dtype::{DType, Element};

@@ -95,7 +95,12 @@ fn spawn_timeout_gives_up_on_a_child_that_never_takes_its_channel() {
     assert!(matches!(hung, Err(Error::Timeout)), "{:?}", hung.err());
     assert!(start.elapsed() < Duration::from_secs(10), "the timeout was kept");
     let gone = tensor_queue::spawn_timeout::<u32>(&mut Command::new("true"), Duration::from_secs(10));
-    assert!(matches!(gone, Err(Error::Invalid(ref m)) if m.contains("before taking")), "{:?}", gone.err());
+    let gone = gone.map(drop).unwrap_err();
+    assert!(
+        matches!(gone, Error::ChildNotReady { step: tensor_queue::SpawnStep::Exited { status }, .. } if status.success()),
+        "{gone:?}"
+    );
+    assert!(gone.to_string().contains("before taking"), "{gone}");
     // A child that takes its channel is ready well within the time.
     let mut command = Command::new(bin_path("tq-peer").unwrap());
     command.arg("soak");

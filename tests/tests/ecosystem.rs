@@ -161,7 +161,7 @@ fn select_waits_on_receivers_fed_by_several_processes_until_all_have_ended() {
     for (k, mut child) in children.into_iter().enumerate() {
         assert_eq!(child.wait().unwrap().success(), k != 3);
     }
-    assert!(matches!(select.try_ready(), Err(Error::Invalid(_))), "nothing left to wait for");
+    assert!(matches!(select.try_ready(), Err(Error::NothingToSelect)), "nothing left to wait for");
 }
 
 #[test]
@@ -239,14 +239,17 @@ fn connecting_where_no_receiver_is_bound_names_the_path_and_the_likely_cause() {
 fn spawning_a_missing_program_names_it() {
     let missing = std::env::temp_dir().join("tq-no-such-worker");
     match tensor_queue::spawn::<u32>(&mut Command::new(&missing)) {
-        Err(Error::Invalid(why)) => assert!(why.contains("tq-no-such-worker"), "{why}"),
-        other => panic!("expected Error::Invalid, got {:?}", other.map(drop)),
+        Err(error @ Error::ChildNotStarted { .. }) => {
+            assert!(error.to_string().contains("tq-no-such-worker"), "{error}")
+        }
+        other => panic!("expected Error::ChildNotStarted, got {:?}", other.map(drop)),
     }
     let gone = tensor_queue::spawn_timeout::<u32>(&mut Command::new("true"), std::time::Duration::from_secs(10));
+    let gone = gone.map(drop).unwrap_err();
+    let text = gone.to_string();
     assert!(
-        matches!(gone, Err(Error::Invalid(ref m)) if m.contains("true") && m.contains("from_parent")),
-        "{:?}",
-        gone.err()
+        matches!(gone, Error::ChildNotReady { .. }) && text.contains("true") && text.contains("from_parent"),
+        "{gone:?}"
     );
 }
 

@@ -19,7 +19,15 @@ pub fn to_py(error: Error) -> PyErr {
         Error::RouteRefused(_) => "RouteRefused",
         // A TCP peer that failed the secret's challenge is refused as surely as one of another user.
         Error::PeerRefused(_) | Error::Core(ipc_core::Error::AuthFailed { .. }) => "PeerRefused",
+        // Bad arguments (a ValueError in Python).
         Error::Invalid(_)
+        | Error::Tensor(_)
+        | Error::View { .. }
+        | Error::TimeoutTooLong { .. }
+        | Error::TooManySources { .. }
+        | Error::NothingToSelect
+        | Error::NoParentChannel(_)
+        | Error::NoRuntime
         | Error::BadEndpoint { .. }
         | Error::ReadOnly
         | Error::SecretTooShort { .. }

@@ -13,7 +13,7 @@
 //! on the runtime until the data is there.
 //!
 //! The runtime must have IO enabled (`enable_io` or `enable_all`); without one, these calls return
-//! [`Error::Invalid`].
+//! [`Error::NoRuntime`].
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
@@ -31,7 +31,7 @@ pub(super) type Registration = AsyncFd<OwnedFd>;
 
 fn register(fd: std::os::fd::BorrowedFd<'_>) -> Result<Registration> {
     if tokio::runtime::Handle::try_current().is_err() {
-        return Err(Error::Invalid("the async API needs a tokio runtime (with IO enabled)".into()));
+        return Err(Error::NoRuntime);
     }
     let fd = fd.try_clone_to_owned().map_err(|e| ipc_core::Error::Os { what: "dup", source: e })?;
     ipc_core::reactor::register_readable(fd)

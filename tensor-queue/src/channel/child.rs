@@ -21,7 +21,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{DEFAULT_CAPACITY, ENDPOINT_ENV, Receiver, ReceiverOptions, Sender};
-use crate::error::{Error, Result, SpawnStep};
+use crate::error::{Error, ParentProblem, Result, SpawnStep};
 
 /// Starts `command` as a child with a channel to it: the child calls [`from_parent`] for the
 /// receiving end. The child is a fresh process (`exec`), never a fork of this one, so this is safe
@@ -47,7 +47,7 @@ pub fn spawn<T: Serialize>(command: &mut Command) -> Result<(Child, Sender<T>)> 
 }
 
 /// [`spawn`], then waits up to `timeout` for the child to take its end ([`Sender::wait_ready`]).
-/// A child that exits first ([`Error::Invalid`]), or does not take it in time
+/// A child that exits first ([`Error::ChildNotReady`] with [`SpawnStep::Exited`]), or does not take it in time
 /// ([`Error::Timeout`]), is killed and reaped; [`spawn_ready`] says which step in the error.
 ///
 /// ```no_run
@@ -70,16 +70,14 @@ pub fn spawn_timeout<T: Serialize>(command: &mut Command, timeout: Duration) -> 
             tracing::warn!(program, ?timeout, "the child did not take its channel (from_parent) in time; killed");
             Error::Timeout
         }
-        Error::ChildNotReady { program, step: SpawnStep::Exited { status } } => Error::Invalid(format!(
-            "the child {program} ended ({status}) before taking its channel (does it call from_parent?)"
-        )),
+        // A child that exited stays Error::ChildNotReady: the caller can read its status.
         other => other,
     })
 }
 
 /// [`spawn_timeout`] with the failed step in the error: a child that does not take its end in
 /// time, or exits first, is killed and reaped and is [`Error::ChildNotReady`] with the
-/// [`SpawnStep`] (where `spawn_timeout` gives [`Error::Timeout`] or [`Error::Invalid`]).
+/// [`SpawnStep`] (where `spawn_timeout` gives [`Error::Timeout`] for the first).
 ///
 /// ```
 /// use std::process::Command;
@@ -107,7 +105,7 @@ pub fn spawn_ready<T: Serialize>(command: &mut Command, timeout: Duration) -> Re
         Ok(()) => Ok((child, sender)),
         Err(error) => {
             let _ = child.kill();
-            let status = child.wait().map_err(|e| Error::Invalid(format!("reaping the child: {e}")))?;
+            let status = child.wait().map_err(|source| ipc_core::Error::Os { what: "reaping the child", source })?;
             let step = match error {
                 Error::Timeout => SpawnStep::TakeChannel { timeout },
                 _ => SpawnStep::Exited { status },
@@ -148,7 +146,7 @@ pub fn spawn_duplex<Request: Serialize, Answer: DeserializeOwned>(
 fn start(command: &mut Command, count: usize) -> Result<(Child, Vec<Connection>)> {
     spawn_with_sockets(command, ENDPOINT_ENV, count).map_err(|error| match error {
         ipc_core::Error::Os { what: "starting the child", source } => {
-            Error::Invalid(format!("starting the child {}: {source}", program(command)))
+            Error::ChildNotStarted { program: program(command), source }
         }
         other => other.into(),
     })
@@ -235,7 +233,7 @@ pub fn from_parent_duplex<Request: DeserializeOwned, Answer: Serialize>() -> Res
 {
     let mut sockets = take_parent_sockets()?;
     if sockets.len() != 2 {
-        return Err(Error::Invalid("this process was started by spawn, not spawn_duplex: use from_parent".into()));
+        return Err(Error::NoParentChannel(ParentProblem::NotDuplex));
     }
     let answers = Sender::from_connection(Connection::from(sockets.remove(1)))?;
     let requests = Receiver::from_connection(Connection::from(sockets.remove(0)), DEFAULT_CAPACITY)?;
@@ -244,21 +242,14 @@ pub fn from_parent_duplex<Request: DeserializeOwned, Answer: Serialize>() -> Res
 
 /// Takes ownership of the sockets that [`spawn`] or [`spawn_duplex`] left open in this process.
 fn take_parent_sockets() -> Result<Vec<OwnedFd>> {
-    take_inherited_sockets(ENDPOINT_ENV).map_err(|error| match error {
-        TakeError::NotSet => {
-            Error::Invalid(format!("{ENDPOINT_ENV} is not set: was this process started by tensor_queue::spawn?"))
-        }
-        TakeError::NotAList { value } => Error::Invalid(format!(
-            "{ENDPOINT_ENV}={value:?} is not a list of descriptors (set by tensor_queue::spawn)"
-        )),
-        TakeError::AlreadyTaken => {
-            Error::Invalid("the channel from the parent was already taken: from_parent works once per process".into())
-        }
-        TakeError::NotASocket { fd } => {
-            Error::Invalid(format!("descriptor {fd} from {ENDPOINT_ENV} is not the socket tensor_queue::spawn left"))
-        }
+    let variable = ENDPOINT_ENV;
+    take_inherited_sockets(variable).map_err(|error| match error {
+        TakeError::NotSet => Error::NoParentChannel(ParentProblem::NotSpawned { variable }),
+        TakeError::NotAList { value } => Error::NoParentChannel(ParentProblem::NotAList { variable, value }),
+        TakeError::AlreadyTaken => Error::NoParentChannel(ParentProblem::AlreadyTaken),
+        TakeError::NotASocket { fd } => Error::NoParentChannel(ParentProblem::NotASocket { variable, fd }),
         TakeError::Core(error) => error.into(),
-        other => Error::Invalid(format!("taking the channel from the parent: {other}")),
+        other => Error::NoParentChannel(ParentProblem::Other(other.to_string())),
     })
 }
 
@@ -310,7 +301,8 @@ mod tests {
         let mut receiver = from_parent::<u32>().unwrap();
         assert_eq!(close_on_exec(raw), Some(true), "our own children do not inherit it");
         let again = from_parent::<u32>().map(drop);
-        assert!(matches!(again, Err(Error::Invalid(ref m)) if m.contains("already taken")), "{again:?}");
+        assert!(matches!(again, Err(Error::NoParentChannel(ParentProblem::AlreadyTaken))), "{again:?}");
+        assert!(again.unwrap_err().to_string().contains("already taken"));
         assert_eq!(receiver.recv().unwrap(), 42);
     }
 }

@@ -115,7 +115,7 @@ mod select;
 mod sender;
 
 pub use crate::clock::monotonic_ns;
-pub use crate::error::{EndpointProblem, SpawnStep};
+pub use crate::error::{EndpointProblem, ParentProblem, SpawnStep};
 pub use crate::links::endpoint::{ConnectOptions, Endpoint};
 pub use crate::recv::connection::{MessageInfo, UNFINISHED_IDLE};
 pub use broadcast::Broadcast;

@@ -69,7 +69,7 @@ impl ReceiverOptions {
     pub(super) fn checked(mut self) -> Result<ReceiverOptions> {
         self.capacity = self.capacity.max(1);
         if self.routing.per_source.len() > MAX_SOURCES {
-            return Err(Error::Invalid(format!("more than {MAX_SOURCES} per-source landings")));
+            return Err(Error::TooManySources { count: self.routing.per_source.len(), max: MAX_SOURCES });
         }
         Ok(self)
     }
@@ -439,7 +439,10 @@ impl<T: DeserializeOwned> Receiver<T> {
     }
 
     fn next_message(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A timeout past what an `Instant` can hold is an error, not a panic.
+        let deadline = timeout
+            .map(|timeout| Instant::now().checked_add(timeout).ok_or(Error::TimeoutTooLong { timeout }))
+            .transpose()?;
         loop {
             if let Some(ready) = self.unpark()? {
                 return self.deliver(ready);
@@ -740,8 +743,10 @@ impl<T: DeserializeOwned> Receiver<T> {
             let give_up = self.connected.iter().filter_map(Connected::unfinished_deadline).min();
             let until_give_up = give_up.map(|at| at.saturating_duration_since(Instant::now()));
             let capped = until_give_up.filter(|&left| wait.is_none_or(|wait| left < wait));
-            let timespec =
-                capped.or(wait).map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
+            let timespec = capped
+                .or(wait)
+                .map(|timeout| Timespec::try_from(timeout).map_err(|_| Error::TimeoutTooLong { timeout }))
+                .transpose()?;
             match poll(&mut fds, timespec.as_ref()) {
                 Ok(0) if capped.is_some() => {
                     drop(fds);

@@ -76,7 +76,7 @@ impl Select {
         }
     }
 
-    /// Waits until a source is ready and returns its index; [`Error::Invalid`] if none is left.
+    /// Waits until a source is ready and returns its index; [`Error::NothingToSelect`] if none is left.
     pub fn ready(&self) -> Result<usize> {
         self.wait(None)?.ok_or(Error::Timeout)
     }
@@ -94,11 +94,13 @@ impl Select {
     fn wait(&self, timeout: Option<Duration>) -> Result<Option<usize>> {
         let indexes: Vec<usize> = (0..self.sources.len()).filter(|&i| self.sources[i].is_some()).collect();
         if indexes.is_empty() {
-            return Err(Error::Invalid("the Select has nothing to wait for".into()));
+            return Err(Error::NothingToSelect);
         }
         let mut fds: Vec<PollFd<'_>> =
             indexes.iter().filter_map(|&i| self.sources[i].as_ref()).map(|fd| PollFd::new(fd, PollFlags::IN)).collect();
-        let timespec = timeout.map(Timespec::try_from).transpose().map_err(|_| Error::Invalid("timeout".into()))?;
+        let timespec = timeout
+            .map(|timeout| Timespec::try_from(timeout).map_err(|_| Error::TimeoutTooLong { timeout }))
+            .transpose()?;
         loop {
             match poll(&mut fds, timespec.as_ref()) {
                 Ok(0) => return Ok(None),

@@ -151,7 +151,7 @@ impl Link {
             std::thread::Builder::new()
                 .name("tq-link-writer".into())
                 .spawn(move || write_queued(&*connection, &outbox, &drained))
-                .map_err(|e| Error::Protocol(format!("spawning a link writer: {e}")))?;
+                .map_err(|source| ipc_core::Error::Os { what: "spawning a link writer", source })?;
         }
         Ok(())
     }
@@ -161,6 +161,7 @@ impl Link {
     pub fn try_send(&self, frame: &Frame) -> Result<bool> {
         let bytes = frame.encode();
         if bytes.len() > MAX_PACKET {
+            // A string: the frames are this crate's own, small by construction (no caller acts on it).
             return Err(Error::Invalid(format!("a {}-byte control frame", bytes.len())));
         }
         let out = lock(&self.outbox);

@@ -49,7 +49,7 @@ impl<J> WorkQueue<J> {
     pub fn submit(&self, job: J) -> Result<()> {
         let mut state = lock(&self.state);
         if let Some(why) = &state.failed {
-            return Err(Error::Invalid(format!("the NCCL communicator with the peer failed: {why}")));
+            return Err(Error::NcclFailed { why: why.clone() });
         }
         state.jobs.push_back(job);
         drop(state);
@@ -102,7 +102,7 @@ impl Workers {
         let handle = std::thread::Builder::new()
             .name(name.into())
             .spawn(work)
-            .map_err(|e| Error::Protocol(format!("starting an NCCL worker thread: {e}")))?;
+            .map_err(|source| ipc_core::Error::Os { what: "starting an NCCL worker thread", source })?;
         let mut all = lock(&self.0);
         all.retain(|h| !h.is_finished());
         all.push(handle);

@@ -140,6 +140,7 @@ impl Chunk {
     /// Lets `peer`'s device read and write this device chunk over a peer link (once per device):
     /// VMM memory by its access list, a legacy buffer by peer access between the contexts.
     pub fn grant_access(&self, peer: &Arc<Context>) -> Result<()> {
+        // A string: only this crate asks, and only for device chunks (no caller acts on it).
         let Some(memory) = self.device() else { return Err(Error::Invalid("host memory needs no peer access".into())) };
         let ordinal = peer.device().ordinal();
         if memory.context().device().ordinal() == ordinal {

@@ -2,9 +2,9 @@
 //! `usize`, vectors in and out, a sound way to fill a new host tensor in place, and (behind
 //! features) `half`'s `f16`/`bf16` and `ndarray` arrays.
 
-use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::error::{Error, Result, TensorProblem};
 use crate::tensor::dtype::{DType, Element};
+use crate::tensor::{Tensor, check_element};
 
 /// An element type with exactly one dtype, so the dtype can be left out: `f32` is
 /// [`DType::F32`], `i64` is [`DType::I64`]. (`u16` is not one: it reads both half types as bits;
@@ -110,16 +110,14 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn build_as<T: Element>(dtype: DType, shape: &[usize], fill: impl FnOnce(&mut [T])) -> Result<Tensor> {
-        if !T::matches(dtype) {
-            return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
-        }
+        check_element::<T>(dtype)?;
         let tensor = Tensor::zeros(dtype, &dims(shape))?;
         // Filled in a buffer of our own, then copied in: a `&mut` into shared memory would need
         // `unsafe` (this crate has none), and the copy is one pass over memory `fill` just wrote.
         let mut elements = Vec::new();
         elements
             .try_reserve_exact(tensor.numel() as usize)
-            .map_err(|_| Error::Invalid(format!("{} bytes do not fit in memory", tensor.nbytes())))?;
+            .map_err(|_| TensorProblem::NoMemory { bytes: tensor.nbytes() })?;
         elements.resize(tensor.numel() as usize, T::zeroed());
         fill(&mut elements);
         let (memory, at) = tensor.host_storage()?;
@@ -211,12 +209,14 @@ impl<T: Element> TryFrom<&Tensor> for ndarray::ArrayD<T> {
     type Error = Error;
 
     fn try_from(tensor: &Tensor) -> Result<ndarray::ArrayD<T>> {
+        // Sizes past `usize` or `isize` (ndarray's bound) cannot have been read by `to_vec`.
+        let too_large = || Error::from(TensorProblem::ShapeTooLarge { shape: tensor.shape().to_vec() });
         let shape = tensor
             .shape()
             .iter()
-            .map(|&d| usize::try_from(d).map_err(|_| Error::Invalid(format!("dimension {d} does not fit usize"))))
+            .map(|&d| usize::try_from(d).map_err(|_| too_large()))
             .collect::<Result<Vec<usize>>>()?;
-        ndarray::ArrayD::from_shape_vec(shape, tensor.to_vec()?).map_err(|e| Error::Invalid(e.to_string()))
+        ndarray::ArrayD::from_shape_vec(shape, tensor.to_vec()?).map_err(|_| too_large())
     }
 }
 
@@ -227,7 +227,10 @@ mod tests {
     #[test]
     fn a_wrong_element_type_is_an_error_both_ways() {
         let t = Tensor::new(&[1.0f64, 2.0], &[2]).unwrap();
-        assert!(matches!(Vec::<f32>::try_from(&t), Err(Error::Invalid(_))));
+        assert!(matches!(
+            Vec::<f32>::try_from(&t),
+            Err(Error::Tensor(TensorProblem::DTypeMismatch { ref dtype, element: "f32" })) if dtype == "F64"
+        ));
         assert_eq!(Vec::<f64>::try_from(t).unwrap(), [1.0, 2.0]);
     }
 

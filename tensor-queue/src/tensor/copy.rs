@@ -18,9 +18,9 @@ use std::sync::Arc;
 use ipc_core::{Event, PinnedHostBuffer, Stream};
 use kernels::{Kernels, StridedLayout};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TensorProblem};
 use crate::tensor::dtype::{DType, Element};
-use crate::tensor::{Tensor, TensorDevice, TransferPath};
+use crate::tensor::{Tensor, TensorDevice, TransferPath, check_element};
 
 impl Tensor {
     /// A GPU tensor on `stream`'s device holding `data` (row-major), copied on `stream`; `data`
@@ -55,11 +55,7 @@ impl Tensor {
     pub fn from_bytes_cuda(bytes: &[u8], dtype: DType, shape: &[u64], stream: &Stream) -> Result<Tensor> {
         let tensor = Tensor::empty_cuda(stream.context(), dtype, shape)?;
         if bytes.len() != tensor.nbytes() {
-            return Err(Error::Invalid(format!(
-                "{} bytes of data for {} bytes of tensor",
-                bytes.len(),
-                tensor.nbytes()
-            )));
+            return Err(TensorProblem::LengthMismatch { data_bytes: bytes.len(), tensor_bytes: tensor.nbytes() }.into());
         }
         let (memory, start) = tensor.device_memory()?;
         stream.copy_from_host_async(memory, start, bytes)?;
@@ -364,22 +360,19 @@ impl Tensor {
 
     fn copy_into_with(&self, dst: &Tensor, stream: Option<&Stream>) -> Result<()> {
         if self.dtype() != dst.dtype() || self.shape() != dst.shape() {
-            return Err(Error::Invalid(format!(
-                "copy of a {:?} {:?} tensor into a {:?} {:?} one",
-                self.dtype(),
-                self.shape(),
-                dst.dtype(),
-                dst.shape()
-            )));
+            return Err(TensorProblem::CopyMismatch {
+                src_dtype: format!("{:?}", self.dtype()),
+                src_shape: self.shape().to_vec(),
+                dst_dtype: format!("{:?}", dst.dtype()),
+                dst_shape: dst.shape().to_vec(),
+            }
+            .into());
         }
         let stream = match (self.device(), dst.device(), stream) {
             (TensorDevice::Host, TensorDevice::Host, _) => return dst.write_host(&self.host_bytes()?),
             (TensorDevice::Cuda(a), TensorDevice::Cuda(b), Some(stream)) if a == b || self.mapped_for(dst)? => stream,
             (from, to, _) => {
-                return Err(Error::Invalid(format!(
-                    "copy_into moves data within one device ({from:?} to {to:?}): use to_bytes and \
-                     from_bytes_cuda, or a channel, across devices"
-                )));
+                return Err(TensorProblem::AcrossDevices { from: gpu(from), to: gpu(to) }.into());
             }
         };
         self.order_on(stream)?;
@@ -537,15 +530,16 @@ impl HostCopy {
     }
 }
 
-fn check_element<T: Element>(dtype: DType) -> Result<()> {
-    if !T::matches(dtype) {
-        return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
+/// The GPU of `device`, if it is one.
+fn gpu(device: TensorDevice) -> Option<ipc_core::Uuid> {
+    match device {
+        TensorDevice::Host => None,
+        TensorDevice::Cuda(uuid) => Some(uuid),
     }
-    Ok(())
 }
 
 fn too_big(tensor: &Tensor) -> Error {
-    Error::Invalid(format!("{} bytes do not fit in memory", tensor.nbytes()))
+    TensorProblem::NoMemory { bytes: tensor.nbytes() }.into()
 }
 
 fn kernels(stream: &Stream) -> Result<Arc<Kernels>> {

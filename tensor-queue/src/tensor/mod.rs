@@ -12,7 +12,7 @@ use std::sync::Arc;
 use ipc_core::layout::strided_byte_span;
 use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, SharedMemory, Stream, Uuid};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TensorProblem};
 use crate::fences::{Fences, failed};
 use crate::memory::arena::{Allocation, Arena, Chunk, ChunkMemory};
 use crate::tensor::dtype::{DType, Element};
@@ -229,13 +229,23 @@ pub fn contiguous_strides(shape: &[u64]) -> Vec<i64> {
 
 fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
     if shape.len() > crate::tensor::layout::MAX_DIMS {
-        return Err(Error::Invalid(format!("{} dimensions; at most {}", shape.len(), crate::tensor::layout::MAX_DIMS)));
+        return Err(TensorProblem::TooManyDims { ndim: shape.len(), max: crate::tensor::layout::MAX_DIMS }.into());
     }
     shape
         .iter()
         .try_fold(dtype.size() as u64, |n, &d| n.checked_mul(d))
         .and_then(|n| usize::try_from(n).ok())
-        .ok_or_else(|| Error::Invalid(format!("shape {shape:?} is too large")))
+        .ok_or_else(|| TensorProblem::ShapeTooLarge { shape: shape.to_vec() }.into())
+}
+
+/// Whether elements of `T` hold `dtype`: a [`TensorProblem::DTypeMismatch`] if not.
+pub(crate) fn check_element<T: Element>(dtype: DType) -> Result<()> {
+    if !T::matches(dtype) {
+        return Err(
+            TensorProblem::DTypeMismatch { dtype: format!("{dtype:?}"), element: std::any::type_name::<T>() }.into()
+        );
+    }
+    Ok(())
 }
 
 impl Tensor {
@@ -330,9 +340,7 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn from_slice<T: Element>(data: &[T], dtype: DType, shape: &[u64]) -> Result<Tensor> {
-        if !T::matches(dtype) {
-            return Err(Error::Invalid(format!("{} elements cannot hold {dtype:?}", std::any::type_name::<T>())));
-        }
+        check_element::<T>(dtype)?;
         Tensor::from_bytes(bytemuck::cast_slice(data), dtype, shape)
     }
 
@@ -351,11 +359,7 @@ impl Tensor {
     pub fn from_bytes(bytes: &[u8], dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let tensor = Tensor::from_arena(&Arena::host(), dtype, shape)?;
         if bytes.len() != tensor.nbytes() {
-            return Err(Error::Invalid(format!(
-                "{} bytes of data for {} bytes of tensor",
-                bytes.len(),
-                tensor.nbytes()
-            )));
+            return Err(TensorProblem::LengthMismatch { data_bytes: bytes.len(), tensor_bytes: tensor.nbytes() }.into());
         }
         let (memory, at) = tensor.host_storage()?;
         memory.write(at, bytes)?;
@@ -394,7 +398,9 @@ impl Tensor {
     pub fn from_device_buffer(buffer: Arc<DeviceBuffer>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
         let len = byte_len(dtype, shape)?;
         if len > buffer.len() {
-            return Err(Error::Invalid(format!("shape {shape:?} needs {len} bytes; the buffer has {}", buffer.len())));
+            return Err(
+                TensorProblem::BufferTooSmall { shape: shape.to_vec(), needed: len, available: buffer.len() }.into()
+            );
         }
         let chunk = Chunk::new(ChunkMemory::Legacy(buffer))?;
         let storage = Storage::new(chunk.clone(), 0, chunk.len(), Origin::User);
@@ -595,12 +601,12 @@ impl Tensor {
 
     /// The byte range of the storage this view touches, relative to the storage's start.
     pub(crate) fn touched_bytes(&self) -> Result<(usize, usize)> {
-        let (low, high) = strided_byte_span(&self.shape, &self.strides, self.dtype.size())
-            .ok_or_else(|| Error::Invalid("the view's extent overflows".into()))?;
+        let (low, high) =
+            strided_byte_span(&self.shape, &self.strides, self.dtype.size()).ok_or(TensorProblem::OutsideStorage)?;
         let start = self.offset as i64 + low;
         let end = self.offset as i64 + high;
         if start < 0 || end > self.storage.len as i64 {
-            return Err(Error::Invalid("the view reaches outside its storage".into()));
+            return Err(TensorProblem::OutsideStorage.into());
         }
         Ok((start as usize, end as usize))
     }
@@ -608,7 +614,7 @@ impl Tensor {
     /// The shared memory holding a host tensor's storage, and the storage's first byte in it.
     /// Every access to host data goes through this mapping's bounds-checked methods.
     pub(crate) fn host_storage(&self) -> Result<(&SharedMemory, usize)> {
-        let memory = self.storage.chunk.host().ok_or_else(|| Error::Invalid("not a host tensor".into()))?;
+        let memory = self.storage.chunk.host().ok_or(TensorProblem::NotHost)?;
         Ok((memory, self.storage.offset))
     }
 
@@ -739,11 +745,9 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn host_elements<T: Element>(&self) -> Result<HostElements<'_, T>> {
-        if !T::matches(self.dtype) {
-            return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
-        }
+        check_element::<T>(self.dtype)?;
         if !self.is_contiguous() {
-            return Err(Error::Invalid("host_elements needs a contiguous tensor".into()));
+            return Err(TensorProblem::NotContiguous { call: "host_elements" }.into());
         }
         let (memory, at) = self.host_storage()?;
         // In range: the view lies in its storage (checked when it was made or received); aligned:
@@ -751,29 +755,22 @@ impl Tensor {
         Ok(memory.elements::<T>(at + self.offset, self.numel() as usize)?)
     }
 
-    fn check_element<T: Element>(&self) -> Result<()> {
-        if !T::matches(self.dtype) {
-            return Err(Error::Invalid(format!("{:?} elements are not {}", self.dtype, std::any::type_name::<T>())));
-        }
-        Ok(())
-    }
-
     /// The mapping of a host tensor, and the first byte of one element of it there.
     fn element_at(&self, index: &[u64]) -> Result<(&SharedMemory, usize)> {
+        let bad_index = || TensorProblem::BadIndex { index: index.to_vec(), shape: self.shape.clone() };
         if index.len() != self.shape.len() {
-            return Err(Error::Invalid(format!("index {index:?} of a {:?} {:?} tensor", self.dtype, self.shape)));
+            return Err(bad_index().into());
         }
         let mut at = self.offset as i64;
         for ((&i, &n), &s) in index.iter().zip(&self.shape).zip(&self.strides) {
             if i >= n {
-                return Err(Error::Invalid(format!("index {index:?} outside {:?}", self.shape)));
+                return Err(bad_index().into());
             }
             at += i as i64 * s * self.dtype.size() as i64;
         }
         let (memory, storage) = self.host_storage()?;
         // Inside the storage: the index is inside the shape, and the view inside the storage.
-        let at = usize::try_from(storage as i64 + at)
-            .map_err(|_| Error::Invalid("the view reaches outside its storage".into()))?;
+        let at = usize::try_from(storage as i64 + at).map_err(|_| TensorProblem::OutsideStorage)?;
         Ok((memory, at))
     }
 
@@ -781,7 +778,7 @@ impl Tensor {
     pub(crate) fn set_bytes(&self, index: &[u64], bytes: &[u8]) -> Result<()> {
         self.check_writable()?;
         if bytes.len() != self.dtype.size() {
-            return Err(Error::Invalid(format!("{} bytes for a {:?} element", bytes.len(), self.dtype)));
+            return Err(TensorProblem::ElementBytes { len: bytes.len(), size: self.dtype.size() }.into());
         }
         let (memory, at) = self.element_at(index)?;
         memory.write(at, bytes)?;
@@ -806,7 +803,7 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn get<T: Element>(&self, index: &[u64]) -> Result<T> {
-        self.check_element::<T>()?;
+        check_element::<T>(self.dtype)?;
         let (memory, at) = self.element_at(index)?;
         let mut value = T::zeroed();
         memory.read(at, bytemuck::bytes_of_mut(&mut value))?;
@@ -827,7 +824,7 @@ impl Tensor {
     /// ```
     pub fn set<T: Element>(&self, index: &[u64], value: T) -> Result<()> {
         self.check_writable()?;
-        self.check_element::<T>()?;
+        check_element::<T>(self.dtype)?;
         let (memory, at) = self.element_at(index)?;
         // Concurrent writers to the same element are the program's to avoid, as with any shared
         // buffer (each gets a torn value at worst, never undefined behaviour).
@@ -843,8 +840,7 @@ impl Tensor {
         // of a reference whose bytes changed under it).
         if self.is_contiguous() {
             let mut out = Vec::new();
-            out.try_reserve_exact(self.nbytes())
-                .map_err(|_| Error::Invalid(format!("{} bytes do not fit in memory", self.nbytes())))?;
+            out.try_reserve_exact(self.nbytes()).map_err(|_| TensorProblem::NoMemory { bytes: self.nbytes() })?;
             out.resize(self.nbytes(), 0);
             memory.read(base + self.offset, &mut out)?;
             return Ok(out);
@@ -852,16 +848,14 @@ impl Tensor {
         let size = self.dtype.size();
         let mut out = Vec::new();
         // A broadcast view may have far more elements than memory: an error, not an abort.
-        out.try_reserve_exact(self.nbytes())
-            .map_err(|_| Error::Invalid(format!("{} bytes do not fit in memory", self.nbytes())))?;
+        out.try_reserve_exact(self.nbytes()).map_err(|_| TensorProblem::NoMemory { bytes: self.nbytes() })?;
         let mut index = vec![0u64; self.shape.len()];
         for _ in 0..self.numel() {
             let at: i64 = index.iter().zip(&self.strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
             let mut element = [0u8; 16];
             // Every index is inside the shape and the view inside the storage; an element is at
             // most 16 bytes.
-            let from = usize::try_from((base + self.offset) as i64 + at)
-                .map_err(|_| Error::Invalid("the view reaches outside its storage".into()))?;
+            let from = usize::try_from((base + self.offset) as i64 + at).map_err(|_| TensorProblem::OutsideStorage)?;
             memory.read(from, &mut element[..size])?;
             out.extend_from_slice(&element[..size]);
             for d in (0..index.len()).rev() {
@@ -897,7 +891,7 @@ impl Tensor {
     /// # let _ = ptr; Ok(()) }
     /// ```
     pub fn cuda_view(&self) -> Result<DeviceView<'_>> {
-        let memory = self.storage.chunk.device().ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
+        let memory = self.storage.chunk.device().ok_or(TensorProblem::NotCuda)?;
         let (_, end) = self.touched_bytes()?;
         let start = self.storage.offset + self.offset;
         Ok(DeviceView {
@@ -913,7 +907,7 @@ impl Tensor {
 
     /// The storage's device memory and the byte offset of element 0 in it.
     pub(crate) fn device_memory(&self) -> Result<(&dyn DeviceMemory, usize)> {
-        let memory = self.storage.chunk.device().ok_or_else(|| Error::Invalid("not a GPU tensor".into()))?;
+        let memory = self.storage.chunk.device().ok_or(TensorProblem::NotCuda)?;
         Ok((memory, self.storage.offset + self.offset))
     }
 

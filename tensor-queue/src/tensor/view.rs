@@ -4,9 +4,9 @@
 //!
 //! Sizes (`u64`) and strides (`i64`) may come from any caller or, for a received tensor, from a
 //! peer, so all layout arithmetic here is checked: a wrapped product can pass for a small one and
-//! let a view read outside its storage. A bad argument is an [`Error::Invalid`] naming the call.
+//! let a view read outside its storage. A bad argument is an [`Error::View`] naming the call.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TensorProblem, ViewProblem};
 use crate::tensor::Tensor;
 use crate::tensor::dtype::DType;
 
@@ -25,8 +25,8 @@ impl Tensor {
     pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
         let call = format!("transpose({a}, {b})");
         let ndim = self.shape().len();
-        if a >= ndim || b >= ndim {
-            return Err(invalid(self, &call, format!("its dimensions are 0..{ndim}")));
+        if let Some(dim) = [a, b].into_iter().find(|&d| d >= ndim) {
+            return Err(invalid(self, &call, ViewProblem::NoSuchDim { dim, ndim }));
         }
         let (mut shape, mut strides) = (self.shape().to_vec(), self.strides().to_vec());
         shape.swap(a, b);
@@ -50,7 +50,7 @@ impl Tensor {
         let call = format!("permute({dims:?})");
         let ndim = self.shape().len();
         if dims.len() != ndim {
-            return Err(invalid(self, &call, format!("name each of its {ndim} dimensions once")));
+            return Err(invalid(self, &call, ViewProblem::NotAPermutation { ndim }));
         }
         distinct_dims(self, &call, dims)?;
         let shape = dims.iter().map(|&d| self.shape()[d]).collect();
@@ -73,7 +73,7 @@ impl Tensor {
         let call = format!("narrow({dim}, {start}, {len})");
         let size = dim_size(self, &call, dim)?;
         if start.checked_add(len).is_none_or(|end| end > size) {
-            return Err(invalid(self, &call, format!("dimension {dim} has {size} entries")));
+            return Err(invalid(self, &call, ViewProblem::OutOfRange { dim, size }));
         }
         let mut shape = self.shape().to_vec();
         shape[dim] = len;
@@ -97,11 +97,11 @@ impl Tensor {
         let call = format!("slice({dim}, {start}, {end}, {step})");
         let size = dim_size(self, &call, dim)?;
         if step == 0 {
-            return Err(invalid(self, &call, "the step must be at least 1"));
+            return Err(invalid(self, &call, ViewProblem::ZeroStep));
         }
         let end = end.min(size);
         if start > end {
-            return Err(invalid(self, &call, format!("start {start} is past the end {end} of dimension {dim}")));
+            return Err(invalid(self, &call, ViewProblem::StartPastEnd { start, end, dim }));
         }
         let len = (end - start).div_ceil(step);
         let stride = self.strides()[dim];
@@ -113,7 +113,7 @@ impl Tensor {
             i64::try_from(step)
                 .ok()
                 .and_then(|step| step.checked_mul(stride))
-                .ok_or_else(|| invalid(self, &call, "the new stride overflows"))?
+                .ok_or_else(|| invalid(self, &call, layout("the new stride overflows")))?
         };
         let (mut shape, mut strides) = (self.shape().to_vec(), self.strides().to_vec());
         shape[dim] = len;
@@ -143,7 +143,8 @@ impl Tensor {
         for &d in dims {
             let size = self.shape()[d];
             if size > 1 {
-                strides[d] = strides[d].checked_neg().ok_or_else(|| invalid(self, &call, "a stride overflows"))?;
+                strides[d] =
+                    strides[d].checked_neg().ok_or_else(|| invalid(self, &call, layout("a stride overflows")))?;
                 moves.push((d, size - 1));
             }
         }
@@ -169,7 +170,7 @@ impl Tensor {
         let call = format!("expand({shape:?})");
         let ndim = self.shape().len();
         let Some(added) = shape.len().checked_sub(ndim) else {
-            return Err(invalid(self, &call, "expand cannot drop dimensions"));
+            return Err(invalid(self, &call, ViewProblem::DropsDims));
         };
         let mut strides = vec![0i64; shape.len()];
         for (d, (&size, &stride)) in self.shape().iter().zip(self.strides()).enumerate() {
@@ -177,11 +178,7 @@ impl Tensor {
             if target == size {
                 strides[added + d] = stride;
             } else if size != 1 {
-                return Err(invalid(
-                    self,
-                    &call,
-                    format!("dimension {d} has size {size}, not {target}; only size-1 dimensions broadcast"),
-                ));
+                return Err(invalid(self, &call, ViewProblem::NotBroadcastable { dim: d, size, target }));
             }
         }
         checked_view(self, &call, shape.to_vec(), strides, self.offset())
@@ -203,7 +200,7 @@ impl Tensor {
         let call = format!("select({dim}, {index})");
         let size = dim_size(self, &call, dim)?;
         if index >= size {
-            return Err(invalid(self, &call, format!("dimension {dim} has {size} entries")));
+            return Err(invalid(self, &call, ViewProblem::OutOfRange { dim, size }));
         }
         let (mut shape, mut strides) = (self.shape().to_vec(), self.strides().to_vec());
         shape.remove(dim);
@@ -225,17 +222,17 @@ impl Tensor {
     pub fn reshape(&self, shape: &[u64]) -> Result<Tensor> {
         let call = format!("reshape({shape:?})");
         if !self.is_contiguous() {
-            return Err(invalid(self, &call, "only a contiguous tensor can be reshaped without a copy"));
+            return Err(invalid(self, &call, ViewProblem::NotContiguous));
         }
         // The product is checked: a wrapped one could pass for the right count (found by an
         // outside test: a reshape to [2^55 + 1, 512] of 512 bytes, then a read far outside).
         let count = shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
         if count != Some(self.numel()) {
-            return Err(invalid(self, &call, format!("{} elements cannot be seen as that shape", self.numel())));
+            return Err(invalid(self, &call, ViewProblem::CountMismatch { numel: self.numel() }));
         }
         // Checked, unlike `contiguous_strides`: an empty shape such as [0, 2^40, 2^40] has the
         // right count, but row-major strides that overflow.
-        let strides = row_major_strides(shape).ok_or_else(|| invalid(self, &call, "its strides overflow"))?;
+        let strides = row_major_strides(shape).ok_or_else(|| invalid(self, &call, layout("its strides overflow")))?;
         checked_view(self, &call, shape.to_vec(), strides, self.offset())
     }
 }
@@ -260,8 +257,10 @@ impl Tensor {
     /// ```
     pub fn as_layout(&self, dtype: DType, shape: &[u64], strides: &[i64], byte_offset: usize) -> Result<Tensor> {
         let call = format!("as_layout({dtype:?}, {shape:?}, {strides:?}, {byte_offset})");
-        let offset =
-            self.offset().checked_add(byte_offset).ok_or_else(|| invalid(self, &call, "the offset overflows"))?;
+        let offset = self
+            .offset()
+            .checked_add(byte_offset)
+            .ok_or_else(|| invalid(self, &call, layout("the offset overflows")))?;
         checked_view(&self.with_dtype(dtype), &call, shape.to_vec(), strides.to_vec(), offset)
     }
 }
@@ -269,7 +268,7 @@ impl Tensor {
 /// The size of dimension `dim`, or an error naming `call`.
 fn dim_size(tensor: &Tensor, call: &str, dim: usize) -> Result<u64> {
     let ndim = tensor.shape().len();
-    tensor.shape().get(dim).copied().ok_or_else(|| invalid(tensor, call, format!("its dimensions are 0..{ndim}")))
+    tensor.shape().get(dim).copied().ok_or_else(|| invalid(tensor, call, ViewProblem::NoSuchDim { dim, ndim }))
 }
 
 /// Checks that `dims` are dimensions of `tensor`, none named twice.
@@ -278,8 +277,8 @@ fn distinct_dims(tensor: &Tensor, call: &str, dims: &[usize]) -> Result<()> {
     let mut seen = vec![false; ndim];
     for &d in dims {
         match seen.get_mut(d) {
-            None => return Err(invalid(tensor, call, format!("its dimensions are 0..{ndim}"))),
-            Some(true) => return Err(invalid(tensor, call, format!("dimension {d} is named twice"))),
+            None => return Err(invalid(tensor, call, ViewProblem::NoSuchDim { dim: d, ndim })),
+            Some(true) => return Err(invalid(tensor, call, ViewProblem::DimTwice { dim: d })),
             Some(was) => *was = true,
         }
     }
@@ -308,33 +307,40 @@ fn offset_after(
     });
     at.flatten()
         .and_then(|at| usize::try_from(at).ok())
-        .ok_or_else(|| invalid(tensor, call, "element 0 would lie outside the storage"))
+        .ok_or_else(|| invalid(tensor, call, layout("element 0 would lie outside the storage")))
 }
 
 /// `tensor`'s storage seen with another layout, once the layout is shown to be one every
 /// receiver accepts and to lie inside the storage: a view that passes here can be sent.
 fn checked_view(tensor: &Tensor, call: &str, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Result<Tensor> {
     let at = tensor.storage.offset.checked_add(offset).and_then(|at| u64::try_from(at).ok());
-    let at = at.ok_or_else(|| invalid(tensor, call, "the offset overflows"))?;
+    let at = at.ok_or_else(|| invalid(tensor, call, layout("the offset overflows")))?;
     crate::tensor::layout::check_layout(&shape, &strides, tensor.dtype(), at)
-        .map_err(|reason| invalid(tensor, call, reason))?;
+        .map_err(|reason| invalid(tensor, call, ViewProblem::Layout(reason)))?;
     // `Tensor::is_contiguous` works out row-major strides of the sizes unchecked, zeros counted
     // as ones, and `check_layout` bounds only the true product, which a zero makes 0: sizes such
     // as [0, 2^40, 2^40] are refused here so that no view can make that product wrap.
     if row_major_strides(&shape).is_none() {
-        return Err(invalid(tensor, call, format!("the sizes {shape:?} multiply past i64")));
+        return Err(invalid(tensor, call, ViewProblem::Layout(format!("the sizes {shape:?} multiply past i64"))));
     }
     let view = tensor.with_layout(shape, strides, offset);
     view.touched_bytes().map_err(|error| match error {
-        Error::Invalid(reason) => invalid(tensor, call, reason),
+        Error::Tensor(problem @ TensorProblem::OutsideStorage) => {
+            invalid(tensor, call, ViewProblem::Layout(problem.to_string()))
+        }
         other => other,
     })?;
     Ok(view)
 }
 
-/// An [`Error::Invalid`] for `call` on `tensor`.
-fn invalid(tensor: &Tensor, call: &str, reason: impl std::fmt::Display) -> Error {
-    Error::Invalid(format!("{call} of a {:?} tensor: {reason}", tensor.shape()))
+/// An [`Error::View`] for `call` on `tensor`.
+fn invalid(tensor: &Tensor, call: &str, problem: ViewProblem) -> Error {
+    Error::View { call: call.to_string(), shape: tensor.shape().to_vec(), problem }
+}
+
+/// A [`ViewProblem::Layout`] of layout arithmetic that overflows.
+fn layout(why: &str) -> ViewProblem {
+    ViewProblem::Layout(why.to_string())
 }
 
 /// Row-major strides of `shape` (sizes of 0 counted as 1, as `contiguous_strides` does), or `None`
@@ -371,11 +377,11 @@ mod tests {
         bytemuck::pod_collect_to_vec(&t.to_bytes().unwrap())
     }
 
-    /// The message of an `Error::Invalid`; anything else fails the test.
+    /// The message of an `Error::View`; anything else fails the test.
     fn invalid(result: Result<Tensor>) -> String {
         match result {
-            Err(Error::Invalid(message)) => message,
-            other => panic!("expected Error::Invalid, got {other:?}"),
+            Err(error @ Error::View { .. }) => error.to_string(),
+            other => panic!("expected Error::View, got {other:?}"),
         }
     }
 
