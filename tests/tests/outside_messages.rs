@@ -21,7 +21,9 @@ use integration_tests::outside_messages::{
 };
 use integration_tests::{bin_path, gpu_skip_reason, note_gpu_skips, socket_path, stdout_lines};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
-use tensor_queue::{Context, DType, Error, Receiver, Secret, Sender, Stream, Tensor, TransferPath, memory};
+use tensor_queue::{
+    Context, DType, Error, Receiver, Secret, Sender, Stream, Tensor, TensorProblem, TransferPath, memory,
+};
 
 /// The bound on any one wait: far past what a healthy run takes, short of a CI job's patience.
 const BOUND: Duration = Duration::from_secs(30);
@@ -392,8 +394,10 @@ fn malformed_views_are_typed_errors() -> Result<()> {
         match result {
             Err(_) => bail!("{what}: panicked"),
             Ok(Ok(view)) => bail!("{what}: accepted, shape {:?} strides {:?}", view.shape(), view.strides()),
-            Ok(Err(Error::Invalid(_))) => {}
-            Ok(Err(other)) => bail!("{what}: {other:?}, expected Error::Invalid"),
+            // A view that cannot be made names the call; a layout or shape that cannot exist is a
+            // tensor problem.
+            Ok(Err(Error::View { .. } | Error::Tensor(_))) => {}
+            Ok(Err(other)) => bail!("{what}: {other:?}, expected Error::View or Error::Tensor"),
         }
     }
     // The most dimensions are accepted and cross a channel (exactly checked in the tests above).
@@ -410,33 +414,33 @@ fn typed_errors_for_bad_input() -> Result<()> {
     let _memory = shared_memory_use();
     // Mismatched data length.
     match Tensor::from_slice(&[1.0f32, 2.0], DType::F32, &[3]) {
-        Err(Error::Invalid(_)) => {}
+        Err(Error::Tensor(TensorProblem::LengthMismatch { .. })) => {}
         other => bail!("2 elements for 3: {other:?}"),
     }
     match Tensor::from_bytes(&[0u8; 7], DType::I32, &[2]) {
-        Err(Error::Invalid(_)) => {}
+        Err(Error::Tensor(TensorProblem::LengthMismatch { .. })) => {}
         other => bail!("7 bytes for 2 i32: {other:?}"),
     }
     match Tensor::new(&[1u8, 2], &[3]) {
-        Err(Error::Invalid(_)) => {}
+        Err(Error::Tensor(TensorProblem::LengthMismatch { .. })) => {}
         other => bail!("Tensor::new, 2 elements for 3: {other:?}"),
     }
     // Wrong dtype: data of another element type, and reading as another element type.
     match Tensor::from_slice(&[1.0f64], DType::F32, &[1]) {
-        Err(Error::Invalid(_)) => {}
+        Err(Error::Tensor(TensorProblem::DTypeMismatch { .. } | TensorProblem::ElementBytes { .. })) => {}
         other => bail!("f64 data for an F32 tensor: {other:?}"),
     }
     let t = Tensor::from_slice(&[1i32, 2], DType::I32, &[2])?;
     match t.to_vec::<f32>() {
-        Err(Error::Invalid(_)) => {}
+        Err(Error::Tensor(TensorProblem::DTypeMismatch { .. })) => {}
         other => bail!("an I32 tensor read as f32: {other:?}"),
     }
     match t.get::<i64>(&[0]) {
-        Err(Error::Invalid(_)) => {}
+        Err(Error::Tensor(TensorProblem::DTypeMismatch { .. } | TensorProblem::ElementBytes { .. })) => {}
         other => bail!("an I32 element read as i64: {other:?}"),
     }
     match Tensor::build_as::<f32>(DType::F64, &[1], |_| ()) {
-        Err(Error::Invalid(_)) => {}
+        Err(Error::Tensor(TensorProblem::DTypeMismatch { .. } | TensorProblem::ElementBytes { .. })) => {}
         other => bail!("build_as f32 elements for F64: {other:?}"),
     }
     // Bad endpoints and nothing listening.
