@@ -19,13 +19,15 @@
 //! | --- | --- | --- |
 //! | 0 | magic `b"ipcring1"`, then the version (`u32`) and the capacity (`u32`) | the creator, once |
 //! | 128 | `head`: bytes ever published (`u64`) | the writer |
+//! | 136 | the writer's notices ([`RingWriter::notify`], `u32`) | the writer |
 //! | 256 | `tail`: bytes ever consumed (`u64`) | the reader |
+//! | 264 | the reader's notices ([`RingReader::notify`], `u32`) | the reader |
 //! | 384 | the reader sleeps (futex word, `u32`) | the reader (1), the writer (0) |
 //! | 512 | the writer sleeps (futex word, `u32`) | the writer (1), the reader (0) |
 //!
-//! Each word has a 128-byte line of its own (two cache lines: the adjacent-line prefetcher
-//! would otherwise make neighbours share), so the streaming side never pulls in a line the
-//! other side writes, except the one counter it must read.
+//! Each side's words have a 128-byte line of their own (two cache lines: the adjacent-line
+//! prefetcher would otherwise make neighbours share), so the streaming side never pulls in a
+//! line the other side writes, except the one with the counter it must read.
 //!
 //! A record is a `u32` length and its bytes, padded to 8 bytes. A record never wraps: where it
 //! does not fit before the end, the writer puts a padding mark (`u32::MAX`) there and the record
@@ -45,17 +47,23 @@
 //! # A dead peer: the socket, watched in slices
 //! The ring is not the hang-up detector: a futex has no notion of its peer dying. A waiting call
 //! ([`RingReader::wait`], [`RingReader::pop`], [`RingWriter::wait_for_room`]) takes a descriptor
-//! to watch, the connection's socket, and returns [`Wakeup::Watched`] once it is readable or hung
-//! up (the caller reads it: a frame, or the hang-up). The futex wait is cut into slices of
-//! [`WATCH_SLICE`] with a `poll` of the socket between them.
+//! to watch, the connection's socket, and returns [`Wakeup::Watched`] when the caller should read
+//! it (a frame, or the hang-up). The futex wait is cut into slices of [`WATCH_SLICE`]; a slice
+//! that ends with nothing new is followed by a `poll` of the socket, so a dead peer is noticed
+//! within a slice. A live peer that writes a frame on the socket which the sleeper must see at
+//! once calls `notify` ([`RingWriter::notify`], [`RingReader::notify`]) after writing it: that
+//! bumps a notice word in the ring and wakes the sleeper, which returns [`Wakeup::Watched`]
+//! without a system call of its own. So the fast path of a blocking wait is the futex wait and
+//! nothing else; a descriptor that was already readable when the wait began, without a notice,
+//! is seen within a slice (read the socket before waiting, as a receiver does anyway).
 //!
 //! Why slices and not an eventfd polled together with the socket: the eventfd would notice a
 //! death at once, but every wake-up of a sleeper would cost the writer a `write` to the eventfd
 //! and the sleeper a `poll` and a `read` (three system calls, against one `FUTEX_WAKE` here, and a
-//! heavier wake-up path in the kernel). The price of slices: a death is seen up to
-//! [`WATCH_SLICE`] (10 ms) late, and an idle sleeper wakes 100 times a second for one `poll`
-//! (about 2-5 us of CPU each, under 0.05% of a core). A peer that writes a frame on the socket
-//! that the sleeper must see promptly calls [`RingWriter::notify`] after writing it.
+//! heavier wake-up path in the kernel); polling the socket before each sleep instead costs
+//! about 1.3 us per wait, measured (`examples/ring_bench.rs`, BENCHMARKS.md). The price of
+//! slices: a death is seen up to [`WATCH_SLICE`] (10 ms) late, and an idle sleeper wakes 100
+//! times a second for one `poll` (a few us of CPU each, well under 0.1% of a core).
 //!
 //! # A peer that lies
 //! The other process can write any word of the file at any time. So each side keeps its own
@@ -93,6 +101,7 @@ use rustix::io::Errno;
 use rustix::thread::futex;
 
 use crate::host::SharedMemory;
+use crate::seqpacket::Connection;
 use crate::{Error, Result};
 
 /// The smallest capacity of a ring's data area, in bytes.
@@ -109,7 +118,9 @@ const HEADER_LEN: usize = 4096;
 const VERSION_AT: usize = 8;
 const CAPACITY_AT: usize = 12;
 const HEAD_AT: usize = 128;
+const WRITER_NOTICES_AT: usize = 136;
 const TAIL_AT: usize = 256;
+const READER_NOTICES_AT: usize = 264;
 const READER_SLEEPS_AT: usize = 384;
 const WRITER_SLEEPS_AT: usize = 512;
 /// The length word before each record's bytes.
@@ -168,8 +179,9 @@ pub enum Wakeup {
     /// What was waited for is there: a record to read (for [`RingReader::pop`]: copied into the
     /// caller's buffer), or room to write.
     Ready,
-    /// The watched descriptor is readable or hung up: read it (a frame from the peer, or its
-    /// hang-up). Records the peer published before it died stay readable.
+    /// Read the watched descriptor: the peer said so (`notify`), or a sleep slice ended and the
+    /// descriptor is readable or hung up (a frame from the peer, or its hang-up). Records the
+    /// peer published before it died stay readable.
     Watched,
     /// The timeout passed.
     TimedOut,
@@ -321,42 +333,55 @@ fn watched_ready(fd: BorrowedFd<'_>) -> std::result::Result<bool, RingError> {
     }
 }
 
-/// Waits until `ready` says so, `watch` is readable, or `timeout` passes, sleeping on the futex
-/// word `sleeps` (the module docs say how, and why in slices).
+/// Waits until `ready` says so, the other side bumps its notice word `notices` past `seen`
+/// ([`Wakeup::Watched`]), `timeout` passes, or a futex sleep ends with nothing new and `watch`
+/// is readable. Sleeps on the futex word `sleeps` (the module docs say how, and why in slices).
+///
+/// The fast path makes no system call but the futex wait itself: `watch` is polled only after a
+/// sleep that brought nothing (its slice ran out, or a spurious wake-up).
 fn wait_on(
     sleeps: &AtomicU32,
+    notices: &AtomicU32,
+    seen: &mut u32,
     mut ready: impl FnMut() -> std::result::Result<bool, RingError>,
     timeout: Option<Duration>,
     watch: Option<BorrowedFd<'_>>,
 ) -> std::result::Result<Wakeup, RingError> {
+    let mut check = || -> std::result::Result<Option<Wakeup>, RingError> {
+        if ready()? {
+            return Ok(Some(Wakeup::Ready));
+        }
+        let notice = notices.load(Ordering::Acquire);
+        if notice != *seen {
+            *seen = notice;
+            return Ok(Some(Wakeup::Watched));
+        }
+        Ok(None)
+    };
+    let watched = |watch: Option<BorrowedFd<'_>>| match watch {
+        Some(fd) => watched_ready(fd),
+        None => Ok(false),
+    };
     // A deadline too far to represent is no deadline.
     let deadline = timeout.and_then(|timeout| Instant::now().checked_add(timeout));
-    if timeout.is_some_and(|timeout| timeout.is_zero()) {
-        return Ok(if ready()? { Wakeup::Ready } else { Wakeup::TimedOut });
-    }
     loop {
-        if ready()? {
-            return Ok(Wakeup::Ready);
-        }
-        if let Some(fd) = watch
-            && watched_ready(fd)?
-        {
-            return Ok(Wakeup::Watched);
+        if let Some(wakeup) = check()? {
+            return Ok(wakeup);
         }
         let mut slice = watch.map(|_| WATCH_SLICE);
         if let Some(deadline) = deadline {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Ok(Wakeup::TimedOut);
+                return Ok(if watched(watch)? { Wakeup::Watched } else { Wakeup::TimedOut });
             }
             slice = Some(slice.map_or(left, |slice| slice.min(left)));
         }
         sleeps.store(1, Ordering::Relaxed);
         // Pairs with the publisher's fence in `wake_if_sleeping`.
         fence(Ordering::SeqCst);
-        if ready()? {
+        if let Some(wakeup) = check()? {
             sleeps.store(0, Ordering::Relaxed);
-            return Ok(Wakeup::Ready);
+            return Ok(wakeup);
         }
         let timespec = slice.map(|slice| futex::Timespec {
             tv_sec: slice.as_secs().min(i64::MAX as u64) as i64,
@@ -368,6 +393,12 @@ fn wait_on(
             Err(e) => return Err(RingError::Os { what: "futex wait", source: e.into() }),
         }
         sleeps.store(0, Ordering::Relaxed);
+        if let Some(wakeup) = check()? {
+            return Ok(wakeup);
+        }
+        if watched(watch)? {
+            return Ok(Wakeup::Watched);
+        }
     }
 }
 
@@ -380,6 +411,10 @@ pub struct RingWriter {
     head: u64,
     /// The reader's tail as last read (checked), to know the free room without reading its line.
     tail: u64,
+    /// Our notices so far ([`RingWriter::notify`]).
+    notices: u32,
+    /// The reader's notices as last seen.
+    seen: u32,
     /// Set by the first corruption found: every later call returns it.
     broken: Option<(&'static str, u64)>,
 }
@@ -401,7 +436,9 @@ impl RingWriter {
         let head = shared.head().load(Ordering::Acquire);
         let tail = shared.tail().load(Ordering::Acquire);
         shared.check_counters(head, tail)?;
-        Ok(RingWriter { shared, head, tail, broken: None })
+        let notices = shared.word32(WRITER_NOTICES_AT).load(Ordering::Relaxed);
+        let seen = shared.word32(READER_NOTICES_AT).load(Ordering::Relaxed);
+        Ok(RingWriter { shared, head, tail, notices, seen, broken: None })
     }
 
     /// The shared-memory file, to send to the reader's process.
@@ -459,15 +496,19 @@ impl RingWriter {
         Ok(())
     }
 
-    /// Wakes the reader if it sleeps, without a record: after writing a frame on the watched
-    /// socket that the reader should see before its next slice ends.
-    pub fn notify(&self) {
+    /// Tells the reader to look at the watched socket: its waiting call returns
+    /// [`Wakeup::Watched`] (at once if it sleeps, else at its next wait). Call it after writing a
+    /// frame on the socket that the reader must see before its next slice ends.
+    pub fn notify(&mut self) {
+        self.notices = self.notices.wrapping_add(1);
+        self.shared.word32(WRITER_NOTICES_AT).store(self.notices, Ordering::Release);
         wake_if_sleeping(self.shared.reader_sleeps());
     }
 
-    /// Waits until a record of `len` bytes fits ([`Wakeup::Ready`]), `watch` is readable or
-    /// hung up, or `timeout` passes (`None`: no limit). [`RingError::TooLarge`] for a record that
-    /// never fits.
+    /// Waits until a record of `len` bytes fits ([`Wakeup::Ready`]), the socket `watch` should be
+    /// read ([`Wakeup::Watched`]: the reader called [`RingReader::notify`], or a sleep slice
+    /// ended with `watch` readable or hung up), or `timeout` passes (`None`: no limit).
+    /// [`RingError::TooLarge`] for a record that never fits.
     pub fn wait_for_room(
         &mut self,
         len: usize,
@@ -483,6 +524,8 @@ impl RingWriter {
         let (head, tail, broken) = (self.head, &mut self.tail, &mut self.broken);
         wait_on(
             shared.writer_sleeps(),
+            shared.word32(READER_NOTICES_AT),
+            &mut self.seen,
             || {
                 refresh_tail(shared, head, tail, broken)?;
                 let position = (head % capacity as u64) as usize;
@@ -556,6 +599,10 @@ pub struct RingReader {
     tail: u64,
     /// The writer's head as last read (checked).
     head: u64,
+    /// Our notices so far ([`RingReader::notify`]).
+    notices: u32,
+    /// The writer's notices as last seen.
+    seen: u32,
     /// Set by the first corruption found: every later call returns it.
     broken: Option<(&'static str, u64)>,
 }
@@ -577,7 +624,9 @@ impl RingReader {
         let tail = shared.tail().load(Ordering::Acquire);
         let head = shared.head().load(Ordering::Acquire);
         shared.check_counters(head, tail)?;
-        Ok(RingReader { shared, tail, head, broken: None })
+        let notices = shared.word32(READER_NOTICES_AT).load(Ordering::Relaxed);
+        let seen = shared.word32(WRITER_NOTICES_AT).load(Ordering::Relaxed);
+        Ok(RingReader { shared, tail, head, notices, seen, broken: None })
     }
 
     /// The shared-memory file, to send to the writer's process.
@@ -615,8 +664,9 @@ impl RingReader {
     }
 
     /// Waits up to `timeout` (`None`: no limit) for the next record and copies it into `out`
-    /// ([`Wakeup::Ready`]), unless `watch` becomes readable or hung up first ([`Wakeup::Watched`]:
-    /// read it, then call again; records published before a hang-up are still delivered).
+    /// ([`Wakeup::Ready`]), unless the socket `watch` should be read first ([`Wakeup::Watched`],
+    /// as for [`RingReader::wait`]: read it, then call again; records published before a
+    /// hang-up are still delivered).
     pub fn pop(
         &mut self,
         out: &mut Vec<u8>,
@@ -636,9 +686,10 @@ impl RingReader {
         }
     }
 
-    /// Waits up to `timeout` (`None`: no limit) until a record is waiting ([`Wakeup::Ready`]) or
-    /// `watch` is readable or hung up ([`Wakeup::Watched`]). Sleeps on the futex, in slices of
-    /// [`WATCH_SLICE`] while watching (module docs).
+    /// Waits up to `timeout` (`None`: no limit) until a record is waiting ([`Wakeup::Ready`]), or
+    /// the socket `watch` should be read ([`Wakeup::Watched`]: the writer called
+    /// [`RingWriter::notify`], or a sleep slice ended with `watch` readable or hung up). Sleeps on
+    /// the futex, in slices of [`WATCH_SLICE`] while watching (module docs).
     pub fn wait(
         &mut self,
         timeout: Option<Duration>,
@@ -646,7 +697,22 @@ impl RingReader {
     ) -> std::result::Result<Wakeup, RingError> {
         let shared = &self.shared;
         let (tail, head, broken) = (self.tail, &mut self.head, &mut self.broken);
-        wait_on(shared.reader_sleeps(), || refresh_head(shared, tail, head, broken), timeout, watch)
+        wait_on(
+            shared.reader_sleeps(),
+            shared.word32(WRITER_NOTICES_AT),
+            &mut self.seen,
+            || refresh_head(shared, tail, head, broken),
+            timeout,
+            watch,
+        )
+    }
+
+    /// Tells the writer, if it waits for room, to look at the watched socket (as
+    /// [`RingWriter::notify`] does the other way).
+    pub fn notify(&mut self) {
+        self.notices = self.notices.wrapping_add(1);
+        self.shared.word32(READER_NOTICES_AT).store(self.notices, Ordering::Release);
+        wake_if_sleeping(self.shared.writer_sleeps());
     }
 
     /// Where the next record's bytes are, how long it is, and the tail after it; `None` if
@@ -726,6 +792,36 @@ fn refresh_head(
     Ok(seen != tail)
 }
 
+/// The bytes of the message that carries a pair of rings ([`offer`], [`accept`]).
+const OFFER: &[u8] = b"ipc-core ring pair v1";
+
+/// Sets up a ring each way over `connection`: creates both with `capacity` data bytes, sends
+/// their files in one message, and returns this side's ends (write, read). The peer calls
+/// [`accept`]. A protocol that has its own set-up frames sends [`RingWriter::fd`] and
+/// [`RingReader::fd`] in one of them instead.
+pub fn offer(connection: &Connection, capacity: usize) -> Result<(RingWriter, RingReader)> {
+    let writer = RingWriter::create("ipc-core ring out", capacity)?;
+    let reader = RingReader::create("ipc-core ring in", capacity)?;
+    connection.send(OFFER, &[writer.fd(), reader.fd()])?;
+    Ok((writer, reader))
+}
+
+/// The peer's side of [`offer`]: receives the two rings and returns this side's ends (write,
+/// read). A message that is not an offer is [`RingError::Corrupt`]; a hang-up is
+/// [`Error::PeerGone`].
+pub fn accept(connection: &Connection) -> Result<(RingWriter, RingReader)> {
+    let mut buf = [0u8; 64];
+    let (len, fds) = connection.recv(&mut buf)?;
+    if len == 0 {
+        return Err(Error::PeerGone);
+    }
+    let [theirs_out, theirs_in]: [OwnedFd; 2] = match fds.try_into() {
+        Ok(fds) if &buf[..len] == OFFER => fds,
+        _ => return Err(RingError::Corrupt { what: "ring offer message of length", value: len as u64 }.into()),
+    };
+    Ok((RingWriter::open(theirs_in)?, RingReader::open(theirs_out)?))
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::VecDeque;
@@ -734,7 +830,6 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::seqpacket::Connection;
 
     /// A writer and a reader of one ring in this process (two mappings of one file, as two
     /// processes would have).
@@ -838,7 +933,7 @@ mod tests {
         let read_only = writer.shared.memory.read_only_fd().unwrap();
         assert!(matches!(RingReader::open(read_only), Err(Error::ReadOnlyMemory)));
         // The reader may create the ring, and records pushed before the other side opens it wait.
-        let mut reader = RingReader::create("reader-made", MIN_CAPACITY).unwrap();
+        let reader = RingReader::create("reader-made", MIN_CAPACITY).unwrap();
         let mut writer = RingWriter::open(reader.fd().try_clone_to_owned().unwrap()).unwrap();
         writer.push(b"first").unwrap();
         let mut later = RingReader::open(writer.fd().try_clone_to_owned().unwrap()).unwrap();
@@ -877,7 +972,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sleeping_writer_is_woken_by_the_reader_and_a_sleeping_reader_by_notify() {
+    fn sleepers_are_woken_by_the_other_side_and_by_notices() {
         let (mut writer, mut reader) = pair(MIN_CAPACITY);
         while writer.push(&[1; 500]).is_ok() {}
         std::thread::scope(|scope| {
@@ -887,19 +982,33 @@ mod tests {
             });
             assert_eq!(writer.push_waiting(&[2; 500], None, None).unwrap(), Wakeup::Ready);
         });
-        let (ours, theirs) = Connection::pair().unwrap();
         let mut out = Vec::new();
         while reader.try_pop(&mut out).unwrap() {}
         assert_eq!(out, [2; 500]);
+        // A notice wakes a sleeper with nothing to read and no descriptor to watch (without it,
+        // these waits would time out after a minute).
         std::thread::scope(|scope| {
             scope.spawn(|| {
                 std::thread::sleep(Duration::from_millis(20));
-                theirs.send(b"look", &[]).unwrap();
                 writer.notify();
             });
-            // The slice is 10 ms, so this passes either way; it exercises the wake without a record.
-            assert_eq!(reader.wait(Some(Duration::from_secs(10)), Some(ours.as_fd())).unwrap(), Wakeup::Watched);
+            assert_eq!(reader.wait(Some(Duration::from_secs(60)), None).unwrap(), Wakeup::Watched);
         });
+        assert!(!reader.try_pop(&mut out).unwrap(), "a notice is not a record");
+        while writer.push(&[3; 500]).is_ok() {}
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                reader.notify();
+            });
+            assert_eq!(writer.wait_for_room(500, Some(Duration::from_secs(60)), None).unwrap(), Wakeup::Watched);
+        });
+        // A notice given while nobody waits is seen by the next wait.
+        writer.notify();
+        assert_eq!(reader.wait(Some(Duration::from_secs(60)), None).unwrap(), Wakeup::Ready, "records first");
+        while reader.try_pop(&mut out).unwrap() {}
+        assert_eq!(reader.wait(Some(Duration::ZERO), None).unwrap(), Wakeup::Watched, "then the notice");
+        assert_eq!(reader.wait(Some(Duration::ZERO), None).unwrap(), Wakeup::TimedOut, "once");
     }
 
     /// Writes `bytes` at `offset` of the ring's file, as a hostile peer would.
@@ -910,7 +1019,8 @@ mod tests {
 
     #[test]
     fn each_lie_of_the_writer_is_a_typed_error() {
-        let cases: [(&str, fn(&SharedMemory)); 7] = [
+        type Lie = fn(&SharedMemory);
+        let cases: [(&str, Lie); 7] = [
             ("head far ahead", |m| m.store_u64(HEAD_AT, 1 << 40).unwrap()),
             ("head unaligned", |m| m.store_u64(HEAD_AT, 12).unwrap()),
             ("length over the limit", |m| {
