@@ -232,6 +232,10 @@ impl Shared {
         if version != VERSION {
             return Err(RingError::Corrupt { what: "version", value: version.into() }.into());
         }
+        let written = shared.word32(CAPACITY_AT).load(Ordering::Relaxed);
+        if written as usize != capacity {
+            return Err(RingError::Corrupt { what: "capacity word against the file's size", value: written.into() }.into());
+        }
         Ok(shared)
     }
 
