@@ -10,7 +10,7 @@
 //! The two processes are not pinned to cores: on a machine with fewer free cores than two,
 //! spinning rows measure the scheduler more than the ring.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -30,16 +30,18 @@ enum Mode {
     RingSpin,
     RingBlocking,
     RingBlockingUnwatched,
+    RingDoorbell,
     SocketStream,
     RingStream,
 }
 
-const MODES: [Mode; 7] = [
+const MODES: [Mode; 8] = [
     Mode::SocketSpin,
     Mode::SocketBlocking,
     Mode::RingSpin,
     Mode::RingBlocking,
     Mode::RingBlockingUnwatched,
+    Mode::RingDoorbell,
     Mode::SocketStream,
     Mode::RingStream,
 ];
@@ -50,9 +52,18 @@ struct Ends {
     reader: RingReader,
     buf: Vec<u8>,
     record: Vec<u8>,
+    /// The eventfd our reader sleeps on, and the one our writer rings (the peer's).
+    bells: (OwnedFd, OwnedFd),
 }
 
 impl Ends {
+    /// Both ends of this process to the doorbells (or back to the futex) for `mode`.
+    fn ring_doorbells(&mut self, mode: Mode) {
+        let on = matches!(mode, Mode::RingDoorbell);
+        self.reader.set_doorbell(on.then(|| self.bells.0.try_clone().unwrap())).unwrap();
+        self.writer.set_doorbell(on.then(|| self.bells.1.try_clone().unwrap())).unwrap();
+    }
+
     fn send(&mut self, mode: Mode) {
         match mode {
             Mode::SocketSpin | Mode::SocketBlocking | Mode::SocketStream => {
@@ -77,7 +88,7 @@ impl Ends {
                 assert!(self.socket.recv(&mut self.buf).unwrap().0 > 0, "the peer hung up");
             }
             Mode::RingSpin => while !self.reader.try_pop(&mut self.buf).unwrap() {},
-            Mode::RingBlocking | Mode::RingStream => {
+            Mode::RingBlocking | Mode::RingDoorbell | Mode::RingStream => {
                 let woken = self.reader.pop(&mut self.buf, None, Some(self.socket.as_fd())).unwrap();
                 assert_eq!(woken, Wakeup::Ready);
             }
@@ -108,7 +119,11 @@ fn main() {
     let (mut child, mut sockets) = spawn_with_sockets(&mut command, SOCKETS, 1).unwrap();
     let socket = sockets.pop().unwrap();
     let (writer, reader) = ring::offer(&socket, CAPACITY).unwrap();
-    let mut ends = Ends { socket, writer, reader, buf: Vec::new(), record: vec![0xab; size] };
+    // Each side's reader gets a doorbell, and the other side's writer a duplicate of it.
+    let (ours, theirs) = (ring::doorbell().unwrap(), ring::doorbell().unwrap());
+    socket.send(b"bells", &[theirs.as_fd(), ours.as_fd()]).unwrap();
+    let bells = (ours, theirs);
+    let mut ends = Ends { socket, writer, reader, buf: Vec::new(), record: vec![0xab; size], bells };
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!(
         "ring_bench: {size}-byte records, {trips} round trips, {records} streamed; {} CPUs, load {}",
@@ -123,6 +138,7 @@ fn main() {
             Mode::SocketStream | Mode::RingStream => records,
             _ => trips,
         };
+        ends.ring_doorbells(mode);
         ends.socket.send(format!("{mode:?} {count} {size}").as_bytes(), &[]).unwrap();
         match mode {
             Mode::SocketStream | Mode::RingStream => {
@@ -161,6 +177,7 @@ fn name(mode: Mode) -> &'static str {
         Mode::RingSpin => "round trip, ring, spin (try_pop loop)",
         Mode::RingBlocking => "round trip, ring, blocking pop watching the socket",
         Mode::RingBlockingUnwatched => "round trip, ring, blocking pop, no socket watched",
+        Mode::RingDoorbell => "round trip, ring, blocking pop on an eventfd doorbell + the socket",
         Mode::SocketStream => "one-way stream, seqpacket socket (blocking send/recv)",
         Mode::RingStream => "one-way stream, ring (push_waiting / pop, socket watched)",
     }
@@ -171,7 +188,9 @@ fn name(mode: Mode) -> &'static str {
 fn peer() {
     let socket = Connection::from(take_inherited_sockets(SOCKETS).unwrap().pop().unwrap());
     let (writer, reader) = ring::accept(&socket).unwrap();
-    let mut ends = Ends { socket, writer, reader, buf: Vec::new(), record: Vec::new() };
+    let (_, fds) = socket.recv(&mut [0u8; 16]).unwrap();
+    let [ours, theirs]: [OwnedFd; 2] = fds.try_into().unwrap();
+    let mut ends = Ends { socket, writer, reader, buf: Vec::new(), record: Vec::new(), bells: (ours, theirs) };
     let mut command = [0u8; 128];
     loop {
         let (len, _) = ends.socket.recv(&mut command).unwrap();
@@ -184,6 +203,7 @@ fn peer() {
         let mode = MODES.into_iter().find(|mode| format!("{mode:?}") == named).unwrap();
         let count: usize = words.next().unwrap().parse().unwrap();
         ends.record = vec![0xcd; words.next().unwrap().parse().unwrap()];
+        ends.ring_doorbells(mode);
         match mode {
             Mode::SocketStream | Mode::RingStream => {
                 for _ in 0..count {

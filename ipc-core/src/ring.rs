@@ -65,6 +65,18 @@
 //! slices: a death is seen up to [`WATCH_SLICE`] (10 ms) late, and an idle sleeper wakes 100
 //! times a second for one `poll` (a few us of CPU each, well under 0.1% of a core).
 //!
+//! # Several rings, one sleeper: a doorbell
+//! A futex wait watches one word, so a thread that serves several rings (a receiver with many
+//! senders) or must also wait on other descriptors sleeps in `poll` instead: its process makes
+//! one eventfd ([`doorbell`]), gives it to each ring it reads ([`RingReader::set_doorbell`]) and
+//! a duplicate to each writer's process ([`RingWriter::set_doorbell`], the descriptor passed over
+//! the socket); the writer then rings the eventfd instead of `FUTEX_WAKE`, still only when the
+//! reader said it sleeps. [`RingReader::wait`] with a doorbell polls it and the watched socket
+//! for the whole timeout (a dead peer is seen at once); a thread with its own poll set calls
+//! [`RingReader::prepare_to_sleep`] on each ring, polls, and [`RingReader::awake`] after. A
+//! wake-up costs three system calls instead of two (measured in `examples/ring_bench.rs`);
+//! streaming and spinning still cost none.
+//!
 //! # A peer that lies
 //! The other process can write any word of the file at any time. So each side keeps its own
 //! counter (the writer its `head`, the reader its `tail`) and the capacity in its own memory and
@@ -92,7 +104,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
@@ -234,7 +246,9 @@ impl Shared {
         }
         let written = shared.word32(CAPACITY_AT).load(Ordering::Relaxed);
         if written as usize != capacity {
-            return Err(RingError::Corrupt { what: "capacity word against the file's size", value: written.into() }.into());
+            return Err(
+                RingError::Corrupt { what: "capacity word against the file's size", value: written.into() }.into()
+            );
         }
         Ok(shared)
     }
@@ -316,13 +330,36 @@ fn footprint(len: usize) -> usize {
 }
 
 /// Tells the other side, if it said it is going to sleep, that there is something new.
-fn wake_if_sleeping(word: &AtomicU32) {
+fn wake_if_sleeping(word: &AtomicU32, doorbell: Option<&OwnedFd>) {
     // Pairs with the sleeper's fence between storing its flag and looking again (module docs).
     fence(Ordering::SeqCst);
     if word.load(Ordering::Relaxed) != 0 && word.swap(0, Ordering::Relaxed) != 0 {
-        // A failure (never expected for a mapped word) leaves the sleeper to its slice.
-        let _ = futex::wake(word, futex::Flags::empty(), 1);
+        match doorbell {
+            // A failure (never expected for a mapped word) leaves the sleeper to its slice.
+            None => drop(futex::wake(word, futex::Flags::empty(), 1)),
+            // Non-blocking (set when it was given): a full counter is readable anyway.
+            Some(fd) => drop(rustix::io::write(fd, &1u64.to_ne_bytes())),
+        }
     }
+}
+
+/// A doorbell for a reader that sleeps in `poll` with other descriptors instead of on the
+/// ring's futex (see "Several rings, one sleeper" in the module docs): a non-blocking eventfd.
+/// Give it to the reader ([`RingReader::set_doorbell`]) and a duplicate to the writer's process,
+/// which gives it to its writer ([`RingWriter::set_doorbell`]); one doorbell may serve all the
+/// rings a reader waits on.
+pub fn doorbell() -> Result<OwnedFd> {
+    rustix::event::eventfd(0, rustix::event::EventfdFlags::NONBLOCK | rustix::event::EventfdFlags::CLOEXEC)
+        .map_err(|e| Error::os("eventfd", e))
+}
+
+/// Makes a doorbell from the peer safe to ring: non-blocking, so that a peer that passed a full
+/// pipe instead cannot make a push wait.
+fn checked_doorbell(fd: OwnedFd) -> Result<OwnedFd> {
+    let flags = rustix::fs::fcntl_getfl(&fd).map_err(|e| Error::os("fcntl(F_GETFL) of a doorbell", e))?;
+    rustix::fs::fcntl_setfl(&fd, flags | rustix::fs::OFlags::NONBLOCK)
+        .map_err(|e| Error::os("fcntl(F_SETFL) of a doorbell", e))?;
+    Ok(fd)
 }
 
 /// Whether `fd` is readable or hung up, without waiting.
@@ -345,6 +382,7 @@ fn watched_ready(fd: BorrowedFd<'_>) -> std::result::Result<bool, RingError> {
 /// sleep that brought nothing (its slice ran out, or a spurious wake-up).
 fn wait_on(
     sleeps: &AtomicU32,
+    doorbell: Option<BorrowedFd<'_>>,
     notices: &AtomicU32,
     seen: &mut u32,
     mut ready: impl FnMut() -> std::result::Result<bool, RingError>,
@@ -387,10 +425,20 @@ fn wait_on(
             sleeps.store(0, Ordering::Relaxed);
             return Ok(wakeup);
         }
-        let timespec = slice.map(|slice| futex::Timespec {
-            tv_sec: slice.as_secs().min(i64::MAX as u64) as i64,
-            tv_nsec: slice.subsec_nanos().into(),
-        });
+        if let Some(doorbell) = doorbell {
+            // One `poll` of the doorbell and the socket, for the whole time left: no slices.
+            let left = deadline.map(|deadline| deadline.saturating_duration_since(Instant::now()));
+            let hung_up = ring_doorbell_or_watch(doorbell, watch, left)?;
+            sleeps.store(0, Ordering::Relaxed);
+            if let Some(wakeup) = check()? {
+                return Ok(wakeup);
+            }
+            if hung_up {
+                return Ok(Wakeup::Watched);
+            }
+            continue;
+        }
+        let timespec = slice.map(timespec);
         match futex::wait(sleeps, futex::Flags::empty(), 1, timespec.as_ref()) {
             // Woken, the word no longer 1 (woken before we slept), the slice over, a signal.
             Ok(()) | Err(Errno::AGAIN | Errno::TIMEDOUT | Errno::INTR) => {}
@@ -406,6 +454,32 @@ fn wait_on(
     }
 }
 
+fn timespec(duration: Duration) -> futex::Timespec {
+    futex::Timespec { tv_sec: duration.as_secs().min(i64::MAX as u64) as i64, tv_nsec: duration.subsec_nanos().into() }
+}
+
+/// Sleeps in `poll` until the doorbell rings, `watch` is readable or hung up, or `left` passes
+/// (`None`: no limit); empties the doorbell. Whether `watch` was the reason.
+fn ring_doorbell_or_watch(
+    doorbell: BorrowedFd<'_>,
+    watch: Option<BorrowedFd<'_>>,
+    left: Option<Duration>,
+) -> std::result::Result<bool, RingError> {
+    let timeout = left.map(timespec);
+    let mut fds = vec![PollFd::from_borrowed_fd(doorbell, PollFlags::IN)];
+    if let Some(fd) = watch {
+        fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN | PollFlags::RDHUP));
+    }
+    match poll(&mut fds, timeout.as_ref()) {
+        Ok(_) | Err(Errno::INTR) => {}
+        Err(e) => return Err(RingError::Os { what: "poll of a doorbell", source: e.into() }),
+    }
+    let watched = fds.get(1).is_some_and(|fd| !fd.revents().is_empty());
+    // Empty the counter (non-blocking: nothing there is no error).
+    let _ = rustix::io::read(doorbell, &mut [0u8; 8]);
+    Ok(watched)
+}
+
 /// The writing end of a ring (see the module docs). One per ring: `&mut self` keeps this
 /// process to one writer, the protocol above keeps the peer to reading.
 #[derive(Debug)]
@@ -419,6 +493,8 @@ pub struct RingWriter {
     notices: u32,
     /// The reader's notices as last seen.
     seen: u32,
+    /// Rung instead of the futex when the reader sleeps ([`RingWriter::set_doorbell`]).
+    doorbell: Option<OwnedFd>,
     /// Set by the first corruption found: every later call returns it.
     broken: Option<(&'static str, u64)>,
 }
@@ -442,7 +518,7 @@ impl RingWriter {
         shared.check_counters(head, tail)?;
         let notices = shared.word32(WRITER_NOTICES_AT).load(Ordering::Relaxed);
         let seen = shared.word32(READER_NOTICES_AT).load(Ordering::Relaxed);
-        Ok(RingWriter { shared, head, tail, notices, seen, broken: None })
+        Ok(RingWriter { shared, head, tail, notices, seen, doorbell: None, broken: None })
     }
 
     /// The shared-memory file, to send to the reader's process.
@@ -496,7 +572,7 @@ impl RingWriter {
         };
         self.head = self.head.wrapping_add(needed as u64);
         self.shared.head().store(self.head, Ordering::Release);
-        wake_if_sleeping(self.shared.reader_sleeps());
+        wake_if_sleeping(self.shared.reader_sleeps(), self.doorbell.as_ref());
         Ok(())
     }
 
@@ -506,7 +582,17 @@ impl RingWriter {
     pub fn notify(&mut self) {
         self.notices = self.notices.wrapping_add(1);
         self.shared.word32(WRITER_NOTICES_AT).store(self.notices, Ordering::Release);
-        wake_if_sleeping(self.shared.reader_sleeps());
+        wake_if_sleeping(self.shared.reader_sleeps(), self.doorbell.as_ref());
+    }
+
+    /// Rings `doorbell` (from the reader's process: [`doorbell`]) instead of the futex when the
+    /// reader sleeps, or the futex again with `None`. The reader must use the same
+    /// ([`RingReader::set_doorbell`]): a reader polling a doorbell that this writer does not ring
+    /// sleeps until its timeout or its watched socket wakes it. The descriptor is made
+    /// non-blocking, so that a ring of it never waits.
+    pub fn set_doorbell(&mut self, doorbell: Option<OwnedFd>) -> Result<()> {
+        self.doorbell = doorbell.map(checked_doorbell).transpose()?;
+        Ok(())
     }
 
     /// Waits until a record of `len` bytes fits ([`Wakeup::Ready`]), the socket `watch` should be
@@ -528,6 +614,7 @@ impl RingWriter {
         let (head, tail, broken) = (self.head, &mut self.tail, &mut self.broken);
         wait_on(
             shared.writer_sleeps(),
+            None,
             shared.word32(READER_NOTICES_AT),
             &mut self.seen,
             || {
@@ -607,6 +694,8 @@ pub struct RingReader {
     notices: u32,
     /// The writer's notices as last seen.
     seen: u32,
+    /// Polled instead of sleeping on the futex ([`RingReader::set_doorbell`]).
+    doorbell: Option<OwnedFd>,
     /// Set by the first corruption found: every later call returns it.
     broken: Option<(&'static str, u64)>,
 }
@@ -630,7 +719,7 @@ impl RingReader {
         shared.check_counters(head, tail)?;
         let notices = shared.word32(READER_NOTICES_AT).load(Ordering::Relaxed);
         let seen = shared.word32(WRITER_NOTICES_AT).load(Ordering::Relaxed);
-        Ok(RingReader { shared, tail, head, notices, seen, broken: None })
+        Ok(RingReader { shared, tail, head, notices, seen, doorbell: None, broken: None })
     }
 
     /// The shared-memory file, to send to the writer's process.
@@ -663,7 +752,7 @@ impl RingReader {
         }
         self.tail = next_tail;
         self.shared.tail().store(self.tail, Ordering::Release);
-        wake_if_sleeping(self.shared.writer_sleeps());
+        wake_if_sleeping(self.shared.writer_sleeps(), None);
         Ok(true)
     }
 
@@ -703,6 +792,7 @@ impl RingReader {
         let (tail, head, broken) = (self.tail, &mut self.head, &mut self.broken);
         wait_on(
             shared.reader_sleeps(),
+            self.doorbell.as_ref().map(AsFd::as_fd),
             shared.word32(WRITER_NOTICES_AT),
             &mut self.seen,
             || refresh_head(shared, tail, head, broken),
@@ -711,12 +801,50 @@ impl RingReader {
         )
     }
 
+    /// Sleeps in `poll` on `doorbell` (an eventfd from [`doorbell`]) and the watched socket
+    /// instead of on the futex, or on the futex again with `None`; the writer must ring the same
+    /// ([`RingWriter::set_doorbell`]). Costs more per wake-up than the futex (the writer's
+    /// `write`, our `poll` and `read`), and sees a dead peer at once instead of within
+    /// [`WATCH_SLICE`]; and one thread can sleep on several rings, with other descriptors:
+    /// [`RingReader::prepare_to_sleep`].
+    pub fn set_doorbell(&mut self, doorbell: Option<OwnedFd>) -> Result<()> {
+        self.doorbell = doorbell.map(checked_doorbell).transpose()?;
+        Ok(())
+    }
+
+    /// For a thread that sleeps in its own `poll` on several rings' shared doorbell (and
+    /// sockets): says to the writer "ring the doorbell for the next record or notice", then
+    /// looks once more. `Some` if something is there already (do not sleep then: pop it, or read
+    /// the socket); `None`: poll, empty the doorbell, call [`RingReader::awake`] on every ring,
+    /// and look again.
+    pub fn prepare_to_sleep(&mut self) -> std::result::Result<Option<Wakeup>, RingError> {
+        self.shared.reader_sleeps().store(1, Ordering::Relaxed);
+        // Pairs with the writer's fence in `wake_if_sleeping`.
+        fence(Ordering::SeqCst);
+        if refresh_head(&self.shared, self.tail, &mut self.head, &mut self.broken)? {
+            self.awake();
+            return Ok(Some(Wakeup::Ready));
+        }
+        let notice = self.shared.word32(WRITER_NOTICES_AT).load(Ordering::Acquire);
+        if notice != self.seen {
+            self.seen = notice;
+            self.awake();
+            return Ok(Some(Wakeup::Watched));
+        }
+        Ok(None)
+    }
+
+    /// After a sleep begun with [`RingReader::prepare_to_sleep`]: the writer need not ring any more.
+    pub fn awake(&mut self) {
+        self.shared.reader_sleeps().store(0, Ordering::Relaxed);
+    }
+
     /// Tells the writer, if it waits for room, to look at the watched socket (as
     /// [`RingWriter::notify`] does the other way).
     pub fn notify(&mut self) {
         self.notices = self.notices.wrapping_add(1);
         self.shared.word32(READER_NOTICES_AT).store(self.notices, Ordering::Release);
-        wake_if_sleeping(self.shared.writer_sleeps());
+        wake_if_sleeping(self.shared.writer_sleeps(), None);
     }
 
     /// Where the next record's bytes are, how long it is, and the tail after it; `None` if
@@ -1013,6 +1141,80 @@ mod tests {
         while reader.try_pop(&mut out).unwrap() {}
         assert_eq!(reader.wait(Some(Duration::ZERO), None).unwrap(), Wakeup::Watched, "then the notice");
         assert_eq!(reader.wait(Some(Duration::ZERO), None).unwrap(), Wakeup::TimedOut, "once");
+    }
+
+    #[test]
+    fn a_doorbell_wakes_a_reader_polling_several_rings_and_sees_a_hang_up_at_once() {
+        let bell = doorbell().unwrap();
+        let (mut first_writer, mut first) = pair(MIN_CAPACITY);
+        let (mut second_writer, mut second) = pair(MIN_CAPACITY);
+        for (writer, reader) in [(&mut first_writer, &mut first), (&mut second_writer, &mut second)] {
+            reader.set_doorbell(Some(bell.try_clone().unwrap())).unwrap();
+            writer.set_doorbell(Some(bell.try_clone().unwrap())).unwrap();
+        }
+        let mut out = Vec::new();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                second_writer.push(b"to the second").unwrap();
+            });
+            // One thread, two rings, one poll (as a receiver with two senders would).
+            assert_eq!(first.prepare_to_sleep().unwrap(), None);
+            assert_eq!(second.prepare_to_sleep().unwrap(), None);
+            let mut fds = [PollFd::new(&bell, PollFlags::IN)];
+            poll(&mut fds, Some(&timespec(Duration::from_secs(60)))).unwrap();
+            assert!(fds[0].revents().contains(PollFlags::IN), "the doorbell rang");
+            rustix::io::read(&bell, &mut [0u8; 8]).unwrap();
+            first.awake();
+            second.awake();
+            assert!(!first.try_pop(&mut out).unwrap());
+            assert!(second.try_pop(&mut out).unwrap() && out == b"to the second");
+        });
+        // A ready ring says so instead of letting its reader sleep.
+        first_writer.push(b"here").unwrap();
+        assert_eq!(first.prepare_to_sleep().unwrap(), Some(Wakeup::Ready));
+        // `wait` with a doorbell: woken by a push, then by the watched socket's hang-up (a
+        // 60-second timeout would mean neither woke it).
+        assert!(first.try_pop(&mut out).unwrap());
+        let (ours, theirs) = Connection::pair().unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                first_writer.push(b"rung").unwrap();
+                std::thread::sleep(Duration::from_millis(20));
+                drop(theirs);
+            });
+            let patience = Some(Duration::from_secs(60));
+            assert_eq!(first.pop(&mut out, patience, Some(ours.as_fd())).unwrap(), Wakeup::Ready);
+            assert_eq!(out, b"rung");
+            assert_eq!(first.pop(&mut out, patience, Some(ours.as_fd())).unwrap(), Wakeup::Watched);
+        });
+        // Back to the futex on both sides.
+        first.set_doorbell(None).unwrap();
+        first_writer.set_doorbell(None).unwrap();
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                first_writer.push(b"futex").unwrap();
+            });
+            assert_eq!(first.pop(&mut out, Some(Duration::from_secs(60)), None).unwrap(), Wakeup::Ready);
+        });
+    }
+
+    /// A reader's process could pass a full pipe as its doorbell: ringing it must not block.
+    #[test]
+    fn a_doorbell_that_is_a_full_pipe_does_not_block_the_writer() {
+        let (read_end, write_end) = std::io::pipe().unwrap();
+        let (mut writer, mut reader) = pair(MIN_CAPACITY);
+        writer.set_doorbell(Some(write_end.into())).unwrap();
+        let bell = writer.doorbell.as_ref().unwrap();
+        while rustix::io::write(bell, &[0u8; 4096]).is_ok() {} // full (non-blocking now)
+        assert_eq!(reader.prepare_to_sleep().unwrap(), None);
+        writer.push(b"not blocked").unwrap();
+        reader.awake();
+        let mut out = Vec::new();
+        assert!(reader.try_pop(&mut out).unwrap());
+        drop(read_end);
     }
 
     /// Writes `bytes` at `offset` of the ring's file, as a hostile peer would.
