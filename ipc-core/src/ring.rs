@@ -1266,6 +1266,30 @@ mod tests {
                 }
             }
         }
+        // A length that fits what was published but crosses the end of the data area: reading it
+        // would run past the mapping.
+        let (mut writer, mut reader) = pair(MIN_CAPACITY);
+        let mut out = Vec::new();
+        for _ in 0..(MIN_CAPACITY - 16) / 8 {
+            writer.push(&[]).unwrap();
+            assert!(reader.try_pop(&mut out).unwrap());
+        }
+        let memory = scribbler(&writer);
+        scribble(&memory, HEADER_LEN + MIN_CAPACITY - 16, &100u32.to_le_bytes());
+        memory.store_u64(HEAD_AT, (MIN_CAPACITY - 16 + 200) as u64).unwrap();
+        let result = reader.try_pop(&mut out);
+        assert!(
+            matches!(result, Err(RingError::Corrupt { what: "record crossing the end of the data area", .. })),
+            "{result:?}"
+        );
+        // A length over the limit that fits both the published bytes and the data area.
+        let (writer, mut reader) = pair(MIN_CAPACITY);
+        let memory = scribbler(&writer);
+        scribble(&memory, HEADER_LEN, &((MIN_CAPACITY / 2 + 100) as u32).to_le_bytes());
+        memory.store_u64(HEAD_AT, MIN_CAPACITY as u64).unwrap();
+        let result = reader.try_pop(&mut out);
+        assert!(matches!(result, Err(RingError::Corrupt { what: "record length over the limit", .. })), "{result:?}");
+
         // A padding mark in the middle with nothing after it.
         let (mut writer, mut reader) = pair(MIN_CAPACITY);
         writer.push(&[0; 100]).unwrap();

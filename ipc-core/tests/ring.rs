@@ -78,7 +78,21 @@ fn a_million_records_stream_and_round_trips_echo() {
 /// sleeps for room) and read on: every record is whole and in order, then the hang-up.
 #[test]
 fn a_writer_killed_mid_stream_leaves_whole_records_then_the_hang_up() {
-    let (mut child, socket, _writer, mut reader) = start("flood");
+    let (child, socket, _writer, reader) = start("flood");
+    read_until_killed(child, socket, reader);
+}
+
+/// The same with the reader asleep on an eventfd doorbell that the child's writer rings.
+#[test]
+fn a_writer_killed_mid_stream_wakes_a_reader_on_a_doorbell() {
+    let (child, socket, _writer, mut reader) = start("flood-with-doorbell");
+    let bell = ring::doorbell().unwrap();
+    socket.send(b"doorbell", &[bell.as_fd()]).unwrap();
+    reader.set_doorbell(Some(bell)).unwrap();
+    read_until_killed(child, socket, reader);
+}
+
+fn read_until_killed(mut child: Child, socket: Connection, mut reader: RingReader) {
     let mut out = Vec::new();
     let mut expected = 0;
     while expected < 20_000 {
@@ -167,7 +181,11 @@ fn child() {
                 }
             }
         }
-        "flood" => {
+        "flood" | "flood-with-doorbell" => {
+            if role == "flood-with-doorbell" {
+                let (_, mut fds) = socket.recv(&mut [0u8; 16]).unwrap();
+                writer.set_doorbell(fds.pop()).unwrap();
+            }
             for index in 0.. {
                 push(&mut writer, &record(index), &socket);
             }
