@@ -57,13 +57,13 @@
 //! nothing else; a descriptor that was already readable when the wait began, without a notice,
 //! is seen within a slice (read the socket before waiting, as a receiver does anyway).
 //!
-//! Why slices and not an eventfd polled together with the socket: the eventfd would notice a
-//! death at once, but every wake-up of a sleeper would cost the writer a `write` to the eventfd
-//! and the sleeper a `poll` and a `read` (three system calls, against one `FUTEX_WAKE` here, and a
-//! heavier wake-up path in the kernel); polling the socket before each sleep instead costs
-//! about 1.3 us per wait, measured (`examples/ring_bench.rs`, BENCHMARKS.md). The price of
-//! slices: a death is seen up to [`WATCH_SLICE`] (10 ms) late, and an idle sleeper wakes 100
-//! times a second for one `poll` (a few us of CPU each, well under 0.1% of a core).
+//! Why slices by default: the futex is the cheapest wake-up (one `FUTEX_WAKE`, one
+//! `FUTEX_WAIT`), and polling the socket before each sleep instead cost 1.3 us per wait,
+//! measured (`examples/ring_bench.rs`, BENCHMARKS.md). The price of slices: a death is seen up
+//! to [`WATCH_SLICE`] (10 ms) late, and an idle sleeper wakes 100 times a second for one `poll`
+//! (a few us of CPU each, well under 0.1% of a core). Where that is not wanted, or one thread
+//! waits on several rings, an eventfd doorbell polled with the socket replaces the futex
+//! (next section): it sees a death at once for 0.1-0.5 us more per round trip.
 //!
 //! # Several rings, one sleeper: a doorbell
 //! A futex wait watches one word, so a thread that serves several rings (a receiver with many
@@ -91,15 +91,16 @@
 //! sleep cut short by its slice, nothing more.
 //!
 //! ```
-//! # fn main() -> ipc_core::Result<()> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use ipc_core::ring::{RingReader, RingWriter, Wakeup};
 //! let mut writer = RingWriter::create("doc", 4096)?;
 //! // The descriptor would travel to the reader's process over the socket (`fd_passing`).
 //! let mut reader = RingReader::open(writer.fd().try_clone_to_owned()?)?;
 //! writer.push(b"hello")?;
 //! let mut record = Vec::new();
-//! let (_socket, peer) = ipc_core::seqpacket::Connection::pair()?;
-//! let woken = reader.pop(&mut record, Some(std::time::Duration::from_secs(1)), Some(std::os::fd::AsFd::as_fd(&peer)))?;
+//! let (_peer, socket) = ipc_core::seqpacket::Connection::pair()?;
+//! let patience = Some(std::time::Duration::from_secs(1));
+//! let woken = reader.pop(&mut record, patience, Some(std::os::fd::AsFd::as_fd(&socket)))?;
 //! assert_eq!((woken, record.as_slice()), (Wakeup::Ready, &b"hello"[..]));
 //! assert!(!reader.try_pop(&mut record)?, "empty now");
 //! # Ok(()) }
