@@ -90,6 +90,16 @@
 //! sleep words are only hints: a peer that scribbles on them causes a spurious wake-up or a
 //! sleep cut short by its slice, nothing more.
 //!
+//! Miri cannot run this module (memfd, `mmap`, futex), so the argument is written down: the
+//! only pointers formed into the mapping are the header's words at constant offsets below its
+//! first page, a length word at `counter % capacity` (8-aligned, so `+ 4 <= capacity`), and a
+//! record's bytes at `position + 4 .. position + footprint(len)`, formed only after
+//! `len <= capacity / 2 - 4`, `footprint <= published <= capacity` and
+//! `position + footprint <= capacity` were checked on values read once into locals (the tests
+//! `each_lie_of_the_writer_is_a_typed_error` fail, or crash, without each of them). No Rust
+//! reference to shared bytes other than an atomic is ever made, and the mapping cannot shrink
+//! under us (the seals).
+//!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use ipc_core::ring::{RingReader, RingWriter, Wakeup};
