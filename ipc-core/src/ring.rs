@@ -1165,14 +1165,16 @@ mod tests {
             writer.set_doorbell(Some(bell.try_clone().unwrap())).unwrap();
         }
         let mut out = Vec::new();
+        let (prepared, go) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
             scope.spawn(|| {
-                std::thread::sleep(Duration::from_millis(20));
+                go.recv().unwrap(); // pushed only once the reader said it sleeps
                 second_writer.push(b"to the second").unwrap();
             });
             // One thread, two rings, one poll (as a receiver with two senders would).
             assert_eq!(first.prepare_to_sleep().unwrap(), None);
             assert_eq!(second.prepare_to_sleep().unwrap(), None);
+            prepared.send(()).unwrap();
             let mut fds = [PollFd::new(&bell, PollFlags::IN)];
             poll(&mut fds, Some(&timespec(Duration::from_secs(60)))).unwrap();
             assert!(fds[0].revents().contains(PollFlags::IN), "the doorbell rang");
