@@ -1167,9 +1167,10 @@ mod tests {
         let mut out = Vec::new();
         let (prepared, go) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
-            scope.spawn(|| {
+            let writer = &mut second_writer;
+            scope.spawn(move || {
                 go.recv().unwrap(); // pushed only once the reader said it sleeps
-                second_writer.push(b"to the second").unwrap();
+                writer.push(b"to the second").unwrap();
             });
             // One thread, two rings, one poll (as a receiver with two senders would).
             assert_eq!(first.prepare_to_sleep().unwrap(), None);
