@@ -162,6 +162,9 @@ pub enum Error {
         /// The limit.
         max: usize,
     },
+    /// A shared-memory ring failed (see [`crate::ring`]).
+    #[error(transparent)]
+    Ring(#[from] crate::ring::RingError),
     /// An operating-system call failed.
     #[error("{what} failed: {source}")]
     Os {

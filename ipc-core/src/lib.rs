@@ -13,6 +13,7 @@
 //! | [`Topology`] | `lstopo` for GPUs: which pairs reach each other, and how |
 //! | [`nccl::Communicator`] | a connected socket between GPUs of different processes or hosts (NCCL) |
 //! | [`tcp::TcpLink`] | a TCP connection whose peer proved it holds a shared secret (no encryption) |
+//! | [`ring::RingWriter`] / [`ring::RingReader`] | a pipe of records in shared memory between two processes, woken by a futex |
 //! | [`process::ProcessHandle`] | `kill -0`, but for the process it was opened for, and pollable |
 //!
 //! Every type holds an `Arc<Context>`, binds it before each driver call, and releases what it
@@ -57,6 +58,7 @@ pub mod nccl;
 pub mod process;
 #[cfg(feature = "tokio")]
 pub mod reactor;
+pub mod ring;
 pub mod seqpacket;
 mod stream;
 pub mod tcp;
