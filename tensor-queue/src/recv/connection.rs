@@ -237,8 +237,12 @@ impl Connected {
         if self.assembler.held() > 0 || self.producer.is_none() {
             return Err(Error::Protocol("a bulk run inside a frame, or before the greeting".into()));
         }
-        if remote.bulk(left, &self.peer.link)? == 0 && left > 0 {
-            return Ok(Progress::Idle);
+        match remote.bulk(left, &self.peer.link) {
+            Ok(0) if left > 0 => return Ok(Progress::Idle),
+            Ok(_) => {}
+            // A sender gone in the middle of the run lost its message: a hang-up, which says so.
+            Err(Error::Disconnected) => return Ok(Progress::HungUp),
+            Err(error) => return Err(error),
         }
         self.last_packet = std::time::Instant::now();
         Ok(Progress::Handled)

@@ -1,6 +1,10 @@
 //! The receiver's half of the routes from a sender on another host (see `route/network.rs`):
 //! host bytes that came over the link, and NCCL receives into this process's memory.
 //!
+//! A message's host bytes come as one bulk run before its frame (see `ipc_core::tcp`): the
+//! memory they land in is allocated from the host arena when the run's header is read, and the
+//! bytes are read from the socket straight into it as they come.
+//!
 //! A communicator joins (rank 1) when its `Communicator` frame is read, on a worker thread of
 //! its own that owns it (`route/worker.rs`): `recv` never calls NCCL, so a sender that stalls in
 //! the set-up, or never takes part, holds up nothing but its own messages. A message's receives

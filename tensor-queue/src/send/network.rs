@@ -1,6 +1,13 @@
 //! The sender's half of the routes to a receiver on another host (a TCP channel): host bytes
 //! over the link ([`Route::Tcp`]) and GPU data through NCCL ([`Route::Nccl`]). The receiver's
-//! half is `channel/remote.rs`.
+//! half is `recv/remote.rs`.
+//!
+//! # Host bytes
+//! A message's host bytes are one bulk run on the link (`ipc_core::tcp::Bulk`), written after
+//! its new communicators' frames and before the message's: pieces of the tensors' own storage
+//! (none copied in this process; a GPU tensor's bytes are copied to the host first), at
+//! [`ALIGN`]ed offsets. The run holds the storages and the message's lease until its last byte
+//! is in the socket, so `wait_released` still means the data has left this process.
 //!
 //! # NCCL
 //! Each (sender GPU, receiver GPU) pair of a connection gets a communicator of two ranks, the
@@ -24,6 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ipc_core::nccl::{Communicator, UniqueId};
+use ipc_core::tcp::{Bulk, Piece, SharedBytes};
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
 use super::routes::{group, spans, stream_after};
@@ -35,7 +43,6 @@ use crate::route::{Route, choose_remote};
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
 use crate::wire::{Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
-use ipc_core::tcp::{Bulk, Piece, SharedBytes};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
