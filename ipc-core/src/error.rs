@@ -74,6 +74,14 @@ pub enum Error {
     /// so it is refused: no message of a well-behaved peer is empty.
     #[error("the peer sent an empty message, which would read like a hang-up; the peer is broken or hostile")]
     EmptyMessage,
+    /// A bulk run ([`crate::tcp::Bulk`]) is next in a TCP link's stream where a message was
+    /// asked for: read it with [`crate::tcp::TcpLink::try_recv_bulk`], or, where none is
+    /// expected, treat the peer as broken.
+    #[error("a bulk run of {left} bytes is next in the stream where a message was expected")]
+    BulkAhead {
+        /// Its bytes not read yet.
+        left: u64,
+    },
     /// Descriptors sent by the peer were dropped by the kernel because this process has (nearly)
     /// run out of descriptors.
     #[error(

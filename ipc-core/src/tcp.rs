@@ -33,6 +33,14 @@
 //! [`MAX_MESSAGE`]. `TCP_NODELAY` is set. A receiving link's buffer grows with the bytes that
 //! arrive (at most twice what came, plus 64 KiB), never with the length a header claims.
 //!
+//! A **bulk run** ([`Bulk`], [`TcpLink::try_send_bulk`]) carries large bytes without a copy on
+//! either side: the length `0xffff_ffff` (no message is that long), a `u64` little-endian length,
+//! and that many raw bytes. The sender writes them straight from the memory they lie in (one
+//! vectored write of many pieces); the receiver learns the length first
+//! ([`TcpLink::bulk_left`]) and reads the bytes straight into memory of its choosing
+//! ([`TcpLink::try_recv_bulk`]). Only the few bytes that came with the previous read are
+//! copied from the link's buffer.
+//!
 //! # Refused connections
 //! [`TcpListener::accept`] takes one connection and returns its outcome: a link, or the typed
 //! error for that connection alone ([`Error::AuthFailed`], [`Error::HandshakeTimeout`]), which it
@@ -57,6 +65,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use zeroize::Zeroizing;
 
+use crate::SharedMemory;
 use crate::seqpacket::wait_readable;
 use crate::{Error, Result};
 
@@ -70,6 +79,13 @@ pub const MIN_SECRET_LEN: usize = 16;
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long [`TcpLink::send`] waits for the peer to take a message, unless told otherwise.
 pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The length word that starts a bulk run (see the module docs).
+const BULK_MARK: u32 = u32::MAX;
+/// A bulk run's header: the mark and a `u64` length.
+const BULK_HEADER: usize = 12;
+/// The most pieces one vectored write is given (Linux's `IOV_MAX` is 1,024).
+const MAX_IOVECS: usize = 512;
 
 const TAG: &[u8; 10] = b"tq-auth-v1";
 const NONCE_LEN: usize = 32;
@@ -124,6 +140,171 @@ impl Secret {
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Secret").field("len", &self.bytes.len()).finish_non_exhaustive()
+    }
+}
+
+/// Memory that holds a [`SharedMemory`] mapping (a tensor's storage, say): what a bulk run's
+/// pieces are read from, held by the run until it is written.
+pub trait SharedBytes: Send + Sync {
+    /// The mapping (`None`: this is not host memory, and a run refuses it).
+    fn shared_memory(&self) -> Option<&SharedMemory>;
+}
+
+impl SharedBytes for SharedMemory {
+    fn shared_memory(&self) -> Option<&SharedMemory> {
+        Some(self)
+    }
+}
+
+/// One piece of a [`Bulk`] run.
+pub enum Piece {
+    /// `len` bytes at `offset` of a mapping, written straight from it.
+    Shared {
+        /// Held until the run is written.
+        memory: Arc<dyn SharedBytes>,
+        /// The first byte in the mapping.
+        offset: usize,
+        /// How many bytes.
+        len: usize,
+    },
+    /// Bytes the run owns (copied from elsewhere, a GPU say).
+    Owned(Vec<u8>),
+    /// Zeros (padding), at most [`MAX_ZEROS`].
+    Zeros(usize),
+}
+
+/// The longest [`Piece::Zeros`].
+pub const MAX_ZEROS: usize = 4096;
+static ZEROS: [u8; MAX_ZEROS] = [0; MAX_ZEROS];
+
+impl Piece {
+    fn len(&self) -> usize {
+        match self {
+            Piece::Shared { len, .. } => *len,
+            Piece::Owned(bytes) => bytes.len(),
+            Piece::Zeros(n) => *n,
+        }
+    }
+
+    /// The piece's bytes from `within` on (ranges checked by [`Bulk::new`]).
+    fn bytes(&self, within: usize) -> std::io::Result<&[u8]> {
+        match self {
+            Piece::Shared { memory, offset, len } => {
+                let memory =
+                    memory.shared_memory().ok_or_else(|| std::io::Error::other("a bulk piece is not host memory"))?;
+                if offset.checked_add(*len).is_none_or(|end| end > memory.len()) {
+                    return Err(std::io::Error::other("a bulk piece reaches outside its memory"));
+                }
+                // SAFETY: the range lies in the live mapping (checked above), which `memory`
+                // keeps mapped while this borrow lives; the slice is only handed to the kernel
+                // to read. Another process writing the memory meanwhile gives torn bytes, as
+                // `SharedMemory::read` does.
+                Ok(unsafe { std::slice::from_raw_parts(memory.as_ptr().add(offset + within), len - within) })
+            }
+            Piece::Owned(bytes) => Ok(&bytes[within..]),
+            Piece::Zeros(n) => Ok(&ZEROS[within..*n]),
+        }
+    }
+}
+
+/// Bytes a [`TcpLink`] writes as one bulk run straight from the memory they lie in (see the
+/// module docs), in pieces held until the last byte is in the socket (or the link breaks);
+/// then they are dropped.
+pub struct Bulk {
+    pieces: Vec<Piece>,
+    len: u64,
+    header: [u8; BULK_HEADER],
+    /// Bytes of header and pieces written so far.
+    written: u64,
+    /// The piece the next byte comes from, and how far into it.
+    next: (usize, usize),
+    /// Whatever else must live until the run is written (a lease, say).
+    _keep: Box<dyn Send>,
+}
+
+impl Bulk {
+    /// A run of `pieces`, in order, keeping `keep` until it is written.
+    /// [`Error::InvalidArgument`] for a piece outside its memory, or zeros over [`MAX_ZEROS`].
+    pub fn new(pieces: Vec<Piece>, keep: Box<dyn Send>) -> Result<Bulk> {
+        for piece in &pieces {
+            let fits = match piece {
+                Piece::Shared { memory, offset, len } => memory
+                    .shared_memory()
+                    .is_some_and(|memory| offset.checked_add(*len).is_some_and(|end| end <= memory.len())),
+                Piece::Owned(_) => true,
+                Piece::Zeros(n) => *n <= MAX_ZEROS,
+            };
+            if !fits {
+                return Err(Error::InvalidArgument("a bulk piece outside its memory, or too many zeros".into()));
+            }
+        }
+        let len = pieces.iter().map(|piece| piece.len() as u64).sum::<u64>();
+        let mut header = [0u8; BULK_HEADER];
+        header[..4].copy_from_slice(&BULK_MARK.to_le_bytes());
+        header[4..].copy_from_slice(&len.to_le_bytes());
+        Ok(Bulk { pieces, len, header, written: 0, next: (0, 0), _keep: keep })
+    }
+
+    /// The bytes of the run (without its header).
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the run has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn done(&self) -> bool {
+        self.written == BULK_HEADER as u64 + self.len
+    }
+
+    /// Writes what the socket takes now (one vectored write of at most [`MAX_IOVECS`] pieces):
+    /// the bytes written; `WouldBlock` when none were.
+    fn write_to(&mut self, mut stream: &TcpStream) -> std::io::Result<usize> {
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(MAX_IOVECS.min(self.pieces.len() + 1));
+        let header_done = (self.written as usize).min(BULK_HEADER);
+        if header_done < BULK_HEADER {
+            slices.push(IoSlice::new(&self.header[header_done..]));
+        }
+        let (mut piece, mut within) = self.next;
+        while slices.len() < MAX_IOVECS && piece < self.pieces.len() {
+            if self.pieces[piece].len() > within {
+                slices.push(IoSlice::new(self.pieces[piece].bytes(within)?));
+            }
+            piece += 1;
+            within = 0;
+        }
+        if slices.is_empty() {
+            return Ok(0);
+        }
+        let n = stream.write_vectored(&slices)?;
+        drop(slices);
+        self.advance(n);
+        Ok(n)
+    }
+
+    /// Moves past `n` written bytes.
+    fn advance(&mut self, mut n: usize) {
+        let before = self.written;
+        self.written += n as u64;
+        n -= (BULK_HEADER as u64).saturating_sub(before).min(n as u64) as usize;
+        while n > 0 {
+            let (piece, within) = self.next;
+            let left = self.pieces[piece].len() - within;
+            if n < left {
+                self.next = (piece, within + n);
+                return;
+            }
+            n -= left;
+            self.next = (piece + 1, 0);
+        }
+    }
+}
+
+impl std::fmt::Debug for Bulk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bulk").field("len", &self.len).field("written", &self.written).finish_non_exhaustive()
     }
 }
 
@@ -303,12 +484,17 @@ struct Shared {
 struct Inbox {
     data: Vec<u8>,
     start: usize,
+    /// A bulk run's bytes not read yet, once its header was taken: it comes before anything
+    /// else in the stream.
+    bulk_left: Option<u64>,
 }
 
 /// Bytes of messages already taken that the socket had no room for yet.
 #[derive(Debug, Default)]
 struct Outbox {
     pending: Vec<u8>,
+    /// The rest of a bulk run begun (after `pending`, which is then empty).
+    bulk: Option<Bulk>,
     /// Whether a flusher thread is writing `pending`.
     flushing: bool,
     /// Why writing failed for good: later sends fail with it.
@@ -381,7 +567,7 @@ impl TcpLink {
             wait_for(self.shared.stream.as_fd(), PollFlags::OUT, left)?;
         }
         let mut outbox = lock(&self.shared.outbox);
-        while !outbox.pending.is_empty() && outbox.broken.is_none() {
+        while outbox.busy() && outbox.broken.is_none() {
             let Ok(left) = remaining(deadline) else { return Err(timed_out()) };
             let left = left.unwrap_or(Duration::from_secs(3600));
             outbox = self.shared.drained.wait_timeout(outbox, left).unwrap_or_else(|e| e.into_inner()).0;
@@ -403,14 +589,8 @@ impl TcpLink {
         if let Some(broken) = outbox.broken {
             return Err(broken.into());
         }
-        if !outbox.pending.is_empty() {
-            if outbox.flushing {
-                return Ok(false);
-            }
-            self.shared.write_pending(&mut outbox)?;
-            if !outbox.pending.is_empty() {
-                return Ok(false);
-            }
+        if !self.shared.ready(&mut outbox)? {
+            return Ok(false);
         }
         let header = (bytes.len() as u32).to_le_bytes();
         let written = match (&self.shared.stream).write_vectored(&[IoSlice::new(&header), IoSlice::new(bytes)]) {
@@ -425,16 +605,49 @@ impl TcpLink {
             let rest = written.saturating_sub(header.len());
             outbox.pending.extend_from_slice(&header[written.min(header.len())..]);
             outbox.pending.extend_from_slice(&bytes[rest..]);
-            if !outbox.flushing {
-                outbox.flushing = true;
-                let shared = self.shared.clone();
-                std::thread::Builder::new()
-                    .name("tq-tcp-flush".into())
-                    .spawn(move || shared.flush())
-                    .map_err(|e| Error::os("spawning a TCP flusher", e))?;
-            }
+            self.start_flusher(&mut outbox)?;
         }
         Ok(true)
+    }
+
+    /// Takes a bulk run (see the module docs) if the socket has room to start it now, else
+    /// gives it back with nothing sent. A run taken is written whole, straight from its memory,
+    /// before any later message: what the socket cannot take yet is written by the link's
+    /// flusher thread, which drops the run (and its owner) once the last byte is out, or once
+    /// the link breaks.
+    pub fn try_send_bulk(&self, mut bulk: Bulk) -> Result<std::result::Result<(), Bulk>> {
+        let mut outbox = lock(&self.shared.outbox);
+        if let Some(broken) = outbox.broken {
+            return Err(broken.into());
+        }
+        if !self.shared.ready(&mut outbox)? {
+            return Ok(Err(bulk));
+        }
+        match bulk.write_to(&self.shared.stream) {
+            Ok(0) => return Ok(Err(bulk)),
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => return Ok(Err(bulk)),
+            Err(e) => return Err(self.shared.broke(&mut outbox, e)),
+        }
+        outbox.bulk = Some(bulk);
+        self.shared.write_pending(&mut outbox)?;
+        if outbox.busy() {
+            self.start_flusher(&mut outbox)?;
+        }
+        Ok(Ok(()))
+    }
+
+    /// Starts the flusher thread for what is pending, unless one runs.
+    fn start_flusher(&self, outbox: &mut Outbox) -> Result<()> {
+        if !outbox.flushing {
+            outbox.flushing = true;
+            let shared = self.shared.clone();
+            std::thread::Builder::new()
+                .name("tq-tcp-flush".into())
+                .spawn(move || shared.flush())
+                .map_err(|e| Error::os("spawning a TCP flusher", e))?;
+        }
+        Ok(())
     }
 
     /// If a message taken earlier is still being written by the flusher thread (so
@@ -478,10 +691,14 @@ impl TcpLink {
     }
 
     /// Hands the next whole message to `take` if one has arrived, without waiting: `Ok(None)`
-    /// when none is whole yet. [`Error::PeerGone`] once the peer closed the connection.
+    /// when none is whole yet. [`Error::PeerGone`] once the peer closed the connection;
+    /// [`Error::BulkAhead`] when a bulk run is next (read it with [`TcpLink::try_recv_bulk`]).
     pub fn try_recv_with<R>(&self, take: impl FnOnce(&[u8]) -> R) -> Result<Option<R>> {
         let mut inbox = lock(&self.shared.inbox);
         loop {
+            if let Some(left) = inbox.take_bulk_header() {
+                return Err(Error::BulkAhead { left });
+            }
             let whole = inbox.whole().inspect_err(|_| {
                 // A lying length: the stream cannot be trusted past it.
                 self.shutdown();
@@ -520,20 +737,96 @@ impl TcpLink {
 
     /// Whether a whole message was already read from the socket and waits here, where `poll`
     /// on the socket cannot see it.
-    /// A length over the limit counts too: the next read reports it.
+    /// A length over the limit counts too: the next read reports it. So do a bulk run's header
+    /// and any of its bytes read with it.
     pub fn has_buffered(&self) -> bool {
-        !matches!(lock(&self.shared.inbox).whole(), Ok(None))
+        let inbox = lock(&self.shared.inbox);
+        match inbox.bulk_left {
+            Some(left) => left == 0 || inbox.data.len() > inbox.start,
+            None => !matches!(inbox.whole(), Ok(None)) || inbox.bulk_header_here(),
+        }
     }
 
     /// How many bytes were read of a message not yet whole (a message arrives in pieces): what
     /// is lost if the peer dies now. 0 while a whole message waits at the front (the next read
-    /// takes it).
+    /// takes it). Of a bulk run, the bytes read with its header and not yet taken.
     pub fn partial(&self) -> usize {
         let inbox = lock(&self.shared.inbox);
         match inbox.whole() {
             Ok(None) => inbox.data.len() - inbox.start,
             _ => 0,
         }
+    }
+
+    /// The bytes not yet read of the bulk run next in the stream, once its header has been
+    /// read (a call here or to [`TcpLink::try_recv_with`] reads it); `None` when the next thing
+    /// is a message, or nothing has come.
+    pub fn bulk_left(&self) -> Option<u64> {
+        let mut inbox = lock(&self.shared.inbox);
+        inbox.bulk_left.or_else(|| inbox.take_bulk_header())
+    }
+
+    /// As [`TcpLink::try_recv_bulk`], into `len` bytes at `offset` of `memory` (mapped
+    /// writable): straight from the socket into the mapping.
+    pub fn try_recv_bulk_into(&self, memory: &SharedMemory, offset: usize, len: usize) -> Result<usize> {
+        if !memory.is_writable() {
+            return Err(Error::ReadOnlyMemory);
+        }
+        crate::error::check_range(offset, len, memory.len())?;
+        if len == 0 {
+            return self.try_recv_bulk(&mut []);
+        }
+        // SAFETY: the range lies in the live, writable mapping (checked above), which `memory`
+        // keeps mapped while the slice lives; the slice lives for this call only and is written
+        // by the kernel's reads and the copy of bytes read ahead. Other access to the range
+        // meanwhile gives torn bytes, as `SharedMemory::write` does.
+        let dest = unsafe { std::slice::from_raw_parts_mut(memory.as_ptr().add(offset), len) };
+        self.try_recv_bulk(dest)
+    }
+
+    /// Reads bytes of the bulk run next in the stream into `dest`, without waiting: the bytes
+    /// read (at most `dest.len()`, at most what is left of the run; 0 when none has come). They
+    /// go straight from the socket into `dest`, except those read ahead with the run's header.
+    /// [`Error::PeerGone`] if the peer closed the connection; [`Error::InvalidArgument`] when no
+    /// run is next ([`TcpLink::bulk_left`]).
+    pub fn try_recv_bulk(&self, dest: &mut [u8]) -> Result<usize> {
+        let mut inbox = lock(&self.shared.inbox);
+        let Some(left) = inbox.bulk_left.or_else(|| inbox.take_bulk_header()) else {
+            return Err(Error::InvalidArgument("no bulk run is next in the stream".into()));
+        };
+        let want = dest.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        let buffered = (inbox.data.len() - inbox.start).min(want);
+        let start = inbox.start;
+        dest[..buffered].copy_from_slice(&inbox.data[start..start + buffered]);
+        inbox.start += buffered;
+        if inbox.start == inbox.data.len() {
+            inbox.data.clear();
+            inbox.start = 0;
+        }
+        let mut got = buffered;
+        let mut outcome = Ok(());
+        while got < want {
+            match (&self.shared.stream).read(&mut dest[got..want]) {
+                Ok(0) => {
+                    outcome = Err(Error::PeerGone);
+                    break;
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::BrokenPipe) => {
+                    outcome = Err(Error::PeerGone);
+                    break;
+                }
+                Err(e) => {
+                    outcome = Err(Error::os("receiving over TCP", e));
+                    break;
+                }
+            }
+        }
+        let left = left - got as u64;
+        inbox.bulk_left = (left > 0).then_some(left);
+        outcome.map(|()| got)
     }
 
     /// Closes both directions: the peer reads the end, and calls here fail.
@@ -545,7 +838,7 @@ impl TcpLink {
     /// message still being written is out.
     pub fn shutdown_write(&self) {
         let mut outbox = lock(&self.shared.outbox);
-        if outbox.pending.is_empty() {
+        if !outbox.busy() {
             let _ = self.shared.stream.shutdown(Shutdown::Write);
         } else {
             outbox.close_after = true; // the flusher closes it once the rest is out
@@ -556,12 +849,49 @@ impl TcpLink {
 /// Reads are made at least this large, so small messages cost one system call for many.
 const READ_SIZE: usize = 64 << 10;
 
+impl Outbox {
+    /// Whether bytes taken are still to be written.
+    fn busy(&self) -> bool {
+        !self.pending.is_empty() || self.bulk.is_some()
+    }
+}
+
 impl Inbox {
-    /// The length of the whole message at the front, if one is there.
+    /// The bytes left of the bulk run at the front, taking its header if it is here whole.
+    fn take_bulk_header(&mut self) -> Option<u64> {
+        if self.bulk_left.is_some() {
+            return self.bulk_left;
+        }
+        let header = self.data.get(self.start..self.start + BULK_HEADER)?;
+        if u32::from_le_bytes(header[..4].try_into().expect("4 bytes")) != BULK_MARK {
+            return None;
+        }
+        let len = u64::from_le_bytes(header[4..].try_into().expect("8 bytes"));
+        self.start += BULK_HEADER;
+        // A run of no bytes is over as soon as it starts; it is reported once all the same.
+        self.bulk_left = Some(len);
+        Some(len)
+    }
+
+    /// Whether a bulk run's whole header is at the front, not yet taken.
+    fn bulk_header_here(&self) -> bool {
+        self.bulk_left.is_none()
+            && self.data.len() >= self.start + BULK_HEADER
+            && self.data[self.start..self.start + 4] == BULK_MARK.to_le_bytes()
+    }
+
+    /// The length of the whole message at the front, if one is there (a bulk run's header
+    /// counts as one not whole until [`Inbox::take_bulk_header`] takes it).
     fn whole(&self) -> Result<Option<usize>> {
+        if self.bulk_left.is_some() {
+            return Ok(None);
+        }
         let data = &self.data[self.start..];
         let Some(header) = data.get(..4) else { return Ok(None) };
         let len = u32::from_le_bytes(header.try_into().expect("4 bytes")) as usize;
+        if len == BULK_MARK as usize {
+            return Ok(None);
+        }
         if len > MAX_MESSAGE {
             return Err(Error::MessageTooLarge { len: len as u64, max: MAX_MESSAGE });
         }
@@ -572,6 +902,9 @@ impl Inbox {
     fn needed(&self) -> usize {
         let data = &self.data[self.start..];
         match data.get(..4) {
+            Some(header) if u32::from_le_bytes(header.try_into().expect("4 bytes")) == BULK_MARK => {
+                BULK_HEADER.saturating_sub(data.len())
+            }
             Some(header) => {
                 (4 + u32::from_le_bytes(header.try_into().expect("4 bytes")) as usize).saturating_sub(data.len())
             }
@@ -581,20 +914,44 @@ impl Inbox {
 }
 
 impl Shared {
-    /// Writes what the socket takes of the pending bytes now.
+    /// Whether a new message or run may start now: nothing is pending, or what was could be
+    /// written at once (never while the flusher writes it).
+    fn ready(&self, outbox: &mut Outbox) -> Result<bool> {
+        if !outbox.busy() {
+            return Ok(true);
+        }
+        if outbox.flushing {
+            return Ok(false);
+        }
+        self.write_pending(outbox)?;
+        Ok(!outbox.busy())
+    }
+
+    /// Writes what the socket takes of the pending bytes now, then of the bulk run begun.
     fn write_pending(&self, outbox: &mut Outbox) -> Result<()> {
         while !outbox.pending.is_empty() {
             match (&self.stream).write(&outbox.pending) {
                 Ok(0) => return Err(self.broke(outbox, std::io::ErrorKind::WriteZero.into())),
                 Ok(n) => drop(outbox.pending.drain(..n)),
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.broke(outbox, e)),
             }
         }
-        if outbox.pending.is_empty() {
-            self.drained.notify_all();
+        while let Some(bulk) = &mut outbox.bulk {
+            if bulk.done() {
+                outbox.bulk = None; // the owner goes: its memory is free again
+                break;
+            }
+            match bulk.write_to(&self.stream) {
+                Ok(0) => return Err(self.broke(outbox, std::io::ErrorKind::WriteZero.into())),
+                Ok(_) => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.broke(outbox, e)),
+            }
         }
+        self.drained.notify_all();
         Ok(())
     }
 
@@ -605,7 +962,7 @@ impl Shared {
     fn flush(&self) {
         loop {
             let mut outbox = lock(&self.outbox);
-            if self.write_pending(&mut outbox).is_err() || outbox.pending.is_empty() || outbox.broken.is_some() {
+            if self.write_pending(&mut outbox).is_err() || !outbox.busy() || outbox.broken.is_some() {
                 if outbox.close_after && outbox.broken.is_none() {
                     let _ = self.stream.shutdown(Shutdown::Write);
                 }
@@ -625,6 +982,7 @@ impl Shared {
             ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted | ErrorKind::NotConnected
         );
         outbox.pending.clear();
+        outbox.bulk = None;
         self.drained.notify_all();
         if gone {
             outbox.broken = Some(Broken::Gone);

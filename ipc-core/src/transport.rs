@@ -12,8 +12,9 @@
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
+use crate::SharedMemory;
 use crate::seqpacket::Connection;
-use crate::tcp::TcpLink;
+use crate::tcp::{Bulk, TcpLink};
 use crate::{Error, Result};
 
 /// Who is at the other end of a [`Packets`] link.
@@ -49,6 +50,23 @@ pub trait Packets: AsFd + Send + Sync + 'static {
             }
             crate::seqpacket::wait_readable(self.as_fd(), std::time::Duration::from_secs(3600))?;
         }
+    }
+
+    /// Takes a bulk run of bytes written straight from their memory (see [`crate::tcp`]) if
+    /// there is room to start it now, else gives it back; a run taken arrives whole, in order
+    /// with the packets. Only byte streams carry runs: [`Error::InvalidArgument`] elsewhere.
+    fn try_send_bulk(&self, bulk: Bulk) -> Result<std::result::Result<(), Bulk>> {
+        drop(bulk);
+        Err(Error::InvalidArgument("bulk runs cross TCP links only".into()))
+    }
+
+    /// Reads bytes of the bulk run next in the stream into `len` bytes at `offset` of
+    /// `memory` without waiting (0: none has come yet). A read that finds a run next fails with
+    /// [`Error::BulkAhead`], which says how many bytes it has. Only byte streams carry runs:
+    /// [`Error::InvalidArgument`] elsewhere.
+    fn try_recv_bulk_into(&self, memory: &SharedMemory, offset: usize, len: usize) -> Result<usize> {
+        let _ = (memory, offset, len);
+        Err(Error::InvalidArgument("bulk runs cross TCP links only".into()))
     }
 
     /// Whether a whole packet waits in this process already, where `poll` on the socket cannot
@@ -137,6 +155,14 @@ impl Packets for TcpLink {
             Err(Error::PeerGone) => Ok(Some((0, Vec::new()))),
             Err(error) => Err(error),
         }
+    }
+
+    fn try_send_bulk(&self, bulk: Bulk) -> Result<std::result::Result<(), Bulk>> {
+        TcpLink::try_send_bulk(self, bulk)
+    }
+
+    fn try_recv_bulk_into(&self, memory: &SharedMemory, offset: usize, len: usize) -> Result<usize> {
+        TcpLink::try_recv_bulk_into(self, memory, offset, len)
     }
 
     fn has_buffered(&self) -> bool {

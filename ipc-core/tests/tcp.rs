@@ -279,3 +279,146 @@ fn wait_sent_waits_for_the_flusher_and_then_the_link_takes_more() {
     assert!(client.try_send(b"next").unwrap(), "once it is out, the link takes the next message");
     assert_eq!(reader.join().unwrap(), b"next");
 }
+
+/// A connected pair of links.
+fn pair() -> (TcpLink, TcpLink) {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let accepted = accept_in_background(listener, KEY);
+    let client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
+    let server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
+    (client, server)
+}
+
+/// Reads the bulk run next on `link` (whose length the record read that found it reported) into
+/// a buffer, `step` bytes at most per read.
+fn read_run(link: &TcpLink, step: usize) -> Vec<u8> {
+    let mut buf = Vec::new();
+    let left = match link.recv(&mut buf, Some(PATIENCE)) {
+        Err(Error::BulkAhead { left }) => left as usize,
+        other => panic!("a run was next, yet {other:?}"),
+    };
+    assert_eq!(link.bulk_left(), Some(left as u64));
+    let mut run = vec![0u8; left];
+    let mut got = 0;
+    let deadline = std::time::Instant::now() + PATIENCE;
+    // At least one read: that of an empty run ends it.
+    while got < left || link.bulk_left().is_some() {
+        let n = link.try_recv_bulk(&mut run[got..(got + step).min(left)]).unwrap();
+        got += n;
+        if n == 0 && got < left {
+            assert!(std::time::Instant::now() < deadline, "the run stopped at {got} of {left} bytes");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert_eq!(link.bulk_left(), None, "the run is over");
+    run
+}
+
+/// Pieces of every kind (mapped memory, owned bytes, zeros, empty ones), more of them than one
+/// vectored write takes, and more bytes than the sockets buffer: the run arrives whole and in
+/// order between two messages, its pieces are held until written and dropped after, and the
+/// sender never waited for the reader.
+#[test]
+fn a_bulk_run_of_many_pieces_arrives_whole_between_messages() {
+    use ipc_core::tcp::{Bulk, Piece};
+    use std::sync::Arc;
+    let (client, server) = pair();
+    let memory = ipc_core::SharedMemory::create("bulk-test", 8 << 20).unwrap();
+    let pattern: Vec<u8> = (0..8 << 20).map(|i: u32| (i % 253) as u8).collect();
+    memory.write(0, &pattern).unwrap();
+    let memory: Arc<dyn ipc_core::tcp::SharedBytes> = Arc::new(memory);
+    let mut pieces = Vec::new();
+    let mut expected = Vec::new();
+    for i in 0..3000usize {
+        let (offset, len) = ((i * 2731) % (7 << 20), (i * 37) % 5000);
+        pieces.push(Piece::Shared { memory: memory.clone(), offset, len });
+        expected.extend_from_slice(&pattern[offset..offset + len]);
+        match i % 3 {
+            0 => {
+                pieces.push(Piece::Owned(vec![i as u8; i % 7]));
+                expected.extend(std::iter::repeat_n(i as u8, i % 7));
+            }
+            1 => {
+                pieces.push(Piece::Zeros(i % 16));
+                expected.extend(std::iter::repeat_n(0, i % 16));
+            }
+            _ => pieces.push(Piece::Owned(Vec::new())),
+        }
+    }
+    let held = Arc::new(());
+    let run = Bulk::new(pieces, Box::new(held.clone())).unwrap();
+    assert_eq!(run.len(), expected.len() as u64);
+    assert!(client.try_send(b"before").unwrap());
+    let started = std::time::Instant::now();
+    assert!(client.try_send_bulk(run).unwrap().is_ok(), "taken: the socket had room to start it");
+    assert!(!client.try_send(b"after").unwrap(), "refused while the run is still going out");
+    assert!(started.elapsed() < Duration::from_secs(5), "try_send_bulk never waits for the peer");
+    assert!(Arc::strong_count(&held) > 1, "the run holds its memory until written");
+    let mut buf = Vec::new();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, b"before");
+    let got = read_run(&server, 1 << 20);
+    assert!(got == expected, "the run arrived altered ({} bytes, expected {})", got.len(), expected.len());
+    client.wait_sent(PATIENCE);
+    assert_eq!(Arc::strong_count(&held), 1, "written: the run let its memory go");
+    client.send(b"after").unwrap();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, b"after");
+}
+
+/// An empty run is a header alone; a run of a piece outside its memory is refused before a byte
+/// goes; a link that only reads messages reports a run as `BulkAhead` instead of waiting.
+#[test]
+fn empty_and_bad_runs() {
+    use ipc_core::tcp::{Bulk, MAX_ZEROS, Piece};
+    let (client, server) = pair();
+    assert!(client.try_send_bulk(Bulk::new(Vec::new(), Box::new(())).unwrap()).unwrap().is_ok());
+    client.send(b"next").unwrap();
+    assert!(read_run(&server, 16).is_empty());
+    let mut buf = Vec::new();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, b"next");
+    let memory: std::sync::Arc<dyn ipc_core::tcp::SharedBytes> =
+        std::sync::Arc::new(ipc_core::SharedMemory::create("bulk-test", 4096).unwrap());
+    let outside = Piece::Shared { memory, offset: 4000, len: 97 };
+    assert!(matches!(Bulk::new(vec![outside], Box::new(())), Err(Error::InvalidArgument(_))));
+    assert!(matches!(Bulk::new(vec![Piece::Zeros(MAX_ZEROS + 1)], Box::new(())), Err(Error::InvalidArgument(_))));
+    assert!(matches!(server.try_recv_bulk(&mut [0u8; 4]), Err(Error::InvalidArgument(_))), "no run is next");
+}
+
+/// A sender that dies in the middle of a run: the reader gets `PeerGone`, not a hang or a
+/// short run taken for whole.
+#[test]
+fn a_peer_gone_in_the_middle_of_a_run_reads_as_peer_gone() {
+    use ipc_core::tcp::{Bulk, Piece};
+    let (client, server) = pair();
+    let run = Bulk::new(vec![Piece::Owned(vec![9u8; 32 << 20])], Box::new(())).unwrap();
+    assert!(client.try_send_bulk(run).unwrap().is_ok());
+    let mut buf = Vec::new();
+    let left = match server.recv(&mut buf, Some(PATIENCE)) {
+        Err(Error::BulkAhead { left }) => left as usize,
+        other => panic!("a run was next, yet {other:?}"),
+    };
+    let mut run = vec![0u8; left];
+    let got = loop {
+        match server.try_recv_bulk(&mut run[..1 << 20]) {
+            Ok(n) if n > 0 => break n,
+            Ok(_) => std::thread::sleep(Duration::from_millis(1)),
+            Err(error) => panic!("{error:?}"),
+        }
+    };
+    assert!(got > 0);
+    client.shutdown();
+    drop(client);
+    let deadline = std::time::Instant::now() + PATIENCE;
+    loop {
+        match server.try_recv_bulk(&mut run) {
+            Err(Error::PeerGone) => break,
+            Ok(n) => assert!(n < left, "the run cannot be whole"),
+            Err(other) => panic!("{other:?}"),
+        }
+        assert!(std::time::Instant::now() < deadline, "no PeerGone");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

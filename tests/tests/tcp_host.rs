@@ -719,13 +719,49 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     assert!(matches!(first, Ok(Frame::Hello { .. })), "a TCP sender begins with Hello: {first:?}");
     link.send(&hello(4)).unwrap();
     for _ in 0..100 {
-        link.recv(&mut buf, Some(Duration::from_secs(10))).unwrap();
+        let Incoming::Record = next_incoming(&link, &mut buf, Duration::ZERO).unwrap() else { continue };
         if let Ok(Frame::Message { payload, .. }) = Frame::decode(&buf) {
             sending.join().unwrap();
             return payload;
         }
     }
     panic!("no Message among the first 100 records");
+}
+
+/// What [`next_incoming`] read.
+enum Incoming {
+    /// A record (a frame or a part of one), in the buffer.
+    Record,
+    /// A bulk run of host bytes (a message's host tensors), in the buffer.
+    Run,
+}
+
+/// The next record from a raw link into `buf`, or the whole bulk run of host bytes next in the
+/// stream (read in pieces of at most 64 KiB, each after `pause`: a slow reader); 10 s at most
+/// for each piece.
+fn next_incoming(link: &TcpLink, buf: &mut Vec<u8>, pause: Duration) -> Result<Incoming, ipc_core::Error> {
+    let left = match link.recv(buf, Some(Duration::from_secs(10))) {
+        Ok(()) => return Ok(Incoming::Record),
+        Err(ipc_core::Error::BulkAhead { left }) => left as usize,
+        Err(error) => return Err(error),
+    };
+    buf.clear();
+    buf.resize(left, 0);
+    let mut got = 0;
+    let mut waited_since = Instant::now();
+    while got < left {
+        std::thread::sleep(pause);
+        let n = link.try_recv_bulk(&mut buf[got..(got + (64 << 10)).min(left)])?;
+        got += n;
+        if n > 0 {
+            waited_since = Instant::now();
+        } else if waited_since.elapsed() > Duration::from_secs(10) {
+            return Err(ipc_core::Error::PeerGone);
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    Ok(Incoming::Run)
 }
 
 /// An authenticated raw link; with `hello`, it has also said Hello and had the receiver's, whose
@@ -1484,9 +1520,9 @@ fn a_send_whose_deadline_passes_midway_leaves_the_channel_whole() {
     assert!(matches!(first, Ok(()) | Err(Error::Timeout)), "{first:?}");
 }
 
-/// The test above against a raw receiver that drains one packet every 10 ms, checking the frames
-/// themselves: every byte frame that arrives belongs to the message after it, which arrives; a
-/// message is written whole once begun (it fails only before its first byte).
+/// The test above against a raw receiver that drains 64 KiB every 10 ms, checking the stream
+/// itself: every run of host bytes that arrives belongs to the message after it, which
+/// arrives; a message is written whole once begun (it fails only before its first byte).
 #[test]
 fn a_message_begun_is_finished_even_past_its_deadline() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1510,20 +1546,21 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
     let (mut stranded, mut messages) = (0usize, 0usize);
     let started = Instant::now();
     while messages < 2 && started.elapsed() < Duration::from_secs(60) {
-        if link.recv(&mut buf, Some(Duration::from_secs(5))).is_err() {
-            break;
-        }
         // A slow reader (6 MB/s): the socket buffers fill, and the rest outlasts the deadline.
-        std::thread::sleep(Duration::from_millis(10));
-        match assembler.push(&buf, Vec::new()).unwrap() {
-            Some((Frame::Bytes { data }, _)) => stranded += data.len(),
-            Some((Frame::Message { tensors, .. }, _)) => {
-                let needed: u64 = tensors.iter().map(|t| t.storage_offset + t.storage_len).max().unwrap_or(0);
-                assert_eq!(stranded as u64, needed, "message {messages}: the bytes before it are exactly its own");
-                stranded = 0;
-                messages += 1;
+        match next_incoming(&link, &mut buf, Duration::from_millis(10)) {
+            Ok(Incoming::Run) => {
+                assert_eq!(stranded, 0, "one run of host bytes per message");
+                stranded = buf.len();
+                continue;
             }
-            _ => {}
+            Ok(Incoming::Record) => {}
+            Err(_) => break,
+        }
+        if let Some((Frame::Message { tensors, .. }, _)) = assembler.push(&buf, Vec::new()).unwrap() {
+            let needed: u64 = tensors.iter().map(|t| t.storage_offset + t.storage_len).max().unwrap_or(0);
+            assert_eq!(stranded as u64, needed, "message {messages}: the bytes before it are exactly its own");
+            stranded = 0;
+            messages += 1;
         }
     }
     let first = sending.join().unwrap();
@@ -1704,4 +1741,162 @@ fn a_tcp_sender_killed_mid_message_is_reported() {
     drop(sender);
     assert!(matches!(receiver.recv_timeout(Duration::from_secs(10)), Err(Error::Disconnected)));
     assert!(receiver.take_errors().is_empty(), "a clean goodbye is not a loss");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host tensors' bytes as one bulk run per message (issue 26): written straight from the
+// tensors' memory, read straight into the memory they land in.
+
+/// `len` bytes of a pattern that differs for every (message, tensor, byte).
+fn pattern(message: u64, tensor: u64, len: usize) -> Vec<u8> {
+    (0..len as u64).map(|i| (i.wrapping_mul(31) ^ tensor.wrapping_mul(7) ^ message.wrapping_mul(131)) as u8).collect()
+}
+
+/// Many host tensors in one message, of odd sizes and at odd offsets (views into a shared
+/// buffer, an empty one, one of several MiB, a transposed one), in several messages: every byte
+/// arrives where it belongs, and the sender's memory is released once the bytes are out.
+#[test]
+fn many_host_tensors_of_odd_sizes_cross_tcp_intact() {
+    let (mut receiver, endpoint) = bind::<Vec<Tensor>>(4);
+    let messages = 3u64;
+    let sending = std::thread::spawn(move || {
+        let sender = connect::<Vec<Tensor>>(&endpoint, KEY).unwrap();
+        let mut expected = Vec::new();
+        for m in 0..messages {
+            let mut tensors = Vec::new();
+            let mut bytes = Vec::new();
+            let mut seed = 0x9e37_79b9u64 ^ m;
+            for t in 0..300u64 {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let len = (seed >> 33) as usize % 9001; // 0..=9000 bytes, odd ones among them
+                let data = pattern(m, t, len + 13);
+                let whole = Tensor::from_bytes(&data, DType::U8, &[data.len() as u64]).unwrap();
+                // A view at an odd offset, sharing its storage with the rest of the buffer.
+                let view = whole.narrow(0, 13, len as u64).unwrap();
+                bytes.push(data[13..].to_vec());
+                tensors.push(view);
+            }
+            let big = pattern(m, 1000, (5 << 20) + 3);
+            tensors.push(Tensor::from_bytes(&big, DType::U8, &[big.len() as u64]).unwrap());
+            bytes.push(big);
+            let square = pattern(m, 1001, 17 * 19);
+            let transposed = Tensor::from_bytes(&square, DType::U8, &[17, 19]).unwrap().transpose(0, 1).unwrap();
+            bytes.push(transposed.to_bytes().unwrap());
+            tensors.push(transposed);
+            sender.send(&tensors).unwrap();
+            expected.push(bytes);
+        }
+        assert!(sender.wait_released(Duration::from_secs(30)), "the sent bytes were written and released");
+        expected
+    });
+    let mut got = Vec::new();
+    for _ in 0..messages {
+        let tensors = receiver.recv_timeout(Duration::from_secs(60)).unwrap();
+        got.push(tensors.iter().map(|t| t.to_bytes().unwrap()).collect::<Vec<_>>());
+    }
+    let expected = sending.join().unwrap();
+    for (m, (got, expected)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(got.len(), expected.len(), "message {m}: tensors");
+        for (t, (got, expected)) in got.iter().zip(expected).enumerate() {
+            assert!(got == expected, "message {m}, tensor {t}: {} bytes, expected {}", got.len(), expected.len());
+        }
+    }
+}
+
+/// A host tensor's descriptor as a lying or honest raw sender writes it: `len` bytes at
+/// `offset` of the message's run.
+fn tcp_desc(offset: u64, len: u64) -> TensorDesc {
+    TensorDesc {
+        chunk: 0,
+        storage_offset: offset,
+        storage_len: len,
+        view_offset: 0,
+        dtype: DType::U8,
+        fence: Fence::None,
+        route: tensor_queue::route::Route::Tcp,
+        target: None,
+        shape: vec![len],
+        strides: vec![1],
+        span: Default::default(),
+    }
+}
+
+/// A bulk run of `bytes`.
+fn run_of(bytes: &[u8]) -> ipc_core::tcp::Bulk {
+    ipc_core::tcp::Bulk::new(vec![ipc_core::tcp::Piece::Owned(bytes.to_vec())], Box::new(())).unwrap()
+}
+
+/// Sends `run` on a raw link, whole.
+fn send_run(link: &TcpLink, mut run: ipc_core::tcp::Bulk) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match link.try_send_bulk(run).unwrap() {
+            Ok(()) => return,
+            Err(back) => run = back,
+        }
+        assert!(Instant::now() < deadline, "the receiver took no run");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A sender whose run of host bytes does not match its descriptors (shorter than they claim;
+/// none at all; one over the limit) gets those messages refused, typed, and nothing else lost:
+/// its honest message after them arrives with its own bytes, and other senders are served.
+#[test]
+fn host_bytes_that_do_not_match_their_descriptors_are_refused_alone() {
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    let probe = |id: u64, note: &str| {
+        payload_of(Probe {
+            id,
+            tensors: vec![Tensor::zeros(DType::U8, &[64]).unwrap()],
+            expected: vec![0],
+            note: note.into(),
+        })
+    };
+    let (short, lying) = (probe(500, "raw-short-run"), probe(501, "raw-no-run"));
+    let honest = probe(502, "raw-after-lies");
+    let (link, capacity) = raw_link(addr, true);
+    assert!(capacity >= 3, "capacity {capacity}");
+    // A run of 32 bytes, and a descriptor that reads 64.
+    send_run(&link, run_of(&[1; 32]));
+    link.send(&message(1, vec![tcp_desc(0, 64)], &short)).unwrap();
+    // A host tensor and no run at all.
+    link.send(&message(2, vec![tcp_desc(0, 64)], &lying)).unwrap();
+    // Then an honest one: its own bytes, not the lies' leftovers.
+    let mine: Vec<u8> = (0..64).collect();
+    send_run(&link, run_of(&mine));
+    link.send(&message(3, vec![tcp_desc(0, 64)], &honest)).unwrap();
+
+    let mut rejected = Vec::new();
+    let mut delivered = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while delivered.is_empty() && Instant::now() < deadline {
+        match receiver.recv_timeout(Duration::from_millis(200)) {
+            Ok(probe) => delivered.push(probe),
+            Err(Error::Rejected { reason, .. }) => rejected.push(reason),
+            Err(Error::Timeout) => {}
+            Err(other) => panic!("recv: {other:?}; errors {:?}", receiver.take_errors()),
+        }
+    }
+    assert_eq!(rejected.len(), 2, "both lies refused: {rejected:?}");
+    assert!(rejected[0].contains("brought 32"), "{rejected:?}");
+    assert_eq!(delivered.len(), 1, "the honest message: {delivered:?}");
+    assert_eq!(delivered[0].note, "raw-after-lies");
+    assert_eq!(delivered[0].tensors[0].to_bytes().unwrap(), mine, "its own bytes");
+    let errors = receiver.take_errors();
+    assert!(errors.iter().all(|e| matches!(e, Error::Rejected { .. })), "the connection went on: {errors:?}");
+
+    // A run longer than a message may carry closes its connection (nothing is allocated for
+    // it), typed, and the receiver serves the next sender.
+    let (huge, _) = raw_link(addr, true);
+    let mut header = u32::MAX.to_le_bytes().to_vec();
+    header.extend_from_slice(&(MAX_INLINE_BYTES + 1).to_le_bytes());
+    let mut raw = std::fs::File::from(std::os::fd::AsFd::as_fd(&huge).try_clone_to_owned().unwrap());
+    raw.write_all(&header).unwrap();
+    let errors = errors_until(&mut receiver, |e| e.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })));
+    assert!(errors.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })), "{errors:?}");
+    closed_within(&huge, Duration::from_secs(10)).unwrap();
+    still_serving(&mut receiver, &endpoint);
+    drop(link);
 }

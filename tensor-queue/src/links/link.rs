@@ -16,13 +16,24 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use ipc_core::HostId;
+use ipc_core::tcp::Bulk;
 use ipc_core::transport::{Packets, Peer};
+use ipc_core::{HostId, SharedMemory};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
 use crate::error::{Error, Refusal, Result};
 use crate::route::{Reach, Routing};
 use crate::wire::{self, Assembler, Frame, MAX_MESSAGE_BYTES, MAX_PACKET};
+
+/// What a read that may find a bulk run found ([`Link::try_recv_or_bulk`]).
+#[allow(clippy::large_enum_variant)] // returned at once, never stored
+pub(crate) enum Incoming {
+    /// A read as [`Link::try_recv`]'s.
+    Read(Read, Option<Error>),
+    /// A bulk run of host bytes is next (over TCP only), with this many bytes not read yet:
+    /// read them with [`Link::try_recv_bulk`].
+    Bulk(u64),
+}
 
 /// What a read found.
 pub(crate) enum Read {
@@ -53,13 +64,20 @@ pub(crate) struct Link {
 /// its credits (messages the receiver agreed to take) and the announcements they need.
 #[derive(Default)]
 struct Outbox {
-    queue: VecDeque<(Vec<u8>, Vec<OwnedFd>)>,
+    queue: VecDeque<Queued>,
     /// Whether a writer thread is writing the queue.
     writing: bool,
     /// The peer was found gone while writing: later sends fail.
     broken: bool,
     /// A shutdown of the writing direction asked for while packets were queued.
     close_after: Option<rustix::net::Shutdown>,
+}
+
+/// What waits in the outbox: a packet and the descriptors that go with it, or a bulk run of
+/// bytes written straight from its memory ([`Link::send_bulk`]).
+enum Queued {
+    Packet(Vec<u8>, Vec<OwnedFd>),
+    Bulk(Bulk),
 }
 
 /// A random number drawn once per process: with the pid it names this process for good.
@@ -143,8 +161,33 @@ impl Link {
                     )?,
                     _ => Vec::new(),
                 };
-            out.queue.push_back((packet.to_vec(), owned));
+            out.queue.push_back(Queued::Packet(packet.to_vec(), owned));
         }
+        self.start_writer(&mut out)
+    }
+
+    /// Sends a bulk run of bytes straight from the memory they lie in (over TCP only; see
+    /// `ipc_core::tcp`), in order with the frames sent before and after, without waiting for
+    /// the peer: what the socket cannot take yet is written by the link's writer thread. The
+    /// run's owner is dropped once its last byte is in the socket, or the peer is gone.
+    pub fn send_bulk(&self, bulk: Bulk) -> Result<()> {
+        let mut out = lock(&self.outbox);
+        if out.broken {
+            return Err(Error::Disconnected);
+        }
+        let bulk = match out.queue.is_empty() && !out.writing {
+            true => match self.connection.try_send_bulk(bulk).map_err(peer_gone)? {
+                Ok(()) => return Ok(()),
+                Err(bulk) => bulk,
+            },
+            false => bulk,
+        };
+        out.queue.push_back(Queued::Bulk(bulk));
+        self.start_writer(&mut out)
+    }
+
+    /// Starts the writer thread for what is queued, unless one runs.
+    fn start_writer(&self, out: &mut Outbox) -> Result<()> {
         if !out.writing {
             out.writing = true;
             let (connection, outbox, drained) = (self.connection.clone(), self.outbox.clone(), self.drained.clone());
@@ -198,6 +241,23 @@ impl Link {
             }
             Err(error) => Err(error.into()),
         }
+    }
+
+    /// As [`Link::try_recv`], where a bulk run of host bytes may come (from a sender on another
+    /// host): one at the front is reported, for [`Link::try_recv_bulk`] to read.
+    pub fn try_recv_or_bulk(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Incoming> {
+        match self.try_recv(assembler, buf) {
+            Ok((read, lost)) => Ok(Incoming::Read(read, lost)),
+            Err(Error::Core(ipc_core::Error::BulkAhead { left })) => Ok(Incoming::Bulk(left)),
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Reads bytes of the bulk run at the front into `len` bytes at `offset` of `memory`,
+    /// without waiting (see [`Link::try_recv_or_bulk`]): how many came (0: none yet).
+    /// [`Error::Disconnected`] if the peer hung up in the middle of it.
+    pub fn try_recv_bulk(&self, memory: &SharedMemory, offset: usize, len: usize) -> Result<usize> {
+        self.connection.try_recv_bulk_into(memory, offset, len).map_err(peer_gone)
     }
 
     /// Waits for the next packet.
@@ -307,7 +367,7 @@ fn write_queued(connection: &dyn Packets, outbox: &Mutex<Outbox>, drained: &Cond
     let mut fds = [PollFd::from_borrowed_fd(connection.as_fd(), PollFlags::OUT)];
     loop {
         let mut out = lock(outbox);
-        let written = match out.queue.front() {
+        let written = match out.queue.pop_front() {
             None => {
                 out.writing = false;
                 if let Some(how) = out.close_after.take() {
@@ -316,13 +376,28 @@ fn write_queued(connection: &dyn Packets, outbox: &Mutex<Outbox>, drained: &Cond
                 drained.notify_all();
                 return;
             }
-            Some((packet, owned)) => {
+            Some(Queued::Packet(packet, owned)) => {
                 let borrowed: Vec<BorrowedFd<'_>> = owned.iter().map(|fd| fd.as_fd()).collect();
-                connection.try_send(packet, &borrowed)
+                let sent = connection.try_send(&packet, &borrowed);
+                drop(borrowed);
+                if matches!(sent, Ok(false)) {
+                    out.queue.push_front(Queued::Packet(packet, owned));
+                }
+                sent
             }
+            // A run the socket had no room to start goes back to the front; one taken is the
+            // connection's to finish, and drops once written.
+            Some(Queued::Bulk(bulk)) => match connection.try_send_bulk(bulk) {
+                Ok(Ok(())) => Ok(true),
+                Ok(Err(bulk)) => {
+                    out.queue.push_front(Queued::Bulk(bulk));
+                    Ok(false)
+                }
+                Err(error) => Err(error),
+            },
         };
         match written {
-            Ok(true) => drop(out.queue.pop_front()),
+            Ok(true) => {}
             Ok(false) => {
                 drop(out);
                 // The socket may have room while an earlier packet still holds up the next one.

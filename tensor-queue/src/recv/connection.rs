@@ -19,7 +19,7 @@ use super::remote::Remote;
 use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
 use crate::fences::{Fences, Producer, producer};
-use crate::links::link::{Link, Read};
+use crate::links::link::{Incoming, Link, Read};
 use crate::memory::arena::Chunk;
 use crate::route::Route;
 use crate::tensor::Tensor;
@@ -228,11 +228,34 @@ impl Connected {
         }
     }
 
+    /// Reads what has come of a bulk run of host bytes (`left` bytes not read yet) from a sender
+    /// on another host, between two frames. An error closes the connection.
+    fn read_bulk(&mut self, left: u64) -> Result<Progress> {
+        let Flavor::Remote(remote) = &mut self.flavor else {
+            return Err(Error::Protocol("a bulk run from a sender on this machine".into()));
+        };
+        if self.assembler.held() > 0 || self.producer.is_none() {
+            return Err(Error::Protocol("a bulk run inside a frame, or before the greeting".into()));
+        }
+        match remote.bulk(left, &self.peer.link) {
+            Ok(0) if left > 0 => return Ok(Progress::Idle),
+            Ok(_) => {}
+            // A sender gone in the middle of the run lost its message: a hang-up, which says so.
+            Err(Error::Disconnected) => return Ok(Progress::HungUp),
+            Err(error) => return Err(error),
+        }
+        self.last_packet = std::time::Instant::now();
+        Ok(Progress::Handled)
+    }
+
     /// Reads the next packet if one is waiting and does what it says. An error closes the
     /// connection.
     pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Progress> {
         let held = self.assembler.held();
-        let (read, fds_lost) = self.peer.link.try_recv(&mut self.assembler, buf)?;
+        let (read, fds_lost) = match self.peer.link.try_recv_or_bulk(&mut self.assembler, buf)? {
+            Incoming::Read(read, lost) => (read, lost),
+            Incoming::Bulk(left) => return self.read_bulk(left),
+        };
         let (frame, mut fds) = match read {
             Read::Frame(frame, fds) => (frame, fds),
             Read::Nothing if self.assembler.held() > held => {
@@ -251,7 +274,6 @@ impl Connected {
         };
         let instance = *instance;
         match (frame, &mut self.flavor) {
-            (Frame::Bytes { data }, Flavor::Remote(remote)) => remote.bytes(data)?,
             (Frame::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
                 remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
             }

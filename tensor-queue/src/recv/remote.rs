@@ -1,6 +1,10 @@
 //! The receiver's half of the routes from a sender on another host (see `route/network.rs`):
 //! host bytes that came over the link, and NCCL receives into this process's memory.
 //!
+//! A message's host bytes come as one bulk run before its frame (see `ipc_core::tcp`): the
+//! memory they land in is allocated from the host arena when the run's header is read, and the
+//! bytes are read from the socket straight into it as they come.
+//!
 //! A communicator joins (rank 1) when its `Communicator` frame is read, on a worker thread of
 //! its own that owns it (`route/worker.rs`): `recv` never calls NCCL, so a sender that stalls in
 //! the set-up, or never takes part, holds up nothing but its own messages. A message's receives
@@ -33,9 +37,10 @@ use super::devices::Devices;
 use super::peer::Peer;
 use crate::error::{Error, Result};
 use crate::fences::{FenceWait, WordFate};
+use crate::links::link::Link;
 use crate::links::nccl::{Next, WorkQueue};
 use crate::links::wake::Wake;
-use crate::memory::arena::Arena;
+use crate::memory::arena::{Allocation, Arena};
 use crate::route::{Reach, Route};
 use crate::sync::lock;
 use crate::tensor::Storage;
@@ -53,10 +58,22 @@ const ALIGN: usize = 16;
 /// A connection's state for a sender on another host.
 #[derive(Default)]
 pub(crate) struct Remote {
-    /// Bytes of host tensors for the next message.
-    bytes: Vec<u8>,
+    /// Where the next message's host bytes land (its bulk run, read straight into it).
+    landing: Option<HostLanding>,
     communicators: HashMap<u32, Joined>,
 }
+
+/// A message's host bytes, read from the link straight into the memory they are received in.
+struct HostLanding {
+    allocation: Allocation,
+    /// The run's length.
+    len: usize,
+    /// Bytes of it read so far.
+    filled: usize,
+}
+
+/// A bulk run's header, counted as bytes of an unfinished message.
+const RUN_HEADER: usize = 12;
 
 /// A communicator this receiver joined (rank 1); its worker owns it.
 struct Joined {
@@ -95,22 +112,41 @@ pub(crate) struct Received {
 }
 
 impl Remote {
-    /// Appends bytes of the next message's host tensors.
     /// Bytes of host tensors held for a message whose frame has not come yet.
     pub fn unfinished(&self) -> usize {
-        self.bytes.len()
+        self.landing.as_ref().map_or(0, |landing| RUN_HEADER + landing.filled)
     }
 
-    pub fn bytes(&mut self, data: Vec<u8>) -> Result<()> {
-        if (self.bytes.len() + data.len()) as u64 > MAX_INLINE_BYTES {
-            return Err(Error::Protocol(format!("more than {MAX_INLINE_BYTES} bytes of host tensors for one message")));
+    /// Reads what has come of the bulk run of the next message's host bytes (`left` bytes not
+    /// read yet; see `ipc_core::tcp`) straight into the memory they land in, allocated when the
+    /// run starts: the bytes read (0: none had come). The allocation is the run's length, which
+    /// the sender claims; the pages are backed only as bytes arrive.
+    pub fn bulk(&mut self, left: u64, link: &Link) -> Result<usize> {
+        if self.landing.as_ref().is_some_and(|landing| landing.filled == landing.len) {
+            return Err(Error::Protocol("two runs of host bytes for one message".into()));
         }
-        if self.bytes.is_empty() {
-            self.bytes = data;
-        } else {
-            self.bytes.extend_from_slice(&data);
+        if self.landing.is_none() {
+            if left > MAX_INLINE_BYTES {
+                return Err(Error::Protocol(format!(
+                    "a run of {left} bytes of host tensors, more than the {MAX_INLINE_BYTES} one message may carry"
+                )));
+            }
+            let len = left as usize;
+            let allocation = Arena::host().allocate(len.max(ALIGN))?;
+            self.landing = Some(HostLanding { allocation, len, filled: 0 });
         }
-        Ok(())
+        let landing = self.landing.as_mut().ok_or_else(|| Error::Protocol("no landing".into()))?;
+        if (landing.len - landing.filled) as u64 != left {
+            return Err(Error::Protocol(format!(
+                "a run with {left} bytes left where {} were expected",
+                landing.len - landing.filled
+            )));
+        }
+        let host = landing.allocation.chunk.host().ok_or_else(|| Error::Protocol("a host arena on a device".into()))?;
+        let at = landing.allocation.offset + landing.filled;
+        let read = link.try_recv_bulk(host, at, landing.len - landing.filled)?;
+        landing.filled += read;
+        Ok(read)
     }
 
     /// Joins the sender's communicator `id` on this process's GPU `target`, on a worker thread
@@ -155,23 +191,24 @@ impl Remote {
         mut stream: impl FnMut(&Uuid) -> Result<Arc<Stream>>,
         bad: impl Fn(usize, String) -> Error,
     ) -> Result<Received> {
-        let bytes = std::mem::take(&mut self.bytes);
+        // The run is complete: its last byte was read before this frame's first.
+        let landing = self.landing.take();
         let mut tensors: Vec<Option<Landed>> = vec![None; descs.len()];
         let mut fences = Vec::new();
-        // Host tensors: one allocation for the message's bytes.
+        // Host tensors: where the message's bytes landed.
         let inline: Vec<usize> = (0..descs.len()).filter(|&i| descs[i].route == Route::Tcp).collect();
         if !inline.is_empty() {
-            let allocation = Arena::host().allocate(bytes.len().max(ALIGN))?;
-            let host = allocation.chunk.host().ok_or_else(|| Error::Protocol("a host arena on a device".into()))?;
-            host.write(allocation.offset, &bytes)?;
+            let Some(HostLanding { allocation, len, .. }) = landing else {
+                return Err(bad(inline[0], "host bytes, of a message that brought none".into()));
+            };
             let storage = Arc::new(Storage::from_allocation(allocation));
             for index in inline {
                 let desc = &descs[index];
                 let end = desc.storage_offset + desc.storage_len; // no overflow: checked by decoding
-                if end > bytes.len() as u64 {
+                if end > len as u64 {
                     return Err(bad(
                         index,
-                        format!("bytes {}..{end} of a message that brought {}", desc.storage_offset, bytes.len()),
+                        format!("bytes {}..{end} of a message that brought {len}", desc.storage_offset),
                     ));
                 }
                 tensors[index] = Some((storage.clone(), (desc.storage_offset + desc.view_offset) as usize, None));

@@ -430,12 +430,13 @@ impl SenderInner {
     }
 
     /// Writes one message to a receiver on another host: new communicators, the host tensors'
-    /// bytes, and the message, whose GPU tensors NCCL moves (see `route/network.rs`). Nothing is
-    /// leased: host bytes are copied, and NCCL's sources are held until their sends are done.
+    /// bytes, and the message, whose GPU tensors NCCL moves (see `send/network.rs`). The
+    /// message is leased until its host bytes are in the socket (written straight from the
+    /// tensors' memory) and its NCCL sends are done.
     fn write_remote(&self, comms: &Mutex<SendComms>, outgoing: &Outgoing, seq: u64) -> Result<()> {
         let receiver = lock(&self.state).receiver.clone().ok_or(Error::Disconnected)?;
-        // The message is leased until its NCCL sends are done (nothing else is held: host bytes
-        // are copied), so `wait_released` means the data has left this process.
+        // The message is leased until its host bytes are written and its NCCL sends are done, so
+        // `wait_released` means the data has left this process.
         lock(&self.state).leases.insert(seq, Vec::new());
         let lease: Arc<dyn Send + Sync> = Arc::new(RemoteLease { sender: self.me.clone(), seq });
         let me = self.me.clone();
@@ -453,7 +454,7 @@ impl SenderInner {
         // message begun is finished, or the receiver would join its leftover bytes to the next
         // message's.
         let mut begun = false;
-        for frame in message.frames.iter().chain(std::iter::once(&frame)) {
+        for frame in &message.frames {
             if let Err(error) = self.link.send(frame, &[]) {
                 if !begun {
                     // Nothing of it was written: the receiver never heard of its communicators.
@@ -463,6 +464,15 @@ impl SenderInner {
             }
             begun = true;
         }
+        if let Some(bulk) = message.bulk.take()
+            && let Err(error) = self.link.send_bulk(bulk)
+        {
+            if !begun {
+                lock(comms).unwritten(message);
+            }
+            return Err(error);
+        }
+        self.link.send(&frame, &[])?;
         // A communicator that failed leaves the receiver's receives of this message unpaired
         // (they would wait forever, or pair with a later message's sends): the connection ends,
         // so that both sides let their communicators go.

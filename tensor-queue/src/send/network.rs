@@ -1,6 +1,13 @@
 //! The sender's half of the routes to a receiver on another host (a TCP channel): host bytes
 //! over the link ([`Route::Tcp`]) and GPU data through NCCL ([`Route::Nccl`]). The receiver's
-//! half is `channel/remote.rs`.
+//! half is `recv/remote.rs`.
+//!
+//! # Host bytes
+//! A message's host bytes are one bulk run on the link (`ipc_core::tcp::Bulk`), written after
+//! its new communicators' frames and before the message's: pieces of the tensors' own storage
+//! (none copied in this process; a GPU tensor's bytes are copied to the host first), at
+//! [`ALIGN`]ed offsets. The run holds the storages and the message's lease until its last byte
+//! is in the socket, so `wait_released` still means the data has left this process.
 //!
 //! # NCCL
 //! Each (sender GPU, receiver GPU) pair of a connection gets a communicator of two ranks, the
@@ -24,6 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ipc_core::nccl::{Communicator, UniqueId};
+use ipc_core::tcp::{Bulk, Piece, SharedBytes};
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
 use super::routes::{group, spans, stream_after};
@@ -34,7 +42,7 @@ use crate::route::Routing;
 use crate::route::{Route, choose_remote};
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
-use crate::wire::{BYTES_FRAME, Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
+use crate::wire::{Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -47,9 +55,12 @@ const ALIGN: usize = 16;
 /// receiver always has the frames a transfer's set-up needs from it.
 pub(crate) struct RemoteMessage {
     pub descriptors: Vec<TensorDesc>,
-    /// New communicators' frames, then the host tensors' bytes in frames of at most
-    /// [`BYTES_FRAME`].
+    /// New communicators' frames.
     pub frames: Vec<Frame>,
+    /// The host tensors' bytes (and GPU tensors' copied to the host), written after the frames
+    /// straight from the tensors' memory as one bulk run: the message's lease ends once it is
+    /// in the socket.
+    pub bulk: Option<Bulk>,
     transfers: Vec<(Arc<SendComm>, Transfer)>,
     /// The communicators made for this message (forgotten if it is never written).
     created: Vec<u32>,
@@ -229,7 +240,6 @@ pub(crate) fn prepare(
     let mut transfers = Vec::new();
     let (reach, routing) = receiver;
     let mut descriptors: Vec<Option<TensorDesc>> = vec![None; tensors.len()];
-    let mut bytes: Vec<u8> = Vec::new();
     let mut inlined = Vec::new();
     // GPU tensors by (source, target), each to move as one group.
     let mut groups: Vec<((Uuid, Uuid), Vec<usize>)> = Vec::new();
@@ -252,15 +262,21 @@ pub(crate) fn prepare(
     if size as u64 > MAX_INLINE_BYTES {
         return Err(Error::TooLarge { size, limit: MAX_INLINE_BYTES as usize });
     }
-    bytes.reserve_exact(size);
-    for index in inlined {
-        descriptors[index] = Some(inline(&tensors[index], stream, &mut bytes)?);
-    }
+    let bulk = match inlined.is_empty() {
+        true => None,
+        false => {
+            let mut run = Run { pieces: Vec::with_capacity(2 * inlined.len()), len: 0 };
+            for index in inlined {
+                descriptors[index] = Some(run.inline(&tensors[index], stream)?);
+            }
+            Some(Bulk::new(run.pieces, Box::new(lease.clone()))?)
+        }
+    };
     for ((source, target), members) in groups {
         let comm = match comms.get(source, target, &mut frames, &mut created, alive) {
             Ok(comm) => comm,
             Err(error) => {
-                comms.unwritten(RemoteMessage { descriptors: Vec::new(), frames, transfers, created });
+                comms.unwritten(RemoteMessage { descriptors: Vec::new(), frames, bulk: None, transfers, created });
                 return Err(error);
             }
         };
@@ -300,8 +316,7 @@ pub(crate) fn prepare(
         .into_iter()
         .map(|d| d.ok_or_else(|| Error::Protocol("a tensor was not routed".into())))
         .collect::<Result<_>>()?;
-    frames.extend(bytes.chunks(BYTES_FRAME).map(|data| Frame::Bytes { data: data.to_vec() }));
-    Ok(RemoteMessage { descriptors, frames, transfers, created })
+    Ok(RemoteMessage { descriptors, frames, bulk, transfers, created })
 }
 
 /// How many bytes [`inline`] appends for `tensor`: those its view touches, from an aligned start.
@@ -310,35 +325,57 @@ fn inline_len(tensor: &Tensor) -> Result<usize> {
     Ok((end - start / ALIGN * ALIGN).max(1))
 }
 
-/// Appends the bytes `tensor`'s view touches to `bytes` (a GPU tensor is copied to the host
-/// first, after the producer's work: a CPU wait) and describes where they lie.
-fn inline(tensor: &Tensor, stream: Option<&Stream>, bytes: &mut Vec<u8>) -> Result<TensorDesc> {
-    let (start, end) = tensor.touched_bytes()?;
-    let start = start / ALIGN * ALIGN;
-    let at = bytes.len().next_multiple_of(ALIGN);
-    let len = inline_len(tensor)?;
-    if (at + len) as u64 > MAX_INLINE_BYTES {
-        return Err(Error::TooLarge { size: at + len, limit: MAX_INLINE_BYTES as usize });
-    }
-    bytes.resize(at + len, 0);
-    let out = &mut bytes[at..at + len];
-    let storage = &tensor.storage;
-    match (storage.chunk.host(), storage.chunk.device()) {
-        (Some(host), _) => {
-            let from = storage.offset + start;
-            let have = (end - start).min(len);
-            // The mapping's `read` copies through raw pointers, since others may write the shared
-            // memory meanwhile.
-            host.read(from, &mut out[..have])?;
+/// A message's host bytes as one bulk run being laid out: pieces of the tensors' own memory
+/// (none copied), padding between them, and GPU tensors' bytes copied to the host.
+#[derive(Default)]
+struct Run {
+    pieces: Vec<Piece>,
+    /// Bytes laid out so far.
+    len: usize,
+}
+
+impl Run {
+    /// Appends the bytes `tensor`'s view touches (from an aligned start; a GPU tensor's are
+    /// copied to the host first, after the producer's work: a CPU wait) and describes where
+    /// they lie in the run.
+    fn inline(&mut self, tensor: &Tensor, stream: Option<&Stream>) -> Result<TensorDesc> {
+        let (start, end) = tensor.touched_bytes()?;
+        let start = start / ALIGN * ALIGN;
+        let at = self.len.next_multiple_of(ALIGN);
+        let len = inline_len(tensor)?;
+        if (at + len) as u64 > MAX_INLINE_BYTES {
+            return Err(Error::TooLarge { size: at + len, limit: MAX_INLINE_BYTES as usize });
         }
-        (None, Some(memory)) => {
-            let stream = stream_after(stream, memory.context())?;
-            stream.copy_to_host(memory, storage.offset + start, &mut out[..end - start])?;
+        self.pad(at - self.len);
+        let storage = &tensor.storage;
+        let have = (end - start).min(len);
+        match (storage.chunk.host(), storage.chunk.device()) {
+            // Written straight from the storage, which the run holds until then.
+            (Some(_), _) => {
+                let memory: Arc<dyn SharedBytes> = storage.clone();
+                self.pieces.push(Piece::Shared { memory, offset: storage.offset + start, len: have });
+            }
+            (None, Some(memory)) => {
+                let stream = stream_after(stream, memory.context())?;
+                let mut staged = vec![0u8; have];
+                stream.copy_to_host(memory, storage.offset + start, &mut staged)?;
+                self.pieces.push(Piece::Owned(staged));
+            }
+            (None, None) => return Err(Error::Protocol("a tensor in neither host nor device memory".into())),
         }
-        (None, None) => return Err(Error::Protocol("a tensor in neither host nor device memory".into())),
+        self.len = at + have;
+        self.pad(len - have); // an empty view still takes a byte
+        let view_offset = storage.offset + tensor.offset() - (storage.offset + start);
+        Ok(descriptor(tensor, Route::Tcp, 0, at as u64, len, view_offset, 0))
     }
-    let view_offset = storage.offset + tensor.offset() - (storage.offset + start);
-    Ok(descriptor(tensor, Route::Tcp, 0, at as u64, len, view_offset, 0))
+
+    /// Appends `n` (< [`ALIGN`]) zeros.
+    fn pad(&mut self, n: usize) {
+        if n > 0 {
+            self.pieces.push(Piece::Zeros(n));
+            self.len += n;
+        }
+    }
 }
 
 fn descriptor(

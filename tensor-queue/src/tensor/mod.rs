@@ -132,6 +132,14 @@ enum Origin {
     Landed(#[expect(dead_code, reason = "held for its Drop")] Allocation, Fences),
 }
 
+/// A host storage's bytes go into a TCP bulk run straight from its mapping (see
+/// `send/network.rs`); the run holds the storage until they are written.
+impl ipc_core::tcp::SharedBytes for Storage {
+    fn shared_memory(&self) -> Option<&SharedMemory> {
+        self.chunk.host()
+    }
+}
+
 impl Storage {
     /// Storage that owns an arena allocation.
     pub fn from_allocation(allocation: Allocation) -> Storage {
