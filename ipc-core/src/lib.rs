@@ -43,6 +43,7 @@ macro_rules! device_memory_fields {
 }
 
 mod context;
+pub mod deadline;
 mod device;
 pub mod driver_info;
 mod error;

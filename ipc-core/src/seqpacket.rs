@@ -216,7 +216,8 @@ impl Drop for Listener {
 
 /// Whether `fd` becomes readable within `timeout`.
 pub fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> Result<bool> {
-    let timespec = Timespec::try_from(timeout).map_err(|_| Error::InvalidArgument("timeout too long".into()))?;
+    let timespec = Timespec::try_from(crate::deadline::bounded(timeout))
+        .map_err(|_| Error::InvalidArgument("timeout too long".into()))?;
     let mut fds = [PollFd::new(&fd, PollFlags::IN)];
     loop {
         match poll(&mut fds, Some(&timespec)) {

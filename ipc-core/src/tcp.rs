@@ -66,6 +66,7 @@ use sha2::Sha256;
 use zeroize::Zeroizing;
 
 use crate::SharedMemory;
+use crate::deadline::{bounded, deadline};
 use crate::seqpacket::wait_readable;
 use crate::{Error, Result};
 
@@ -351,7 +352,7 @@ impl TcpListener {
     /// handshake on a thread of its own ([`Unverified::verify`]), so that a silent connector
     /// delays nobody else.
     pub fn accept_unverified(&self, timeout: Option<Duration>) -> Result<Unverified> {
-        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let deadline = timeout.map(deadline);
         let (stream, peer) = loop {
             match self.inner.accept() {
                 Ok(accepted) => break accepted,
@@ -408,7 +409,7 @@ impl Unverified {
     /// the link, or the typed error for this connection (logged, and the connection closed).
     pub fn verify(self, secret: &Secret) -> Result<TcpLink> {
         let Unverified { stream, peer, timeout, started, aborted } = self;
-        handshake(stream, peer, Side::Listener, secret, started + timeout, timeout)
+        handshake(stream, peer, Side::Listener, secret, started + bounded(timeout), timeout)
             .map_err(|error| match aborted.load(Ordering::Acquire) {
                 true => Error::HandshakeShed { peer, waited: started.elapsed(), why: SHED },
                 false => error,
@@ -511,7 +512,7 @@ enum Broken {
 impl TcpLink {
     /// Connects to a listener at `addr` and runs the handshake; `timeout` bounds both together.
     pub fn connect(addr: impl ToSocketAddrs, secret: &Secret, timeout: Duration) -> Result<TcpLink> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline(timeout);
         let mut last_error = std::io::Error::new(ErrorKind::NotFound, "the address resolved to nothing");
         for peer in addr.to_socket_addrs().map_err(|e| Error::os("resolving a TCP address", e))? {
             let Ok(Some(left)) = remaining(Some(deadline)) else {
@@ -551,7 +552,7 @@ impl TcpLink {
     /// calls with [`Error::PeerGone`].
     pub fn send(&self, bytes: &[u8]) -> Result<()> {
         let timeout = *lock(&self.send_timeout);
-        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let deadline = timeout.map(deadline);
         let timed_out = || {
             self.shutdown();
             Error::os(
@@ -669,7 +670,7 @@ impl TcpLink {
     /// buffered for the next call). A length over [`MAX_MESSAGE`] closes the link
     /// ([`Error::MessageTooLarge`]).
     pub fn recv(&self, buf: &mut Vec<u8>, timeout: Option<Duration>) -> Result<()> {
-        let deadline = timeout.map(|timeout| Instant::now() + timeout);
+        let deadline = timeout.map(deadline);
         loop {
             if self
                 .try_recv_with(|message| {
@@ -1010,7 +1011,7 @@ impl AsFd for TcpLink {
 /// Waits until `fd` is ready for `flags` or `timeout` passes (`None`: forever); an error or
 /// hang-up counts as ready (the next call reports it).
 fn wait_for(fd: BorrowedFd<'_>, flags: PollFlags, timeout: Option<Duration>) -> Result<()> {
-    let timespec = timeout.map(|t| Timespec::try_from(t).unwrap_or(Timespec { tv_sec: 3600, tv_nsec: 0 }));
+    let timespec = timeout.map(|t| Timespec::try_from(bounded(t)).unwrap_or(Timespec { tv_sec: 3600, tv_nsec: 0 }));
     let mut fds = [PollFd::new(&fd, flags)];
     match poll(&mut fds, timespec.as_ref()) {
         Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
