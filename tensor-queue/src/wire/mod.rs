@@ -13,8 +13,8 @@ mod routing;
 
 use crate::route::{Reach, Routing};
 pub use crate::tensor::layout::{MAX_DIMS, MAX_VIEW_BYTES, check_layout};
-pub use descriptor::{ChunkKind, Fence, TensorDesc};
-use descriptor::{MIN_DESC, decode_tensor, encode_tensor};
+pub use descriptor::{ChunkKind, Descriptors, Fence, Source, StorageDesc, TensorDesc};
+use descriptor::{decode_table, encode_table};
 use routing::{decode_reach, decode_routing, encode_reach, encode_routing};
 
 /// Frame magic.
@@ -34,21 +34,21 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
 /// assert_eq!(Frame::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 
 /// The largest packet: one SEQPACKET message must fit the socket's send buffer.
 ///
 /// ```
 /// use tensor_queue::wire::{Frame, MAX_PACKET, packets};
 /// let message = |payload: usize| {
-///     Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload: vec![0; payload] }.encode()
+///     Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload: vec![0; payload] }.encode()
 /// };
 /// assert_eq!(packets(&message(1000)).len(), 1);
 /// assert!(packets(&message(MAX_PACKET)).len() > 1, "longer than a packet: sent in parts");
 /// ```
 pub const MAX_PACKET: usize = 64 << 10;
 /// The largest frame, after its parts are joined: a message's encoded descriptors and payload
-/// (about 100 bytes per tensor plus the serde bytes). `send` refuses a larger message with
+/// (at most about 100 bytes per tensor plus the serde bytes). `send` refuses a larger message with
 /// [`Error::TooLarge`](crate::Error::TooLarge); bulk data belongs in tensors.
 ///
 /// ```
@@ -142,10 +142,21 @@ pub enum FrameError {
     /// A dtype code this build does not know.
     #[error("unknown dtype code {0}")]
     BadDType(u8),
-    /// A tensor view reaching outside its storage, or a storage outside its chunk.
+    /// A tensor view reaching outside its storage, or naming a storage record the message does
+    /// not have.
     #[error("tensor {index}: {reason}")]
     OutOfBounds {
         /// The tensor's position in the message.
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A storage record of a message that cannot be used: its source or fence makes no sense for
+    /// its route, it overlaps another record, or (found by the receiver) it lies outside its
+    /// chunk or names what the connection does not have.
+    #[error("storage record {index}: {reason}")]
+    Storage {
+        /// The record's position in the message's table.
         index: usize,
         /// What is wrong.
         reason: String,
@@ -214,8 +225,9 @@ pub enum Frame {
         sent_ns: u64,
         /// `CLOCK_MONOTONIC` nanoseconds when encoding finished.
         encoded_ns: u64,
-        /// The tensors, in the order the payload refers to them.
-        tensors: Vec<TensorDesc>,
+        /// The descriptor table: storage records and tensors, in the order the payload refers to
+        /// them.
+        tensors: Descriptors,
         /// The serde bytes of the message.
         payload: Vec<u8>,
     },
@@ -411,10 +423,7 @@ impl Frame {
                 w.u64(*seq);
                 w.u64(*sent_ns);
                 w.u64(*encoded_ns);
-                w.u32(tensors.len() as u32);
-                for t in tensors {
-                    encode_tensor(&mut w, t);
-                }
+                encode_table(&mut w, tensors);
                 w.u32(payload.len() as u32);
                 w.bytes(payload);
             }
@@ -528,13 +537,7 @@ impl Frame {
             }
             KIND_MESSAGE => {
                 let (seq, sent_ns, encoded_ns) = (r.u64()?, r.u64()?, r.u64()?);
-                // Each descriptor takes at least MIN_DESC bytes: a count beyond what the frame can
-                // hold is refused before anything is allocated for it.
-                let count = r.count("tensors", (bytes.len() - HEADER_LEN) / MIN_DESC)?;
-                let mut tensors = Vec::with_capacity(count);
-                for index in 0..count {
-                    tensors.push(decode_tensor(&mut r, index)?);
-                }
+                let tensors = decode_table(&mut r, bytes.len() - HEADER_LEN)?;
                 let len = r.count("payload bytes", MAX_MESSAGE_BYTES)?;
                 Frame::Message { seq, sent_ns, encoded_ns, tensors, payload: r.take(len)?.to_vec() }
             }
@@ -578,7 +581,7 @@ fn decode_bool(r: &mut Reader<'_>, what: &'static str) -> Result<bool, FrameErro
 /// ```
 /// use tensor_queue::wire::{Frame, MAX_PACKET, packets};
 /// let payload = vec![7; 200_000];
-/// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload }.encode();
+/// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
 /// let parts = packets(&bytes);
 /// assert!(parts.len() > 1 && parts.iter().all(|part| part.len() <= MAX_PACKET));
 /// assert_eq!(packets(&Frame::Credit { count: 1 }.encode()).len(), 1); // a short frame goes whole
@@ -611,7 +614,7 @@ pub fn packets(frame: &[u8]) -> Vec<std::borrow::Cow<'_, [u8]>> {
 /// ```
 /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
 /// use tensor_queue::wire::{Assembler, Frame, packets};
-/// let frame = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload: vec![7; 200_000] };
+/// let frame = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload: vec![7; 200_000] };
 /// let bytes = frame.encode();
 /// let mut assembler = Assembler::default(); // one per connection
 /// let mut joined = None;
@@ -635,7 +638,7 @@ impl Assembler {
     /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
     /// use tensor_queue::wire::{Assembler, Frame, packets};
     /// let payload = vec![7; 200_000];
-    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload }.encode();
+    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
     /// let mut assembler = Assembler::default();
     /// assert!(assembler.push(&packets(&bytes)[0], Vec::new())?.is_none());
     /// assert!(assembler.is_joining()); // the rest of the frame is still to come
@@ -656,7 +659,7 @@ impl Assembler {
     /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
     /// use tensor_queue::wire::{Assembler, Frame, FrameError, packets};
     /// let payload = vec![7; 200_000];
-    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![], payload }.encode();
+    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
     /// let mut assembler = Assembler::default();
     /// let credit = Frame::Credit { count: 1 }.encode();
     /// assert_eq!(assembler.push(&credit, Vec::new())?.map(|(frame, _)| frame), Some(Frame::Credit { count: 1 }));
@@ -710,30 +713,41 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::route::{DeviceReach, Landing, LinkReach, PeerMode, Route, Strictness};
+    use crate::route::{DeviceReach, Landing, LinkReach, PeerMode, Strictness};
     use crate::tensor::dtype::DType;
     use ipc_core::Uuid;
 
+    /// A message of one staged tensor of `shape` and `strides` at `view_offset` in a 48-byte copy.
+    fn staged(shape: &[u64], strides: &[i64], view_offset: u64) -> Frame {
+        let mut tensors = Descriptors::default();
+        let storage = tensors.push_storage(StorageDesc {
+            source: Source::Staged { chunk: 1, offset: 512, target: Uuid([4; 16]) },
+            len: 48,
+            fence: Fence::Signal { chunk: 1, offset: 64, value: 5 },
+        });
+        tensors.push_tensor(storage, view_offset, DType::F32, shape, strides);
+        Frame::Message { seq: 3, sent_ns: 10, encoded_ns: 11, tensors, payload: vec![1, 2, 3] }
+    }
+
     fn message() -> Frame {
-        Frame::Message {
-            seq: 3,
-            sent_ns: 10,
-            encoded_ns: 11,
-            tensors: vec![TensorDesc {
-                chunk: 1,
-                storage_offset: 512,
-                storage_len: 48,
-                view_offset: 0,
-                dtype: DType::F32,
-                fence: Fence::Signal { chunk: 1, offset: 64, value: 5 },
-                route: Route::Staged,
-                target: Some(Uuid([4; 16])),
-                span: 0,
-                shape: vec![3, 4],
-                strides: vec![4, 1],
-            }],
-            payload: vec![1, 2, 3],
-        }
+        staged(&[3, 4], &[4, 1], 0)
+    }
+
+    /// A message from another host: two NCCL transfers on communicator 2 (three tensors, two
+    /// sharing the first) and two host tensors in the bytes that came before it.
+    fn remote_message() -> Frame {
+        let mut tensors = Descriptors::unrouted(5);
+        let nccl = |len| StorageDesc { source: Source::Nccl { communicator: 2 }, len, fence: Fence::None };
+        let (first, second) = (tensors.push_storage(nccl(4096)), tensors.push_storage(nccl(256)));
+        tensors.set_tensor(4, first, 64, DType::F32, &[8, 8], &[1, 16]);
+        tensors.set_tensor(0, first, 0, DType::U8, &[16], &[1]);
+        tensors.set_tensor(2, second, 0, DType::F64, &[4, 2], &[2, 1]);
+        let bytes = |offset, len| StorageDesc { source: Source::Bytes { offset }, len, fence: Fence::None };
+        let (a, b) = (tensors.push_storage(bytes(0, 10)), tensors.push_storage(bytes(16, 8)));
+        tensors.set_tensor(1, a, 0, DType::U8, &[10], &[1]);
+        tensors.set_tensor(3, b, 0, DType::I64, &[], &[]);
+        assert_eq!(tensors.unrouted_tensor(), None);
+        Frame::Message { seq: 4, sent_ns: 1, encoded_ns: 2, tensors, payload: vec![] }
     }
 
     fn samples() -> Vec<Frame> {
@@ -789,25 +803,7 @@ mod tests {
             Frame::Close { read_up_to: 3, reason: "bye".into() },
             Frame::Bytes { data: vec![9; 100] },
             Frame::Communicator { id: 2, unique_id: vec![7; ipc_core::nccl::UniqueId::LEN], target: [4; 16] },
-            Frame::Message {
-                seq: 4,
-                sent_ns: 1,
-                encoded_ns: 2,
-                tensors: vec![TensorDesc {
-                    chunk: 2,
-                    storage_offset: 0,
-                    storage_len: 4096,
-                    view_offset: 64,
-                    dtype: DType::F32,
-                    fence: Fence::None,
-                    route: Route::Nccl,
-                    target: None,
-                    span: 3,
-                    shape: vec![8, 8],
-                    strides: vec![1, 16],
-                }],
-                payload: vec![],
-            },
+            remote_message(),
         ]
     }
 
@@ -835,11 +831,7 @@ mod tests {
         bad[4] = 1; // a peer of the previous protocol
         assert_eq!(Frame::decode(&bad), Err(FrameError::Version(1)));
         let view_too_big = |shape: Vec<u64>, strides: Vec<i64>, view_offset: u64| {
-            let Frame::Message { seq, sent_ns, encoded_ns, mut tensors, payload } = message() else { unreachable!() };
-            tensors[0].shape = shape;
-            tensors[0].strides = strides;
-            tensors[0].view_offset = view_offset;
-            Frame::decode(&Frame::Message { seq, sent_ns, encoded_ns, tensors, payload }.encode())
+            Frame::decode(&staged(&shape, &strides, view_offset).encode())
         };
         assert!(matches!(view_too_big(vec![3, 5], vec![4, 1], 0), Err(FrameError::OutOfBounds { index: 0, .. })));
         assert!(matches!(view_too_big(vec![3, 4], vec![4, 1], 4), Err(FrameError::OutOfBounds { .. })));
@@ -859,9 +851,11 @@ mod tests {
 
     #[test]
     fn long_frames_travel_in_parts_and_join_again() {
-        let Frame::Message { seq, sent_ns, encoded_ns, tensors, .. } = message() else { unreachable!() };
-        let many = vec![tensors[0].clone(); 100_000];
-        let big = Frame::Message { seq, sent_ns, encoded_ns, tensors: many, payload: vec![7; 10 << 20] };
+        let Frame::Message { seq, sent_ns, encoded_ns, mut tensors, .. } = message() else { unreachable!() };
+        for _ in 1..100_000 {
+            tensors.push_tensor(0, 0, DType::F32, &[3, 4], &[4, 1]);
+        }
+        let big = Frame::Message { seq, sent_ns, encoded_ns, tensors, payload: vec![7; 10 << 20] };
         let bytes = big.encode();
         let packets = packets(&bytes);
         assert!(packets.len() > 100 && packets.iter().all(|p| p.len() <= MAX_PACKET));
@@ -899,7 +893,7 @@ mod tests {
         /// and what decodes re-encodes to the same bytes.
         #[test]
         fn mutated_frames_never_panic(
-            which in 0usize..10,
+            which in 0usize..14,
             flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6),
             cut in any::<usize>(),
         ) {
