@@ -273,6 +273,101 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2);
 }
 
+/// A message's table that lies about its storage records closes only its own connection, with
+/// a typed reason: a tensor naming a record the table does not have, two records over the same
+/// bytes. A record outside its chunk is refused alone, and the connection goes on.
+#[test]
+fn a_table_that_lies_about_its_storage_records_is_refused() {
+    let path = socket_path("table-lies");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let honest = Sender::<Probe>::connect(&path).unwrap();
+    let chunk = SharedMemory::create("table-lies", 4096).unwrap();
+    let announce =
+        Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+    let record = |offset, len| StorageDesc { source: Source::SameDevice { chunk: 5, offset }, len, fence: Fence::None };
+    let liar = |tensors: Descriptors| {
+        let client = raw_client(&path);
+        client.send(&announce.encode(), &[chunk.fd().as_fd()]).unwrap();
+        let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![0] };
+        client.send(&message.encode(), &[]).unwrap();
+        client
+    };
+    let mut missing = Descriptors::default();
+    let storage = missing.push_storage(record(0, 64));
+    missing.push_tensor(storage, 0, DType::U8, &[64], &[1]);
+    missing.push_tensor(storage + 1, 0, DType::U8, &[64], &[1]); // no record 1
+    let mut overlapping = Descriptors::default();
+    let (a, b) = (overlapping.push_storage(record(0, 128)), overlapping.push_storage(record(64, 128)));
+    overlapping.push_tensor(a, 0, DType::U8, &[128], &[1]);
+    overlapping.push_tensor(b, 0, DType::U8, &[128], &[1]);
+    let mut outside = Descriptors::default();
+    let storage = outside.push_storage(record(4032, 128)); // 64 bytes past the chunk's end
+    outside.push_tensor(storage, 0, DType::U8, &[64], &[1]);
+    let clients = [liar(missing), liar(overlapping), liar(outside)];
+    let mut rejected = None;
+    let mut closed = Vec::new();
+    wait_until("two connections closed and one message refused", || {
+        match receiver.recv_timeout(Duration::from_millis(100)) {
+            Err(Error::Rejected { reason, .. }) => rejected = Some(reason),
+            Err(Error::Timeout) => {}
+            other => panic!("{:?}", other.map(|p| p.id)),
+        }
+        for error in receiver.take_errors() {
+            if let Error::ConnectionClosed { cause, .. } = error
+                && let Error::Frame { source, .. } = *cause
+            {
+                closed.push(source);
+            }
+        }
+        closed.len() >= 2 && rejected.is_some()
+    });
+    use tensor_queue::wire::FrameError;
+    assert!(
+        closed
+            .iter()
+            .any(|e| matches!(e, FrameError::OutOfBounds { index: 1, reason } if reason.contains("storage record 1"))),
+        "{closed:?}"
+    );
+    assert!(
+        closed.iter().any(|e| matches!(e, FrameError::Storage { index: 1, reason } if reason.contains("overlaps"))),
+        "{closed:?}"
+    );
+    let rejected = rejected.unwrap();
+    assert!(rejected.contains("storage record 0") && rejected.contains("outside chunk 5"), "{rejected}");
+    honest.send(&probe_again()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2, "the honest sender is unaffected");
+    drop(clients);
+}
+
+/// Tensors allocated together, and views of one of them, share one storage record (the
+/// receiver builds one storage for them): sent in one message in another order than they lie,
+/// each arrives with its own shape and values, and a view of a received tensor reaches no
+/// further than its record.
+#[test]
+fn many_tensors_that_lie_together_arrive_each_as_itself() {
+    let path = socket_path("one-record");
+    let mut receiver = Receiver::<Vec<Tensor>>::bind(&path).unwrap();
+    let sender = Sender::<Vec<Tensor>>::connect(&path).unwrap();
+    let mut tensors: Vec<Tensor> =
+        (0..300i32).map(|i| Tensor::from_slice(&[i; 100], DType::I32, &[100]).unwrap()).collect();
+    let pair = Tensor::from_slice(&(0..12i32).collect::<Vec<_>>(), DType::I32, &[3, 4]).unwrap();
+    tensors.push(pair.narrow(1, 1, 2).unwrap());
+    tensors.push(pair.transpose(0, 1).unwrap().flip(&[0]).unwrap());
+    tensors.push(pair);
+    tensors.reverse();
+    sender.send(&tensors).unwrap();
+    let received = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(received.len(), tensors.len());
+    for (sent, got) in tensors.iter().zip(&received) {
+        assert_eq!((got.shape(), got.strides()), (sent.shape(), sent.strides()));
+        assert_eq!(got.to_vec::<i32>().unwrap(), sent.to_vec::<i32>().unwrap());
+    }
+    // Their record spans their storages (about 150 KiB), not the sender's whole chunk.
+    assert!(received[0].as_layout(DType::U8, &[1 << 20], &[1], 0).is_err(), "a view past the record");
+    drop(received);
+    assert!(sender.wait_released(Duration::from_secs(10)), "the one lease of the message is given back");
+}
+
 fn probe_again() -> Probe {
     probe(2, 78, 10, None).unwrap()
 }

@@ -393,7 +393,7 @@ fn tensors<'a>(
             Error::Protocol(format!("tensor {index} names storage record {record}, which is not placed"))
         })?;
         let (base, path, stream) = way(record);
-        let (shape, strides) = (table.shape(index).to_vec(), table.strides(index).to_vec());
+        let (shape, strides) = (table.shape(index), table.strides(index));
         let offset = base + desc.view_offset as usize;
         tensors.push(Tensor::from_parts(storage.clone(), desc.dtype, shape, strides, offset, path, stream.cloned()));
     }
