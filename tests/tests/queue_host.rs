@@ -11,7 +11,7 @@ use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Fence, Frame, TensorDesc};
+use tensor_queue::wire::{ChunkKind, Descriptors, Fence, Frame, Source, StorageDesc};
 use tensor_queue::{DType, Error, Receiver, Refusal, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
@@ -200,6 +200,15 @@ fn raw_client(path: &std::path::Path) -> Connection {
     connection
 }
 
+/// A descriptor table of one 64-byte storage record at `source` and one `u8` tensor viewing it
+/// whole.
+fn one_tensor(source: Source, fence: Fence) -> Descriptors {
+    let mut tensors = Descriptors::default();
+    let storage = tensors.push_storage(StorageDesc { source, len: 64, fence });
+    tensors.push_tensor(storage, 0, DType::U8, &[64], &[1]);
+    tensors
+}
+
 #[test]
 fn malformed_and_hostile_frames_close_only_their_connection() {
     let path = socket_path("hostile");
@@ -210,34 +219,21 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     garbage.send(b"TQF1 this is not a frame", &[]).unwrap();
 
     let unknown_chunk = raw_client(&path);
-    let desc = TensorDesc {
-        chunk: 999,
-        storage_offset: 0,
-        storage_len: 64,
-        view_offset: 0,
-        dtype: DType::U8,
-        fence: Fence::None,
-        route: tensor_queue::route::Route::SameDevice,
-        target: None,
-        span: 0,
-        shape: vec![64],
-        strides: vec![1],
-    };
-    let message = |desc: TensorDesc| Frame::Message {
+    let message = |chunk, offset| Frame::Message {
         seq: 1,
         sent_ns: 0,
         encoded_ns: 0,
-        tensors: vec![desc],
+        tensors: one_tensor(Source::SameDevice { chunk, offset }, Fence::None),
         payload: vec![0, 0, 0],
     };
-    unknown_chunk.send(&message(desc.clone()).encode(), &[]).unwrap();
+    unknown_chunk.send(&message(999, 0).encode(), &[]).unwrap();
 
     let out_of_bounds = raw_client(&path);
     let small = SharedMemory::create("small", 4096).unwrap();
     let announce =
         Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
     out_of_bounds.send(&announce.encode(), &[small.fd().as_fd()]).unwrap();
-    out_of_bounds.send(&message(TensorDesc { chunk: 5, storage_offset: 4090, ..desc }).encode(), &[]).unwrap();
+    out_of_bounds.send(&message(5, 4090).encode(), &[]).unwrap();
 
     honest.send(&probe(1, 77, 1000, None).unwrap()).unwrap();
     // Two well-formed messages that cannot be used here are rejected one by one (the channel
@@ -275,6 +271,101 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     assert!(matches!(said(&out_of_bounds), Frame::Rejected { seq: 1, .. }));
     honest.send(&probe_again()).unwrap();
     assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2);
+}
+
+/// A message's table that lies about its storage records closes only its own connection, with
+/// a typed reason: a tensor naming a record the table does not have, two records over the same
+/// bytes. A record outside its chunk is refused alone, and the connection goes on.
+#[test]
+fn a_table_that_lies_about_its_storage_records_is_refused() {
+    let path = socket_path("table-lies");
+    let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
+    let honest = Sender::<Probe>::connect(&path).unwrap();
+    let chunk = SharedMemory::create("table-lies", 4096).unwrap();
+    let announce =
+        Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+    let record = |offset, len| StorageDesc { source: Source::SameDevice { chunk: 5, offset }, len, fence: Fence::None };
+    let liar = |tensors: Descriptors| {
+        let client = raw_client(&path);
+        client.send(&announce.encode(), &[chunk.fd().as_fd()]).unwrap();
+        let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![0] };
+        client.send(&message.encode(), &[]).unwrap();
+        client
+    };
+    let mut missing = Descriptors::default();
+    let storage = missing.push_storage(record(0, 64));
+    missing.push_tensor(storage, 0, DType::U8, &[64], &[1]);
+    missing.push_tensor(storage + 1, 0, DType::U8, &[64], &[1]); // no record 1
+    let mut overlapping = Descriptors::default();
+    let (a, b) = (overlapping.push_storage(record(0, 128)), overlapping.push_storage(record(64, 128)));
+    overlapping.push_tensor(a, 0, DType::U8, &[128], &[1]);
+    overlapping.push_tensor(b, 0, DType::U8, &[128], &[1]);
+    let mut outside = Descriptors::default();
+    let storage = outside.push_storage(record(4032, 128)); // 64 bytes past the chunk's end
+    outside.push_tensor(storage, 0, DType::U8, &[64], &[1]);
+    let clients = [liar(missing), liar(overlapping), liar(outside)];
+    let mut rejected = None;
+    let mut closed = Vec::new();
+    wait_until("two connections closed and one message refused", || {
+        match receiver.recv_timeout(Duration::from_millis(100)) {
+            Err(Error::Rejected { reason, .. }) => rejected = Some(reason),
+            Err(Error::Timeout) => {}
+            other => panic!("{:?}", other.map(|p| p.id)),
+        }
+        for error in receiver.take_errors() {
+            if let Error::ConnectionClosed { cause, .. } = error
+                && let Error::Frame { source, .. } = *cause
+            {
+                closed.push(source);
+            }
+        }
+        closed.len() >= 2 && rejected.is_some()
+    });
+    use tensor_queue::wire::FrameError;
+    assert!(
+        closed
+            .iter()
+            .any(|e| matches!(e, FrameError::OutOfBounds { index: 1, reason } if reason.contains("storage record 1"))),
+        "{closed:?}"
+    );
+    assert!(
+        closed.iter().any(|e| matches!(e, FrameError::Storage { index: 1, reason } if reason.contains("overlaps"))),
+        "{closed:?}"
+    );
+    let rejected = rejected.unwrap();
+    assert!(rejected.contains("storage record 0") && rejected.contains("outside chunk 5"), "{rejected}");
+    honest.send(&probe_again()).unwrap();
+    assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2, "the honest sender is unaffected");
+    drop(clients);
+}
+
+/// Tensors allocated together, and views of one of them, share one storage record (the
+/// receiver builds one storage for them): sent in one message in another order than they lie,
+/// each arrives with its own shape and values, and a view of a received tensor reaches no
+/// further than its record.
+#[test]
+fn many_tensors_that_lie_together_arrive_each_as_itself() {
+    let path = socket_path("one-record");
+    let mut receiver = Receiver::<Vec<Tensor>>::bind(&path).unwrap();
+    let sender = Sender::<Vec<Tensor>>::connect(&path).unwrap();
+    let mut tensors: Vec<Tensor> =
+        (0..300i32).map(|i| Tensor::from_slice(&[i; 100], DType::I32, &[100]).unwrap()).collect();
+    let pair = Tensor::from_slice(&(0..12i32).collect::<Vec<_>>(), DType::I32, &[3, 4]).unwrap();
+    tensors.push(pair.narrow(1, 1, 2).unwrap());
+    tensors.push(pair.transpose(0, 1).unwrap().flip(&[0]).unwrap());
+    tensors.push(pair);
+    tensors.reverse();
+    sender.send(&tensors).unwrap();
+    let received = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(received.len(), tensors.len());
+    for (sent, got) in tensors.iter().zip(&received) {
+        assert_eq!((got.shape(), got.strides()), (sent.shape(), sent.strides()));
+        assert_eq!(got.to_vec::<i32>().unwrap(), sent.to_vec::<i32>().unwrap());
+    }
+    // Their record spans their storages (about 150 KiB), not the sender's whole chunk.
+    assert!(received[0].as_layout(DType::U8, &[1 << 20], &[1], 0).is_err(), "a view past the record");
+    drop(received);
+    assert!(sender.wait_released(Duration::from_secs(10)), "the one lease of the message is given back");
 }
 
 fn probe_again() -> Probe {
@@ -489,29 +580,16 @@ fn received_host_tensors_are_read_only_unless_shared_writable() {
 #[test]
 fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
     use tensor_queue::Uuid;
-    use tensor_queue::route::{Route, Routing, Strictness};
-    let lies = |path: &std::path::Path, claims: &[(Route, Fence, Option<Uuid>)]| {
+    use tensor_queue::route::{Routing, Strictness};
+    let lies = |path: &std::path::Path, claims: &[(Source, Fence)]| {
         let client = raw_client(path);
         let staging = SharedMemory::create("lying", 4096).unwrap();
         let announce =
             Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
         client.send(&announce.encode(), &[staging.fd().as_fd()]).unwrap();
-        for (seq, &(route, fence, target)) in claims.iter().enumerate() {
-            let desc = TensorDesc {
-                chunk: 5,
-                storage_offset: 0,
-                storage_len: 64,
-                view_offset: 0,
-                dtype: DType::U8,
-                fence,
-                route,
-                target,
-                span: 0,
-                shape: vec![64],
-                strides: vec![1],
-            };
-            let message =
-                Frame::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] };
+        for (seq, &(source, fence)) in claims.iter().enumerate() {
+            let tensors = one_tensor(source, fence);
+            let message = Frame::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] };
             client.send(&message.encode(), &[]).unwrap();
         }
         (client, staging)
@@ -532,7 +610,8 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
     let routing = Routing::default().strict(Strictness::ZeroCopy);
     let mut strict = Receiver::<Probe>::builder().routing(routing).bind(&path).unwrap();
     let signal = Fence::Signal { chunk: 5, offset: 0, value: 1 };
-    let _client = lies(&path, &[(Route::Staged, signal, Some(Uuid([3; 16]))), (Route::Host, signal, None)]);
+    let staged = |target| Source::Staged { chunk: 5, offset: 0, target: Uuid(target) };
+    let _client = lies(&path, &[(staged([3; 16]), signal), (Source::Host { chunk: 5, offset: 0 }, signal)]);
     let said = reasons(&mut strict, 2);
     assert_eq!(said.matches("refused by this receiver's policy (ZeroCopy)").count(), 2, "{said}");
 
@@ -543,9 +622,9 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
     let _client = lies(
         &path,
         &[
-            (Route::PeerMap, Fence::None, None),
-            (Route::Host, Fence::None, None),
-            (Route::Staged, signal, Some(Uuid([9; 16]))),
+            (Source::PeerMap { chunk: 5, offset: 0 }, Fence::None),
+            (Source::Host { chunk: 5, offset: 0 }, Fence::None),
+            (staged([9; 16]), signal),
         ],
     );
     let said = reasons(&mut receiver, 3);
@@ -561,7 +640,6 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
 /// that never writes it stalls only its own message, which is delivered once the word is written.
 #[test]
 fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
-    use tensor_queue::route::Route;
     let path = socket_path("route-parked");
     let mut receiver = Receiver::<Probe>::bind(&path).unwrap();
     let honest = Sender::<Probe>::connect(&path).unwrap();
@@ -572,20 +650,8 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
         |id, writable| Frame::Chunk { id, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable };
     stalled.send(&host(5, false).encode(), &[data.fd().as_fd()]).unwrap();
     stalled.send(&host(6, true).encode(), &[word.fd().as_fd()]).unwrap();
-    let desc = TensorDesc {
-        chunk: 5,
-        storage_offset: 0,
-        storage_len: 64,
-        view_offset: 0,
-        dtype: DType::U8,
-        fence: Fence::Signal { chunk: 6, offset: 0, value: 1 },
-        route: Route::Host,
-        target: None,
-        span: 0,
-        shape: vec![64],
-        strides: vec![1],
-    };
-    let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![1] };
+    let tensors = one_tensor(Source::Host { chunk: 5, offset: 0 }, Fence::Signal { chunk: 6, offset: 0, value: 1 });
+    let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![1] };
     stalled.send(&message.encode(), &[]).unwrap();
     std::thread::sleep(Duration::from_millis(50)); // read, and parked, before the honest message
     honest.send(&probe_again()).unwrap();

@@ -15,7 +15,7 @@ use integration_tests::queue::{Probe, checksum, probe, wait_for};
 use integration_tests::{bin_path, socket_path};
 use ipc_core::seqpacket::{Connection, Listener};
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Fence, Frame, MAX_MESSAGE_BYTES, TensorDesc};
+use tensor_queue::wire::{ChunkKind, Descriptors, Fence, Frame, MAX_MESSAGE_BYTES, Source, StorageDesc};
 use tensor_queue::{DType, Error, Receiver, Sender, Tensor, monotonic_ns};
 
 /// What the `blob` role receives: an id, tensors, a byte payload and a text payload.
@@ -210,24 +210,17 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     }
 }
 
-/// A descriptor of `len` bytes at the start of chunk `chunk`, viewed as `shape`/`strides` of `dtype`.
-fn desc(chunk: u64, len: u64, dtype: DType, view_offset: u64, shape: &[u64], strides: &[i64]) -> TensorDesc {
-    TensorDesc {
-        chunk,
-        storage_offset: 0,
-        storage_len: len,
-        view_offset,
-        dtype,
-        fence: Fence::None,
-        route: tensor_queue::route::Route::SameDevice,
-        target: None,
-        span: 0,
-        shape: shape.to_vec(),
-        strides: strides.to_vec(),
-    }
+/// A descriptor table of one tensor: `len` bytes at the start of chunk `chunk`, viewed as
+/// `shape`/`strides` of `dtype`.
+fn desc(chunk: u64, len: u64, dtype: DType, view_offset: u64, shape: &[u64], strides: &[i64]) -> Descriptors {
+    let mut table = Descriptors::default();
+    let source = Source::SameDevice { chunk, offset: 0 };
+    let storage = table.push_storage(StorageDesc { source, len, fence: Fence::None });
+    table.push_tensor(storage, view_offset, dtype, shape, strides);
+    table
 }
 
-fn message(seq: u64, tensors: Vec<TensorDesc>, payload: &[u8]) -> Vec<u8> {
+fn message(seq: u64, tensors: Descriptors, payload: &[u8]) -> Vec<u8> {
     Frame::Message { seq, sent_ns: monotonic_ns(), encoded_ns: monotonic_ns(), tensors, payload: payload.to_vec() }
         .encode()
 }
@@ -465,7 +458,7 @@ fn a_peer_that_never_reads_does_not_stall_an_honest_sender() {
         let connection = raw_client_with_chunk(&raw_path, 1 << 16, 3);
         for seq in 1..=4000u64 {
             let tensor = desc(1, 64, DType::U8, 0, &[64], &[1]);
-            if connection.send(&message(seq, vec![tensor], &payload), &[]).is_err() {
+            if connection.send(&message(seq, tensor, &payload), &[]).is_err() {
                 break;
             }
             counter.fetch_add(1, Ordering::SeqCst);
@@ -596,14 +589,14 @@ fn a_chunk_that_can_shrink_is_refused_without_sigbus() {
         let connection = raw_client(&path);
         connection.send(&announce(1, len as u64), &[file.as_fd()]).unwrap();
         let tensor = || desc(1, len as u64, DType::U8, 0, &[len as u64], &[1]);
-        let _ = connection.send(&message(1, vec![tensor()], &first), &[]);
+        let _ = connection.send(&message(1, tensor(), &first), &[]);
         let errors = said.iter().filter(|l| l.starts_with("error:")).count();
         listen(&mut receiver, &mut said, &|s| {
             s.iter().filter(|l| l.starts_with("error:")).count() > errors || s.iter().any(|l| l.starts_with("other 1"))
         });
         // Delivered or not, shrink it now and use it again: a mapping of it would now fault.
         file.set_len(0).unwrap();
-        let _ = connection.send(&message(2, vec![tensor()], &second), &[]);
+        let _ = connection.send(&message(2, tensor(), &second), &[]);
         listen(&mut receiver, &mut said, &|s| s.iter().any(|l| l.starts_with("other 2")));
         eprintln!("after the {kind}: {said:?}");
         attackers.push((connection, file));
@@ -653,10 +646,10 @@ fn hostile_views_are_refused_and_the_receiver_lives_on() {
             sender.send(&honest(id, 300 + id, 2048)).unwrap();
         }
         let hostile = raw_client_with_chunk(&path, 512, 5);
-        hostile.send(&message(1, vec![tensor], &attack), &[]).unwrap();
+        hostile.send(&message(1, tensor, &attack), &[]).unwrap();
         let control_client = raw_client_with_chunk(&path, 512, 5);
         let control_view = desc(1, 512, DType::U8, 0, &[512], &[1]);
-        control_client.send(&message(1, vec![control_view], &control), &[]).unwrap();
+        control_client.send(&message(1, control_view, &control), &[]).unwrap();
         let mut said = Vec::new();
         wait_for(Duration::from_secs(10), || {
             said.extend(receiver.drain().iter().filter(|l| !l.starts_with("ready")).cloned());

@@ -18,7 +18,7 @@ use ipc_core::tcp::{MAX_MESSAGE, TcpLink, TcpListener};
 use kernels::reference;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tensor_queue::wire::{Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
+use tensor_queue::wire::{Descriptors, Fence, Frame, MAX_INLINE_BYTES, Source, StorageDesc};
 use tensor_queue::{Broadcast, DType, Endpoint, Error, Receiver, Secret, Sender, Tensor, TensorDevice, TransferPath};
 
 /// The helper program, compiled in here too for its message types and checks.
@@ -697,7 +697,15 @@ fn hello(capacity: u32) -> Vec<u8> {
     .encode()
 }
 
-fn message(seq: u64, tensors: Vec<TensorDesc>, payload: &[u8]) -> Vec<u8> {
+/// A descriptor table of one 64-byte storage record at `source`, viewed whole as `u8`.
+fn one_view(source: Source) -> Descriptors {
+    let mut tensors = Descriptors::default();
+    let storage = tensors.push_storage(StorageDesc { source, len: 64, fence: Fence::None });
+    tensors.push_tensor(storage, 0, DType::U8, &[64], &[1]);
+    tensors
+}
+
+fn message(seq: u64, tensors: Descriptors, payload: &[u8]) -> Vec<u8> {
     let now = tensor_queue::monotonic_ns();
     Frame::Message { seq, sent_ns: now, encoded_ns: now, tensors, payload: payload.to_vec() }.encode()
 }
@@ -905,7 +913,7 @@ fn still_serving(receiver: &mut Receiver<Probe>, endpoint: &str) {
 fn raw_control(addr: SocketAddr, payloads: &[Vec<u8>]) -> TcpLink {
     let (control, _) = raw_link(addr, true);
     for (seq, payload) in (1..).zip(payloads) {
-        control.send(&message(seq, Vec::new(), payload)).unwrap();
+        control.send(&message(seq, Descriptors::default(), payload)).unwrap();
     }
     control
 }
@@ -933,7 +941,7 @@ fn malformed_records_after_the_handshake_close_only_their_connection() {
     link.send(&random_bytes(1000)).unwrap();
     closing.push(("Hello, then a random record", link));
     let (link, _) = raw_link(addr, true);
-    let whole = message(1, Vec::new(), &control_payloads[0]);
+    let whole = message(1, Descriptors::default(), &control_payloads[0]);
     link.send(&whole[..whole.len() * 2 / 3]).unwrap();
     closing.push(("Hello, then a truncated Message", link));
     let (link, _) = raw_link(addr, true);
@@ -946,20 +954,8 @@ fn malformed_records_after_the_handshake_close_only_their_connection() {
     stalled.write_all(&[7; 10]).unwrap();
     // A well-formed message naming a chunk that does not exist: refused, typed.
     let (unknown, _) = raw_link(addr, true);
-    let desc = TensorDesc {
-        chunk: 999,
-        storage_offset: 0,
-        storage_len: 64,
-        view_offset: 0,
-        dtype: DType::U8,
-        fence: Fence::None,
-        route: tensor_queue::route::Route::SameDevice,
-        target: None,
-        shape: vec![64],
-        strides: vec![1],
-        span: Default::default(),
-    };
-    unknown.send(&message(1, vec![desc], &one_tensor)).unwrap();
+    let desc = one_view(Source::SameDevice { chunk: 999, offset: 0 });
+    unknown.send(&message(1, desc, &one_tensor)).unwrap();
     // The control: a raw client that follows the protocol is served, so the attacks above were
     // judged on what they got wrong, not on the raw framing.
     let control = raw_control(addr, &control_payloads);
@@ -1001,20 +997,8 @@ fn a_message_whose_nccl_transfers_cannot_be_received_closes_its_connection() {
         note: "raw-nccl".into(),
     });
     let (liar, _) = raw_link(addr, true);
-    let desc = TensorDesc {
-        chunk: 5, // a communicator never announced
-        storage_offset: 0,
-        storage_len: 64,
-        view_offset: 0,
-        dtype: DType::U8,
-        fence: Fence::None,
-        route: tensor_queue::route::Route::Nccl,
-        target: None,
-        shape: vec![64],
-        strides: vec![1],
-        span: 0,
-    };
-    liar.send(&message(1, vec![desc], &one_tensor)).unwrap();
+    let desc = one_view(Source::Nccl { communicator: 5 }); // a communicator never announced
+    liar.send(&message(1, desc, &one_tensor)).unwrap();
     match receiver.recv_timeout(Duration::from_secs(2)) {
         Ok(probe) => panic!("a message whose NCCL transfer has no communicator was delivered: {}", probe.note),
         Err(Error::Rejected { reason, .. }) => panic!("refused alone, its NCCL sends would stay unpaired: {reason}"),
@@ -1046,7 +1030,7 @@ fn a_sender_past_its_credits_is_held_back_and_costs_nobody() {
     let (flood, capacity) = raw_link(addr, true);
     assert_eq!(capacity, 4, "the receiver's Hello grants its capacity");
     for seq in 1..=u64::from(capacity) + 10 {
-        if flood.send(&message(seq, Vec::new(), &flood_payload)).is_err() {
+        if flood.send(&message(seq, Descriptors::default(), &flood_payload)).is_err() {
             break;
         }
     }
@@ -1074,7 +1058,7 @@ fn an_oversize_length_prefix_closes_the_connection() {
     while !matches!(Frame::decode(&answer), Ok(Frame::Hello { .. })) {
         answer = read_record(&mut by_hand);
     }
-    by_hand.write_all(&record(&message(1, Vec::new(), &control_payload))).unwrap();
+    by_hand.write_all(&record(&message(1, Descriptors::default(), &control_payload))).unwrap();
     let mut huge = handshake_by_hand(addr, KEY.as_bytes());
     huge.write_all(&record(&hello(0))).unwrap();
     huge.write_all(&u32::MAX.to_le_bytes()).unwrap();
@@ -1557,7 +1541,7 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
             Err(_) => break,
         }
         if let Some((Frame::Message { tensors, .. }, _)) = assembler.push(&buf, Vec::new()).unwrap() {
-            let needed: u64 = tensors.iter().map(|t| t.storage_offset + t.storage_len).max().unwrap_or(0);
+            let needed: u64 = tensors.storages().iter().map(|s| s.source.offset() + s.len).max().unwrap_or(0);
             assert_eq!(stranded as u64, needed, "message {messages}: the bytes before it are exactly its own");
             stranded = 0;
             messages += 1;
@@ -1803,22 +1787,13 @@ fn many_host_tensors_of_odd_sizes_cross_tcp_intact() {
     }
 }
 
-/// A host tensor's descriptor as a lying or honest raw sender writes it: `len` bytes at
+/// A host tensor's descriptor table as a lying or honest raw sender writes it: `len` bytes at
 /// `offset` of the message's run.
-fn tcp_desc(offset: u64, len: u64) -> TensorDesc {
-    TensorDesc {
-        chunk: 0,
-        storage_offset: offset,
-        storage_len: len,
-        view_offset: 0,
-        dtype: DType::U8,
-        fence: Fence::None,
-        route: tensor_queue::route::Route::Tcp,
-        target: None,
-        shape: vec![len],
-        strides: vec![1],
-        span: Default::default(),
-    }
+fn tcp_desc(offset: u64, len: u64) -> Descriptors {
+    let mut tensors = Descriptors::default();
+    let storage = tensors.push_storage(StorageDesc { source: Source::Bytes { offset }, len, fence: Fence::None });
+    tensors.push_tensor(storage, 0, DType::U8, &[len], &[1]);
+    tensors
 }
 
 /// A bulk run of `bytes`.
@@ -1860,13 +1835,13 @@ fn host_bytes_that_do_not_match_their_descriptors_are_refused_alone() {
     assert!(capacity >= 3, "capacity {capacity}");
     // A run of 32 bytes, and a descriptor that reads 64.
     send_run(&link, run_of(&[1; 32]));
-    link.send(&message(1, vec![tcp_desc(0, 64)], &short)).unwrap();
+    link.send(&message(1, tcp_desc(0, 64), &short)).unwrap();
     // A host tensor and no run at all.
-    link.send(&message(2, vec![tcp_desc(0, 64)], &lying)).unwrap();
+    link.send(&message(2, tcp_desc(0, 64), &lying)).unwrap();
     // Then an honest one: its own bytes, not the lies' leftovers.
     let mine: Vec<u8> = (0..64).collect();
     send_run(&link, run_of(&mine));
-    link.send(&message(3, vec![tcp_desc(0, 64)], &honest)).unwrap();
+    link.send(&message(3, tcp_desc(0, 64), &honest)).unwrap();
 
     let mut rejected = Vec::new();
     let mut delivered = Vec::new();

@@ -212,9 +212,9 @@ impl Connected {
         self.peer.link.peer_pid()
     }
 
-    /// Why tensor `index` of a message cannot be used here: the message is rejected alone.
+    /// Why storage record `index` of a message cannot be used here: the message is rejected alone.
     pub fn refusal(&self, index: usize, reason: String) -> Error {
-        Error::Frame { pid: self.pid(), source: FrameError::OutOfBounds { index, reason } }
+        Error::Frame { pid: self.pid(), source: FrameError::Storage { index, reason } }
     }
 
     /// Counts a message as taken by `recv` (or rejected), returning credits in batches of half
@@ -336,7 +336,7 @@ impl Connected {
                     // would pair with the receives of the next message on those communicators
                     // (its bytes would be another message's, or the transfer would hang). Closing
                     // the connection aborts them on both sides.
-                    Err(error) if tensors.iter().any(|d| d.route == Route::Nccl) => {
+                    Err(error) if tensors.uses(Route::Nccl) => {
                         return Err(Error::Protocol(format!(
                             "a message with NCCL transfers could not be received, so its connection cannot go on: {error}"
                         )));

@@ -1,9 +1,10 @@
-//! Where a received tensor lands, in one module: each descriptor of a message checked against
-//! the connection's chunks and events, and the tensor mapped where it is (ordered after the
-//! producer's fence on the connection's stream), mapped over a peer link (ordered through the
-//! sender's GPU), copied in from staging memory piece by piece, waited for on the CPU, or taken
-//! from a sender on another host (`remote.rs`). The receiver's half of the routes (see
-//! [`crate::route`]).
+//! Where a received tensor lands, in one module: each storage record of a message's descriptor
+//! table checked against the connection's chunks and events, and its memory mapped where it is
+//! (ordered after the producer's fence on the connection's stream), mapped over a peer link
+//! (ordered through the sender's GPU), copied in from staging memory piece by piece, waited for
+//! on the CPU, or taken from a sender on another host (`remote.rs`). One storage per record,
+//! shared by the record's tensors: a message of many small tensors costs per record, and per
+//! tensor only what the tensor holds. The receiver's half of the routes (see [`crate::route`]).
 
 use std::sync::Arc;
 
@@ -18,79 +19,84 @@ use crate::fences::{FenceWait, Fences};
 use crate::memory::arena::{Allocation, Arena, Chunk, ChunkMemory};
 use crate::route::{self, Reach, Route};
 use crate::tensor::{Storage, Tensor, TransferPath};
-use crate::wire::{Fence, FrameError, TensorDesc};
+use crate::wire::{Descriptors, Fence, FrameError, Source, StorageDesc};
 
-/// A sender's storage: (chunk, offset, length).
-type StorageKey = (u64, u64, u64);
-
-/// Where a tensor of a message was put.
-enum Placed {
-    /// The sender's memory, mapped.
-    Mapped(Arc<Chunk>, TransferPath, Option<Arc<Stream>>),
-    /// Copied into the message's `n`th landed storage, on the stream.
-    Landed(usize, TransferPath, Arc<Stream>),
+/// Where a storage record of a message was put, the path it came by, and the stream its
+/// tensors' first use is ordered on.
+struct Placed {
+    memory: Memory,
+    path: TransferPath,
+    stream: Option<Arc<Stream>>,
 }
 
-impl Placed {
-    fn stream(&self) -> Option<&Arc<Stream>> {
-        match self {
-            Placed::Mapped(_, _, stream) => stream.as_ref(),
-            Placed::Landed(_, _, stream) => Some(stream),
-        }
-    }
+/// The chunk a record names, where the storage starts in it, the path it came by, and the
+/// stream its tensors' first use is ordered on.
+struct Located {
+    chunk: Arc<Chunk>,
+    offset: usize,
+    path: TransferPath,
+    stream: Option<Arc<Stream>>,
+}
+
+/// The memory of a placed record.
+enum Memory {
+    /// The sender's memory, mapped: (chunk, offset, length).
+    Mapped(Arc<Chunk>, usize, usize),
+    /// Copied here, on the record's stream.
+    Landed(Allocation),
 }
 
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
     /// asks `crate::route::choose` first).
-    pub(crate) fn check_route(&self, devices: &Devices, index: usize, desc: &TensorDesc) -> Result<()> {
+    pub(crate) fn check_route(&self, devices: &Devices, index: usize, route: Route) -> Result<()> {
         let strict = devices.routing.strict;
         // Whether the landing was a fallback is the sender's knowledge: the lenient reading here.
-        if !route::allowed(desc.route, strict, false) {
-            let reason = format!("route {} is refused by this receiver's policy ({strict:?})", desc.route);
+        if !route::allowed(route, strict, false) {
+            let reason = format!("route {route} is refused by this receiver's policy ({strict:?})");
             return Err(self.refusal(index, reason));
         }
         Ok(())
     }
 
-    /// Queues the wait for the producer's fence of tensor `index` on `stream`; for a tensor
-    /// mapped over a peer link, on this connection's stream for the sender's GPU first (where the
-    /// fence lives), which `stream` then waits for.
+    /// Queues the wait for the producer's fence of storage record `index` on `stream`; for
+    /// memory mapped over a peer link, on this connection's stream for the sender's GPU first
+    /// (where the fence lives), which `stream` then waits for.
     pub(crate) fn order_for(
         &mut self,
         devices: &Devices,
         index: usize,
-        desc: &TensorDesc,
+        record: &StorageDesc,
         chunk: &Arc<Chunk>,
         stream: &Arc<Stream>,
     ) -> Result<Option<FenceWait>> {
-        if desc.route != Route::PeerMap {
-            return self.order(index, desc, chunk, stream);
+        if !matches!(record.source, Source::PeerMap { .. }) {
+            return self.order(index, record.fence, chunk, stream);
         }
         let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
         let home = self.stream(devices, &uuid)?;
-        let fence = self.order(index, desc, chunk, &home)?;
+        let fence = self.order(index, record.fence, chunk, &home)?;
         let done = Event::new(home.context())?;
         done.record(&home)?;
         stream.wait_event(&done)?;
         Ok(fence)
     }
 
-    /// Allocates staged tensor `index`'s storage on `stream`'s GPU and queues, per piece, the
-    /// wait for the producer's host word and the copy out of the staging memory.
+    /// Allocates staged record `index`'s storage on `stream`'s GPU and queues, per piece, the
+    /// wait for the producer's host word and the copy out of the staging memory from `offset`.
     pub(crate) fn copy_in(
         &mut self,
         index: usize,
-        desc: &TensorDesc,
-        staging: &Arc<Chunk>,
+        record: &StorageDesc,
+        (staging, offset): (&Arc<Chunk>, usize),
         stream: &Arc<Stream>,
         fences: &mut Vec<FenceWait>,
     ) -> Result<Allocation> {
         let bad = |reason: String| self.refusal(index, reason);
-        let (signal, offset, value) = self.host_signal(index, desc)?;
+        let (signal, word, value) = self.host_signal(index, record)?;
         let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
         let producer = producer.clone();
-        let len = desc.storage_len as usize;
+        let len = record.len as usize;
         let allocation = Arena::device(stream.context()).allocate(len)?;
         let destination =
             allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
@@ -100,27 +106,27 @@ impl Connected {
         for k in 0..len.div_ceil(piece) {
             if !crate::switches::skip_ordering() {
                 let value = value.checked_add(k as u64).ok_or_else(|| bad(format!("signal value {value}")))?;
-                fences.push(producer.wait(stream, &signal, offset, value).map_err(|e| match e {
+                fences.push(producer.wait(stream, &signal, word, value).map_err(|e| match e {
                     Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
-                        bad(format!("signal word {offset}: {e}"))
+                        bad(format!("signal word {word}: {e}"))
                     }
                     other => other,
                 })?);
             }
             let at = k * piece;
             let n = piece.min(len - at);
-            stream.copy_async(destination, allocation.offset + at, &source, desc.storage_offset as usize + at, n)?;
+            stream.copy_async(destination, allocation.offset + at, &source, offset + at, n)?;
         }
         Ok(allocation)
     }
 
-    /// Notes the host word a host-route tensor's data waits for; `recv` waits for it on the CPU.
+    /// Notes the host word a host-route record's data waits for; `recv` waits for it on the CPU.
     /// The sender copied the storage in pieces, each followed by the next value of the word (see
     /// `signal::host_signal_pieces`): the data is whole only once the last piece's value is there.
-    pub(crate) fn fence_on_cpu(&self, index: usize, desc: &TensorDesc) -> Result<Option<FenceWait>> {
-        let (signal, offset, first) = self.host_signal(index, desc)?;
+    pub(crate) fn fence_on_cpu(&self, index: usize, record: &StorageDesc) -> Result<Option<FenceWait>> {
+        let (signal, offset, first) = self.host_signal(index, record)?;
         let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
-        let len = desc.storage_len as usize;
+        let len = record.len as usize;
         let pieces = len.div_ceil(route::staging_piece(len)).max(1);
         let value =
             first.checked_add(pieces as u64 - 1).ok_or_else(|| self.refusal(index, format!("signal value {first}")))?;
@@ -130,11 +136,11 @@ impl Connected {
         })
     }
 
-    /// The host word, offset and first value a copied tensor's fence names.
-    pub(crate) fn host_signal(&self, index: usize, desc: &TensorDesc) -> Result<(Arc<Chunk>, usize, u64)> {
+    /// The host word, offset and first value a copied record's fence names.
+    pub(crate) fn host_signal(&self, index: usize, record: &StorageDesc) -> Result<(Arc<Chunk>, usize, u64)> {
         let bad = |reason: String| self.refusal(index, reason);
-        let Fence::Signal { chunk, offset, value } = desc.fence else {
-            return Err(bad(format!("a {} tensor without a host signal", desc.route)));
+        let Fence::Signal { chunk, offset, value } = record.fence else {
+            return Err(bad(format!("a {} copy without a host signal", record.source.route())));
         };
         let signal = self.chunks.get(&chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {chunk}")))?;
         if signal.host().is_none() {
@@ -144,88 +150,75 @@ impl Connected {
         Ok((signal, offset, value))
     }
 
-    /// Checks every descriptor of a message against this connection's chunks and events, and
-    /// orders the tensors' first use after the producer's work: mapped in place, or copied here
-    /// (the staged route) after each piece's fence.
+    /// Checks every storage record of a message against this connection's chunks and events,
+    /// and orders the first use of its tensors after the producer's work: mapped in place, or
+    /// copied here (the staged route) after each piece's fence. One storage per record, which
+    /// the record's tensors share.
     pub(crate) fn place(
         &mut self,
         devices: &Devices,
-        descs: &[TensorDesc],
+        table: &Descriptors,
         payload: Vec<u8>,
         mut info: MessageInfo,
     ) -> Result<Ready> {
         let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
         let mut fences: Vec<FenceWait> = Vec::new();
-        let mut placed = Vec::with_capacity(descs.len());
-        // Storage copied here, by the sender's (chunk, offset, length): tensors that share the
-        // sender's storage share the copy too.
-        let mut landed: Vec<(StorageKey, Allocation, Arc<Stream>)> = Vec::new();
+        let mut placed = Vec::with_capacity(table.storages().len());
         let mut on_cpu = false;
-        for (index, desc) in descs.iter().enumerate() {
-            self.check_route(devices, index, desc)?;
-            let (chunk, path, stream) = self.locate(devices, index, desc)?;
-            match desc.route {
-                Route::Staged => {
-                    let stream = stream.ok_or_else(|| Error::Protocol("a staged tensor without a stream".into()))?;
-                    let key = (desc.chunk, desc.storage_offset, desc.storage_len);
-                    let at = match landed.iter().position(|(k, _, _)| *k == key) {
-                        Some(at) => at,
-                        None => {
-                            let allocation = self.copy_in(index, desc, &chunk, &stream, &mut fences)?;
-                            landed.push((key, allocation, stream.clone()));
-                            landed.len() - 1
-                        }
-                    };
-                    placed.push(Placed::Landed(at, path, stream));
+        for (index, record) in table.storages().iter().enumerate() {
+            self.check_route(devices, index, record.source.route())?;
+            let Located { chunk, offset, path, stream } = self.locate(devices, index, record)?;
+            let memory = match record.source {
+                Source::Staged { .. } => {
+                    let stream =
+                        stream.as_ref().ok_or_else(|| Error::Protocol("a staged copy without a stream".into()))?;
+                    Memory::Landed(self.copy_in(index, record, (&chunk, offset), stream, &mut fences)?)
                 }
-                Route::Host => {
-                    fences.extend(self.fence_on_cpu(index, desc)?);
+                Source::Host { .. } => {
+                    fences.extend(self.fence_on_cpu(index, record)?);
                     on_cpu = true;
-                    placed.push(Placed::Mapped(chunk, path, None));
+                    Memory::Mapped(chunk, offset, record.len as usize)
                 }
                 _ => {
                     if let Some(stream) = &stream
-                        && desc.fence != Fence::None
+                        && record.fence != Fence::None
                         && !crate::switches::skip_ordering()
-                        && !waits.iter().any(|(fence, s)| *fence == desc.fence && Arc::ptr_eq(s, stream))
+                        && !waits.iter().any(|(fence, s)| *fence == record.fence && Arc::ptr_eq(s, stream))
                     {
-                        fences.extend(self.order_for(devices, index, desc, &chunk, stream)?);
-                        waits.push((desc.fence, stream.clone()));
+                        fences.extend(self.order_for(devices, index, record, &chunk, stream)?);
+                        waits.push((record.fence, stream.clone()));
                     }
-                    placed.push(Placed::Mapped(chunk, path, stream));
+                    Memory::Mapped(chunk, offset, record.len as usize)
                 }
-            }
+            };
+            placed.push(Placed { memory, path, stream });
         }
-        // Every stream a wait or a copy was queued on is some tensor's stream too.
+        // Every stream a wait or a copy was queued on is some record's stream too.
         let mut streams: Vec<Arc<Stream>> = Vec::new();
-        for stream in placed.iter().filter_map(Placed::stream) {
+        for stream in placed.iter().filter_map(|p| p.stream.as_ref()) {
             if !streams.iter().any(|s| Arc::ptr_eq(s, stream)) {
                 streams.push(stream.clone());
             }
         }
         let fences: Fences = Arc::new(fences);
         let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
-        // The memory a copy lands in is not reused before the copy is done, even if the tensor
-        // is dropped at once: each landed storage holds an event recorded after its copies.
-        let mut storages = Vec::with_capacity(landed.len());
-        for (_, allocation, stream) in landed {
-            let done = Event::new(stream.context())?;
-            done.record(&stream)?;
-            storages.push(Arc::new(Storage::landed(allocation, fences.clone(), &stream, done)));
-        }
-        let mut tensors = Vec::with_capacity(placed.len());
-        for (placed, desc) in placed.into_iter().zip(descs) {
-            let (storage, path, stream) = match placed {
-                Placed::Mapped(chunk, path, stream) => {
-                    let (offset, len) = (desc.storage_offset as usize, desc.storage_len as usize);
-                    (Arc::new(Storage::received(chunk, offset, len, lease.clone())), path, stream)
+        let mut storages = Vec::with_capacity(placed.len());
+        let mut ways = Vec::with_capacity(placed.len());
+        for Placed { memory, path, stream } in placed {
+            storages.push(Arc::new(match (memory, &stream) {
+                (Memory::Mapped(chunk, offset, len), _) => Storage::received(chunk, offset, len, lease.clone()),
+                // The memory a copy lands in is not reused before the copy is done, even if the
+                // tensors are dropped at once: the storage holds an event recorded after it.
+                (Memory::Landed(allocation), Some(stream)) => {
+                    let done = Event::new(stream.context())?;
+                    done.record(stream)?;
+                    Storage::landed(allocation, fences.clone(), stream, done)
                 }
-                Placed::Landed(at, path, stream) => (storages[at].clone(), path, Some(stream)),
-            };
-            let (shape, strides) = (desc.shape.clone(), desc.strides.clone());
-            let offset = desc.view_offset as usize;
-            tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
+                (Memory::Landed(_), None) => return Err(Error::Protocol("a landed copy without a stream".into())),
+            }));
+            ways.push((path, stream));
         }
+        let tensors = tensors(table, &storages, |record| (0, ways[record].0, ways[record].1.as_ref()))?;
         info.imported_ns = monotonic_ns();
         Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
     }
@@ -234,28 +227,33 @@ impl Connected {
     pub(crate) fn place_remote(
         &mut self,
         devices: &Devices,
-        descs: &[TensorDesc],
+        table: &Descriptors,
         payload: Vec<u8>,
         mut info: MessageInfo,
     ) -> Result<Ready> {
-        for (index, desc) in descs.iter().enumerate() {
-            self.check_route(devices, index, desc)?;
+        for (index, record) in table.storages().iter().enumerate() {
+            self.check_route(devices, index, record.source.route())?;
         }
         let pid = self.pid();
-        let bad = move |index, reason| Error::Frame { pid, source: FrameError::OutOfBounds { index, reason } };
+        let bad = move |index, reason| Error::Frame { pid, source: FrameError::Storage { index, reason } };
         // Taken out for the call, which needs the connection's streams; put back after.
         let Flavor::Remote(mut remote) = std::mem::replace(&mut self.flavor, Flavor::Local) else {
             return Err(Error::Protocol("a local sender's message on the remote path".into()));
         };
-        let received = remote.receive(descs, devices, |uuid| self.stream(devices, uuid), bad);
+        let received = remote.receive(table, devices, |uuid| self.stream(devices, uuid), bad);
         self.flavor = Flavor::Remote(remote);
         let received = received?;
-        let mut tensors = Vec::with_capacity(descs.len());
-        for ((storage, offset, stream), desc) in received.tensors.into_iter().zip(descs) {
-            let path = if desc.route == Route::Nccl { TransferPath::Nccl } else { TransferPath::Tcp };
-            let (shape, strides) = (desc.shape.clone(), desc.strides.clone());
-            tensors.push(Tensor::from_parts(storage, desc.dtype, shape, strides, offset, path, stream));
-        }
+        let storages: Vec<Arc<Storage>> = received.records.iter().map(|(storage, _, _)| storage.clone()).collect();
+        // A record's storage may start inside memory it shares with others (the message's host
+        // bytes): its tensors' offsets count from there.
+        let tensors = tensors(table, &storages, |record| {
+            let path = match table.storages()[record].source {
+                Source::Nccl { .. } => TransferPath::Nccl,
+                _ => TransferPath::Tcp,
+            };
+            let (_, base, stream) = &received.records[record];
+            (*base, path, stream.as_ref())
+        })?;
         info.imported_ns = monotonic_ns();
         // A message with NCCL receives waits on the CPU until its worker has queued them.
         let on_cpu = !received.fences.is_empty();
@@ -263,57 +261,54 @@ impl Connected {
         Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
     }
 
-    /// The chunk a descriptor names, checked, with the path it came by and the stream its first
-    /// use is ordered on (on the GPU it lands on).
-    fn locate(
-        &mut self,
-        devices: &Devices,
-        index: usize,
-        desc: &TensorDesc,
-    ) -> Result<(Arc<Chunk>, TransferPath, Option<Arc<Stream>>)> {
+    /// The chunk a mapped or copied record names, checked, with where the storage starts in it,
+    /// the path it came by and the stream its first use is ordered on (on the GPU it lands on).
+    fn locate(&mut self, devices: &Devices, index: usize, record: &StorageDesc) -> Result<Located> {
         let bad = |reason: String| self.refusal(index, reason);
-        if let Some(why) = self.refused.get(&desc.chunk) {
-            return Err(bad(format!("chunk {} could not be mapped here: {why}", desc.chunk)));
+        let route = record.source.route();
+        let Some((id, offset)) = record.source.chunk_range() else {
+            return Err(bad(format!("route {route} from a sender on this machine")));
+        };
+        if let Some(why) = self.refused.get(&id) {
+            return Err(bad(format!("chunk {id} could not be mapped here: {why}")));
         }
-        let chunk =
-            self.chunks.get(&desc.chunk).cloned().ok_or_else(|| bad(format!("unknown chunk {}", desc.chunk)))?;
-        let end = desc.storage_offset + desc.storage_len; // no overflow: checked by Frame::decode
+        let chunk = self.chunks.get(&id).cloned().ok_or_else(|| bad(format!("unknown chunk {id}")))?;
+        let end = offset + record.len; // no overflow: checked by Frame::decode
         if end > chunk.len() as u64 {
-            return Err(bad(format!(
-                "storage {}..{end} outside chunk {} of {} bytes",
-                desc.storage_offset,
-                desc.chunk,
-                chunk.len()
-            )));
+            return Err(bad(format!("storage {offset}..{end} outside chunk {id} of {} bytes", chunk.len())));
         }
+        let offset = offset as usize; // at most the chunk's length
         let host = matches!(chunk.memory, ChunkMemory::ImportedHost(_));
-        match (desc.route, host) {
-            (Route::SameDevice, true) => return Ok((chunk, TransferPath::HostSharedMemory, None)),
-            (Route::Host, true) => return Ok((chunk, TransferPath::StagedToHost, None)),
-            (Route::Staged, true) => {
-                let target = desc.target.ok_or_else(|| bad("a staged tensor without a target GPU".into()))?;
+        match (record.source, host) {
+            (Source::SameDevice { .. }, true) => {
+                return Ok(Located { chunk, offset, path: TransferPath::HostSharedMemory, stream: None });
+            }
+            (Source::Host { .. }, true) => {
+                return Ok(Located { chunk, offset, path: TransferPath::StagedToHost, stream: None });
+            }
+            (Source::Staged { target, .. }, true) => {
                 if !Reach::local().sees(&target) {
-                    return Err(bad(format!("the staged tensor's target GPU {target} is not one of this process's")));
+                    return Err(bad(format!("the staged copy's target GPU {target} is not one of this process's")));
                 }
                 let stream = self.stream(devices, &target)?;
-                return Ok((chunk, TransferPath::Staged, Some(stream)));
+                return Ok(Located { chunk, offset, path: TransferPath::Staged, stream: Some(stream) });
             }
-            (Route::SameDevice | Route::PeerMap | Route::PeerCopy, false) => {}
-            (route, _) => {
+            (Source::SameDevice { .. } | Source::PeerMap { .. } | Source::PeerCopy { .. }, false) => {}
+            _ => {
                 let kind = if host { "host" } else { "device" };
                 return Err(bad(format!("route {route} with a {kind} chunk")));
             }
         }
-        let path = match (&chunk.memory, desc.route) {
-            (_, Route::PeerCopy) => TransferPath::PeerCopied,
-            (_, Route::PeerMap) => TransferPath::PeerMapped,
+        let path = match (&chunk.memory, record.source) {
+            (_, Source::PeerCopy { .. }) => TransferPath::PeerCopied,
+            (_, Source::PeerMap { .. }) => TransferPath::PeerMapped,
             (ChunkMemory::ImportedVmm(_), _) => TransferPath::CudaVmm,
             (ChunkMemory::ImportedLegacy(_), _) => TransferPath::CudaLegacyIpc,
             _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
         };
         let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
-        let landing = match desc.route {
-            Route::PeerMap => {
+        let landing = match record.source {
+            Source::PeerMap { .. } => {
                 let (target, _) = route::target(&uuid, &devices.routing, Reach::local());
                 let target = target.filter(|t| *t != uuid).ok_or_else(|| {
                     bad(format!("mapped over a peer link, but tensors from GPU {uuid} do not land on another GPU here"))
@@ -324,7 +319,7 @@ impl Connected {
             _ => uuid,
         };
         let stream = self.stream(devices, &landing)?;
-        Ok((chunk, path, Some(stream)))
+        Ok(Located { chunk, offset, path, stream: Some(stream) })
     }
 
     /// This connection's stream for `uuid`'s device (the user's, if one was chosen).
@@ -340,16 +335,17 @@ impl Connected {
         Ok(stream)
     }
 
-    /// Queues `stream`'s wait for the producer's fence of tensor `index`.
+    /// Queues `stream`'s wait for `fence`, the producer's fence of storage record `index` in
+    /// `chunk`.
     pub(crate) fn order(
         &self,
         index: usize,
-        desc: &TensorDesc,
+        fence: Fence,
         chunk: &Chunk,
         stream: &Stream,
     ) -> Result<Option<FenceWait>> {
         let bad = |reason: String| self.refusal(index, reason);
-        match desc.fence {
+        match fence {
             Fence::None => Ok(None),
             Fence::Event(id) => {
                 let event = self.events.get(&id).ok_or_else(|| bad(format!("unknown event {id}")))?;
@@ -365,7 +361,7 @@ impl Connected {
                     return Err(bad(format!("signal chunk {signal_chunk} is host memory")));
                 }
                 if signal.device_uuid() != chunk.device_uuid() {
-                    return Err(bad(format!("signal chunk {signal_chunk} is on another device than the tensor")));
+                    return Err(bad(format!("signal chunk {signal_chunk} is on another device than the storage")));
                 }
                 let offset = usize::try_from(offset).map_err(|_| bad(format!("signal offset {offset}")))?;
                 let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
@@ -378,4 +374,28 @@ impl Connected {
             }
         }
     }
+}
+
+/// The tensors of `table`, each a view of its record's storage (`storages[record]`); `way` gives
+/// per record where its tensors' view offsets count from in that storage, the path it came by
+/// and the stream its first use is ordered on. What each tensor costs here is what the tensor
+/// itself holds: its storage's and stream's counts, and its shape and strides.
+fn tensors<'a>(
+    table: &Descriptors,
+    storages: &[Arc<Storage>],
+    way: impl Fn(usize) -> (usize, TransferPath, Option<&'a Arc<Stream>>),
+) -> Result<Vec<Tensor>> {
+    let mut tensors = Vec::with_capacity(table.len());
+    for (index, desc) in table.tensors().iter().enumerate() {
+        let record = desc.storage as usize;
+        // Checked by Frame::decode: every tensor names a record of its message.
+        let storage = storages.get(record).ok_or_else(|| {
+            Error::Protocol(format!("tensor {index} names storage record {record}, which is not placed"))
+        })?;
+        let (base, path, stream) = way(record);
+        let (shape, strides) = (table.shape(index), table.strides(index));
+        let offset = base + desc.view_offset as usize;
+        tensors.push(Tensor::from_parts(storage.clone(), desc.dtype, shape, strides, offset, path, stream.cloned()));
+    }
+    Ok(tensors)
 }

@@ -44,7 +44,7 @@ use crate::memory::arena::{Allocation, Arena};
 use crate::route::{Reach, Route};
 use crate::sync::lock;
 use crate::tensor::Storage;
-use crate::wire::{MAX_INLINE_BYTES, TensorDesc};
+use crate::wire::{Descriptors, MAX_INLINE_BYTES, Source};
 
 /// How long a communicator's set-up may take (its messages wait for it on the GPU).
 const JOIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -101,13 +101,13 @@ struct Receive {
     fate: Arc<WordFate>,
 }
 
-/// A received tensor: its storage, the byte offset of its element 0 there, and its stream.
+/// A received storage record: the storage, where the record starts in it, and its stream.
 pub(crate) type Landed = (Arc<Storage>, usize, Option<Arc<Stream>>);
 
-/// Storage received from a remote sender, and where each tensor lies in it.
+/// Storage received from a remote sender, per record of the message's table.
 pub(crate) struct Received {
-    /// Per tensor, in the message's order.
-    pub tensors: Vec<Landed>,
+    /// Per record, in the table's order.
+    pub records: Vec<Landed>,
     pub fences: Vec<FenceWait>,
 }
 
@@ -181,113 +181,79 @@ impl Remote {
         Ok(())
     }
 
-    /// Lands a message's tensors: host bytes from the link, GPU data through NCCL. `stream`
-    /// gives the connection's stream for a GPU. An error rejects the message, or closes the
-    /// connection when the message has NCCL transfers (see `Connected::read`).
+    /// Lands a message's storage records: host bytes from the link, GPU data through NCCL.
+    /// `stream` gives the connection's stream for a GPU; `bad` says why record `index` cannot be
+    /// used. An error rejects the message, or closes the connection when the message has NCCL
+    /// transfers (see `Connected::read`).
     pub fn receive(
         &mut self,
-        descs: &[TensorDesc],
+        table: &Descriptors,
         devices: &Devices,
         mut stream: impl FnMut(&Uuid) -> Result<Arc<Stream>>,
         bad: impl Fn(usize, String) -> Error,
     ) -> Result<Received> {
         // The run is complete: its last byte was read before this frame's first.
         let landing = self.landing.take();
-        let mut tensors: Vec<Option<Landed>> = vec![None; descs.len()];
+        let records = table.storages();
+        let mut landed: Vec<Option<Landed>> = vec![None; records.len()];
         let mut fences = Vec::new();
-        // Host tensors: where the message's bytes landed.
-        let inline: Vec<usize> = (0..descs.len()).filter(|&i| descs[i].route == Route::Tcp).collect();
-        if !inline.is_empty() {
+        // Host tensors: where the message's bytes landed, which every bytes record shares.
+        if table.uses(Route::Tcp) {
+            let first = records.iter().position(|r| matches!(r.source, Source::Bytes { .. })).unwrap_or(0);
             let Some(HostLanding { allocation, len, .. }) = landing else {
-                return Err(bad(inline[0], "host bytes, of a message that brought none".into()));
+                return Err(bad(first, "host bytes, of a message that brought none".into()));
             };
             let storage = Arc::new(Storage::from_allocation(allocation));
-            for index in inline {
-                let desc = &descs[index];
-                let end = desc.storage_offset + desc.storage_len; // no overflow: checked by decoding
+            for (index, record) in records.iter().enumerate() {
+                let Source::Bytes { offset } = record.source else { continue };
+                let end = offset + record.len; // no overflow: checked by decoding
                 if end > len as u64 {
-                    return Err(bad(
-                        index,
-                        format!("bytes {}..{end} of a message that brought {len}", desc.storage_offset),
-                    ));
+                    return Err(bad(index, format!("bytes {offset}..{end} of a message that brought {len}")));
                 }
-                tensors[index] = Some((storage.clone(), (desc.storage_offset + desc.view_offset) as usize, None));
+                landed[index] = Some((storage.clone(), offset as usize, None));
             }
         }
-        // GPU tensors: per communicator, the spans in order, received as one group.
+        // GPU tensors: per communicator, its records in order are its transfers, received as one
+        // group.
         let mut by_comm: Vec<(u32, Vec<usize>)> = Vec::new();
-        for (index, desc) in descs.iter().enumerate().filter(|(_, d)| d.route == Route::Nccl) {
-            let id = u32::try_from(desc.chunk).map_err(|_| bad(index, format!("communicator {}", desc.chunk)))?;
-            match by_comm.iter_mut().find(|(c, _)| *c == id) {
-                Some((_, members)) => members.push(index),
-                None => by_comm.push((id, vec![index])),
+        for (index, record) in records.iter().enumerate() {
+            if let Source::Nccl { communicator } = record.source {
+                match by_comm.iter_mut().find(|(c, _)| *c == communicator) {
+                    Some((_, members)) => members.push(index),
+                    None => by_comm.push((communicator, vec![index])),
+                }
             }
         }
         for (id, members) in by_comm {
-            // Span k's length, from its tensors (which must agree).
-            let mut spans: Vec<Option<u64>> = Vec::new();
-            for &index in &members {
-                let desc = &descs[index];
-                let span = desc.span as usize;
-                // A transfer is the storage: a lying offset would reach past the memory it lands in.
-                if desc.storage_offset != 0 {
-                    return Err(bad(
-                        index,
-                        format!("an NCCL tensor at offset {} of its transfer", desc.storage_offset),
-                    ));
-                }
-                if span >= members.len() {
-                    return Err(bad(index, format!("NCCL transfer {span} of {} tensors", members.len())));
-                }
-                if spans.len() <= span {
-                    spans.resize(span + 1, None);
-                }
-                match spans[span] {
-                    Some(len) if len != desc.storage_len => {
-                        return Err(bad(
-                            index,
-                            format!("NCCL transfer {span} of {len} and {} bytes", desc.storage_len),
-                        ));
-                    }
-                    _ => spans[span] = Some(desc.storage_len),
-                }
-            }
-            let spans: Vec<u64> = spans
-                .into_iter()
-                .enumerate()
-                .map(|(k, len)| len.ok_or_else(|| bad(members[0], format!("NCCL transfer {k} has no tensor"))))
-                .collect::<Result<_>>()?;
             let joined =
                 self.communicators.get_mut(&id).ok_or_else(|| bad(members[0], format!("unknown communicator {id}")))?;
             let stream = stream(&joined.target)?;
             let arena = Arena::device(&devices.context(&joined.target)?);
             let fate = WordFate::pending();
             let fenced = Arc::new(vec![FenceWait::transfer(fate.clone())]);
-            let mut storages = Vec::with_capacity(spans.len());
-            for &len in &spans {
-                let allocation = arena.allocate(len as usize)?;
-                storages.push(Arc::new(Storage::landing(allocation, fenced.clone())));
-            }
-            // Each receive takes exactly its span's bytes, not the allocation's rounded length:
-            // NCCL's P2P and shared-memory transports match a send and a receive by count, so a
-            // longer receive would wait for the next message's bytes (its network transport
-            // tolerates it, which hid this).
-            let receives = storages.iter().zip(&spans).map(|(storage, &len)| (storage.clone(), len as usize));
-            let receive = Receive { spans: receives.collect(), stream: stream.clone(), fate: fate.clone() };
-            joined.comm.queue.submit(receive).map_err(|e| bad(members[0], e.to_string()))?;
+            let mut spans = Vec::with_capacity(members.len());
             for &index in &members {
-                let desc = &descs[index];
-                let at = (desc.storage_offset + desc.view_offset) as usize;
-                tensors[index] = Some((storages[desc.span as usize].clone(), at, Some(stream.clone())));
+                let len = records[index].len as usize;
+                let storage = Arc::new(Storage::landing(arena.allocate(len)?, fenced.clone()));
+                landed[index] = Some((storage.clone(), 0, Some(stream.clone())));
+                // Each receive takes exactly its transfer's bytes, not the allocation's rounded
+                // length: NCCL's P2P and shared-memory transports match a send and a receive by
+                // count, so a longer receive would wait for the next message's bytes (its network
+                // transport tolerates it, which hid this).
+                spans.push((storage, len));
             }
+            let receive = Receive { spans, stream: stream.clone(), fate: fate.clone() };
+            joined.comm.queue.submit(receive).map_err(|e| bad(members[0], e.to_string()))?;
             fences.push(FenceWait::transfer(fate));
         }
-        let tensors = tensors
+        let records = landed
             .into_iter()
             .enumerate()
-            .map(|(index, t)| t.ok_or_else(|| bad(index, format!("route {} from another host", descs[index].route))))
+            .map(|(index, r)| {
+                r.ok_or_else(|| bad(index, format!("route {} from another host", records[index].source.route())))
+            })
             .collect::<Result<_>>()?;
-        Ok(Received { tensors, fences })
+        Ok(Received { records, fences })
     }
 
     /// The receiver is being dropped: each worker gives up at once (a set-up under way within

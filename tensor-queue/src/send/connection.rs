@@ -23,7 +23,7 @@ use crate::memory::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::sync::lock;
 use crate::tensor::Storage;
-use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
+use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET};
 
 /// A message the receiver refused (see [`Sender::take_rejected`](crate::Sender::take_rejected)).
 ///
@@ -369,40 +369,15 @@ impl SenderInner {
             Some(receiver) => receiver,
             None => return Err(give_back(Error::Disconnected, event)),
         };
-        let sent =
-            match crate::send::routes::prepare(&outgoing.tensors, outgoing.stream, &receiver, self.link.peer_pid()) {
-                Ok(sent) => sent,
-                Err(error) => return Err(give_back(error, event)),
-            };
-        let mut descriptors = Vec::with_capacity(sent.len());
-        for (tensor, sent) in outgoing.tensors.iter().zip(&sent) {
-            let storage = &sent.storage;
-            let tensor_fence = match &sent.fence {
-                Some(signal) => {
-                    if let Err(error) = self.announce(writer, &signal.chunk) {
-                        return Err(give_back(error, event));
-                    }
-                    Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }
-                }
-                None if storage.chunk.device().is_some() => fence,
-                None => Fence::None,
-            };
-            if let Err(error) = self.announce(writer, &storage.chunk) {
+        let pid = self.link.peer_pid();
+        let prepared = match crate::send::routes::prepare(&outgoing.tensors, outgoing.stream, &receiver, pid, fence) {
+            Ok(prepared) => prepared,
+            Err(error) => return Err(give_back(error, event)),
+        };
+        for chunk in &prepared.chunks {
+            if let Err(error) = self.announce(writer, chunk) {
                 return Err(give_back(error, event));
             }
-            descriptors.push(TensorDesc {
-                chunk: storage.chunk.id,
-                storage_offset: storage.offset as u64,
-                storage_len: storage.len as u64,
-                view_offset: sent.view_offset as u64,
-                dtype: tensor.dtype(),
-                fence: tensor_fence,
-                route: sent.route,
-                target: sent.target,
-                span: 0,
-                shape: tensor.shape().to_vec(),
-                strides: tensor.strides().to_vec(),
-            });
         }
         {
             // Under the lock that handling a `Close` takes: either the closing is seen here, or
@@ -412,15 +387,15 @@ impl SenderInner {
                 drop(state);
                 return Err(give_back(Error::Disconnected, event));
             }
-            if !sent.is_empty() {
-                state.leases.insert(seq, sent.into_iter().map(|s| s.storage).collect());
+            if !prepared.leases.is_empty() {
+                state.leases.insert(seq, prepared.leases);
             }
         }
         let frame = Frame::Message {
             seq,
             sent_ns: outgoing.sent_ns,
             encoded_ns: crate::clock::monotonic_ns(),
-            tensors: descriptors,
+            tensors: prepared.table,
             payload: outgoing.payload.clone(),
         };
         match self.link.send(&frame, &[]) {

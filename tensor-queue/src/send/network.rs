@@ -34,15 +34,15 @@ use ipc_core::nccl::{Communicator, UniqueId};
 use ipc_core::tcp::{Bulk, Piece, SharedBytes};
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
-use super::routes::{group, spans, stream_after};
+use super::routes::{describe, group, spans, stream_after};
 use crate::error::{Error, Result};
 use crate::links::nccl::{Next, WorkQueue, Workers};
 use crate::route::Reach;
 use crate::route::Routing;
-use crate::route::{Route, choose_remote};
+use crate::route::choose_remote;
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
-use crate::wire::{Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
+use crate::wire::{Descriptors, Fence, Frame, MAX_INLINE_BYTES, Source, StorageDesc};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -54,7 +54,7 @@ const ALIGN: usize = 16;
 /// NCCL transfers to queue once they are all written ([`RemoteMessage::written`]), so that the
 /// receiver always has the frames a transfer's set-up needs from it.
 pub(crate) struct RemoteMessage {
-    pub descriptors: Vec<TensorDesc>,
+    pub descriptors: Descriptors,
     /// New communicators' frames.
     pub frames: Vec<Frame>,
     /// The host tensors' bytes (and GPU tensors' copied to the host), written after the frames
@@ -239,7 +239,7 @@ pub(crate) fn prepare(
     let mut created = Vec::new();
     let mut transfers = Vec::new();
     let (reach, routing) = receiver;
-    let mut descriptors: Vec<Option<TensorDesc>> = vec![None; tensors.len()];
+    let mut descriptors = Descriptors::unrouted(tensors.len());
     let mut inlined = Vec::new();
     // GPU tensors by (source, target), each to move as one group.
     let mut groups: Vec<((Uuid, Uuid), Vec<usize>)> = Vec::new();
@@ -267,7 +267,7 @@ pub(crate) fn prepare(
         false => {
             let mut run = Run { pieces: Vec::with_capacity(2 * inlined.len()), len: 0 };
             for index in inlined {
-                descriptors[index] = Some(run.inline(&tensors[index], stream)?);
+                run.inline(&tensors[index], index, stream, &mut descriptors)?;
             }
             Some(Bulk::new(run.pieces, Box::new(lease.clone()))?)
         }
@@ -276,7 +276,7 @@ pub(crate) fn prepare(
         let comm = match comms.get(source, target, &mut frames, &mut created, alive) {
             Ok(comm) => comm,
             Err(error) => {
-                comms.unwritten(RemoteMessage { descriptors: Vec::new(), frames, bulk: None, transfers, created });
+                comms.unwritten(RemoteMessage { descriptors, frames, bulk: None, transfers, created });
                 return Err(error);
             }
         };
@@ -298,12 +298,12 @@ pub(crate) fn prepare(
         let mut transfer = Transfer { after, spans: Vec::new(), lease: lease.clone() };
         for (_, chunk_members) in by_chunk {
             for span in spans(tensors, &chunk_members)? {
-                let index = transfer.spans.len() as u32;
+                // The communicator's records, in order, are its transfers.
                 let len = span.high - span.low;
+                let source = Source::Nccl { communicator: comm.id };
+                let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
                 for &(member, elem0) in &span.members {
-                    let tensor = &tensors[member];
-                    descriptors[member] =
-                        Some(descriptor(tensor, Route::Nccl, comm.id as u64, 0, len, elem0 - span.low, index));
+                    describe(&mut descriptors, &tensors[member], member, record, elem0 - span.low);
                 }
                 let storage = tensors[span.members[0].0].storage.clone();
                 // The span is in chunk coordinates; the storage's memory is the whole chunk.
@@ -312,10 +312,9 @@ pub(crate) fn prepare(
         }
         transfers.push((comm, transfer));
     }
-    let descriptors = descriptors
-        .into_iter()
-        .map(|d| d.ok_or_else(|| Error::Protocol("a tensor was not routed".into())))
-        .collect::<Result<_>>()?;
+    if let Some(index) = descriptors.unrouted_tensor() {
+        return Err(Error::Protocol(format!("tensor {index} was not routed")));
+    }
     Ok(RemoteMessage { descriptors, frames, bulk, transfers, created })
 }
 
@@ -337,8 +336,8 @@ struct Run {
 impl Run {
     /// Appends the bytes `tensor`'s view touches (from an aligned start; a GPU tensor's are
     /// copied to the host first, after the producer's work: a CPU wait) and describes where
-    /// they lie in the run.
-    fn inline(&mut self, tensor: &Tensor, stream: Option<&Stream>) -> Result<TensorDesc> {
+    /// they lie in the run, as tensor `index`.
+    fn inline(&mut self, tensor: &Tensor, index: usize, stream: Option<&Stream>, descriptors: &mut Descriptors) -> Result<()> {
         let (start, end) = tensor.touched_bytes()?;
         let start = start / ALIGN * ALIGN;
         let at = self.len.next_multiple_of(ALIGN);
@@ -366,7 +365,10 @@ impl Run {
         self.len = at + have;
         self.pad(len - have); // an empty view still takes a byte
         let view_offset = storage.offset + tensor.offset() - (storage.offset + start);
-        Ok(descriptor(tensor, Route::Tcp, 0, at as u64, len, view_offset, 0))
+        let source = Source::Bytes { offset: at as u64 };
+        let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
+        describe(descriptors, tensor, index, record, view_offset);
+        Ok(())
     }
 
     /// Appends `n` (< [`ALIGN`]) zeros.
@@ -375,29 +377,5 @@ impl Run {
             self.pieces.push(Piece::Zeros(n));
             self.len += n;
         }
-    }
-}
-
-fn descriptor(
-    tensor: &Tensor,
-    route: Route,
-    chunk: u64,
-    offset: u64,
-    len: usize,
-    view_offset: usize,
-    span: u32,
-) -> TensorDesc {
-    TensorDesc {
-        chunk,
-        storage_offset: offset,
-        storage_len: len as u64,
-        view_offset: view_offset as u64,
-        dtype: tensor.dtype(),
-        fence: Fence::None,
-        route,
-        target: None,
-        span,
-        shape: tensor.shape().to_vec(),
-        strides: tensor.strides().to_vec(),
     }
 }

@@ -1,6 +1,7 @@
-//! The sender's half of the routes: for one receiver, what each tensor of a message becomes.
-//! Mapped routes send the tensor's own storage; copy routes queue the copies on the producer's
-//! stream (after its work) and send the copies, whose storage is then what the receiver holds.
+//! The sender's half of the routes: for one receiver, what each tensor of a message becomes,
+//! written as the message's descriptor table (one storage record per span). Mapped routes send
+//! the tensors' own storage; copy routes queue the copies on the producer's stream (after its
+//! work) and send the copies, whose storage is then what the receiver holds.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -17,84 +18,94 @@ use crate::route::{Choice, Route, choose};
 use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
+use crate::wire::{Descriptors, Fence, Source, StorageDesc};
 
-/// A tensor as it goes to one receiver.
-pub(crate) struct Sent {
-    /// What the receiver maps: the tensor's own storage, or a copy of the bytes its view touches.
-    pub storage: Arc<Storage>,
-    /// Bytes from that storage's start to element 0.
-    pub view_offset: usize,
-    pub route: Route,
-    /// For the staged route: the receiver's GPU it lands on.
-    pub target: Option<Uuid>,
-    /// What the receiver waits for: the message's fence (`None` here) or the copy's own.
-    pub fence: Option<Arc<Signal>>,
+/// A message as it goes to one receiver: its descriptor table, the chunks to announce first,
+/// and the storage the receiver holds until it releases the message.
+pub(crate) struct Prepared {
+    pub table: Descriptors,
+    /// The chunks the records name (and copies' signal words): announced before the message.
+    pub chunks: Vec<Arc<Chunk>>,
+    /// What the receiver maps: the tensors' own storage, or the copies of the bytes they touch.
+    pub leases: Vec<Arc<Storage>>,
 }
 
 /// Tensors must lie this close together in one chunk to move as one copy: a copy call costs
 /// about 2 us of enqueue, so a gap is worth copying when it moves in less time than that.
 const COALESCE_GAP: usize = 256 << 10;
 
-/// What the tensors of a message become for a receiver with `routing` and `reach`. Copies are
-/// queued on `stream` (the producer's), or on a stream of the sender's for a message whose
-/// devices were synchronised. The sources of copies are kept until the copies are done.
+/// What the tensors of a message become for a receiver with `routing` and `reach`: one storage
+/// record per span. Tensors mapped where they are share a record when their storages touch in
+/// one chunk; copies are queued per span on `stream` (the producer's), or on a stream of the
+/// sender's for a message whose devices were synchronised, and the tensors of a span share its
+/// copy. The sources of copies are kept until the copies are done. `fence` is what the receiver
+/// waits for before the first use of a GPU tensor mapped where it is (the message's fence).
 pub(crate) fn prepare(
     tensors: &[Tensor],
     stream: Option<&Stream>,
     receiver: &(Reach, Routing),
     peer_pid: u32,
-) -> Result<Vec<Sent>> {
+    fence: Fence,
+) -> Result<Prepared> {
     let (reach, routing) = receiver;
-    let mut sent: Vec<Option<Sent>> = Vec::with_capacity(tensors.len());
-    // Tensors to copy, by (route, source chunk, target): each group moves in few copies.
+    // Tensors by (route, chunk, target): each group becomes few records.
     let mut groups: Vec<(GroupKey, Vec<usize>)> = Vec::new();
     let mut choices: Vec<(Uuid, Choice)> = Vec::new();
     for (index, tensor) in tensors.iter().enumerate() {
-        let Some(source) = tensor.storage.chunk.device_uuid() else {
-            sent.push(Some(Sent::as_is(tensor, Route::SameDevice)));
-            continue;
-        };
-        // Decided once per source GPU of the message, not per tensor.
-        let choice = match choices.iter().find(|(uuid, _)| *uuid == source) {
-            Some((_, choice)) => choice,
-            None => {
-                let choice = choose(&source, routing, reach, Reach::local())?;
-                if let Some(why) = &choice.slower_because {
-                    log_slower_once(peer_pid, source, choice.target, choice.route, why);
-                }
-                choices.push((source, choice));
-                &choices[choices.len() - 1].1
+        let key = match tensor.storage.chunk.device_uuid() {
+            None => (Route::SameDevice, tensor.storage.chunk.id, None),
+            Some(source) => {
+                // Decided once per source GPU of the message, not per tensor.
+                let choice = match choices.iter().find(|(uuid, _)| *uuid == source) {
+                    Some((_, choice)) => choice,
+                    None => {
+                        let choice = choose(&source, routing, reach, Reach::local())?;
+                        if let Some(why) = &choice.slower_because {
+                            log_slower_once(peer_pid, source, choice.target, choice.route, why);
+                        }
+                        choices.push((source, choice));
+                        &choices[choices.len() - 1].1
+                    }
+                };
+                (choice.route, tensor.storage.chunk.id, choice.target)
             }
         };
-        match choice.route {
-            Route::SameDevice | Route::PeerMap => sent.push(Some(Sent::as_is(tensor, choice.route))),
-            route => {
-                sent.push(None);
-                group(&mut groups, (route, tensor.storage.chunk.id, choice.target), index);
-            }
-        }
+        group(&mut groups, key, index);
     }
+    let mut prepared = Prepared { table: Descriptors::unrouted(tensors.len()), chunks: Vec::new(), leases: Vec::new() };
     for ((route, _, target), members) in groups {
         let chunk = tensors[members[0]].storage.chunk.clone();
+        if matches!(route, Route::SameDevice | Route::PeerMap) {
+            let fence = if chunk.device().is_some() { fence } else { Fence::None };
+            map_in_place(tensors, &members, route, fence, &mut prepared);
+            prepared.chunks.push(chunk);
+            continue;
+        }
         let memory = chunk.device().ok_or_else(|| Error::Protocol("a device route for host memory".into()))?;
         let stream = &*stream_after(stream, memory.context())?;
         for span in spans(tensors, &members)? {
-            let copy = match route {
+            let (storage, signal) = match route {
                 Route::PeerCopy => {
                     let target = target.ok_or_else(|| Error::Protocol("a peer copy without a target".into()))?;
                     peer_copy(&chunk, &span, stream, &target)?
                 }
                 _ => stage(&chunk, &span, stream)?,
             };
+            let (id, offset) = (storage.chunk.id, storage.offset as u64);
+            let source = match (route, target) {
+                (Route::PeerCopy, _) => Source::PeerCopy { chunk: id, offset },
+                (Route::Staged, Some(target)) => Source::Staged { chunk: id, offset, target },
+                (Route::Host, _) => Source::Host { chunk: id, offset },
+                (route, _) => return Err(Error::Protocol(format!("route {route} has no copy source"))),
+            };
+            let fence = Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value };
+            let record = prepared.table.push_storage(StorageDesc { source, len: storage.len as u64, fence });
             for &(index, elem0) in &span.members {
-                sent[index] = Some(Sent {
-                    storage: copy.0.clone(),
-                    view_offset: elem0 - span.low,
-                    route,
-                    target: if route == Route::Staged { target } else { None },
-                    fence: Some(copy.1.clone()),
-                });
+                describe(&mut prepared.table, &tensors[index], index, record, elem0 - span.low);
             }
+            prepared.chunks.push(signal.chunk.clone());
+            prepared.chunks.push(storage.chunk.clone());
+            prepared.leases.push(storage);
         }
         // The sources stay until the copies queued so far on the stream are done.
         let done = Event::new(stream.context())?;
@@ -102,7 +113,57 @@ pub(crate) fn prepare(
         let sources: Vec<Arc<Storage>> = members.iter().map(|&i| tensors[i].storage.clone()).collect();
         crate::memory::arena::drop_after(vec![done], Box::new(sources));
     }
-    sent.into_iter().map(|s| s.ok_or_else(|| Error::Protocol("a tensor was not routed".into()))).collect()
+    if let Some(index) = prepared.table.unrouted_tensor() {
+        return Err(Error::Protocol(format!("tensor {index} was not routed")));
+    }
+    Ok(prepared)
+}
+
+/// Records for `members` (tensors of one chunk mapped where they are, by `route`): one per run
+/// of storages that touch or overlap, so that tensors allocated together (or views of one
+/// storage) share one record, and the receiver one storage. Each distinct storage is leased.
+fn map_in_place(tensors: &[Tensor], members: &[usize], route: Route, fence: Fence, prepared: &mut Prepared) {
+    let mut ranges: Vec<(usize, usize, usize)> = members
+        .iter()
+        .map(|&index| {
+            let storage = &tensors[index].storage;
+            (storage.offset, storage.offset + storage.len, index)
+        })
+        .collect();
+    ranges.sort_unstable();
+    let chunk = tensors[members[0]].storage.chunk.id;
+    let mut at = 0;
+    while at < ranges.len() {
+        // The run of storages from `at` that touch one another.
+        let (low, mut high, _) = ranges[at];
+        let mut end = at + 1;
+        while end < ranges.len() && ranges[end].0 <= high {
+            high = high.max(ranges[end].1);
+            end += 1;
+        }
+        let offset = low as u64;
+        let source = match route {
+            Route::PeerMap => Source::PeerMap { chunk, offset },
+            _ => Source::SameDevice { chunk, offset },
+        };
+        let record = prepared.table.push_storage(StorageDesc { source, len: (high - low) as u64, fence });
+        let mut last: Option<&Arc<Storage>> = None;
+        for &(start, _, index) in &ranges[at..end] {
+            let tensor = &tensors[index];
+            describe(&mut prepared.table, tensor, index, record, start - low + tensor.offset());
+            // Views of one storage sort together: each storage is leased once.
+            if !last.is_some_and(|last| Arc::ptr_eq(last, &tensor.storage)) {
+                prepared.leases.push(tensor.storage.clone());
+                last = Some(&tensor.storage);
+            }
+        }
+        at = end;
+    }
+}
+
+/// Describes tensor `index` as a view of storage record `record` from `view_offset` on.
+pub(crate) fn describe(table: &mut Descriptors, tensor: &Tensor, index: usize, record: u32, view_offset: usize) {
+    table.set_tensor(index, record, view_offset as u64, tensor.dtype(), tensor.shape(), tensor.strides());
 }
 
 /// Tensors copied together: (route, source chunk, target GPU).
@@ -113,12 +174,6 @@ type Streams = Mutex<Vec<(i32, usize, Arc<Stream>)>>;
 
 /// Receiver process, source GPU, target GPU.
 type PairKey = (u32, Uuid, Option<Uuid>);
-
-impl Sent {
-    fn as_is(tensor: &Tensor, route: Route) -> Sent {
-        Sent { storage: tensor.storage.clone(), view_offset: tensor.offset(), route, target: None, fence: None }
-    }
-}
 
 /// Bytes of one chunk that move as one copy, and the tensors in them (with the chunk offset of
 /// each one's element 0).

@@ -180,6 +180,10 @@ impl Storage {
     }
 }
 
+/// A tensor's sizes or strides: inline up to 4 dimensions, so that cloning a tensor (as sending
+/// does) or receiving one allocates nothing for them.
+type Dims<T> = smallvec::SmallVec<[T; 4]>;
+
 /// An n-dimensional view of typed memory that can be sent to other processes.
 ///
 /// ```
@@ -195,8 +199,8 @@ impl Storage {
 pub struct Tensor {
     pub(crate) storage: Arc<Storage>,
     dtype: DType,
-    shape: Vec<u64>,
-    strides: Vec<i64>,
+    shape: Dims<u64>,
+    strides: Dims<i64>,
     /// Bytes from the storage's start to element 0.
     offset: usize,
     path: TransferPath,
@@ -261,8 +265,8 @@ impl Tensor {
         Tensor {
             storage: Arc::new(storage),
             dtype,
-            shape: shape.to_vec(),
-            strides: contiguous_strides(shape),
+            shape: Dims::from_slice(shape),
+            strides: Dims::from_vec(contiguous_strides(shape)),
             offset: 0,
             path: TransferPath::Local,
             stream: None,
@@ -272,12 +276,13 @@ impl Tensor {
     pub(crate) fn from_parts(
         storage: Arc<Storage>,
         dtype: DType,
-        shape: Vec<u64>,
-        strides: Vec<i64>,
+        shape: &[u64],
+        strides: &[i64],
         offset: usize,
         path: TransferPath,
         stream: Option<Arc<Stream>>,
     ) -> Tensor {
+        let (shape, strides) = (Dims::from_slice(shape), Dims::from_slice(strides));
         Tensor { storage, dtype, shape, strides, offset, path, stream }
     }
 
@@ -604,7 +609,16 @@ impl Tensor {
 
     /// The same storage seen with another layout (checked by the caller, see `view.rs`).
     pub(crate) fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
-        Tensor { shape, strides, offset, ..self.clone() }
+        let (shape, strides) = (Dims::from_slice(&shape), Dims::from_slice(&strides));
+        Tensor {
+            shape,
+            strides,
+            offset,
+            path: self.path,
+            stream: self.stream.clone(),
+            storage: self.storage.clone(),
+            dtype: self.dtype,
+        }
     }
 
     /// The byte range of the storage this view touches, relative to the storage's start.
@@ -765,7 +779,7 @@ impl Tensor {
 
     /// The mapping of a host tensor, and the first byte of one element of it there.
     fn element_at(&self, index: &[u64]) -> Result<(&SharedMemory, usize)> {
-        let bad_index = || TensorProblem::BadIndex { index: index.to_vec(), shape: self.shape.clone() };
+        let bad_index = || TensorProblem::BadIndex { index: index.to_vec(), shape: self.shape.to_vec() };
         if index.len() != self.shape.len() {
             return Err(bad_index().into());
         }

@@ -7,13 +7,15 @@
 //! `setup`, `floor`, `torch`, `rtt`, `breakdown`, `stream`, `broadcast`, `cross` (GPU0 -> GPU1 by each
 //! route, with its own table printed last; `--cross-anchors SCRIPT` names `cross_anchors.py`, which is
 //! otherwise looked for beside `--torch`; see `cross.rs`), `host-msgs` (`--messages N` small host
-//! messages to a receiver process, no GPU needed; see `host_msgs.rs`).
+//! messages to a receiver process, no GPU needed; see `host_msgs.rs`), `host-many` (one message of
+//! 1,024 x 4 KiB host tensors, one-way; no GPU needed; see `host_many.rs`).
 //!
 //! Every time is the machine's `CLOCK_MONOTONIC` (one clock for all processes), read on the side
 //! of the barrier where the data became usable. Without a GPU the same sections run with host
 //! tensors (shared memory), and the GPU-only parts say that they were skipped.
 
 mod cross;
+mod host_many;
 mod host_msgs;
 mod plot;
 
@@ -209,6 +211,9 @@ fn main() -> Result<()> {
     if std::env::args().nth(1).as_deref() == Some(host_msgs::RECEIVER_FLAG) {
         return host_msgs::receiver();
     }
+    if std::env::args().nth(1).as_deref() == Some(host_many::RECEIVER_FLAG) {
+        return host_many::receiver();
+    }
     let options = Options::parse()?;
     std::fs::create_dir_all(&options.out).with_context(|| format!("creating {}", options.out.display()))?;
     let gpu = match integration_tests::gpu_skip_reason() {
@@ -223,7 +228,8 @@ fn main() -> Result<()> {
     };
     let machine = machine(gpu.as_ref())?;
     eprintln!("tq-bench on {machine}");
-    let sections = ["setup", "floor", "torch", "rtt", "breakdown", "stream", "broadcast", "cross", "host-msgs"];
+    let sections =
+        ["setup", "floor", "torch", "rtt", "breakdown", "stream", "broadcast", "cross", "host-msgs", "host-many"];
     let steps = sections.iter().filter(|s| options.wants(s)).count();
     let mut bench = Bench {
         gpu,
@@ -258,6 +264,7 @@ fn main() -> Result<()> {
             "broadcast" => bench.broadcast()?,
             "cross" => bench.cross()?,
             "host-msgs" => bench.host_msgs()?,
+            "host-many" => bench.host_many()?,
             _ => unreachable!(),
         }
     }
