@@ -656,7 +656,14 @@ fn a_receiver_out_of_descriptors_rejects_alone_and_goes_on() {
     assert!(!rejected.is_empty(), "with 6 spare descriptors, 12 chunks cannot all be held: {report:?}");
     assert!(summary.contains("other []"), "only messages are refused, the channel stays: {report:?}");
     assert!(report.iter().any(|l| l == "after 4096"), "after letting go, the channel goes on: {report:?}");
-    let sender_side = tx.take_rejected();
+    // The refusals reach the sender's reader thread after the peer printed them: gather them
+    // until all came (a bounded wait; a missing one fails below).
+    let mut sender_side = tx.take_rejected();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while sender_side.len() < rejected.len() && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+        sender_side.extend(tx.take_rejected());
+    }
     assert_eq!(sender_side.len(), rejected.len(), "the sender hears of each refusal: {sender_side:?}");
     assert!(
         rejected.iter().all(|r| r.to_lowercase().contains("descriptor") || r.contains("limit")),

@@ -697,9 +697,13 @@ fn hostile_views_cannot_be_made_or_sent_through_the_api() {
                 return Some(format!("{what}: made with numel() {} for shape {:?}", tensor.numel(), tensor.shape()));
             }
             let sent = sender.send(&Probe { id: 99, tensors: vec![tensor], expected: vec![0], note: what.into() });
-            (!matches!(sent, Err(Error::Invalid(_)))).then(|| format!("{what}: made, and sending gave {sent:?}"))
+            (!matches!(sent, Err(Error::Invalid(_) | Error::Tensor(_))))
+                .then(|| format!("{what}: made, and sending gave {sent:?}"))
         }
-        Ok(Err(error)) => (!matches!(error, Error::Invalid(_))).then(|| format!("{what}: {error:?}")),
+        // Refused, typed: a shape that cannot exist, or a view that cannot be made.
+        Ok(Err(error)) => {
+            (!matches!(error, Error::Tensor(_) | Error::View { .. })).then(|| format!("{what}: {error:?}"))
+        }
     };
     let unwind =
         |f: &dyn Fn() -> tensor_queue::Result<Tensor>| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));

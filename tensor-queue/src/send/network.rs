@@ -337,7 +337,13 @@ impl Run {
     /// Appends the bytes `tensor`'s view touches (from an aligned start; a GPU tensor's are
     /// copied to the host first, after the producer's work: a CPU wait) and describes where
     /// they lie in the run, as tensor `index`.
-    fn inline(&mut self, tensor: &Tensor, index: usize, stream: Option<&Stream>, descriptors: &mut Descriptors) -> Result<()> {
+    fn inline(
+        &mut self,
+        tensor: &Tensor,
+        index: usize,
+        stream: Option<&Stream>,
+        descriptors: &mut Descriptors,
+    ) -> Result<()> {
         let (start, end) = tensor.touched_bytes()?;
         let start = start / ALIGN * ALIGN;
         let at = self.len.next_multiple_of(ALIGN);
