@@ -474,6 +474,13 @@ pub enum TensorProblem {
     /// reaches past either end).
     #[error("the view reaches outside its storage")]
     OutsideStorage,
+    /// A [`crate::DType::Bool`] element given a byte other than 0 or 1 (NumPy and torch read
+    /// such a bool as neither true nor false).
+    #[error("byte {value} for a Bool element: a Bool is 0 or 1")]
+    NotABool {
+        /// The first such byte.
+        value: u8,
+    },
 }
 
 /// A device for messages: a GPU's UUID, or the host.

@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result, TensorProblem};
 use crate::tensor::dtype::{DType, Element};
-use crate::tensor::{Tensor, check_element};
+use crate::tensor::{Tensor, check_element, check_values};
 
 /// An element type with exactly one dtype, so the dtype can be left out: `f32` is
 /// [`DType::F32`], `i64` is [`DType::I64`]. (`u16` is not one: it reads both half types as bits;
@@ -120,6 +120,7 @@ impl Tensor {
             .map_err(|_| TensorProblem::NoMemory { bytes: tensor.nbytes() })?;
         elements.resize(tensor.numel() as usize, T::zeroed());
         fill(&mut elements);
+        check_values(dtype, bytemuck::cast_slice(&elements))?;
         let (memory, at) = tensor.host_storage()?;
         memory.write(at, bytemuck::cast_slice(&elements))?;
         Ok(tensor)

@@ -20,7 +20,7 @@ use kernels::{Kernels, StridedLayout};
 
 use crate::error::{Error, Result, TensorProblem};
 use crate::tensor::dtype::{DType, Element};
-use crate::tensor::{Tensor, TensorDevice, TransferPath, check_element};
+use crate::tensor::{Tensor, TensorDevice, TransferPath, check_element, check_values};
 
 impl Tensor {
     /// A GPU tensor on `stream`'s device holding `data` (row-major), copied on `stream`; `data`
@@ -57,6 +57,7 @@ impl Tensor {
         if bytes.len() != tensor.nbytes() {
             return Err(TensorProblem::LengthMismatch { data_bytes: bytes.len(), tensor_bytes: tensor.nbytes() }.into());
         }
+        check_values(dtype, bytes)?;
         let (memory, start) = tensor.device_memory()?;
         stream.copy_from_host_async(memory, start, bytes)?;
         Ok(tensor)
@@ -324,6 +325,7 @@ impl Tensor {
     fn fill_with<T: Element>(&self, value: T, stream: Option<&Stream>) -> Result<()> {
         check_element::<T>(self.dtype())?;
         let bytes = bytemuck::bytes_of(&value);
+        check_values(self.dtype(), bytes)?;
         let Some(stream) = stream.filter(|_| self.device() != TensorDevice::Host) else {
             let numel = self.numel() as usize;
             let mut row_major = Vec::new();

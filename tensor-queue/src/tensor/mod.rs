@@ -251,6 +251,16 @@ fn byte_len(dtype: DType, shape: &[u64]) -> Result<usize> {
 }
 
 /// Whether elements of `T` hold `dtype`: a [`TensorProblem::DTypeMismatch`] if not.
+/// Refuses element bytes a `dtype` tensor cannot hold: a [`DType::Bool`] is 0 or 1. Checked
+/// where this crate writes a caller's values (made from data, `set`, `fill`); the bytes of a
+/// received tensor are the sender's, as they were.
+pub(crate) fn check_values(dtype: DType, bytes: &[u8]) -> Result<()> {
+    match bytes.iter().find(|&&b| b > 1) {
+        Some(&value) if dtype == DType::Bool => Err(TensorProblem::NotABool { value }.into()),
+        _ => Ok(()),
+    }
+}
+
 pub(crate) fn check_element<T: Element>(dtype: DType) -> Result<()> {
     if !T::matches(dtype) {
         return Err(
@@ -374,6 +384,7 @@ impl Tensor {
         if bytes.len() != tensor.nbytes() {
             return Err(TensorProblem::LengthMismatch { data_bytes: bytes.len(), tensor_bytes: tensor.nbytes() }.into());
         }
+        check_values(dtype, bytes)?;
         let (memory, at) = tensor.host_storage()?;
         memory.write(at, bytes)?;
         Ok(tensor)
@@ -847,6 +858,7 @@ impl Tensor {
     pub fn set<T: Element>(&self, index: &[u64], value: T) -> Result<()> {
         self.check_writable()?;
         check_element::<T>(self.dtype)?;
+        check_values(self.dtype, bytemuck::bytes_of(&value))?;
         let (memory, at) = self.element_at(index)?;
         // Concurrent writers to the same element are the program's to avoid, as with any shared
         // buffer (each gets a torn value at worst, never undefined behaviour).
