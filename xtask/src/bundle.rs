@@ -3,8 +3,9 @@
 //! The GPU machine has no Rust toolchain, so tests, helper binaries, examples and benchmarks are
 //! gathered into `target/gpu-bundle` with `run.sh`, which runs them all and prints a pass/fail
 //! summary last. The device tool carries at most 64 MiB, so the folder is also packed into
-//! `target/gpu-bundle.tar.gz` (release binaries compress about 4x), whose size is checked here:
-//! carry that, and unpack it there with `tar xzf target/gpu-bundle.tar.gz -C target`.
+//! `target/gpu-bundle.tar.xz` (xz: release binaries compress about 5x, where gzip gave 2x and
+//! outgrew the carry), whose size is checked here: carry that, and unpack it there with
+//! `tar xJf target/gpu-bundle.tar.xz -C target` (or Python's `tarfile` where `xz` is missing).
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -108,13 +109,19 @@ pub fn build() -> Result<()> {
         }
     }
 
-    let packed = root.join("target/gpu-bundle.tar.gz");
-    run(Command::new("tar").arg("czf").arg(&packed).arg("-C").arg(root.join("target")).arg("gpu-bundle"))
-        .context("packing the bundle needs tar and gzip")?;
+    let packed = root.join("target/gpu-bundle.tar.xz");
+    run(Command::new("tar")
+        .arg("cJf")
+        .arg(&packed)
+        .arg("-C")
+        .arg(root.join("target"))
+        .arg("gpu-bundle")
+        .env("XZ_OPT", "-6 -T0"))
+    .context("packing the bundle needs tar and xz")?;
     let size = std::fs::metadata(&packed)?.len();
     let mib = |bytes: u64| bytes as f64 / (1 << 20) as f64;
     println!(
-        "xtask gpu-bundle: {} ({:.1} MiB), packed in {} ({:.1} MiB): carry that and unpack it with `tar xzf target/gpu-bundle.tar.gz -C target`",
+        "xtask gpu-bundle: {} ({:.1} MiB), packed in {} ({:.1} MiB): carry that and unpack it with `tar xJf target/gpu-bundle.tar.xz -C target`",
         bundle.display(),
         mib(folder_size(&bundle)?),
         packed.display(),
