@@ -11,7 +11,7 @@ use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Fence, Frame, TensorDesc};
+use tensor_queue::testing::wire::{ChunkKind, Fence, Frame, Hello, TensorDesc, ToReceiver, ToSender};
 use tensor_queue::{DType, Error, Receiver, Refusal, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
@@ -183,7 +183,7 @@ fn raw_client(path: &std::path::Path) -> Connection {
     let host = ipc_core::HostId::current().unwrap().0;
     connection
         .send(
-            &Frame::Hello {
+            &Hello {
                 pid: std::process::id(),
                 host,
                 capacity: 0,
@@ -223,7 +223,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
         shape: vec![64],
         strides: vec![1],
     };
-    let message = |desc: TensorDesc| Frame::Message {
+    let message = |desc: TensorDesc| ToReceiver::Message {
         seq: 1,
         sent_ns: 0,
         encoded_ns: 0,
@@ -235,7 +235,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     let out_of_bounds = raw_client(&path);
     let small = SharedMemory::create("small", 4096).unwrap();
     let announce =
-        Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+        ToReceiver::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
     out_of_bounds.send(&announce.encode(), &[small.fd().as_fd()]).unwrap();
     out_of_bounds.send(&message(TensorDesc { chunk: 5, storage_offset: 4090, ..desc }).encode(), &[]).unwrap();
 
@@ -268,11 +268,11 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     let mut buf = [0u8; 256];
     let mut said = |client: &Connection| {
         let (n, _) = client.recv(&mut buf).unwrap();
-        Frame::decode(&buf[..n]).unwrap()
+        ToSender::decode(&buf[..n]).unwrap()
     };
-    assert!(matches!(said(&garbage), Frame::Close { reason, .. } if reason.contains("bad frame")), "told why");
-    assert!(matches!(said(&unknown_chunk), Frame::Rejected { seq: 1, .. }));
-    assert!(matches!(said(&out_of_bounds), Frame::Rejected { seq: 1, .. }));
+    assert!(matches!(said(&garbage), ToSender::Close { reason, .. } if reason.contains("bad frame")), "told why");
+    assert!(matches!(said(&unknown_chunk), ToSender::Rejected { seq: 1, .. }));
+    assert!(matches!(said(&out_of_bounds), ToSender::Rejected { seq: 1, .. }));
     honest.send(&probe_again()).unwrap();
     assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2);
 }
@@ -493,8 +493,14 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
     let lies = |path: &std::path::Path, claims: &[(Route, Fence, Option<Uuid>)]| {
         let client = raw_client(path);
         let staging = SharedMemory::create("lying", 4096).unwrap();
-        let announce =
-            Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+        let announce = ToReceiver::Chunk {
+            id: 5,
+            len: 4096,
+            kind: ChunkKind::Host,
+            device: [0; 16],
+            legacy: None,
+            writable: false,
+        };
         client.send(&announce.encode(), &[staging.fd().as_fd()]).unwrap();
         for (seq, &(route, fence, target)) in claims.iter().enumerate() {
             let desc = TensorDesc {
@@ -510,8 +516,13 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
                 shape: vec![64],
                 strides: vec![1],
             };
-            let message =
-                Frame::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![] };
+            let message = ToReceiver::Message {
+                seq: seq as u64 + 1,
+                sent_ns: 0,
+                encoded_ns: 0,
+                tensors: vec![desc],
+                payload: vec![],
+            };
             client.send(&message.encode(), &[]).unwrap();
         }
         (client, staging)
@@ -568,8 +579,14 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
     let stalled = raw_client(&path);
     let (data, word) =
         (SharedMemory::create("parked-data", 4096).unwrap(), SharedMemory::create("parked-word", 4096).unwrap());
-    let host =
-        |id, writable| Frame::Chunk { id, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable };
+    let host = |id, writable| ToReceiver::Chunk {
+        id,
+        len: 4096,
+        kind: ChunkKind::Host,
+        device: [0; 16],
+        legacy: None,
+        writable,
+    };
     stalled.send(&host(5, false).encode(), &[data.fd().as_fd()]).unwrap();
     stalled.send(&host(6, true).encode(), &[word.fd().as_fd()]).unwrap();
     let desc = TensorDesc {
@@ -585,7 +602,7 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
         shape: vec![64],
         strides: vec![1],
     };
-    let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![1] };
+    let message = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: vec![desc], payload: vec![1] };
     stalled.send(&message.encode(), &[]).unwrap();
     std::thread::sleep(Duration::from_millis(50)); // read, and parked, before the honest message
     honest.send(&probe_again()).unwrap();

@@ -15,7 +15,7 @@ use integration_tests::queue::{Probe, checksum, probe, wait_for};
 use integration_tests::{bin_path, socket_path};
 use ipc_core::seqpacket::{Connection, Listener};
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Fence, Frame, MAX_MESSAGE_BYTES, TensorDesc};
+use tensor_queue::testing::wire::{ChunkKind, Fence, Frame, Hello, MAX_MESSAGE_BYTES, TensorDesc, ToReceiver};
 use tensor_queue::{DType, Error, Receiver, Sender, Tensor, monotonic_ns};
 
 /// What the `blob` role receives: an id, tensors, a byte payload and a text payload.
@@ -152,7 +152,7 @@ fn raw_client(path: &Path) -> Connection {
     let host = ipc_core::HostId::current().unwrap().0;
     connection
         .send(
-            &Frame::Hello {
+            &Hello {
                 pid: std::process::id(),
                 host,
                 capacity: 0,
@@ -188,7 +188,7 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     let host = ipc_core::HostId::current().unwrap().0;
     connection
         .send(
-            &Frame::Hello {
+            &Hello {
                 pid: std::process::id(),
                 host,
                 capacity: 4,
@@ -203,7 +203,7 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     loop {
         let (n, _fds) = connection.recv(&mut buf).unwrap();
         assert!(n > 0, "the capturing sender hung up");
-        if let Frame::Message { payload, .. } = Frame::decode(&buf[..n]).unwrap() {
+        if let Ok(ToReceiver::Message { payload, .. }) = ToReceiver::decode(&buf[..n]) {
             sending.join().unwrap();
             return payload;
         }
@@ -228,12 +228,12 @@ fn desc(chunk: u64, len: u64, dtype: DType, view_offset: u64, shape: &[u64], str
 }
 
 fn message(seq: u64, tensors: Vec<TensorDesc>, payload: &[u8]) -> Vec<u8> {
-    Frame::Message { seq, sent_ns: monotonic_ns(), encoded_ns: monotonic_ns(), tensors, payload: payload.to_vec() }
+    ToReceiver::Message { seq, sent_ns: monotonic_ns(), encoded_ns: monotonic_ns(), tensors, payload: payload.to_vec() }
         .encode()
 }
 
 fn announce(id: u64, len: u64) -> Vec<u8> {
-    Frame::Chunk { id, len, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false }.encode()
+    ToReceiver::Chunk { id, len, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false }.encode()
 }
 
 const MFD_CLOEXEC: c_uint = 1;

@@ -7,6 +7,7 @@
 //! rejected alone: the sender hears why, `recv` reports it, and the connection goes on.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use ipc_core::{Event, IpcEventHandle, Stream, Uuid};
@@ -17,21 +18,20 @@ use super::peer::Peer;
 use super::release::retry_stalled;
 use super::remote::Remote;
 use crate::clock::monotonic_ns;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Violation};
 use crate::fences::{Fences, Producer, producer};
 use crate::links::link::{Link, Read};
 use crate::memory::arena::Chunk;
 use crate::route::Route;
 use crate::tensor::Tensor;
-use crate::wire::{Assembler, Frame, FrameError};
+use crate::wire::{Assembler, Frame, FrameError, Hello, ToReceiver};
 
 /// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
 /// of a message over TCP) while nothing more of it comes: then the connection is closed and the
 /// loss reported (`Receiver::take_errors`, [`crate::Error::Unfinished`]). The memory a sender can
 /// hold in a receiver is what it sent, never what it claimed: one frame's parts (at most
-/// [`crate::wire::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most
-/// [`crate::wire::MAX_INLINE_BYTES`]) and one TCP record (grown as its bytes arrive), and no
-/// longer than this without a new byte.
+/// [`crate::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most 4 GiB) and one TCP record
+/// (grown as its bytes arrive), and no longer than this without a new byte.
 pub const UNFINISHED_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// When and how a message arrived, on the machine's monotonic clock (nanoseconds). From a
@@ -110,6 +110,10 @@ pub(crate) struct Ready {
     /// tensors; see `Receiver::must_park`).
     pub on_cpu: bool,
 }
+
+/// A frame read (with its descriptors, and the error of descriptors the kernel dropped), or what
+/// reading found instead.
+type Next<F> = std::result::Result<(F, Vec<OwnedFd>, Option<Error>), Progress>;
 
 /// A sender on this machine, or on another host (its link says which).
 pub(crate) enum Flavor {
@@ -231,34 +235,34 @@ impl Connected {
     /// Reads the next packet if one is waiting and does what it says. An error closes the
     /// connection.
     pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Progress> {
-        let held = self.assembler.held();
-        let (read, fds_lost) = self.peer.link.try_recv(&mut self.assembler, buf)?;
-        let (frame, mut fds) = match read {
-            Read::Frame(frame, fds) => (frame, fds),
-            Read::Nothing if self.assembler.held() > held => {
-                self.last_packet = std::time::Instant::now();
-                return Ok(Progress::Handled);
-            }
-            Read::Nothing => return Ok(Progress::Idle),
-            Read::HungUp => return Ok(Progress::HungUp),
-        };
-        self.last_packet = std::time::Instant::now();
-        let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
-            let instance = self.peer.link.check_hello(frame)?.instance;
+            // The first frame is the sender's `Hello`; any other is a decode error.
+            let hello = match self.next::<Hello>(buf)? {
+                Ok((hello, ..)) => hello,
+                Err(progress) => return Ok(progress),
+            };
+            let instance = self.peer.link.check_hello(hello)?.instance;
             self.producer = Some((instance, producer(self.pid(), instance, matches!(self.flavor, Flavor::Local))));
             return Ok(Progress::Greeted);
         };
         let instance = *instance;
+        let (frame, mut fds, fds_lost) = match self.next::<ToReceiver>(buf)? {
+            Ok(read) => read,
+            Err(progress) => return Ok(progress),
+        };
+        let arrived_ns = monotonic_ns();
         match (frame, &mut self.flavor) {
-            (Frame::Bytes { data }, Flavor::Remote(remote)) => remote.bytes(data)?,
-            (Frame::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
+            (ToReceiver::Bytes { data }, Flavor::Remote(remote)) => remote.bytes(data)?,
+            (ToReceiver::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
                 remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
             }
-            (Frame::Chunk { .. } | Frame::Event { .. } | Frame::Retire { .. }, Flavor::Remote(_)) => {
-                return Err(Error::Protocol("a sender on another host announced local memory".into()));
+            (ToReceiver::Chunk { .. } | ToReceiver::Event { .. } | ToReceiver::Retire { .. }, Flavor::Remote(_)) => {
+                return Err(Violation::LocalFromRemote.into());
             }
-            (Frame::Chunk { id, len, kind, device, legacy, .. }, Flavor::Local) => {
+            (ToReceiver::Bytes { .. } | ToReceiver::Communicator { .. }, Flavor::Local) => {
+                return Err(Violation::RemoteFromLocal.into());
+            }
+            (ToReceiver::Chunk { id, len, kind, device, legacy, .. }, Flavor::Local) => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
                 // A descriptor the kernel dropped (our table was full) makes the chunk unusable,
                 // not the connection: the messages that use it are refused, and say why.
@@ -278,18 +282,18 @@ impl Connected {
                     }
                 }
             }
-            (Frame::Event { id, handle }, Flavor::Local) => {
+            (ToReceiver::Event { id, handle }, Flavor::Local) => {
                 let event = Event::import(&IpcEventHandle::from_bytes(&handle)?)?;
                 self.events.insert(id, Arc::new(event));
             }
-            (Frame::Retire { chunk }, Flavor::Local) => {
+            (ToReceiver::Retire { chunk }, Flavor::Local) => {
                 self.chunks.remove(&chunk);
                 self.refused.remove(&chunk);
             }
-            (Frame::Message { seq, sent_ns, encoded_ns, tensors, payload }, flavor) => {
+            (ToReceiver::Message { seq, sent_ns, encoded_ns, tensors, payload }, flavor) => {
                 let remote = matches!(flavor, Flavor::Remote(_));
                 if self.uncredited >= capacity {
-                    return Err(Error::Protocol(format!("more than the {capacity} messages its credits allow")));
+                    return Err(Violation::CreditExceeded { capacity }.into());
                 }
                 self.uncredited += 1;
                 self.last_seq = seq;
@@ -327,8 +331,25 @@ impl Connected {
                     }
                 }));
             }
-            (other, _) => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
         }
         Ok(Progress::Handled)
+    }
+
+    /// Reads the next packet if one is waiting: the frame it completes (with its descriptors, and
+    /// the error of descriptors the kernel dropped), or what reading it found instead.
+    fn next<F: Frame>(&mut self, buf: &mut [u8]) -> Result<Next<F>> {
+        let held = self.assembler.held();
+        let (read, fds_lost) = self.peer.link.try_recv(&mut self.assembler, buf)?;
+        let (frame, fds) = match read {
+            Read::Frame(frame, fds) => (frame, fds),
+            Read::Nothing if self.assembler.held() > held => {
+                self.last_packet = std::time::Instant::now();
+                return Ok(Err(Progress::Handled));
+            }
+            Read::Nothing => return Ok(Err(Progress::Idle)),
+            Read::HungUp => return Ok(Err(Progress::HungUp)),
+        };
+        self.last_packet = std::time::Instant::now();
+        Ok(Ok((frame, fds, fds_lost)))
     }
 }

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::links::link::Link;
 use crate::sync::lock;
-use crate::wire::{Frame, MAX_RELEASES};
+use crate::wire::{MAX_RELEASES, ToSender};
 
 /// A sender's connection as the receiving process sees it.
 pub(crate) struct Peer {
@@ -28,7 +28,7 @@ pub(crate) struct Peer {
 #[derive(Default)]
 struct Outbox {
     /// Rejections and the closing, in order; they go before credits and releases.
-    control: VecDeque<Frame>,
+    control: VecDeque<ToSender>,
     credits: u32,
     releases: Vec<u64>,
     /// Whether the release thread is retrying this peer.
@@ -56,12 +56,12 @@ impl Peer {
 
     /// Tells the sender that message `seq` was refused.
     pub fn reject(self: &Arc<Self>, seq: u64, reason: String) {
-        self.post(|out| out.control.push_back(Frame::Rejected { seq, reason }));
+        self.post(|out| out.control.push_back(ToSender::Rejected { seq, reason }));
     }
 
     /// Tells the sender that no more messages are taken; `read_up_to` is the last one read.
     pub fn close(self: &Arc<Self>, read_up_to: u64, reason: String) {
-        self.post(|out| out.control.push_back(Frame::Close { read_up_to, reason }));
+        self.post(|out| out.control.push_back(ToSender::Close { read_up_to, reason }));
     }
 
     fn post(self: &Arc<Self>, add: impl FnOnce(&mut Outbox)) {
@@ -86,16 +86,16 @@ impl Peer {
             let frame = if let Some(frame) = out.control.front() {
                 frame.clone()
             } else if out.credits > 0 {
-                Frame::Credit { count: out.credits }
+                ToSender::Credit { count: out.credits }
             } else if !out.releases.is_empty() {
-                Frame::Release { messages: out.releases[..out.releases.len().min(MAX_RELEASES)].to_vec() }
+                ToSender::Release { messages: out.releases[..out.releases.len().min(MAX_RELEASES)].to_vec() }
             } else {
                 return true;
             };
             match self.link.try_send(&frame) {
                 Ok(true) => match frame {
-                    Frame::Credit { .. } => out.credits = 0,
-                    Frame::Release { messages } => drop(out.releases.drain(..messages.len())),
+                    ToSender::Credit { .. } => out.credits = 0,
+                    ToSender::Release { messages } => drop(out.releases.drain(..messages.len())),
                     _ => drop(out.control.pop_front()),
                 },
                 Ok(false) => return false,

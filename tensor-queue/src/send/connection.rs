@@ -23,7 +23,7 @@ use crate::memory::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::sync::lock;
 use crate::tensor::Storage;
-use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET, TensorDesc};
+use crate::wire::{Answer, Assembler, ChunkKind, Fence, MAX_PACKET, TensorDesc, ToReceiver, ToSender};
 
 /// A message the receiver refused (see [`Sender::take_rejected`](crate::Sender::take_rejected)).
 ///
@@ -416,7 +416,7 @@ impl SenderInner {
                 state.leases.insert(seq, sent.into_iter().map(|s| s.storage).collect());
             }
         }
-        let frame = Frame::Message {
+        let frame = ToReceiver::Message {
             seq,
             sent_ns: outgoing.sent_ns,
             encoded_ns: crate::clock::monotonic_ns(),
@@ -442,7 +442,7 @@ impl SenderInner {
         let alive = move || me.upgrade().is_some_and(|inner| !inner.link.peer_closed());
         let mut message =
             { network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut lock(comms), lease, &alive)? };
-        let frame = Frame::Message {
+        let frame = ToReceiver::Message {
             seq,
             sent_ns: outgoing.sent_ns,
             encoded_ns: crate::clock::monotonic_ns(),
@@ -481,7 +481,7 @@ impl SenderInner {
             Shared::Legacy(handle) => (ChunkKind::Legacy, Some(handle.to_bytes().to_vec()), None),
         };
         let frame =
-            Frame::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy, writable: chunk.writable };
+            ToReceiver::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy, writable: chunk.writable };
         self.link.send(&frame, fd.as_slice())?;
         writer.announced.insert(chunk.id);
         // When the chunk goes (a user buffer freed, an idle arena chunk given back), the
@@ -499,7 +499,7 @@ impl SenderInner {
         let mut pending = retired.into_iter();
         while let Some(chunk) = pending.next() {
             writer.announced.remove(&chunk);
-            let frame = Frame::Retire { chunk };
+            let frame = ToReceiver::Retire { chunk };
             let sent = if wait { self.link.send(&frame, &[]).map(|()| true) } else { self.link.try_send(&frame) };
             match sent {
                 Ok(true) => {}
@@ -529,7 +529,7 @@ impl SenderInner {
                     state.next_event
                 };
                 let handle = event.export()?.to_bytes().to_vec();
-                self.link.send(&Frame::Event { id, handle }, &[])?;
+                self.link.send(&ToReceiver::Event { id, handle }, &[])?;
                 EventSlot { id, event }
             }
         };
@@ -546,10 +546,10 @@ impl SenderInner {
         let mut assembler = Assembler::default();
         let greeting = loop {
             match self.link.recv(&mut assembler, &mut buf) {
-                Ok(Read::Frame(Frame::Close { reason, .. }, _)) => {
+                Ok(Read::Frame(Answer::Refused { reason }, _)) => {
                     break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
                 }
-                Ok(Read::Frame(frame, _)) => break self.link.check_hello(frame),
+                Ok(Read::Frame(Answer::Hello(hello), _)) => break self.link.check_hello(hello),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
                 Err(error) => break Err(error),
@@ -620,15 +620,15 @@ impl SenderInner {
 
     /// Handles a frame from the receiver. `false`: the frame was not one an honest receiver
     /// sends, and the connection must close.
-    fn handle(&self, frame: Frame) -> bool {
+    fn handle(&self, frame: ToSender) -> bool {
         // Storage is dropped after the lock is let go: dropping a user buffer's chunk retires it.
         let mut released = Vec::new();
         let mut state = lock(&self.state);
         match frame {
-            Frame::Release { messages } => {
+            ToSender::Release { messages } => {
                 released.extend(messages.iter().filter_map(|seq| state.leases.remove(seq)));
             }
-            Frame::Credit { count } => {
+            ToSender::Credit { count } => {
                 if count > state.uncredited {
                     tracing::warn!(
                         count,
@@ -645,21 +645,17 @@ impl SenderInner {
                     }
                 }
             }
-            Frame::Rejected { seq, reason } => {
+            ToSender::Rejected { seq, reason } => {
                 tracing::warn!(seq, %reason, "the receiver refused a message");
                 released.extend(state.leases.remove(&seq));
                 state.rejected.push(Rejection { seq, reason });
             }
-            Frame::Close { read_up_to, reason } => {
+            ToSender::Close { read_up_to, reason } => {
                 tracing::info!(%reason, "the receiver closed the channel");
                 state.closed.get_or_insert(reason);
                 // Messages it never read are ours again; those it read come back by release.
                 let unread: Vec<u64> = state.leases.keys().copied().filter(|&seq| seq > read_up_to).collect();
                 released.extend(unread.iter().filter_map(|seq| state.leases.remove(seq)));
-            }
-            other => {
-                tracing::warn!(?other, "unexpected frame from a receiver; closing");
-                return false;
             }
         }
         state.dropping += released.len();

@@ -34,7 +34,7 @@ use crate::route::Routing;
 use crate::route::{Route, choose_remote};
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
-use crate::wire::{BYTES_FRAME, Fence, Frame, MAX_INLINE_BYTES, TensorDesc};
+use crate::wire::{BYTES_FRAME, Fence, MAX_INLINE_BYTES, TensorDesc, ToReceiver};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -49,7 +49,7 @@ pub(crate) struct RemoteMessage {
     pub descriptors: Vec<TensorDesc>,
     /// New communicators' frames, then the host tensors' bytes in frames of at most
     /// [`BYTES_FRAME`].
-    pub frames: Vec<Frame>,
+    pub frames: Vec<ToReceiver>,
     transfers: Vec<(Arc<SendComm>, Transfer)>,
     /// The communicators made for this message (forgotten if it is never written).
     created: Vec<u32>,
@@ -100,7 +100,7 @@ impl SendComms {
         &mut self,
         source: Uuid,
         target: Uuid,
-        announce: &mut Vec<Frame>,
+        announce: &mut Vec<ToReceiver>,
         created: &mut Vec<u32>,
         alive: &(impl Fn() -> bool + Clone + Send + 'static),
     ) -> Result<Arc<SendComm>> {
@@ -117,7 +117,7 @@ impl SendComms {
         let comm = Arc::new(SendComm { id, queue: WorkQueue::new() });
         let worker = comm.clone();
         self.workers.spawn("tq-nccl-send", move || worker.work(communicator, stream))?;
-        announce.push(Frame::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
+        announce.push(ToReceiver::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
         self.pairs.push((source, target, comm.clone()));
         created.push(id);
         Ok(comm)
@@ -300,7 +300,7 @@ pub(crate) fn prepare(
         .into_iter()
         .map(|d| d.ok_or_else(|| Error::Protocol("a tensor was not routed".into())))
         .collect::<Result<_>>()?;
-    frames.extend(bytes.chunks(BYTES_FRAME).map(|data| Frame::Bytes { data: data.to_vec() }));
+    frames.extend(bytes.chunks(BYTES_FRAME).map(|data| ToReceiver::Bytes { data: data.to_vec() }));
     Ok(RemoteMessage { descriptors, frames, transfers, created })
 }
 
