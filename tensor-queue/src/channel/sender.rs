@@ -12,9 +12,9 @@ use crate::error::{Error, Result};
 use crate::links::endpoint::{self, ConnectOptions, Endpoint};
 use crate::links::link::Link;
 use crate::route::{Choice, Reach, Routing};
-pub use crate::send::connection::Rejection;
 use crate::send::connection::{SenderInner, Wait};
 use crate::send::outgoing::Outgoing;
+pub use crate::send::protocol::Rejection;
 
 /// The sending end of a typed channel to one receiver.
 ///

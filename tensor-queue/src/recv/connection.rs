@@ -15,7 +15,8 @@ use ipc_core::{Event, IpcEventHandle, Stream, Uuid};
 use super::devices::Devices;
 use super::imports::{Announced, import};
 use super::peer::Peer;
-use super::release::retry_stalled;
+use super::protocol::{ConnectionProtocol, Incoming};
+use super::release::{flush_later, retry_stalled};
 use super::remote::Remote;
 use crate::clock::monotonic_ns;
 use crate::error::{Error, Result, Violation};
@@ -135,12 +136,8 @@ pub(crate) struct Connected {
     pub(super) events: HashMap<u32, Arc<Event>>,
     /// This connection's stream per device: waits for one sender's work never hold up another's.
     pub(super) streams: Vec<(Uuid, Arc<Stream>)>,
-    /// Messages read and not yet covered by a credit: never more than the capacity.
-    uncredited: u32,
-    /// Messages taken since credits were last returned.
-    taken: u32,
-    /// The sequence number of the last message read.
-    last_seq: u64,
+    /// What each frame may say at this point: credits, announcements (see `protocol.rs`).
+    protocol: ConnectionProtocol,
     /// For a sender on another host: its bytes and communicators.
     pub(super) flavor: Flavor,
     /// When a packet last came: an unfinished message idle past `UNFINISHED_IDLE` is given up.
@@ -159,16 +156,14 @@ impl Connected {
     pub fn new(link: Link) -> Connected {
         let flavor = if link.remote { Flavor::Remote(Remote::default()) } else { Flavor::Local };
         Connected {
-            peer: Peer::new(link, retry_stalled),
+            peer: Peer::new(link, retry_stalled, flush_later),
             assembler: Assembler::default(),
             producer: None,
             chunks: HashMap::new(),
             refused: HashMap::new(),
             events: HashMap::new(),
             streams: Vec::new(),
-            uncredited: 0,
-            taken: 0,
-            last_seq: 0,
+            protocol: ConnectionProtocol::new(matches!(flavor, Flavor::Remote(_))),
             flavor,
             last_packet: std::time::Instant::now(),
         }
@@ -208,7 +203,7 @@ impl Connected {
     /// Stops reading this connection: the sender hears why, and that messages after the last one
     /// read are its own again. The sending side stays open for the releases of what is held.
     pub fn close(&self, reason: String) {
-        self.peer.close(self.last_seq, reason);
+        self.peer.close(self.protocol.read_up_to(), reason);
         self.peer.link.shutdown(rustix::net::Shutdown::Read);
     }
 
@@ -224,12 +219,20 @@ impl Connected {
     /// Counts a message as taken by `recv` (or rejected), returning credits in batches of half
     /// the capacity, which keeps a frame off most hand-offs.
     pub fn took(&mut self, capacity: u32) {
-        self.taken += 1;
-        if self.taken >= capacity.div_ceil(2) {
-            self.peer.credit(self.taken);
-            self.uncredited -= self.taken;
-            self.taken = 0;
+        if let Some(count) = self.protocol.took(capacity) {
+            self.peer.credit(count);
         }
+    }
+
+    /// Refuses message `seq` alone: the sender hears why (after the release of its lease, if
+    /// it `leased` one: a sender on this machine leases a message with tensors until released).
+    fn reject(&mut self, seq: u64, reason: String, leased: bool, capacity: u32) -> Arrival {
+        if leased {
+            self.peer.release([seq]);
+        }
+        self.peer.reject(seq, reason.clone());
+        self.took(capacity);
+        Arrival::Rejected { pid: self.pid(), connection: self.peer.connection, seq, reason }
     }
 
     /// Reads the next packet if one is waiting and does what it says. An error closes the
@@ -251,6 +254,18 @@ impl Connected {
             Err(progress) => return Ok(progress),
         };
         let arrived_ns = monotonic_ns();
+        let frame = match self.protocol.on_frame(frame, capacity)? {
+            Incoming::Act(frame) => frame,
+            Incoming::Retired(chunk) => {
+                self.chunks.remove(&chunk);
+                self.refused.remove(&chunk);
+                return Ok(Progress::Handled);
+            }
+            Incoming::Refused { seq, index, reason } => {
+                let reason = self.refusal(index, reason).to_string();
+                return Ok(Progress::Arrived(self.reject(seq, reason, true, capacity)));
+            }
+        };
         match (frame, &mut self.flavor) {
             (ToReceiver::Bytes { data }, Flavor::Remote(remote)) => remote.bytes(data)?,
             (ToReceiver::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
@@ -286,17 +301,10 @@ impl Connected {
                 let event = Event::import(&IpcEventHandle::from_bytes(&handle)?)?;
                 self.events.insert(id, Arc::new(event));
             }
-            (ToReceiver::Retire { chunk }, Flavor::Local) => {
-                self.chunks.remove(&chunk);
-                self.refused.remove(&chunk);
-            }
+            // The protocol hands retirements back as `Incoming::Retired`.
+            (ToReceiver::Retire { .. }, Flavor::Local) => {}
             (ToReceiver::Message { seq, sent_ns, encoded_ns, tensors, payload }, flavor) => {
                 let remote = matches!(flavor, Flavor::Remote(_));
-                if self.uncredited >= capacity {
-                    return Err(Violation::CreditExceeded { capacity }.into());
-                }
-                self.uncredited += 1;
-                self.last_seq = seq;
                 let info = MessageInfo {
                     sender_pid: self.pid(),
                     connection: self.peer.connection,
@@ -323,12 +331,7 @@ impl Connected {
                             "a message with NCCL transfers could not be received, so its connection cannot go on: {error}"
                         )));
                     }
-                    Err(error) => {
-                        let reason = error.to_string();
-                        self.peer.reject(seq, reason.clone());
-                        self.took(capacity);
-                        Arrival::Rejected { pid: self.pid(), connection: self.peer.connection, seq, reason }
-                    }
+                    Err(error) => self.reject(seq, error.to_string(), !remote && !tensors.is_empty(), capacity),
                 }));
             }
         }

@@ -154,6 +154,12 @@ impl Connected {
         payload: Vec<u8>,
         mut info: MessageInfo,
     ) -> Result<Ready> {
+        if descs.is_empty() {
+            // Nothing to place, and no lease: the sender recorded none, and no release is owed.
+            info.imported_ns = monotonic_ns();
+            let fences: Fences = Arc::new(Vec::new());
+            return Ok(Ready { peer: self.peer.clone(), tensors: Vec::new(), payload, info, fences, on_cpu: false });
+        }
         let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
         let mut fences: Vec<FenceWait> = Vec::new();
         let mut placed = Vec::with_capacity(descs.len());
@@ -204,7 +210,6 @@ impl Connected {
             }
         }
         let fences: Fences = Arc::new(fences);
-        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
         // The memory a copy lands in is not reused before the copy is done, even if the tensor
         // is dropped at once: each landed storage holds an event recorded after its copies.
         let mut storages = Vec::with_capacity(landed.len());
@@ -213,6 +218,9 @@ impl Connected {
             done.record(&stream)?;
             storages.push(Arc::new(Storage::landed(allocation, fences.clone(), &stream, done)));
         }
+        // Made after the last step that can fail: a message refused here is released by the
+        // refusal (see `Connected::reject`), never twice.
+        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
         let mut tensors = Vec::with_capacity(placed.len());
         for (placed, desc) in placed.into_iter().zip(descs) {
             let (storage, path, stream) = match placed {

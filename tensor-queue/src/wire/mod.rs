@@ -41,6 +41,9 @@ use ipc_core::Uuid;
 pub const MAGIC: [u8; 4] = *b"TQF1";
 /// Protocol version; a peer with another version is refused at the handshake.
 ///
+/// 7: a message without tensors is never released (its sender leases nothing), a refused
+/// message's lease comes back by its release, and a release of anything else is a violation.
+///
 /// ```
 /// use tensor_queue::FrameError;
 /// use tensor_queue::testing::wire::{Frame, ToSender, VERSION};
@@ -49,7 +52,7 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
 /// assert_eq!(ToSender::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 
 const FENCE_NONE: u8 = 0;
 const FENCE_EVENT: u8 = 1;
