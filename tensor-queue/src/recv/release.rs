@@ -1,8 +1,9 @@
 //! Returning a received message's leases to its sender once the receiver's GPU work on them is
 //! done.
 //!
-//! The tensors of one message share a [`ReceivedLease`]. When the last of them drops, its leases
-//! go back in one `Release` frame: at once if the streams they were ordered on are idle, else
+//! The tensors of one message share a [`ReceivedLease`]. When the last of them drops, the message
+//! is released (in a `Release` frame shared with others, see `protocol::Owed` and `peer.rs`): at
+//! once if the streams they were ordered on are idle, else
 //! through the process's release thread. The dropping thread only queues the release; the release
 //! thread records one event per stream for everything queued together (covering the work queued
 //! before each drop, and perhaps a little after, which only returns the memory later), waits for
@@ -22,7 +23,7 @@ use crate::sync::lock;
 use crate::tensor::Lease;
 
 /// Held by the storage of every tensor of one received message; returns the message to its
-/// sender in one frame when the last of them drops (one frame per message, not per tensor).
+/// sender when the last of them drops (one release per message, not per tensor).
 pub(crate) struct ReceivedLease {
     pub(crate) peer: Arc<Peer>,
     pub(crate) seq: u64,
