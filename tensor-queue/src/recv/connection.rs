@@ -224,13 +224,14 @@ impl Connected {
         }
     }
 
-    /// Refuses message `seq` alone: the sender hears why (after the release of its lease, if
-    /// it `leased` one: a sender on this machine leases a message with tensors until released).
+    /// Refuses message `seq` alone: the sender hears why, then (if it `leased` the message: a
+    /// sender on this machine leases a message with tensors until released) the release of its
+    /// lease, so that `wait_released` implies `take_rejected` knows.
     fn reject(&mut self, seq: u64, reason: String, leased: bool, capacity: u32) -> Arrival {
+        self.peer.reject(seq, reason.clone());
         if leased {
             self.peer.release([seq]);
         }
-        self.peer.reject(seq, reason.clone());
         self.took(capacity);
         Arrival::Rejected { pid: self.pid(), connection: self.peer.connection, seq, reason }
     }
