@@ -75,7 +75,7 @@ pub enum Error {
     TooLarge {
         /// The encoded size.
         size: usize,
-        /// The limit ([`crate::wire::MAX_MESSAGE_BYTES`]).
+        /// The limit ([`crate::MAX_MESSAGE_BYTES`]).
         limit: usize,
     },
     /// A tensor that cannot be sent as it is (see the text); nothing was sent.
@@ -132,6 +132,10 @@ pub enum Error {
     /// the wrong kind of memory): nobody can act on those but by reporting them.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// A peer sent a frame that is well formed but breaks the protocol at this point (see
+    /// [`Violation`]); its connection was closed.
+    #[error("the peer broke the protocol: {0}")]
+    Violation(#[from] Violation),
     /// An argument that makes no sense, where no caller would act on the reason other than by
     /// fixing the call (and states that cannot arise unless this crate has a bug). Reasons a
     /// caller can act on have variants of their own: [`Error::Tensor`], [`Error::View`],
@@ -299,6 +303,76 @@ impl Error {
     pub(crate) fn about_one_message(&self) -> bool {
         matches!(self, Error::Rejected { .. } | Error::ProducerFailed { .. } | Error::Decode(_))
     }
+}
+
+/// How a peer broke the protocol ([`Error::Violation`]): what its frame said that it may not say
+/// at that point. A receiver reports it as the cause of [`Error::ConnectionClosed`]; a sender
+/// closes the connection (its sends then fail with [`Error::Disconnected`]).
+///
+/// ```
+/// use tensor_queue::{Error, Violation};
+/// let error = Error::from(Violation::CreditExceeded { capacity: 8 });
+/// assert!(matches!(error, Error::Violation(Violation::CreditExceeded { capacity: 8 })));
+/// assert_eq!(error.to_string(), "the peer broke the protocol: a message beyond the 8 its credits allow");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Violation {
+    /// A sender wrote more messages than the receiver's credits allow (its capacity).
+    #[error("a message beyond the {capacity} its credits allow")]
+    CreditExceeded {
+        /// The receiver's capacity.
+        capacity: u32,
+    },
+    /// A receiver granted more credits than messages were sent and not yet credited.
+    #[error("{granted} credits granted for {uncredited} messages sent and not yet credited")]
+    OverCredited {
+        /// Credits in the frame.
+        granted: u32,
+        /// Messages the sender had sent and not yet had credited.
+        uncredited: u32,
+    },
+    /// A receiver released a message the sender does not lease: never sent, sent without
+    /// tensors, already released, or given back by a rejection or a closing.
+    #[error("a release of message {seq}, which is not leased")]
+    UnknownRelease {
+        /// The message's sequence number.
+        seq: u64,
+    },
+    /// A receiver rejected a message that was never sent.
+    #[error("a rejection of message {seq}, which was never sent")]
+    UnknownRejection {
+        /// The message's sequence number.
+        seq: u64,
+    },
+    /// A receiver sent a rejection or a second closing after it closed the connection.
+    #[error("a frame after the connection's closing")]
+    AfterClose,
+    /// A sender on another host announced local memory (a chunk, an event, a retirement).
+    #[error("a sender on another host announced local memory")]
+    LocalFromRemote,
+    /// A sender on this machine sent host bytes or an NCCL communicator, which only travel
+    /// between hosts.
+    #[error("a sender on this machine sent a frame that only travels between hosts")]
+    RemoteFromLocal,
+    /// A sender announced a chunk again with another length, kind or device.
+    #[error("chunk {id} announced again, differently")]
+    ChunkChanged {
+        /// The sender's id for the chunk.
+        id: u64,
+    },
+    /// A chunk announcement without the descriptor it needs.
+    #[error("chunk {id} came without its descriptor")]
+    MissingDescriptor {
+        /// The sender's id for the chunk.
+        id: u64,
+    },
+    /// A legacy chunk whose handle disagrees with its announcement.
+    #[error("chunk {id}: the handle disagrees with the announcement")]
+    HandleMismatch {
+        /// The sender's id for the chunk.
+        id: u64,
+    },
 }
 
 /// What is wrong with an endpoint ([`Error::BadEndpoint`]).

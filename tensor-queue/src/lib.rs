@@ -49,7 +49,7 @@ mod side_table;
 mod switches;
 mod sync;
 mod tensor;
-pub mod wire;
+mod wire;
 
 #[allow(deprecated)] // still offered, deprecated where it is defined
 pub use channel::from_parent_with;
@@ -58,11 +58,13 @@ pub use channel::{
     ReceiverOptions, Rejection, Sender, SenderBuilder, SpawnStep, from_parent, from_parent_duplex,
     from_parent_with_capacity, is_spawned_child, monotonic_ns, spawn, spawn_duplex, spawn_ready, spawn_timeout,
 };
-pub use error::{Error, ParentProblem, Refusal, Result, TensorProblem, ViewProblem};
+pub use error::{Error, ParentProblem, Refusal, Result, TensorProblem, ViewProblem, Violation};
 pub use tensor::convert::NativeElement;
 pub use tensor::copy::HostCopy;
 pub use tensor::dtype::{DType, Element};
+pub use tensor::layout::{MAX_DIMS, MAX_VIEW_BYTES};
 pub use tensor::{DeviceView, Tensor, TensorDevice, TransferPath, contiguous_strides};
+pub use wire::{FrameError, MAX_MESSAGE_BYTES};
 
 /// A contiguous host tensor's elements in its shared memory ([`Tensor::host_elements`]): copied
 /// out safely, or borrowed in place with the `unsafe` `as_slice`.
@@ -110,6 +112,9 @@ pub fn is_gpu_available() -> bool {
 /// ```compile_fail,E0603
 /// let _ = tensor_queue::channel::TCP_PREFIX;
 /// ```
+/// ```compile_fail,E0603
+/// use tensor_queue::wire::Frame;
+/// ```
 /// ```compile_fail,E0624
 /// let (a, _b) = ipc_core::seqpacket::Connection::pair().unwrap();
 /// let _ = tensor_queue::Sender::<u8>::from_connection(a);
@@ -119,6 +124,17 @@ pub mod testing {
     pub use crate::route::choose::{choose, choose_remote};
     pub use crate::route::reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
     pub use crate::route::staging::staging_piece;
+    pub use crate::tensor::layout::check_layout;
+
+    /// The frame format, for tests and tools that speak the wire by hand (hostile and
+    /// outside peers): the frames each way and how they are cut into packets.
+    pub mod wire {
+        pub use crate::wire::{
+            Answer, Assembler, BYTES_FRAME, ChunkKind, Descriptors, Fence, Frame, FrameError, Hello, LEGACY_HANDLE_LEN,
+            MAGIC, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, MAX_PACKET, MAX_REASON, MAX_RELEASES, Source, StorageDesc,
+            TensorDesc, ToReceiver, ToSender, VERSION, packets,
+        };
+    }
 }
 
 /// The README's program, run as a doctest so that it stays true.

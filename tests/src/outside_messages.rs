@@ -84,11 +84,11 @@ pub fn small(id: u64, i: usize, stream: Option<&Stream>) -> Result<Tensor> {
 
 /// Views of one `[64, 64]` i32 storage (rows, strided columns, two overlapping ranges, a
 /// transpose, a permutation, a flip, a broadcast, a 0-d element, an empty view, a reinterpreting
-/// layout), separate zero-size tensors, and tensors of [`tensor_queue::wire::MAX_DIMS`]
+/// layout), separate zero-size tensors, and tensors of [`tensor_queue::MAX_DIMS`]
 /// dimensions with a view of one.
 pub fn views(id: u64, stream: Option<&Stream>) -> Result<Vec<Tensor>> {
     let base = patterned(id, DType::I32, &[64, 64], stream)?;
-    let max = tensor_queue::wire::MAX_DIMS;
+    let max = tensor_queue::MAX_DIMS;
     let mut deep_shape = vec![1u64; max - 2];
     deep_shape.extend([2, 3]);
     let deep = patterned(id + 1, DType::I16, &deep_shape, stream)?;

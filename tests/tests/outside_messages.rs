@@ -357,7 +357,7 @@ fn attempt(f: impl FnOnce() -> tensor_queue::Result<Tensor>) -> std::thread::Res
 fn malformed_views_are_typed_errors() -> Result<()> {
     let _memory = shared_memory_use();
     let t = Tensor::new(&(0..24).collect::<Vec<i32>>(), &[2, 3, 4])?;
-    let max = tensor_queue::wire::MAX_DIMS;
+    let max = tensor_queue::MAX_DIMS;
     let attempts: Vec<(&str, std::thread::Result<tensor_queue::Result<Tensor>>)> = vec![
         ("one dimension too many", attempt(|| Tensor::zeros(DType::U8, &vec![1; max + 1]))),
         ("transpose past the dims", attempt(|| t.transpose(0, 3))),
@@ -475,7 +475,7 @@ fn typed_errors_for_bad_input() -> Result<()> {
     // A message too large for one frame is refused before anything is sent; the channel goes on.
     // (A string: serde writes its bytes at once, where a Vec<u8> goes element by element.)
     let huge = Sender::<String>::connect(&path)?;
-    let limit = tensor_queue::wire::MAX_MESSAGE_BYTES;
+    let limit = tensor_queue::MAX_MESSAGE_BYTES;
     match huge.send(&"x".repeat(limit + 1)) {
         Err(Error::TooLarge { size, limit: l }) => ensure!(size > l && l == limit, "TooLarge {{ {size}, {l} }}"),
         other => bail!("a {limit}+1-byte payload: {other:?}"),

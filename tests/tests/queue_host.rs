@@ -11,7 +11,7 @@ use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Descriptors, Fence, Frame, Source, StorageDesc};
+use tensor_queue::testing::wire::{ChunkKind, Descriptors, Fence, Frame, Hello, Source, StorageDesc, ToReceiver, ToSender};
 use tensor_queue::{DType, Error, Receiver, Refusal, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
@@ -183,7 +183,7 @@ fn raw_client(path: &std::path::Path) -> Connection {
     let host = ipc_core::HostId::current().unwrap().0;
     connection
         .send(
-            &Frame::Hello {
+            &Hello {
                 pid: std::process::id(),
                 host,
                 capacity: 0,
@@ -219,7 +219,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     garbage.send(b"TQF1 this is not a frame", &[]).unwrap();
 
     let unknown_chunk = raw_client(&path);
-    let message = |chunk, offset| Frame::Message {
+    let message = |chunk, offset| ToReceiver::Message {
         seq: 1,
         sent_ns: 0,
         encoded_ns: 0,
@@ -231,7 +231,7 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     let out_of_bounds = raw_client(&path);
     let small = SharedMemory::create("small", 4096).unwrap();
     let announce =
-        Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+        ToReceiver::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
     out_of_bounds.send(&announce.encode(), &[small.fd().as_fd()]).unwrap();
     out_of_bounds.send(&message(5, 4090).encode(), &[]).unwrap();
 
@@ -264,11 +264,11 @@ fn malformed_and_hostile_frames_close_only_their_connection() {
     let mut buf = [0u8; 256];
     let mut said = |client: &Connection| {
         let (n, _) = client.recv(&mut buf).unwrap();
-        Frame::decode(&buf[..n]).unwrap()
+        ToSender::decode(&buf[..n]).unwrap()
     };
-    assert!(matches!(said(&garbage), Frame::Close { reason, .. } if reason.contains("bad frame")), "told why");
-    assert!(matches!(said(&unknown_chunk), Frame::Rejected { seq: 1, .. }));
-    assert!(matches!(said(&out_of_bounds), Frame::Rejected { seq: 1, .. }));
+    assert!(matches!(said(&garbage), ToSender::Close { reason, .. } if reason.contains("bad frame")), "told why");
+    assert!(matches!(said(&unknown_chunk), ToSender::Rejected { seq: 1, .. }));
+    assert!(matches!(said(&out_of_bounds), ToSender::Rejected { seq: 1, .. }));
     honest.send(&probe_again()).unwrap();
     assert_eq!(receiver.recv_timeout(Duration::from_secs(10)).unwrap().id, 2);
 }
@@ -283,12 +283,12 @@ fn a_table_that_lies_about_its_storage_records_is_refused() {
     let honest = Sender::<Probe>::connect(&path).unwrap();
     let chunk = SharedMemory::create("table-lies", 4096).unwrap();
     let announce =
-        Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+        ToReceiver::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
     let record = |offset, len| StorageDesc { source: Source::SameDevice { chunk: 5, offset }, len, fence: Fence::None };
     let liar = |tensors: Descriptors| {
         let client = raw_client(&path);
         client.send(&announce.encode(), &[chunk.fd().as_fd()]).unwrap();
-        let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![0] };
+        let message = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![0] };
         client.send(&message.encode(), &[]).unwrap();
         client
     };
@@ -321,7 +321,7 @@ fn a_table_that_lies_about_its_storage_records_is_refused() {
         }
         closed.len() >= 2 && rejected.is_some()
     });
-    use tensor_queue::wire::FrameError;
+    use tensor_queue::FrameError;
     assert!(
         closed
             .iter()
@@ -584,12 +584,18 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
     let lies = |path: &std::path::Path, claims: &[(Source, Fence)]| {
         let client = raw_client(path);
         let staging = SharedMemory::create("lying", 4096).unwrap();
-        let announce =
-            Frame::Chunk { id: 5, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false };
+        let announce = ToReceiver::Chunk {
+            id: 5,
+            len: 4096,
+            kind: ChunkKind::Host,
+            device: [0; 16],
+            legacy: None,
+            writable: false,
+        };
         client.send(&announce.encode(), &[staging.fd().as_fd()]).unwrap();
         for (seq, &(source, fence)) in claims.iter().enumerate() {
             let tensors = one_tensor(source, fence);
-            let message = Frame::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] };
+            let message = ToReceiver::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] };
             client.send(&message.encode(), &[]).unwrap();
         }
         (client, staging)
@@ -646,12 +652,18 @@ fn a_host_route_message_whose_word_is_never_written_holds_up_nobody_else() {
     let stalled = raw_client(&path);
     let (data, word) =
         (SharedMemory::create("parked-data", 4096).unwrap(), SharedMemory::create("parked-word", 4096).unwrap());
-    let host =
-        |id, writable| Frame::Chunk { id, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable };
+    let host = |id, writable| ToReceiver::Chunk {
+        id,
+        len: 4096,
+        kind: ChunkKind::Host,
+        device: [0; 16],
+        legacy: None,
+        writable,
+    };
     stalled.send(&host(5, false).encode(), &[data.fd().as_fd()]).unwrap();
     stalled.send(&host(6, true).encode(), &[word.fd().as_fd()]).unwrap();
     let tensors = one_tensor(Source::Host { chunk: 5, offset: 0 }, Fence::Signal { chunk: 6, offset: 0, value: 1 });
-    let message = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![1] };
+    let message = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![1] };
     stalled.send(&message.encode(), &[]).unwrap();
     std::thread::sleep(Duration::from_millis(50)); // read, and parked, before the honest message
     honest.send(&probe_again()).unwrap();

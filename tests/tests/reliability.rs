@@ -15,7 +15,9 @@ use integration_tests::queue::{Probe, checksum, probe, wait_for};
 use integration_tests::{bin_path, socket_path};
 use ipc_core::seqpacket::{Connection, Listener};
 use kernels::reference;
-use tensor_queue::wire::{ChunkKind, Descriptors, Fence, Frame, MAX_MESSAGE_BYTES, Source, StorageDesc};
+use tensor_queue::testing::wire::{
+    ChunkKind, Descriptors, Fence, Frame, Hello, MAX_MESSAGE_BYTES, Source, StorageDesc, ToReceiver, ToSender,
+};
 use tensor_queue::{DType, Error, Receiver, Sender, Tensor, monotonic_ns};
 
 /// What the `blob` role receives: an id, tensors, a byte payload and a text payload.
@@ -152,7 +154,7 @@ fn raw_client(path: &Path) -> Connection {
     let host = ipc_core::HostId::current().unwrap().0;
     connection
         .send(
-            &Frame::Hello {
+            &Hello {
                 pid: std::process::id(),
                 host,
                 capacity: 0,
@@ -188,7 +190,7 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     let host = ipc_core::HostId::current().unwrap().0;
     connection
         .send(
-            &Frame::Hello {
+            &Hello {
                 pid: std::process::id(),
                 host,
                 capacity: 4,
@@ -203,7 +205,7 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     loop {
         let (n, _fds) = connection.recv(&mut buf).unwrap();
         assert!(n > 0, "the capturing sender hung up");
-        if let Frame::Message { payload, .. } = Frame::decode(&buf[..n]).unwrap() {
+        if let Ok(ToReceiver::Message { payload, .. }) = ToReceiver::decode(&buf[..n]) {
             sending.join().unwrap();
             return payload;
         }
@@ -221,12 +223,12 @@ fn desc(chunk: u64, len: u64, dtype: DType, view_offset: u64, shape: &[u64], str
 }
 
 fn message(seq: u64, tensors: Descriptors, payload: &[u8]) -> Vec<u8> {
-    Frame::Message { seq, sent_ns: monotonic_ns(), encoded_ns: monotonic_ns(), tensors, payload: payload.to_vec() }
+    ToReceiver::Message { seq, sent_ns: monotonic_ns(), encoded_ns: monotonic_ns(), tensors, payload: payload.to_vec() }
         .encode()
 }
 
 fn announce(id: u64, len: u64) -> Vec<u8> {
-    Frame::Chunk { id, len, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false }.encode()
+    ToReceiver::Chunk { id, len, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: false }.encode()
 }
 
 const MFD_CLOEXEC: c_uint = 1;
@@ -883,4 +885,55 @@ fn sender_clones_on_threads_close_the_channel_when_the_last_drops() {
     }
     let line = user.expect_any(&["disconnected", "recv-error"], Duration::from_secs(30));
     assert_eq!(line, "disconnected after 400 bad 0");
+}
+
+/// Plays a receiver by hand for a real `Sender`: accepts it, reads its `Hello`, answers with one
+/// of capacity 8, and returns the connection.
+fn raw_receiver(path: &Path) -> (Sender<u64>, Connection) {
+    let listener = Listener::bind(path).unwrap();
+    let connecting = {
+        let path = path.to_path_buf();
+        std::thread::spawn(move || Sender::<u64>::connect(&path).unwrap())
+    };
+    let connection = listener.accept(Some(Duration::from_secs(10))).unwrap();
+    connection.set_recv_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = vec![0u8; 1 << 16];
+    let (n, _) = connection.recv(&mut buf).unwrap();
+    assert!(Hello::decode(&buf[..n]).is_ok(), "a sender begins with Hello");
+    let host = ipc_core::HostId::current().unwrap().0;
+    let hello = Hello {
+        pid: std::process::id(),
+        host,
+        capacity: 8,
+        instance: 7,
+        reach: Default::default(),
+        routing: Default::default(),
+    };
+    connection.send(&hello.encode(), &[]).unwrap();
+    let sender = connecting.join().unwrap();
+    sender.wait_ready(Duration::from_secs(10)).unwrap();
+    (sender, connection)
+}
+
+/// A message without tensors holds no lease (issue 26: no release frame is owed for it), and a
+/// receiver that releases it, or a message never sent, breaks the protocol: the sender hangs up
+/// on it (its sends fail with `Disconnected`) instead of trusting what it says.
+#[test]
+fn a_receiver_releasing_what_it_was_not_lent_is_cut_off() {
+    for lie in [vec![1u64], vec![99]] {
+        let path = socket_path("lying-release");
+        let (sender, connection) = raw_receiver(&path);
+        sender.send(&5).unwrap();
+        let mut buf = vec![0u8; 1 << 16];
+        let (n, _) = connection.recv(&mut buf).unwrap();
+        assert!(
+            matches!(ToReceiver::decode(&buf[..n]), Ok(ToReceiver::Message { seq: 1, ref tensors, .. }) if tensors.is_empty())
+        );
+        assert_eq!(sender.outstanding_leases(), 0, "a message without tensors holds nothing");
+        assert!(sender.wait_released(Duration::ZERO), "and needs no release");
+        connection.send(&ToSender::Release { messages: lie.clone() }.encode(), &[]).unwrap();
+        let hung_up = wait_for(Duration::from_secs(10), || !sender.is_connected());
+        assert!(hung_up.is_some(), "the sender still trusts a receiver that released {lie:?}");
+        assert!(matches!(sender.send(&6), Err(Error::Disconnected)), "released {lie:?}");
+    }
 }

@@ -18,7 +18,9 @@ use ipc_core::tcp::{MAX_MESSAGE, TcpLink, TcpListener};
 use kernels::reference;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tensor_queue::wire::{Descriptors, Fence, Frame, MAX_INLINE_BYTES, Source, StorageDesc};
+use tensor_queue::testing::wire::{
+    Assembler, Descriptors, Fence, Frame, Hello, MAX_INLINE_BYTES, Source, StorageDesc, ToReceiver,
+};
 use tensor_queue::{Broadcast, DType, Endpoint, Error, Receiver, Secret, Sender, Tensor, TensorDevice, TransferPath};
 
 /// The helper program, compiled in here too for its message types and checks.
@@ -686,7 +688,7 @@ fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
 
 /// A `Hello` as a sender says it.
 fn hello(capacity: u32) -> Vec<u8> {
-    Frame::Hello {
+    Hello {
         pid: std::process::id(),
         host: ipc_core::HostId::current().unwrap().0,
         capacity,
@@ -707,7 +709,7 @@ fn one_view(source: Source) -> Descriptors {
 
 fn message(seq: u64, tensors: Descriptors, payload: &[u8]) -> Vec<u8> {
     let now = tensor_queue::monotonic_ns();
-    Frame::Message { seq, sent_ns: now, encoded_ns: now, tensors, payload: payload.to_vec() }.encode()
+    ToReceiver::Message { seq, sent_ns: now, encoded_ns: now, tensors, payload: payload.to_vec() }.encode()
 }
 
 /// The serde payload a real `Sender` writes for `probe` over TCP, taken from it by a raw
@@ -723,12 +725,12 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     let link = listener.accept(Some(Duration::from_secs(10)), &link_secret_of(KEY)).unwrap();
     let mut buf = Vec::new();
     link.recv(&mut buf, Some(Duration::from_secs(10))).unwrap();
-    let first = Frame::decode(&buf);
-    assert!(matches!(first, Ok(Frame::Hello { .. })), "a TCP sender begins with Hello: {first:?}");
+    let first = Hello::decode(&buf);
+    assert!(first.is_ok(), "a TCP sender begins with Hello: {first:?}");
     link.send(&hello(4)).unwrap();
     for _ in 0..100 {
         let Incoming::Record = next_incoming(&link, &mut buf, Duration::ZERO).unwrap() else { continue };
-        if let Ok(Frame::Message { payload, .. }) = Frame::decode(&buf) {
+        if let Ok(ToReceiver::Message { payload, .. }) = ToReceiver::decode(&buf) {
             sending.join().unwrap();
             return payload;
         }
@@ -783,7 +785,7 @@ fn raw_link(addr: SocketAddr, say_hello: bool) -> (TcpLink, u32) {
     let mut buf = Vec::new();
     for _ in 0..10 {
         link.recv(&mut buf, Some(Duration::from_secs(10))).expect("the receiver's answer");
-        if let Ok(Frame::Hello { capacity, .. }) = Frame::decode(&buf) {
+        if let Ok(Hello { capacity, .. }) = Hello::decode(&buf) {
             return (link, capacity);
         }
     }
@@ -1055,7 +1057,7 @@ fn an_oversize_length_prefix_closes_the_connection() {
     let mut by_hand = handshake_by_hand(addr, KEY.as_bytes());
     by_hand.write_all(&record(&hello(0))).unwrap();
     let mut answer = read_record(&mut by_hand);
-    while !matches!(Frame::decode(&answer), Ok(Frame::Hello { .. })) {
+    while Hello::decode(&answer).is_err() {
         answer = read_record(&mut by_hand);
     }
     by_hand.write_all(&record(&message(1, Descriptors::default(), &control_payload))).unwrap();
@@ -1524,9 +1526,9 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
     let link = listener.accept(Some(Duration::from_secs(10)), &link_secret_of(KEY)).unwrap();
     let mut buf = Vec::new();
     link.recv(&mut buf, Some(Duration::from_secs(10))).unwrap();
-    assert!(matches!(Frame::decode(&buf), Ok(Frame::Hello { .. })));
+    assert!(Hello::decode(&buf).is_ok());
     link.send(&hello(4)).unwrap();
-    let mut assembler = tensor_queue::wire::Assembler::default();
+    let mut assembler = Assembler::default();
     let (mut stranded, mut messages) = (0usize, 0usize);
     let started = Instant::now();
     while messages < 2 && started.elapsed() < Duration::from_secs(60) {
@@ -1540,7 +1542,7 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
             Ok(Incoming::Record) => {}
             Err(_) => break,
         }
-        if let Some((Frame::Message { tensors, .. }, _)) = assembler.push(&buf, Vec::new()).unwrap() {
+        if let Some((ToReceiver::Message { tensors, .. }, _)) = assembler.push::<ToReceiver>(&buf, Vec::new()).unwrap() {
             let needed: u64 = tensors.storages().iter().map(|s| s.source.offset() + s.len).max().unwrap_or(0);
             assert_eq!(stranded as u64, needed, "message {messages}: the bytes before it are exactly its own");
             stranded = 0;

@@ -34,6 +34,7 @@ pub fn to_py(error: Error) -> PyErr {
         | Error::SecretNotSet { .. } => "InvalidArgument",
         Error::Frame { .. }
         | Error::Protocol(_)
+        | Error::Violation(_)
         | Error::ConnectionClosed { .. }
         | Error::Decode(_)
         | Error::Encode(_) => "ProtocolError",

@@ -21,11 +21,13 @@
 //!    neither CPU waits. Each connection has its own stream, so one producer's slow work never
 //!    holds up another's tensors (unless the user chose one stream for all, `set_stream`).
 //! 5. A message's tensors share one receiver-side lease: when the last view of any of them drops,
-//!    one release frame returns the message, once the receiver's GPU work on it is done: at once
-//!    if its streams are idle, else through a release thread, which records one pooled event per
-//!    stream for the releases queued together, polls them, and returns them in one frame per
-//!    sender (see `release.rs`). Host tensors are released at once. Holding one tensor of a
-//!    message holds the others' memory in the sender: the price of one frame per message
+//!    the message is released, once the receiver's GPU work on it is done: at once if its
+//!    streams are idle, else through a release thread, which records one pooled event per stream
+//!    for the releases queued together, polls them, and returns them in one frame per sender
+//!    (see `release.rs`). Releases are batched as credits are: one frame carries those of many
+//!    messages while messages stream, and the release thread writes what is left within
+//!    200 us. A message without tensors holds no lease and needs no release. Holding one tensor
+//!    of a message holds the others' memory in the sender: the price of one release per message
 //!    instead of one per tensor.
 //!
 //! # Why signal words, not interprocess events

@@ -12,9 +12,9 @@ use crate::error::{Error, Result};
 use crate::links::endpoint::{self, ConnectOptions, Endpoint};
 use crate::links::link::Link;
 use crate::route::{Choice, Reach, Routing};
-pub use crate::send::connection::Rejection;
 use crate::send::connection::{SenderInner, Wait};
 use crate::send::outgoing::Outgoing;
+pub use crate::send::protocol::Rejection;
 
 /// The sending end of a typed channel to one receiver.
 ///
@@ -152,7 +152,7 @@ impl<T: Serialize> Sender<T> {
     ///
     /// # Limits and errors
     /// A message has any number of tensors, but its encoded descriptors and payload (about 100
-    /// bytes per tensor plus the serde bytes) must fit [`MAX_MESSAGE_BYTES`](crate::wire::MAX_MESSAGE_BYTES),
+    /// bytes per tensor plus the serde bytes) must fit [`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES),
     /// else [`Error::TooLarge`]. Tensors received from another process cannot be sent on
     /// ([`Error::NotSendable`]). Either way nothing is sent, and the channel goes on. A receiver
     /// that refuses the message after it was sent (for example a GPU it cannot see) reports it

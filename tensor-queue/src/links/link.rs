@@ -23,22 +23,23 @@ use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
 use crate::error::{Error, Refusal, Result};
 use crate::route::{Reach, Routing};
-use crate::wire::{self, Assembler, Frame, MAX_MESSAGE_BYTES, MAX_PACKET};
+use crate::wire::{self, Assembler, Frame, Hello, MAX_MESSAGE_BYTES, MAX_PACKET};
 
 /// What a read that may find a bulk run found ([`Link::try_recv_or_bulk`]).
 #[allow(clippy::large_enum_variant)] // returned at once, never stored
-pub(crate) enum Incoming {
+pub(crate) enum Incoming<F> {
     /// A read as [`Link::try_recv`]'s.
-    Read(Read, Option<Error>),
+    Read(Read<F>, Option<Error>),
     /// A bulk run of host bytes is next (over TCP only), with this many bytes not read yet:
     /// read them with [`Link::try_recv_bulk`].
     Bulk(u64),
 }
 
-/// What a read found.
-pub(crate) enum Read {
+/// What a read found: frames of the kind `F` that the reader decodes (each side decodes only
+/// the frames that travel towards it).
+pub(crate) enum Read<F> {
     /// A whole frame and the descriptors that came with it.
-    Frame(Frame, Vec<OwnedFd>),
+    Frame(F, Vec<OwnedFd>),
     /// Nothing whole yet (nothing waiting, or a part of a longer frame).
     Nothing,
     /// The peer closed its end: nothing more will come.
@@ -130,7 +131,7 @@ impl Link {
     /// send never waits for the receiver (its credits are what bounds a sender, not the
     /// socket), and two processes that each send a large message to the other before
     /// receiving do not wait for each other. [`Error::Disconnected`] once the peer is gone.
-    pub fn send(&self, frame: &Frame, fds: &[BorrowedFd<'_>]) -> Result<()> {
+    pub fn send(&self, frame: &impl Frame, fds: &[BorrowedFd<'_>]) -> Result<()> {
         let bytes = frame.encode();
         if bytes.len() > MAX_MESSAGE_BYTES {
             return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
@@ -201,7 +202,7 @@ impl Link {
 
     /// Sends a small frame if the socket has room now and nothing is queued before it:
     /// `Ok(false)` otherwise (nothing sent).
-    pub fn try_send(&self, frame: &Frame) -> Result<bool> {
+    pub fn try_send(&self, frame: &impl Frame) -> Result<bool> {
         let bytes = frame.encode();
         if bytes.len() > MAX_PACKET {
             // A string: the frames are this crate's own, small by construction (no caller acts on it).
@@ -232,7 +233,7 @@ impl Link {
     /// the kernel dropped (this process had no room for them) is still read: the error that
     /// says so comes back beside it, for the frame to be refused alone rather than the whole
     /// connection lost.
-    pub fn try_recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<(Read, Option<Error>)> {
+    pub fn try_recv<F: Frame>(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<(Read<F>, Option<Error>)> {
         match self.connection.try_recv(buf) {
             Ok(Some((n, fds))) => Ok((self.join(assembler, &buf[..n], fds)?, None)),
             Ok(None) => Ok((Read::Nothing, None)),
@@ -245,7 +246,7 @@ impl Link {
 
     /// As [`Link::try_recv`], where a bulk run of host bytes may come (from a sender on another
     /// host): one at the front is reported, for [`Link::try_recv_bulk`] to read.
-    pub fn try_recv_or_bulk(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Incoming> {
+    pub fn try_recv_or_bulk<F: Frame>(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Incoming<F>> {
         match self.try_recv(assembler, buf) {
             Ok((read, lost)) => Ok(Incoming::Read(read, lost)),
             Err(Error::Core(ipc_core::Error::BulkAhead { left })) => Ok(Incoming::Bulk(left)),
@@ -261,12 +262,12 @@ impl Link {
     }
 
     /// Waits for the next packet.
-    pub fn recv(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read> {
+    pub fn recv<F: Frame>(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read<F>> {
         let (n, fds) = self.connection.recv(buf)?;
         self.join(assembler, &buf[..n], fds)
     }
 
-    fn join(&self, assembler: &mut Assembler, packet: &[u8], fds: Vec<OwnedFd>) -> Result<Read> {
+    fn join<F: Frame>(&self, assembler: &mut Assembler, packet: &[u8], fds: Vec<OwnedFd>) -> Result<Read<F>> {
         if packet.is_empty() {
             return Ok(Read::HungUp);
         }
@@ -320,7 +321,7 @@ impl Link {
     /// Says who we are; a receiver adds how many messages a sender may have in flight, its GPUs
     /// and its routing policy (see [`crate::route`]).
     pub fn hello(&self, capacity: u32, reach: &Reach, routing: &Routing) -> Result<()> {
-        let hello = Frame::Hello {
+        let hello = Hello {
             pid: std::process::id(),
             host: HostId::current()?.0,
             capacity,
@@ -333,19 +334,15 @@ impl Link {
 
     /// Checks the peer's `Hello` (same protocol, checked by decoding, and, over a Unix socket, the
     /// same machine). A remote peer's pid is taken from it.
-    pub fn check_hello(&self, frame: Frame) -> Result<Greeting> {
-        match frame {
-            Frame::Hello { pid, host, capacity, instance, reach, routing }
-                if self.remote || host == HostId::current()?.0 =>
-            {
-                if self.remote {
-                    self.peer_pid.store(pid, Ordering::Relaxed);
-                }
-                Ok(Greeting { capacity, instance, reach, routing })
-            }
-            Frame::Hello { .. } => Err(Error::PeerRefused(Refusal::OtherMachine)),
-            other => Err(Error::Protocol(format!("the first frame was {other:?}, not a Hello"))),
+    pub fn check_hello(&self, hello: Hello) -> Result<Greeting> {
+        let Hello { pid, host, capacity, instance, reach, routing } = hello;
+        if !self.remote && host != HostId::current()?.0 {
+            return Err(Error::PeerRefused(Refusal::OtherMachine));
         }
+        if self.remote {
+            self.peer_pid.store(pid, Ordering::Relaxed);
+        }
+        Ok(Greeting { capacity, instance, reach, routing })
     }
 }
 

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::links::link::Link;
 use crate::route::{Reach, Routing};
 use crate::sync::lock;
-use crate::wire::Frame;
+use crate::wire::{Frame, ToSender};
 
 /// What a receiver says to every sender it greets: its capacity per sender and its routing (with
 /// this process's GPUs, [`Reach::local`]).
@@ -129,7 +129,7 @@ impl Acceptor {
                             // A peer of another user is told why and dropped here, and `recv`
                             // hears of it (`take_errors`).
                             if let Err(error) = Link::check_peer(&connection) {
-                                let close = Frame::Close { read_up_to: 0, reason: error.to_string() };
+                                let close = ToSender::Close { read_up_to: 0, reason: error.to_string() };
                                 let _ = connection.try_send(&close.encode(), &[]);
                             }
                             Some(Link::new(Box::new(connection)))
@@ -226,7 +226,7 @@ fn turn_away(listening: &Listening) {
     match listening {
         Listening::Unix(unix) => {
             if let Ok(connection) = unix.accept(Some(Duration::ZERO)) {
-                let close = Frame::Close { read_up_to: 0, reason: WHY.into() };
+                let close = ToSender::Close { read_up_to: 0, reason: WHY.into() };
                 let _ = connection.try_send(&close.encode(), &[]);
             }
         }

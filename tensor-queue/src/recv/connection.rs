@@ -7,6 +7,7 @@
 //! rejected alone: the sender hears why, `recv` reports it, and the connection goes on.
 
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use ipc_core::{Event, IpcEventHandle, Stream, Uuid};
@@ -14,24 +15,24 @@ use ipc_core::{Event, IpcEventHandle, Stream, Uuid};
 use super::devices::Devices;
 use super::imports::{Announced, import};
 use super::peer::Peer;
-use super::release::retry_stalled;
+use super::protocol::{ConnectionProtocol, Incoming};
+use super::release::{flush_later, retry_stalled};
 use super::remote::Remote;
 use crate::clock::monotonic_ns;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Violation};
 use crate::fences::{Fences, Producer, producer};
-use crate::links::link::{Incoming, Link, Read};
+use crate::links::link::{self, Link, Read};
 use crate::memory::arena::Chunk;
 use crate::route::Route;
 use crate::tensor::Tensor;
-use crate::wire::{Assembler, Frame, FrameError};
+use crate::wire::{Assembler, Frame, FrameError, Hello, ToReceiver};
 
 /// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
 /// of a message over TCP) while nothing more of it comes: then the connection is closed and the
 /// loss reported (`Receiver::take_errors`, [`crate::Error::Unfinished`]). The memory a sender can
 /// hold in a receiver is what it sent, never what it claimed: one frame's parts (at most
-/// [`crate::wire::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most
-/// [`crate::wire::MAX_INLINE_BYTES`]) and one TCP record (grown as its bytes arrive), and no
-/// longer than this without a new byte.
+/// [`crate::MAX_MESSAGE_BYTES`]), a TCP message's host bytes (at most 4 GiB) and one TCP record
+/// (grown as its bytes arrive), and no longer than this without a new byte.
 pub const UNFINISHED_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// When and how a message arrived, on the machine's monotonic clock (nanoseconds). From a
@@ -111,6 +112,10 @@ pub(crate) struct Ready {
     pub on_cpu: bool,
 }
 
+/// A frame read (with its descriptors, and the error of descriptors the kernel dropped), or what
+/// reading found instead.
+type Next<F> = std::result::Result<(F, Vec<OwnedFd>, Option<Error>), Progress>;
+
 /// A sender on this machine, or on another host (its link says which).
 pub(crate) enum Flavor {
     /// Chunks and events are announced and mapped.
@@ -131,12 +136,8 @@ pub(crate) struct Connected {
     pub(super) events: HashMap<u32, Arc<Event>>,
     /// This connection's stream per device: waits for one sender's work never hold up another's.
     pub(super) streams: Vec<(Uuid, Arc<Stream>)>,
-    /// Messages read and not yet covered by a credit: never more than the capacity.
-    uncredited: u32,
-    /// Messages taken since credits were last returned.
-    taken: u32,
-    /// The sequence number of the last message read.
-    last_seq: u64,
+    /// What each frame may say at this point: credits, announcements (see `protocol.rs`).
+    protocol: ConnectionProtocol,
     /// For a sender on another host: its bytes and communicators.
     pub(super) flavor: Flavor,
     /// When a packet last came: an unfinished message idle past `UNFINISHED_IDLE` is given up.
@@ -155,16 +156,14 @@ impl Connected {
     pub fn new(link: Link) -> Connected {
         let flavor = if link.remote { Flavor::Remote(Remote::default()) } else { Flavor::Local };
         Connected {
-            peer: Peer::new(link, retry_stalled),
+            peer: Peer::new(link, retry_stalled, flush_later),
             assembler: Assembler::default(),
             producer: None,
             chunks: HashMap::new(),
             refused: HashMap::new(),
             events: HashMap::new(),
             streams: Vec::new(),
-            uncredited: 0,
-            taken: 0,
-            last_seq: 0,
+            protocol: ConnectionProtocol::new(matches!(flavor, Flavor::Remote(_))),
             flavor,
             last_packet: std::time::Instant::now(),
         }
@@ -204,7 +203,7 @@ impl Connected {
     /// Stops reading this connection: the sender hears why, and that messages after the last one
     /// read are its own again. The sending side stays open for the releases of what is held.
     pub fn close(&self, reason: String) {
-        self.peer.close(self.last_seq, reason);
+        self.peer.close(self.protocol.read_up_to(), reason);
         self.peer.link.shutdown(rustix::net::Shutdown::Read);
     }
 
@@ -220,11 +219,8 @@ impl Connected {
     /// Counts a message as taken by `recv` (or rejected), returning credits in batches of half
     /// the capacity, which keeps a frame off most hand-offs.
     pub fn took(&mut self, capacity: u32) {
-        self.taken += 1;
-        if self.taken >= capacity.div_ceil(2) {
-            self.peer.credit(self.taken);
-            self.uncredited -= self.taken;
-            self.taken = 0;
+        if let Some(count) = self.protocol.took(capacity) {
+            self.peer.credit(count);
         }
     }
 
@@ -248,39 +244,64 @@ impl Connected {
         Ok(Progress::Handled)
     }
 
+    /// Refuses message `seq` alone: the sender hears why, then (if it `leased` the message: a
+    /// sender on this machine leases a message with tensors until released) the release of its
+    /// lease, so that `wait_released` implies `take_rejected` knows.
+    fn reject(&mut self, seq: u64, reason: String, leased: bool, capacity: u32) -> Arrival {
+        self.peer.reject(seq, reason.clone());
+        if leased {
+            self.peer.release([seq]);
+        }
+        self.took(capacity);
+        Arrival::Rejected { pid: self.pid(), connection: self.peer.connection, seq, reason }
+    }
+
     /// Reads the next packet if one is waiting and does what it says. An error closes the
     /// connection.
     pub fn read(&mut self, buf: &mut [u8], devices: &Devices, capacity: u32) -> Result<Progress> {
-        let held = self.assembler.held();
-        let (read, fds_lost) = match self.peer.link.try_recv_or_bulk(&mut self.assembler, buf)? {
-            Incoming::Read(read, lost) => (read, lost),
-            Incoming::Bulk(left) => return self.read_bulk(left),
-        };
-        let (frame, mut fds) = match read {
-            Read::Frame(frame, fds) => (frame, fds),
-            Read::Nothing if self.assembler.held() > held => {
-                self.last_packet = std::time::Instant::now();
-                return Ok(Progress::Handled);
-            }
-            Read::Nothing => return Ok(Progress::Idle),
-            Read::HungUp => return Ok(Progress::HungUp),
-        };
-        self.last_packet = std::time::Instant::now();
-        let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
-            let instance = self.peer.link.check_hello(frame)?.instance;
+            // The first frame is the sender's `Hello`; any other is a decode error.
+            let hello = match self.next::<Hello>(buf)? {
+                Ok((hello, ..)) => hello,
+                Err(progress) => return Ok(progress),
+            };
+            let instance = self.peer.link.check_hello(hello)?.instance;
             self.producer = Some((instance, producer(self.pid(), instance, matches!(self.flavor, Flavor::Local))));
             return Ok(Progress::Greeted);
         };
         let instance = *instance;
+        let (frame, mut fds, fds_lost) = match self.next::<ToReceiver>(buf)? {
+            Ok(read) => read,
+            Err(progress) => return Ok(progress),
+        };
+        let arrived_ns = monotonic_ns();
+        let frame = match self.protocol.on_frame(frame, capacity)? {
+            Incoming::Act(frame) => frame,
+            Incoming::Retired(chunk) => {
+                self.chunks.remove(&chunk);
+                self.refused.remove(&chunk);
+                return Ok(Progress::Handled);
+            }
+            Incoming::Refused { seq, index, reason } => {
+                let reason = self.refusal(index, reason).to_string();
+                return Ok(Progress::Arrived(self.reject(seq, reason, true, capacity)));
+            }
+        };
         match (frame, &mut self.flavor) {
-            (Frame::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
+            (ToReceiver::Bytes { .. }, Flavor::Remote(_)) => {
+                // Host bytes come as a bulk run before their message (`read_bulk`), never framed.
+                return Err(Error::Protocol("host bytes in a frame, not a bulk run".into()));
+            }
+            (ToReceiver::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
                 remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
             }
-            (Frame::Chunk { .. } | Frame::Event { .. } | Frame::Retire { .. }, Flavor::Remote(_)) => {
-                return Err(Error::Protocol("a sender on another host announced local memory".into()));
+            (ToReceiver::Chunk { .. } | ToReceiver::Event { .. } | ToReceiver::Retire { .. }, Flavor::Remote(_)) => {
+                return Err(Violation::LocalFromRemote.into());
             }
-            (Frame::Chunk { id, len, kind, device, legacy, .. }, Flavor::Local) => {
+            (ToReceiver::Bytes { .. } | ToReceiver::Communicator { .. }, Flavor::Local) => {
+                return Err(Violation::RemoteFromLocal.into());
+            }
+            (ToReceiver::Chunk { id, len, kind, device, legacy, .. }, Flavor::Local) => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
                 // A descriptor the kernel dropped (our table was full) makes the chunk unusable,
                 // not the connection: the messages that use it are refused, and say why.
@@ -300,21 +321,14 @@ impl Connected {
                     }
                 }
             }
-            (Frame::Event { id, handle }, Flavor::Local) => {
+            (ToReceiver::Event { id, handle }, Flavor::Local) => {
                 let event = Event::import(&IpcEventHandle::from_bytes(&handle)?)?;
                 self.events.insert(id, Arc::new(event));
             }
-            (Frame::Retire { chunk }, Flavor::Local) => {
-                self.chunks.remove(&chunk);
-                self.refused.remove(&chunk);
-            }
-            (Frame::Message { seq, sent_ns, encoded_ns, tensors, payload }, flavor) => {
+            // The protocol hands retirements back as `Incoming::Retired`.
+            (ToReceiver::Retire { .. }, Flavor::Local) => {}
+            (ToReceiver::Message { seq, sent_ns, encoded_ns, tensors, payload }, flavor) => {
                 let remote = matches!(flavor, Flavor::Remote(_));
-                if self.uncredited >= capacity {
-                    return Err(Error::Protocol(format!("more than the {capacity} messages its credits allow")));
-                }
-                self.uncredited += 1;
-                self.last_seq = seq;
                 let info = MessageInfo {
                     sender_pid: self.pid(),
                     connection: self.peer.connection,
@@ -341,16 +355,31 @@ impl Connected {
                             "a message with NCCL transfers could not be received, so its connection cannot go on: {error}"
                         )));
                     }
-                    Err(error) => {
-                        let reason = error.to_string();
-                        self.peer.reject(seq, reason.clone());
-                        self.took(capacity);
-                        Arrival::Rejected { pid: self.pid(), connection: self.peer.connection, seq, reason }
-                    }
+                    Err(error) => self.reject(seq, error.to_string(), !remote && !tensors.is_empty(), capacity),
                 }));
             }
-            (other, _) => return Err(Error::Protocol(format!("a sender sent {other:?}"))),
         }
         Ok(Progress::Handled)
+    }
+
+    /// Reads the next packet if one is waiting: the frame it completes (with its descriptors, and
+    /// the error of descriptors the kernel dropped), or what reading it found instead.
+    fn next<F: Frame>(&mut self, buf: &mut [u8]) -> Result<Next<F>> {
+        let held = self.assembler.held();
+        let (read, fds_lost) = match self.peer.link.try_recv_or_bulk(&mut self.assembler, buf)? {
+            link::Incoming::Read(read, lost) => (read, lost),
+            link::Incoming::Bulk(left) => return self.read_bulk(left).map(Err),
+        };
+        let (frame, fds) = match read {
+            Read::Frame(frame, fds) => (frame, fds),
+            Read::Nothing if self.assembler.held() > held => {
+                self.last_packet = std::time::Instant::now();
+                return Ok(Err(Progress::Handled));
+            }
+            Read::Nothing => return Ok(Err(Progress::Idle)),
+            Read::HungUp => return Ok(Err(Progress::HungUp)),
+        };
+        self.last_packet = std::time::Instant::now();
+        Ok(Ok((frame, fds, fds_lost)))
     }
 }

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use ipc_core::{Context, ImportedIpcMemory, IpcMemHandle, SharedMemory, Uuid, VmmAllocation};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Violation};
 use crate::memory::arena::{Chunk, ChunkMemory};
 use crate::sync::lock;
 use crate::wire::ChunkKind;
@@ -47,7 +47,7 @@ pub(crate) fn import(
     if let Some(chunk) = imports.get(&key).and_then(Weak::upgrade) {
         let same_device = chunk.device_uuid().is_none_or(|uuid| uuid == announced.device);
         if chunk.len() != announced.len || !same_device {
-            return Err(Error::Protocol(format!("chunk {} announced again, differently", announced.id)));
+            return Err(Violation::ChunkChanged { id: announced.id }.into());
         }
         return Ok(chunk);
     }
@@ -61,7 +61,7 @@ pub(crate) fn import(
 
 fn map(announced: Announced, context: impl Fn(&Uuid) -> Result<Arc<Context>>) -> Result<Arc<Chunk>> {
     let Announced { id, len, kind, device, legacy, fd } = announced;
-    let missing_fd = || Error::Protocol(format!("chunk {id} came without its descriptor"));
+    let missing_fd = || Error::from(Violation::MissingDescriptor { id });
     let memory = match kind {
         ChunkKind::Host => ChunkMemory::ImportedHost(SharedMemory::from_fd(fd.ok_or_else(missing_fd)?, len)?),
         ChunkKind::Vmm => {
@@ -71,7 +71,7 @@ fn map(announced: Announced, context: impl Fn(&Uuid) -> Result<Arc<Context>>) ->
         ChunkKind::Legacy => {
             let handle = IpcMemHandle::from_bytes(legacy.as_deref().unwrap_or_default())?;
             if handle.len() != len || handle.device() != device {
-                return Err(Error::Protocol(format!("chunk {id}: the handle disagrees with the announcement")));
+                return Err(Violation::HandleMismatch { id }.into());
             }
             context(&device)?; // the device's primary context, kept alive while mapped
             ChunkMemory::ImportedLegacy(ImportedIpcMemory::open(&handle)?)

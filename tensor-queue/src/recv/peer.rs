@@ -4,15 +4,16 @@
 //!
 //! A receiver never waits for a sender to read: a sender that stops reading must not stop the
 //! receiver, nor the threads that drop received tensors, nor other senders. Frames that do not
-//! fit the socket now stay in the outbox (credits add up to one number, releases to one list)
-//! and go out with the next write, or from the release thread, which retries stalled peers.
+//! fit the socket now stay in the outbox (credits add up to one number, releases to one list;
+//! see `protocol::Owed`) and go out with the next write, or from the release thread, which
+//! retries stalled peers. Releases are batched as credits are: while messages stream they wait
+//! for a full batch or the next credit, and the release thread writes what is left soon after.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
+use super::protocol::Owed;
 use crate::links::link::Link;
 use crate::sync::lock;
-use crate::wire::{Frame, MAX_RELEASES};
 
 /// A sender's connection as the receiving process sees it.
 pub(crate) struct Peer {
@@ -20,54 +21,66 @@ pub(crate) struct Peer {
     /// This process's number for the connection ([`crate::MessageInfo::connection`]).
     pub connection: u64,
     outbox: Mutex<Outbox>,
-    /// Who retries the writes once the socket was full: the release thread
-    /// (`release::retry_stalled`), passed in so that this module needs nothing above it.
+    /// Who retries the writes once the socket was full, and writes releases that wait for
+    /// company: the release thread (`release::retry_stalled`, `release::flush_later`), passed
+    /// in so that this module needs nothing above it.
     on_stall: fn(Arc<Peer>),
+    on_defer: fn(Arc<Peer>),
 }
 
 #[derive(Default)]
 struct Outbox {
-    /// Rejections and the closing, in order; they go before credits and releases.
-    control: VecDeque<Frame>,
-    credits: u32,
-    releases: Vec<u64>,
+    owed: Owed,
     /// Whether the release thread is retrying this peer.
     stalled: bool,
+    /// Whether the release thread will write this peer's releases soon.
+    deferred: bool,
 }
 
 impl Peer {
-    pub fn new(link: Link, on_stall: fn(Arc<Peer>)) -> Arc<Peer> {
+    pub fn new(link: Link, on_stall: fn(Arc<Peer>), on_defer: fn(Arc<Peer>)) -> Arc<Peer> {
         // Unique for the life of the process: several senders of one process, or one that
         // reconnected, are told apart by it.
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let connection = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Arc::new(Peer { link, connection, outbox: Mutex::new(Outbox::default()), on_stall })
+        Arc::new(Peer { link, connection, outbox: Mutex::new(Outbox::default()), on_stall, on_defer })
     }
 
-    /// Returns `count` credits.
+    /// Returns `count` credits (and the releases owed go with them).
     pub fn credit(self: &Arc<Self>, count: u32) {
-        self.post(|out| out.credits += count);
+        self.post(|owed| owed.credit(count));
     }
 
-    /// Releases these messages.
+    /// Releases these messages: at once with a full batch or other frames owed, else soon (the
+    /// release thread writes them, unless more come first).
     pub fn release(self: &Arc<Self>, messages: impl IntoIterator<Item = u64>) {
-        self.post(|out| out.releases.extend(messages));
+        self.post(|owed| owed.release(messages));
     }
 
     /// Tells the sender that message `seq` was refused.
     pub fn reject(self: &Arc<Self>, seq: u64, reason: String) {
-        self.post(|out| out.control.push_back(Frame::Rejected { seq, reason }));
+        self.post(|owed| owed.reject(seq, reason));
     }
 
     /// Tells the sender that no more messages are taken; `read_up_to` is the last one read.
     pub fn close(self: &Arc<Self>, read_up_to: u64, reason: String) {
-        self.post(|out| out.control.push_back(Frame::Close { read_up_to, reason }));
+        self.post(|owed| owed.close(read_up_to, reason));
     }
 
-    fn post(self: &Arc<Self>, add: impl FnOnce(&mut Outbox)) {
+    fn post(self: &Arc<Self>, add: impl FnOnce(&mut Owed)) {
         let mut out = lock(&self.outbox);
-        add(&mut out);
-        if !out.stalled && !self.flush_locked(&mut out) {
+        add(&mut out.owed);
+        if out.stalled {
+            return; // the release thread writes it once the socket has room
+        }
+        if out.owed.releases_may_wait() {
+            if !out.deferred {
+                out.deferred = true;
+                (self.on_defer)(self.clone());
+            }
+            return;
+        }
+        if !self.flush_locked(&mut out) {
             out.stalled = true;
             (self.on_stall)(self.clone());
         }
@@ -82,29 +95,18 @@ impl Peer {
     }
 
     fn flush_locked(&self, out: &mut Outbox) -> bool {
-        loop {
-            let frame = if let Some(frame) = out.control.front() {
-                frame.clone()
-            } else if out.credits > 0 {
-                Frame::Credit { count: out.credits }
-            } else if !out.releases.is_empty() {
-                Frame::Release { messages: out.releases[..out.releases.len().min(MAX_RELEASES)].to_vec() }
-            } else {
-                return true;
-            };
+        out.deferred = false;
+        while let Some(frame) = out.owed.next() {
             match self.link.try_send(&frame) {
-                Ok(true) => match frame {
-                    Frame::Credit { .. } => out.credits = 0,
-                    Frame::Release { messages } => drop(out.releases.drain(..messages.len())),
-                    _ => drop(out.control.pop_front()),
-                },
+                Ok(true) => out.owed.written(&frame),
                 Ok(false) => return false,
                 // The sender is gone, and with it what we owed it.
                 Err(_) => {
-                    *out = Outbox::default();
+                    out.owed.forget();
                     return true;
                 }
             }
         }
+        true
     }
 }

@@ -46,6 +46,14 @@ enum Memory {
     Landed(Allocation),
 }
 
+/// A record's memory with what its storage needs, made before the message's lease.
+enum Prepared {
+    /// The sender's memory, mapped: (chunk, offset, length).
+    Mapped(Arc<Chunk>, usize, usize),
+    /// Copied here on the stream, and the event recorded after the copies.
+    Landed(Allocation, Arc<Stream>, Event),
+}
+
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
     /// asks `crate::route::choose` first).
@@ -161,6 +169,12 @@ impl Connected {
         payload: Vec<u8>,
         mut info: MessageInfo,
     ) -> Result<Ready> {
+        if table.tensors().is_empty() {
+            // Nothing to place, and no lease: the sender recorded none, and no release is owed.
+            info.imported_ns = monotonic_ns();
+            let fences: Fences = Arc::new(Vec::new());
+            return Ok(Ready { peer: self.peer.clone(), tensors: Vec::new(), payload, info, fences, on_cpu: false });
+        }
         let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
         let mut fences: Vec<FenceWait> = Vec::new();
         let mut placed = Vec::with_capacity(table.storages().len());
@@ -201,20 +215,30 @@ impl Connected {
             }
         }
         let fences: Fences = Arc::new(fences);
-        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
-        let mut storages = Vec::with_capacity(placed.len());
-        let mut ways = Vec::with_capacity(placed.len());
+        // The memory a copy lands in is not reused before the copy is done, even if the tensors
+        // are dropped at once: each landed storage holds an event recorded after its copies.
+        let mut prepared = Vec::with_capacity(placed.len());
         for Placed { memory, path, stream } in placed {
-            storages.push(Arc::new(match (memory, &stream) {
-                (Memory::Mapped(chunk, offset, len), _) => Storage::received(chunk, offset, len, lease.clone()),
-                // The memory a copy lands in is not reused before the copy is done, even if the
-                // tensors are dropped at once: the storage holds an event recorded after it.
+            let memory = match (memory, &stream) {
+                (Memory::Mapped(chunk, offset, len), _) => Prepared::Mapped(chunk, offset, len),
                 (Memory::Landed(allocation), Some(stream)) => {
                     let done = Event::new(stream.context())?;
                     done.record(stream)?;
-                    Storage::landed(allocation, fences.clone(), stream, done)
+                    Prepared::Landed(allocation, stream.clone(), done)
                 }
                 (Memory::Landed(_), None) => return Err(Error::Protocol("a landed copy without a stream".into())),
+            };
+            prepared.push((memory, path, stream));
+        }
+        // Made after the last step that can fail: a message refused here is released by the
+        // refusal (see `Connected::reject`), never twice.
+        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
+        let mut storages = Vec::with_capacity(prepared.len());
+        let mut ways = Vec::with_capacity(prepared.len());
+        for (memory, path, stream) in prepared {
+            storages.push(Arc::new(match memory {
+                Prepared::Mapped(chunk, offset, len) => Storage::received(chunk, offset, len, lease.clone()),
+                Prepared::Landed(allocation, on, done) => Storage::landed(allocation, fences.clone(), &on, done),
             }));
             ways.push((path, stream));
         }

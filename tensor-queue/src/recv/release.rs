@@ -1,8 +1,9 @@
 //! Returning a received message's leases to its sender once the receiver's GPU work on them is
 //! done.
 //!
-//! The tensors of one message share a [`ReceivedLease`]. When the last of them drops, its leases
-//! go back in one `Release` frame: at once if the streams they were ordered on are idle, else
+//! The tensors of one message share a [`ReceivedLease`]. When the last of them drops, the message
+//! is released (in a `Release` frame shared with others, see `protocol::Owed` and `peer.rs`): at
+//! once if the streams they were ordered on are idle, else
 //! through the process's release thread. The dropping thread only queues the release; the release
 //! thread records one event per stream for everything queued together (covering the work queued
 //! before each drop, and perhaps a little after, which only returns the memory later), waits for
@@ -22,7 +23,7 @@ use crate::sync::lock;
 use crate::tensor::Lease;
 
 /// Held by the storage of every tensor of one received message; returns the message to its
-/// sender in one frame when the last of them drops (one frame per message, not per tensor).
+/// sender when the last of them drops (one release per message, not per tensor).
 pub(crate) struct ReceivedLease {
     pub(crate) peer: Arc<Peer>,
     pub(crate) seq: u64,
@@ -63,6 +64,11 @@ struct PendingRelease {
 /// How often the release thread retries writing to senders whose sockets were full.
 const RETRY_STALLED: Duration = Duration::from_millis(2);
 
+/// How long releases wait for company before the release thread writes them (see
+/// `protocol::Owed`): while messages stream, more come within microseconds and share the frame;
+/// once they stop, the sender hears of the last ones this much later.
+const FLUSH_DEFERRED: Duration = Duration::from_micros(200);
+
 /// How long the release thread polls an event without sleeping: most release events complete
 /// within microseconds, and a sleeping wake-up took 340 us (p50) on an H200 (`tq-bench` breakdown).
 const EVENT_POLL: Duration = Duration::from_micros(500);
@@ -89,6 +95,8 @@ struct Queue {
     pending: Vec<PendingRelease>,
     /// Senders with frames waiting for room in their sockets.
     stalled: Vec<Arc<Peer>>,
+    /// Senders with releases waiting for company, to write after [`FLUSH_DEFERRED`].
+    deferred: Vec<Arc<Peer>>,
     sleeping: bool,
 }
 
@@ -118,6 +126,15 @@ impl Releaser {
         }
     }
 
+    /// Writes `peer`'s releases after [`FLUSH_DEFERRED`] (unless something else writes them first).
+    fn defer(&self, peer: Arc<Peer>) {
+        let mut queue = lock(&self.queue);
+        queue.deferred.push(peer);
+        if queue.sleeping {
+            self.wake.notify_one();
+        }
+    }
+
     fn push(&self, pending: PendingRelease) {
         let mut queue = lock(&self.queue);
         queue.pending.push(pending);
@@ -139,11 +156,12 @@ impl Releaser {
         let mut queue = lock(&self.queue);
         queue.sleeping = wait;
         while wait && queue.pending.is_empty() {
-            if queue.stalled.is_empty() {
+            if queue.stalled.is_empty() && queue.deferred.is_empty() {
                 queue = self.wake.wait(queue).unwrap_or_else(|e| e.into_inner());
                 continue;
             }
-            queue = self.wake.wait_timeout(queue, RETRY_STALLED).unwrap_or_else(|e| e.into_inner()).0;
+            let pause = if queue.deferred.is_empty() { RETRY_STALLED } else { FLUSH_DEFERRED };
+            queue = self.wake.wait_timeout(queue, pause).unwrap_or_else(|e| e.into_inner()).0;
             drop(queue);
             self.retry_stalled();
             queue = lock(&self.queue);
@@ -154,10 +172,15 @@ impl Releaser {
         queue.pending.drain(..count).collect()
     }
 
-    /// Writes what stalled peers owe, where their sockets have room now. Without the queue's
-    /// lock: a flush takes the peer's outbox lock, under which `retry` takes the queue's.
+    /// Writes what stalled and deferred peers owe, where their sockets have room now. Without
+    /// the queue's lock: a flush takes the peer's outbox lock, under which `retry` takes the
+    /// queue's.
     fn retry_stalled(&self) {
-        let stalled = std::mem::take(&mut lock(&self.queue).stalled);
+        let (mut stalled, deferred) = {
+            let mut queue = lock(&self.queue);
+            (std::mem::take(&mut queue.stalled), std::mem::take(&mut queue.deferred))
+        };
+        stalled.extend(deferred);
         if stalled.is_empty() {
             return;
         }
@@ -249,6 +272,12 @@ fn record(pool: &mut Vec<Event>, stream: &Stream) -> ipc_core::Result<Event> {
     };
     event.record(stream)?;
     Ok(event)
+}
+
+/// Hands a peer whose releases wait for company to the release thread, which writes them soon
+/// (after [`FLUSH_DEFERRED`]): what a [`Peer`] calls when it defers them.
+pub(crate) fn flush_later(peer: Arc<Peer>) {
+    Releaser::get().defer(peer);
 }
 
 /// Hands a peer whose socket was full to the release thread, which retries its writes until its

@@ -8,7 +8,7 @@
 //! for a blocked send; `writer` (announcements and sequence numbers) is held across the writes of
 //! one message, so its frames reach the socket whole and in order.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering as Atomic};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -17,39 +17,14 @@ use ipc_core::{Event, Stream, Uuid};
 
 use super::network::{self, SendComms};
 use super::outgoing::{Fencing, Outgoing};
+use super::protocol::{Lease, Rejection, SenderProtocol};
 use crate::error::{Error, Refusal, Result};
 use crate::links::link::{Link, Read};
 use crate::memory::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::sync::lock;
 use crate::tensor::Storage;
-use crate::wire::{Assembler, ChunkKind, Fence, Frame, MAX_PACKET};
-
-/// A message the receiver refused (see [`Sender::take_rejected`](crate::Sender::take_rejected)).
-///
-/// ```no_run
-/// # fn main() -> tensor_queue::Result<()> {
-/// use std::time::Duration;
-/// use tensor_queue::{Context, DType, Sender, Stream, Tensor};
-/// let sender = Sender::<Tensor>::connect("/tmp/cpu-only-worker.sock")?; // a receiver without this GPU
-/// let stream = Stream::new(&Context::on_ordinal(0)?)?;
-/// let x = Tensor::from_slice_cuda(&[1.0f32, 2.0], DType::F32, &[2], &stream)?;
-/// sender.send_on(&x, &stream)?;
-/// sender.wait_released(Duration::from_secs(10)); // a refused message is given back too
-/// for rejected in sender.take_rejected() {
-///     eprintln!("message {} refused ({}): sending a host copy", rejected.seq, rejected.reason);
-///     sender.send(&Tensor::from_bytes(&x.to_bytes()?, x.dtype(), x.shape())?)?;
-/// }
-/// # Ok(()) }
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Rejection {
-    /// The message's sequence number on this connection: the first message sent is 1.
-    pub seq: u64,
-    /// Why, in the receiver's words.
-    pub reason: String,
-}
+use crate::wire::{Answer, Assembler, ChunkKind, Fence, MAX_PACKET, ToReceiver, ToSender};
 
 /// An interprocess event of one connection, exported once.
 struct EventSlot {
@@ -59,29 +34,11 @@ struct EventSlot {
 
 #[derive(Default)]
 struct SenderState {
-    credits: u32,
-    /// Messages sent that no credit has covered yet: a receiver may not grant more than this.
-    uncredited: u32,
-    /// Per message the receiver may still hold (by `seq`): the storage of its tensors.
-    leases: HashMap<u64, Vec<Arc<Storage>>>,
-    free_events: Vec<EventSlot>,
-    /// Per message sent and not yet covered by a credit, oldest first: its event, if it has one.
-    /// A credit means the receiver took the message and so already queued its wait on the
-    /// event; only then may the event be recorded again. The pool thus stays within the capacity.
-    untaken: VecDeque<Option<EventSlot>>,
-    next_event: u32,
-    /// Whether the receiver's `Hello` was read: until then only the reader thread reads.
-    greeted: bool,
+    /// Credits, leases (the storage of each message's tensors), the events waiting for a
+    /// credit, rejections and the closing (see `protocol.rs`).
+    protocol: SenderProtocol<Vec<Arc<Storage>>, EventSlot>,
     /// The receiver's GPUs and routing policy, from its `Hello`.
     receiver: Option<Arc<(Reach, Routing)>>,
-    /// Why the receiver takes no more messages, once it does not.
-    closed: Option<String>,
-    /// Why the receiver refused this sender at the handshake, if it did.
-    refused: Option<Refusal>,
-    rejected: Vec<Rejection>,
-    /// Leases removed from `leases` whose storage is still being dropped (which may retire a
-    /// chunk): still outstanding, so that nothing is announced before the retirement is sent.
-    dropping: usize,
 }
 
 /// What only the thread writing a message touches.
@@ -169,8 +126,7 @@ impl SenderInner {
 
     /// See [`Sender::outstanding_leases`](crate::Sender::outstanding_leases).
     pub(crate) fn outstanding_leases(&self) -> usize {
-        let state = lock(&self.state);
-        state.leases.len() + state.dropping
+        lock(&self.state).protocol.outstanding()
     }
 
     /// See [`Sender::wait_ready`](crate::Sender::wait_ready).
@@ -179,13 +135,13 @@ impl SenderInner {
         let inner = self;
         let mut state = lock(&inner.state);
         loop {
-            if let Some(refused) = &state.refused {
-                return Err(Error::PeerRefused(refused.clone()));
+            if let Some(ended @ Error::PeerRefused(_)) = state.protocol.ended() {
+                return Err(ended);
             }
-            if state.greeted {
+            if state.protocol.is_greeted() {
                 return Ok(());
             }
-            if state.closed.is_some() {
+            if state.protocol.closed().is_some() {
                 return Err(Error::Disconnected);
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -203,12 +159,12 @@ impl SenderInner {
 
     /// See [`Sender::is_connected`](crate::Sender::is_connected).
     pub(crate) fn is_connected(&self) -> bool {
-        lock(&self.state).closed.is_none()
+        lock(&self.state).protocol.closed().is_none()
     }
 
     /// See [`Sender::take_rejected`](crate::Sender::take_rejected).
     pub(crate) fn take_rejected(&self) -> Vec<Rejection> {
-        std::mem::take(&mut lock(&self.state).rejected)
+        lock(&self.state).protocol.take_rejected()
     }
 
     /// The route a tensor on `source` takes to the receiver, once its `Hello` came.
@@ -232,7 +188,7 @@ struct RemoteLease {
 impl Drop for RemoteLease {
     fn drop(&mut self) {
         if let Some(sender) = self.sender.upgrade() {
-            lock(&sender.state).leases.remove(&self.seq);
+            lock(&sender.state).protocol.remote_done(self.seq);
             sender.changed.notify_all();
         }
     }
@@ -251,7 +207,7 @@ impl SenderInner {
     pub(crate) fn wait_released(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         let mut state = lock(&self.state);
-        while !state.leases.is_empty() || state.dropping > 0 {
+        while state.protocol.outstanding() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
@@ -270,10 +226,7 @@ impl SenderInner {
 
     /// Gives back a credit taken by [`SenderInner::take_credit`] for a message not sent.
     pub(crate) fn return_credit(&self) {
-        let mut state = lock(&self.state);
-        state.credits += 1;
-        state.uncredited -= 1;
-        drop(state);
+        lock(&self.state).protocol.return_credit();
         self.changed.notify_all();
     }
 
@@ -285,20 +238,14 @@ impl SenderInner {
         match result {
             Ok(event) => {
                 writer.seq = seq;
-                lock(&self.state).untaken.push_back(event);
+                lock(&self.state).protocol.written(event);
                 Ok(())
             }
             Err(error) => {
-                let mut state = lock(&self.state);
-                if matches!(error, Error::Disconnected) {
-                    // A write found the receiver gone before the reader thread read the hang-up:
-                    // from this answer on, `is_connected` agrees.
-                    state.closed.get_or_insert_with(|| "the receiver is gone".into());
-                }
-                state.credits += 1;
-                state.uncredited -= 1;
-                let storage = state.leases.remove(&seq);
-                drop(state);
+                // A write that found the receiver gone before the reader thread read the
+                // hang-up: from this answer on, `is_connected` agrees.
+                let gone = matches!(error, Error::Disconnected);
+                let storage = lock(&self.state).protocol.unwritten(seq, gone);
                 drop(writer);
                 drop(storage); // may retire a user buffer's chunk, which takes the writer lock
                 Err(error)
@@ -309,21 +256,18 @@ impl SenderInner {
     /// Waits for a credit (see [`Wait`]) and takes it.
     pub(crate) fn take_credit(&self, wait: Wait) -> Result<()> {
         let mut state = lock(&self.state);
-        if state.credits == 0 && state.greeted && state.closed.is_none() && !matches!(wait, Wait::Never) {
+        let protocol = &state.protocol;
+        if protocol.credits() == 0
+            && protocol.is_greeted()
+            && protocol.ended().is_none()
+            && !matches!(wait, Wait::Never)
+        {
             drop(state);
             self.spin_for_credits();
             state = lock(&self.state);
         }
         loop {
-            if let Some(refused) = &state.refused {
-                return Err(Error::PeerRefused(refused.clone()));
-            }
-            if state.closed.is_some() {
-                return Err(Error::Disconnected);
-            }
-            if state.credits > 0 {
-                state.credits -= 1;
-                state.uncredited += 1;
+            if state.protocol.take_credit()? {
                 return Ok(());
             }
             state = match wait {
@@ -360,7 +304,9 @@ impl SenderInner {
             }
         };
         let give_back = |error: Error, event: Option<EventSlot>| {
-            lock(&self.state).free_events.extend(event);
+            if let Some(event) = event {
+                lock(&self.state).protocol.give_back_event(event);
+            }
             error
         };
         // What each tensor becomes for this receiver (its route; copies queued now).
@@ -382,16 +328,13 @@ impl SenderInner {
         {
             // Under the lock that handling a `Close` takes: either the closing is seen here, or
             // it sees this lease (and gives it back if the message was never read).
-            let mut state = lock(&self.state);
-            if state.closed.is_some() {
-                drop(state);
-                return Err(give_back(Error::Disconnected, event));
-            }
-            if !prepared.leases.is_empty() {
-                state.leases.insert(seq, prepared.leases);
+            // A message without tensors holds no lease: the receiver releases none.
+            let lease = (!outgoing.tensors.is_empty()).then(|| Lease::Held(prepared.leases));
+            if let Err(error) = lock(&self.state).protocol.writing(seq, lease) {
+                return Err(give_back(error, event));
             }
         }
-        let frame = Frame::Message {
+        let frame = ToReceiver::Message {
             seq,
             sent_ns: outgoing.sent_ns,
             encoded_ns: crate::clock::monotonic_ns(),
@@ -412,13 +355,13 @@ impl SenderInner {
         let receiver = lock(&self.state).receiver.clone().ok_or(Error::Disconnected)?;
         // The message is leased until its host bytes are written and its NCCL sends are done, so
         // `wait_released` means the data has left this process.
-        lock(&self.state).leases.insert(seq, Vec::new());
+        lock(&self.state).protocol.writing(seq, Some(Lease::Remote))?;
         let lease: Arc<dyn Send + Sync> = Arc::new(RemoteLease { sender: self.me.clone(), seq });
         let me = self.me.clone();
         let alive = move || me.upgrade().is_some_and(|inner| !inner.link.peer_closed());
         let mut message =
             { network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut lock(comms), lease, &alive)? };
-        let frame = Frame::Message {
+        let frame = ToReceiver::Message {
             seq,
             sent_ns: outgoing.sent_ns,
             encoded_ns: crate::clock::monotonic_ns(),
@@ -466,7 +409,7 @@ impl SenderInner {
             Shared::Legacy(handle) => (ChunkKind::Legacy, Some(handle.to_bytes().to_vec()), None),
         };
         let frame =
-            Frame::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy, writable: chunk.writable };
+            ToReceiver::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy, writable: chunk.writable };
         self.link.send(&frame, fd.as_slice())?;
         writer.announced.insert(chunk.id);
         // When the chunk goes (a user buffer freed, an idle arena chunk given back), the
@@ -484,7 +427,7 @@ impl SenderInner {
         let mut pending = retired.into_iter();
         while let Some(chunk) = pending.next() {
             writer.announced.remove(&chunk);
-            let frame = Frame::Retire { chunk };
+            let frame = ToReceiver::Retire { chunk };
             let sent = if wait { self.link.send(&frame, &[]).map(|()| true) } else { self.link.try_send(&frame) };
             match sent {
                 Ok(true) => {}
@@ -503,23 +446,19 @@ impl SenderInner {
 
     /// A pooled interprocess event, recorded on `stream` (a new one is announced first).
     fn event_for(&self, stream: &Stream) -> Result<EventSlot> {
-        let pooled = lock(&self.state).free_events.pop();
+        let pooled = lock(&self.state).protocol.free_event();
         let slot = match pooled {
             Some(slot) => slot,
             None => {
                 let event = Event::interprocess(stream.context())?;
-                let id = {
-                    let mut state = lock(&self.state);
-                    state.next_event += 1;
-                    state.next_event
-                };
+                let id = lock(&self.state).protocol.new_event_id();
                 let handle = event.export()?.to_bytes().to_vec();
-                self.link.send(&Frame::Event { id, handle }, &[])?;
+                self.link.send(&ToReceiver::Event { id, handle }, &[])?;
                 EventSlot { id, event }
             }
         };
         if let Err(error) = slot.event.record(stream) {
-            lock(&self.state).free_events.push(slot);
+            lock(&self.state).protocol.give_back_event(slot);
             return Err(error.into());
         }
         Ok(slot)
@@ -531,10 +470,10 @@ impl SenderInner {
         let mut assembler = Assembler::default();
         let greeting = loop {
             match self.link.recv(&mut assembler, &mut buf) {
-                Ok(Read::Frame(Frame::Close { reason, .. }, _)) => {
+                Ok(Read::Frame(Answer::Refused { reason }, _)) => {
                     break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
                 }
-                Ok(Read::Frame(frame, _)) => break self.link.check_hello(frame),
+                Ok(Read::Frame(Answer::Hello(hello), _)) => break self.link.check_hello(hello),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
                 Err(error) => break Err(error),
@@ -543,8 +482,7 @@ impl SenderInner {
         match greeting {
             Ok(greeting) => {
                 let mut state = lock(&self.state);
-                state.credits = greeting.capacity;
-                state.greeted = true;
+                state.protocol.greeted(greeting.capacity);
                 state.receiver = Some(Arc::new((greeting.reach, greeting.routing)));
                 drop(state);
                 self.state_changed();
@@ -552,7 +490,7 @@ impl SenderInner {
             Err(error) => {
                 tracing::warn!(%error, "the receiver's greeting failed");
                 if let Error::PeerRefused(reason) = &error {
-                    lock(&self.state).refused = Some(reason.clone());
+                    lock(&self.state).protocol.refused(reason.clone());
                 }
                 return self.hang_up("the receiver's greeting failed");
             }
@@ -588,7 +526,7 @@ impl SenderInner {
         let until = Instant::now() + spin;
         buf.resize(MAX_PACKET, 0);
         let mut assembler = Assembler::default();
-        while Instant::now() < until && lock(&self.state).credits == 0 {
+        while Instant::now() < until && lock(&self.state).protocol.credits() == 0 {
             match self.link.try_recv(&mut assembler, &mut buf).map(|(read, _)| read) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
@@ -604,54 +542,28 @@ impl SenderInner {
     }
 
     /// Handles a frame from the receiver. `false`: the frame was not one an honest receiver
-    /// sends, and the connection must close.
-    fn handle(&self, frame: Frame) -> bool {
-        // Storage is dropped after the lock is let go: dropping a user buffer's chunk retires it.
-        let mut released = Vec::new();
+    /// sends at this point, and the connection must close.
+    fn handle(&self, frame: ToSender) -> bool {
+        if let ToSender::Rejected { seq, reason } = &frame {
+            tracing::warn!(seq, %reason, "the receiver refused a message");
+        }
+        if let ToSender::Close { reason, .. } = &frame {
+            tracing::info!(%reason, "the receiver closed the channel");
+        }
         let mut state = lock(&self.state);
-        match frame {
-            Frame::Release { messages } => {
-                released.extend(messages.iter().filter_map(|seq| state.leases.remove(seq)));
-            }
-            Frame::Credit { count } => {
-                if count > state.uncredited {
-                    tracing::warn!(
-                        count,
-                        uncredited = state.uncredited,
-                        "a receiver granted more than it may; closing"
-                    );
-                    return false;
-                }
-                state.credits += count;
-                state.uncredited -= count;
-                for _ in 0..count {
-                    if let Some(Some(slot)) = state.untaken.pop_front() {
-                        state.free_events.push(slot);
-                    }
-                }
-            }
-            Frame::Rejected { seq, reason } => {
-                tracing::warn!(seq, %reason, "the receiver refused a message");
-                released.extend(state.leases.remove(&seq));
-                state.rejected.push(Rejection { seq, reason });
-            }
-            Frame::Close { read_up_to, reason } => {
-                tracing::info!(%reason, "the receiver closed the channel");
-                state.closed.get_or_insert(reason);
-                // Messages it never read are ours again; those it read come back by release.
-                let unread: Vec<u64> = state.leases.keys().copied().filter(|&seq| seq > read_up_to).collect();
-                released.extend(unread.iter().filter_map(|seq| state.leases.remove(seq)));
-            }
-            other => {
-                tracing::warn!(?other, "unexpected frame from a receiver; closing");
+        let released = match state.protocol.on_frame(frame) {
+            Ok(released) => released,
+            Err(violation) => {
+                tracing::warn!(%violation, "the receiver broke the protocol; closing");
                 return false;
             }
-        }
-        state.dropping += released.len();
-        drop(state);
+        };
+        // Storage is dropped after the lock is let go: dropping a user buffer's chunk retires it.
         let count = released.len();
+        state.protocol.dropping(count);
+        drop(state);
         drop(released);
-        lock(&self.state).dropping -= count;
+        lock(&self.state).protocol.dropped(count);
         self.state_changed();
         true
     }
@@ -664,8 +576,7 @@ impl SenderInner {
             lock(comms).abort();
         }
         let mut state: MutexGuard<'_, SenderState> = lock(&self.state);
-        state.closed.get_or_insert_with(|| why.to_string());
-        let released = std::mem::take(&mut state.leases);
+        let released = state.protocol.hang_up(why);
         drop(state);
         drop(released);
         self.state_changed();

@@ -42,7 +42,7 @@ use crate::route::Routing;
 use crate::route::choose_remote;
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
-use crate::wire::{Descriptors, Fence, Frame, MAX_INLINE_BYTES, Source, StorageDesc};
+use crate::wire::{Descriptors, Fence, MAX_INLINE_BYTES, Source, StorageDesc, ToReceiver};
 
 /// How long an NCCL communicator may take to set up, and bounds its waits.
 pub(crate) const NCCL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -56,7 +56,7 @@ const ALIGN: usize = 16;
 pub(crate) struct RemoteMessage {
     pub descriptors: Descriptors,
     /// New communicators' frames.
-    pub frames: Vec<Frame>,
+    pub frames: Vec<ToReceiver>,
     /// The host tensors' bytes (and GPU tensors' copied to the host), written after the frames
     /// straight from the tensors' memory as one bulk run: the message's lease ends once it is
     /// in the socket.
@@ -111,7 +111,7 @@ impl SendComms {
         &mut self,
         source: Uuid,
         target: Uuid,
-        announce: &mut Vec<Frame>,
+        announce: &mut Vec<ToReceiver>,
         created: &mut Vec<u32>,
         alive: &(impl Fn() -> bool + Clone + Send + 'static),
     ) -> Result<Arc<SendComm>> {
@@ -128,7 +128,7 @@ impl SendComms {
         let comm = Arc::new(SendComm { id, queue: WorkQueue::new() });
         let worker = comm.clone();
         self.workers.spawn("tq-nccl-send", move || worker.work(communicator, stream))?;
-        announce.push(Frame::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
+        announce.push(ToReceiver::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
         self.pairs.push((source, target, comm.clone()));
         created.push(id);
         Ok(comm)

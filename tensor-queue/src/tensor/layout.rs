@@ -1,8 +1,6 @@
 //! The rules every tensor view obeys, at the sender and the receiver alike: how many dimensions,
 //! how many bytes, and the alignment of element 0. The tensor's constructors and views check
 //! them, and so does the frame decoder for every descriptor a peer sends (`wire`).
-//!
-//! (The doctests name them by their public path, `tensor_queue::wire`.)
 
 use crate::tensor::dtype::DType;
 
@@ -10,7 +8,7 @@ use crate::tensor::dtype::DType;
 ///
 /// ```
 /// # fn main() -> tensor_queue::Result<()> {
-/// use tensor_queue::{DType, Tensor, wire::MAX_DIMS};
+/// use tensor_queue::{DType, MAX_DIMS, Tensor};
 /// assert_eq!(Tensor::zeros(DType::U8, &[1; MAX_DIMS])?.shape().len(), MAX_DIMS);
 /// assert!(Tensor::zeros(DType::U8, &[1; MAX_DIMS + 1]).is_err());
 /// # Ok(()) }
@@ -22,7 +20,7 @@ pub const MAX_DIMS: usize = 32;
 ///
 /// ```
 /// # fn main() -> tensor_queue::Result<()> {
-/// use tensor_queue::{DType, Tensor, wire::MAX_VIEW_BYTES};
+/// use tensor_queue::{DType, MAX_VIEW_BYTES, Tensor};
 /// let one = Tensor::zeros(DType::F32, &[1])?;
 /// let huge = one.expand(&[MAX_VIEW_BYTES / 4])?; // still a view of 4 bytes
 /// assert_eq!(huge.nbytes() as u64, MAX_VIEW_BYTES);
@@ -36,7 +34,7 @@ pub const MAX_VIEW_BYTES: u64 = 1 << 48;
 /// the element size from the chunk's (page-aligned) start, so typed reads are aligned.
 ///
 /// ```
-/// use tensor_queue::{DType, wire::check_layout};
+/// use tensor_queue::{DType, testing::check_layout};
 /// assert!(check_layout(&[2, 3], &[3, 1], DType::F32, 4096).is_ok());
 /// assert!(check_layout(&[2, 3], &[3, 1], DType::F32, 4098).is_err()); // element 0 unaligned
 /// assert!(check_layout(&[1 << 62], &[0], DType::F32, 0).is_err()); // too many bytes, even at stride 0

@@ -3,7 +3,7 @@
 //! typed [`Source`] per route and the fence its first use waits for; and one row per tensor
 //! (dtype, view offset, shape and strides) naming its record by index. Shapes and strides of all
 //! tensors lie in two flat buffers of the table, so neither side allocates per tensor. Here are
-//! their encoding and the checks [`Frame::decode`](super::Frame::decode) makes of each record
+//! their encoding and the checks [`ToReceiver::decode`](super::ToReceiver::decode) makes of each record
 //! and each tensor.
 
 use ipc_core::Uuid;
@@ -21,11 +21,11 @@ const FENCE_SIGNAL: u8 = 2;
 /// The kind of memory a chunk announcement maps.
 ///
 /// ```
-/// use tensor_queue::wire::{ChunkKind, Frame};
+/// use tensor_queue::testing::wire::{ChunkKind, Frame, ToReceiver};
 /// // A host chunk's announcement: its shared-memory descriptor travels beside the frame.
 /// let (kind, legacy) = (ChunkKind::Host, None);
-/// let announce = Frame::Chunk { id: 7, len: 64 << 20, kind, device: [0; 16], legacy, writable: false };
-/// assert_eq!(Frame::decode(&announce.encode()), Ok(announce));
+/// let announce = ToReceiver::Chunk { id: 7, len: 64 << 20, kind, device: [0; 16], legacy, writable: false };
+/// assert_eq!(ToReceiver::decode(&announce.encode()), Ok(announce));
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -43,7 +43,7 @@ pub enum ChunkKind {
 ///
 /// ```
 /// use tensor_queue::route::Route;
-/// use tensor_queue::wire::Source;
+/// use tensor_queue::testing::wire::Source;
 /// let staged = Source::Staged { chunk: 4, offset: 0, target: tensor_queue::Uuid([1; 16]) };
 /// assert_eq!(staged.route(), Route::Staged);
 /// assert_eq!(staged.chunk_range(), Some((4, 0)));
@@ -97,7 +97,7 @@ pub enum Source {
         /// The sender's id for the communicator (its `Communicator` frame).
         communicator: u32,
     },
-    /// Bytes of the host tensors that came over TCP before the message ([`Frame::Bytes`](super::Frame::Bytes),
+    /// Bytes of the host tensors that came over TCP before the message ([`ToReceiver::Bytes`](super::ToReceiver::Bytes),
     /// [`Route::Tcp`]), from `offset` on.
     Bytes {
         /// Where the storage starts in the message's bytes.
@@ -146,7 +146,7 @@ impl Source {
 /// naming the record shares.
 ///
 /// ```
-/// use tensor_queue::wire::{Fence, Source, StorageDesc};
+/// use tensor_queue::testing::wire::{Fence, Source, StorageDesc};
 /// let record = StorageDesc { source: Source::SameDevice { chunk: 1, offset: 4096 }, len: 4096, fence: Fence::None };
 /// assert_eq!(record.source.offset(), 4096);
 /// ```
@@ -183,17 +183,17 @@ pub struct TensorDesc {
 ///
 /// ```
 /// use tensor_queue::DType;
-/// use tensor_queue::wire::{Descriptors, Fence, Frame, FrameError, Source, StorageDesc};
+/// use tensor_queue::testing::wire::{Descriptors, Fence, Frame, FrameError, Source, StorageDesc, ToReceiver};
 /// let mut table = Descriptors::default();
 /// let storage = table.push_storage(StorageDesc {
 ///     source: Source::SameDevice { chunk: 1, offset: 512 }, len: 96, fence: Fence::None,
 /// });
 /// table.push_tensor(storage, 0, DType::F32, &[3, 4], &[4, 1]); // two tensors, one storage
 /// table.push_tensor(storage, 48, DType::F32, &[12], &[1]);
-/// let message = |tensors| Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] }.encode();
-/// assert!(Frame::decode(&message(table.clone())).is_ok());
+/// let message = |tensors| ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] }.encode();
+/// assert!(ToReceiver::decode(&message(table.clone())).is_ok());
 /// table.push_tensor(storage, 48, DType::F32, &[13], &[1]); // 52 bytes of view in the last 48 of storage
-/// assert!(matches!(Frame::decode(&message(table.clone())), Err(FrameError::OutOfBounds { index: 2, .. })));
+/// assert!(matches!(ToReceiver::decode(&message(table.clone())), Err(FrameError::OutOfBounds { index: 2, .. })));
 /// ```
 #[derive(Clone, Debug, Default)]
 pub struct Descriptors {
@@ -240,7 +240,7 @@ impl Descriptors {
         (self.storages.len() - 1) as u32
     }
 
-    /// Adds a tensor, a view of record `storage` (not checked here: [`Frame::decode`](super::Frame::decode)
+    /// Adds a tensor, a view of record `storage` (not checked here: [`ToReceiver::decode`](super::ToReceiver::decode)
     /// checks what a peer sends).
     pub fn push_tensor(&mut self, storage: u32, view_offset: u64, dtype: DType, shape: &[u64], strides: &[i64]) {
         self.tensors.push(UNROUTED);
@@ -506,15 +506,15 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize, table: &mut Descriptors) -> R
 ///
 /// ```
 /// use tensor_queue::DType;
-/// use tensor_queue::wire::{Descriptors, Fence, Frame, Source, StorageDesc};
+/// use tensor_queue::testing::wire::{Descriptors, Fence, Frame, Source, StorageDesc, ToReceiver};
 /// // The producer's stream writes 12 into the word at byte 64 of chunk 3 once the tensor is
 /// // written; the receiver's stream waits for that value before the tensor's first use.
 /// let fence = Fence::Signal { chunk: 3, offset: 64, value: 12 };
 /// let mut tensors = Descriptors::default();
 /// let storage = tensors.push_storage(StorageDesc { source: Source::SameDevice { chunk: 3, offset: 4096 }, len: 16, fence });
 /// tensors.push_tensor(storage, 0, DType::F32, &[4], &[1]);
-/// let frame = Frame::Message { seq: 9, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] };
-/// assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
+/// let frame = ToReceiver::Message { seq: 9, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] };
+/// assert_eq!(ToReceiver::decode(&frame.encode()), Ok(frame));
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fence {
@@ -538,10 +538,10 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::wire::Frame;
+    use crate::wire::{Frame, ToReceiver};
 
-    fn decode(tensors: Descriptors) -> Result<Frame, FrameError> {
-        Frame::decode(&Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] }.encode())
+    fn decode(tensors: Descriptors) -> Result<ToReceiver, FrameError> {
+        ToReceiver::decode(&ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] }.encode())
     }
 
     fn mapped(chunk: u64, offset: u64, len: u64) -> StorageDesc {
@@ -565,7 +565,7 @@ mod tests {
             let storage = table.push_storage(StorageDesc { source, len: 64, fence });
             table.push_tensor(storage, 16, DType::I32, &[2, 2], &[1, 2]);
         }
-        let Ok(Frame::Message { tensors, .. }) = decode(table.clone()) else { panic!("refused") };
+        let Ok(ToReceiver::Message { tensors, .. }) = decode(table.clone()) else { panic!("refused") };
         assert_eq!(tensors, table);
         assert_eq!(
             tensors.storages().iter().map(|s| s.source.route()).collect::<Vec<_>>(),
@@ -635,10 +635,10 @@ mod tests {
         // An unknown route code: the byte after the record count.
         let mut table = Descriptors::default();
         table.push_storage(mapped(1, 0, 8));
-        let mut bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: table, payload: vec![] }.encode();
+        let mut bytes = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: table, payload: vec![] }.encode();
         bytes[12 + 24 + 4] = 200;
         assert!(
-            matches!(Frame::decode(&bytes), Err(FrameError::Storage { index: 0, reason }) if reason.contains("route 200"))
+            matches!(ToReceiver::decode(&bytes), Err(FrameError::Storage { index: 0, reason }) if reason.contains("route 200"))
         );
     }
 
@@ -698,9 +698,9 @@ mod tests {
                 let (shape, strides): (Vec<u64>, Vec<i64>) = dims.into_iter().unzip();
                 table.push_tensor(storage, view_offset / 4 * 4, DType::F32, &shape, &strides);
             }
-            let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: table.clone(), payload: vec![] }.encode();
-            match Frame::decode(&bytes) {
-                Ok(Frame::Message { tensors, .. }) => {
+            let bytes = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: table.clone(), payload: vec![] }.encode();
+            match ToReceiver::decode(&bytes) {
+                Ok(ToReceiver::Message { tensors, .. }) => {
                     prop_assert_eq!(&tensors, &table);
                     for (index, t) in tensors.tensors().iter().enumerate() {
                         let record = tensors.storages()[t.storage as usize];

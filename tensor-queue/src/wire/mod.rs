@@ -3,56 +3,71 @@
 //! A frame is a 12-byte header (magic, version, kind, body length) and a body. A frame of at most
 //! [`MAX_PACKET`] bytes travels as one `SOCK_SEQPACKET` message; a longer one (a message with many
 //! tensors or a large payload) is cut into parts ([`packets`]), each a packet of its own, which
-//! the peer joins again ([`Assembler`]) up to [`MAX_MESSAGE_BYTES`]. [`Frame::decode`] checks
-//! everything that can be checked without the connection's state: sizes, counts, dtypes, element
-//! counts, alignment, and that every view lies inside its storage. The receiver then checks each
-//! descriptor against the chunk it names.
+//! the peer joins again ([`Assembler`]) up to [`MAX_MESSAGE_BYTES`].
+//!
+//! The frames are split by direction, each with its encode and decode together: the one
+//! [`Hello`] each way first (`hello.rs`, with the sender's [`Answer`]), then what a sender sends
+//! ([`ToReceiver`], `to_receiver.rs`) and what a receiver sends ([`ToSender`], `to_sender.rs`).
+//! Each side decodes only the frames that travel towards it, so a frame in the wrong direction
+//! is a decode error ([`FrameError::WrongDirection`]). Decoding checks everything that can be
+//! checked without the connection's state: sizes, counts, dtypes, element counts, alignment, and
+//! that every view lies inside its storage. The receiver then checks each descriptor against the
+//! chunk it names, and the protocol's state machines (`send/protocol.rs`, `recv/protocol.rs`)
+//! what a frame may say at that point.
 
 mod descriptor;
+mod hello;
 mod routing;
+mod to_receiver;
+mod to_sender;
 
-use crate::route::{Reach, Routing};
-pub use crate::tensor::layout::{MAX_DIMS, MAX_VIEW_BYTES, check_layout};
+pub use hello::{Answer, Hello};
+pub use to_receiver::ToReceiver;
+pub use to_sender::ToSender;
+
 pub use descriptor::{ChunkKind, Descriptors, Fence, Source, StorageDesc, TensorDesc};
 use descriptor::{decode_table, encode_table};
-use routing::{decode_reach, decode_routing, encode_reach, encode_routing};
 
 /// Frame magic.
 ///
 /// ```
-/// use tensor_queue::wire::{Frame, MAGIC};
-/// let bytes = Frame::Credit { count: 1 }.encode();
+/// use tensor_queue::testing::wire::{Frame, MAGIC, ToSender};
+/// let bytes = ToSender::Credit { count: 1 }.encode();
 /// assert_eq!(bytes[..4], MAGIC); // every frame and every part starts with it
 /// ```
 pub const MAGIC: [u8; 4] = *b"TQF1";
 /// Protocol version; a peer with another version is refused at the handshake.
 ///
+/// 7: a message without tensors is never released (its sender leases nothing), a refused
+/// message's lease comes back by its release, and a release of anything else is a violation.
+///
 /// ```
-/// use tensor_queue::wire::{Frame, FrameError, VERSION};
-/// let mut bytes = Frame::Credit { count: 1 }.encode();
+/// use tensor_queue::FrameError;
+/// use tensor_queue::testing::wire::{Frame, ToSender, VERSION};
+/// let mut bytes = ToSender::Credit { count: 1 }.encode();
 /// assert_eq!(bytes[4..6], VERSION.to_le_bytes());
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
-/// assert_eq!(Frame::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
+/// assert_eq!(ToSender::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
 pub const VERSION: u16 = 7;
 
 /// The largest packet: one SEQPACKET message must fit the socket's send buffer.
 ///
 /// ```
-/// use tensor_queue::wire::{Frame, MAX_PACKET, packets};
+/// use tensor_queue::testing::wire::{Frame, MAX_PACKET, ToReceiver, packets};
 /// let message = |payload: usize| {
-///     Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload: vec![0; payload] }.encode()
+///     ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload: vec![0; payload] }.encode()
 /// };
 /// assert_eq!(packets(&message(1000)).len(), 1);
 /// assert!(packets(&message(MAX_PACKET)).len() > 1, "longer than a packet: sent in parts");
 /// ```
 pub const MAX_PACKET: usize = 64 << 10;
 /// The largest frame, after its parts are joined: a message's encoded descriptors and payload
-/// (at most about 100 bytes per tensor plus the serde bytes). `send` refuses a larger message with
+/// (about 100 bytes per tensor plus the serde bytes). `send` refuses a larger message with
 /// [`Error::TooLarge`](crate::Error::TooLarge); bulk data belongs in tensors.
 ///
 /// ```
-/// use tensor_queue::wire::MAX_MESSAGE_BYTES;
+/// use tensor_queue::testing::wire::MAX_MESSAGE_BYTES;
 /// // About 100 bytes per tensor: a message of a million tensors still fits, with room for its fields.
 /// assert!(1_000_000 * 100 < MAX_MESSAGE_BYTES);
 /// ```
@@ -60,18 +75,19 @@ pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
 /// The most message ids in one release frame (a receiver sends more as several frames).
 ///
 /// ```
-/// use tensor_queue::wire::{Frame, FrameError, MAX_RELEASES};
-/// let too_many = Frame::Release { messages: vec![1; MAX_RELEASES + 1] }.encode();
-/// assert!(matches!(Frame::decode(&too_many), Err(FrameError::TooMany { what: "releases", .. })));
+/// use tensor_queue::FrameError;
+/// use tensor_queue::testing::wire::{Frame, MAX_RELEASES, ToSender};
+/// let too_many = ToSender::Release { messages: vec![1; MAX_RELEASES + 1] }.encode();
+/// assert!(matches!(ToSender::decode(&too_many), Err(FrameError::TooMany { what: "releases", .. })));
 /// ```
 pub const MAX_RELEASES: usize = 4096;
 /// The longest reason text in a `Rejected` or `Close` frame.
 ///
 /// ```
-/// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
-/// use tensor_queue::wire::{Frame, MAX_REASON};
-/// let long = Frame::Rejected { seq: 1, reason: "x".repeat(2 * MAX_REASON) };
-/// let Frame::Rejected { reason, .. } = Frame::decode(&long.encode())? else { unreachable!() };
+/// # fn main() -> Result<(), tensor_queue::FrameError> {
+/// use tensor_queue::testing::wire::{Frame, MAX_REASON, ToSender};
+/// let long = ToSender::Rejected { seq: 1, reason: "x".repeat(2 * MAX_REASON) };
+/// let ToSender::Rejected { reason, .. } = ToSender::decode(&long.encode())? else { unreachable!() };
 /// assert_eq!(reason.len(), MAX_REASON); // cut when encoded, so that it always decodes
 /// # Ok(()) }
 /// ```
@@ -79,11 +95,11 @@ pub const MAX_REASON: usize = 4096;
 /// Size of an encoded legacy IPC handle.
 ///
 /// ```
-/// use tensor_queue::wire::{ChunkKind, Frame, LEGACY_HANDLE_LEN};
+/// use tensor_queue::testing::wire::{ChunkKind, Frame, LEGACY_HANDLE_LEN, ToReceiver};
 /// let announce = |handle: Vec<u8>| {
 ///     let kind = ChunkKind::Legacy;
-///     let chunk = Frame::Chunk { id: 1, len: 4096, kind, device: [0; 16], legacy: Some(handle), writable: false };
-///     Frame::decode(&chunk.encode())
+///     let chunk = ToReceiver::Chunk { id: 1, len: 4096, kind, device: [0; 16], legacy: Some(handle), writable: false };
+///     ToReceiver::decode(&chunk.encode())
 /// };
 /// assert!(announce(vec![0; LEGACY_HANDLE_LEN]).is_ok());
 /// assert!(announce(vec![0; 8]).is_err(), "a handle of another size");
@@ -94,9 +110,10 @@ const HEADER_LEN: usize = 12;
 /// A frame that cannot be used.
 ///
 /// ```
-/// use tensor_queue::wire::{Frame, FrameError};
-/// assert!(matches!(Frame::decode(b"GET / HTTP/1.1\r\n"), Err(FrameError::BadMagic(_))));
-/// assert!(matches!(Frame::decode(&[]), Err(FrameError::Truncated { .. })));
+/// use tensor_queue::FrameError;
+/// use tensor_queue::testing::wire::{Frame, ToReceiver};
+/// assert!(matches!(ToReceiver::decode(b"GET / HTTP/1.1\r\n"), Err(FrameError::BadMagic(_))));
+/// assert!(matches!(ToReceiver::decode(&[]), Err(FrameError::Truncated { .. })));
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -121,6 +138,19 @@ pub enum FrameError {
     /// An unknown frame kind.
     #[error("unknown frame kind {0}")]
     UnknownKind(u16),
+    /// A frame of this protocol that does not travel this way: one a receiver sends, read by a
+    /// receiver (or the other way round), or a second `Hello`.
+    #[error("a frame of kind {kind} does not travel this way")]
+    WrongDirection {
+        /// The frame's kind.
+        kind: u16,
+    },
+    /// A first frame that is not a `Hello` (nor, from a receiver, the `Close` of a refusal).
+    #[error("the first frame was of kind {kind}, not a Hello")]
+    NotHello {
+        /// The frame's kind.
+        kind: u16,
+    },
     /// The header's length disagrees with the frame.
     #[error("the header says {said} body bytes, the frame has {has}")]
     Length {
@@ -169,122 +199,20 @@ pub enum FrameError {
     Parts,
 }
 
-/// Everything that crosses a connection.
-///
-/// ```
-/// use tensor_queue::wire::Frame;
-/// // What a receiver sends once its caller took 8 messages: 8 more may come.
-/// let credit = Frame::Credit { count: 8 };
-/// assert_eq!(Frame::decode(&credit.encode()), Ok(credit));
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Frame {
-    /// First frame each way: who is speaking, and (from a receiver) how many messages may be in flight.
-    Hello {
-        /// Process id.
-        pid: u32,
-        /// Boot id of the machine.
-        host: [u8; 16],
-        /// Messages the sender may have unreceived at once (0 from a sender).
-        capacity: u32,
-        /// A random number drawn once per process: with the pid, it names the process for good
-        /// (a pid alone may be reused after the process dies).
-        instance: u64,
-        /// From a receiver: its GPUs and what each can reach (empty from a sender).
-        reach: Reach,
-        /// From a receiver: where tensors should land, and what it refuses.
-        routing: Routing,
-    },
-    /// A chunk the following messages use; host and VMM chunks carry one descriptor.
-    Chunk {
-        /// The sender's id for the chunk.
-        id: u64,
-        /// The chunk's length.
-        len: u64,
-        /// What it is.
-        kind: ChunkKind,
-        /// The device, for GPU chunks.
-        device: [u8; 16],
-        /// The legacy IPC handle, for `Legacy` chunks.
-        legacy: Option<Vec<u8>>,
-        /// Host chunks: whether the descriptor lets the receiver write (else it is read-only).
-        writable: bool,
-    },
-    /// An interprocess event the following messages may name.
-    Event {
-        /// The sender's id for the event.
-        id: u32,
-        /// The exported event handle.
-        handle: Vec<u8>,
-    },
-    /// A message: tensor descriptors and the serde payload.
-    Message {
-        /// Sequence number on this connection.
-        seq: u64,
-        /// `CLOCK_MONOTONIC` nanoseconds when `send` was called.
-        sent_ns: u64,
-        /// `CLOCK_MONOTONIC` nanoseconds when encoding finished.
-        encoded_ns: u64,
-        /// The descriptor table: storage records and tensors, in the order the payload refers to
-        /// them.
-        tensors: Descriptors,
-        /// The serde bytes of the message.
-        payload: Vec<u8>,
-    },
-    /// The receiver is done with these messages (by `seq`): their tensors' memory may be reused.
-    Release {
-        /// Message sequence numbers.
-        messages: Vec<u64>,
-    },
-    /// The receiver took this many messages out of its queue.
-    Credit {
-        /// How many.
-        count: u32,
-    },
-    /// The sender freed this chunk: forget its mapping, so its memory goes back to the driver (and
-    /// a user buffer's address may be reused for other memory).
-    Retire {
-        /// The chunk's id.
-        chunk: u64,
-    },
-    /// The receiver refused one message; it holds nothing of it, and the connection goes on.
-    Rejected {
-        /// The message's sequence number.
-        seq: u64,
-        /// Why, for people.
-        reason: String,
-    },
-    /// The receiver takes no more messages on this connection. Releases of what it still holds
-    /// follow; the socket closes when it holds nothing (or its process ends).
-    Close {
-        /// The last message it read: later ones it never saw, and their leases are the sender's.
-        read_up_to: u64,
-        /// Why, for people.
-        reason: String,
-    },
-    /// Over TCP: bytes of the host tensors of the next message ([`Route::Tcp`]), appended to
-    /// what came before; the message's descriptors say where each tensor lies in them.
-    Bytes {
-        /// The bytes.
-        data: Vec<u8>,
-    },
-    /// Over TCP: the sender set up an NCCL communicator of two ranks (itself rank 0) for tensors
-    /// landing on the receiver's GPU `target`; the receiver joins as rank 1. Messages name it by
-    /// `id` ([`Route::Nccl`]).
-    Communicator {
-        /// The sender's id for it.
-        id: u32,
-        /// `ncclGetUniqueId`'s bytes.
-        unique_id: Vec<u8>,
-        /// The receiver's GPU.
-        target: [u8; 16],
-    },
+/// A frame type one side writes or reads: its bytes, and decoding (and validating) them. Each
+/// direction decodes only its own kinds ([`ToReceiver`], [`ToSender`]; a [`Hello`] or
+/// [`Answer`] first), so a frame that does not travel this way is a decode error.
+pub trait Frame: Sized {
+    /// The frame's bytes: the header, then the body.
+    fn encode(&self) -> Vec<u8>;
+    /// Decodes and validates one frame. Never panics, whatever the bytes.
+    fn decode(bytes: &[u8]) -> Result<Self, FrameError>;
 }
 
-/// The most bytes of host tensors one message may carry over TCP (as [`Frame::Bytes`]).
+/// The most bytes of host tensors one message may carry over TCP (as [`ToReceiver::Bytes`]).
 pub const MAX_INLINE_BYTES: u64 = 4 << 30;
 
-/// The largest [`Frame::Bytes`] a sender writes: the receiver joins its packets in memory.
+/// The largest [`ToReceiver::Bytes`] a sender writes: the receiver joins its packets in memory.
 pub const BYTES_FRAME: usize = 4 << 20;
 
 const KIND_HELLO: u16 = 1;
@@ -374,6 +302,10 @@ impl<'a> Reader<'a> {
         let len = self.count("reason bytes", MAX_REASON)?;
         String::from_utf8(self.take(len)?.to_vec()).map_err(|_| FrameError::Invalid("reason text"))
     }
+    /// The length of the frame's body (what follows the header).
+    fn body_len(&self) -> usize {
+        self.bytes.len() - HEADER_LEN
+    }
     fn finish(&self) -> Result<(), FrameError> {
         match self.bytes.len() - self.at {
             0 => Ok(()),
@@ -382,189 +314,51 @@ impl<'a> Reader<'a> {
     }
 }
 
-impl Frame {
-    /// The frame's bytes.
-    ///
-    /// ```
-    /// use tensor_queue::wire::Frame;
-    /// let bytes = Frame::Release { messages: vec![1, 2, 3] }.encode();
-    /// assert_eq!(bytes.len(), 12 + 4 + 3 * 8); // header, count, one u64 per message
-    /// ```
-    pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer(Vec::with_capacity(64));
-        w.bytes(&MAGIC);
-        w.u16(VERSION);
-        w.u16(self.kind());
-        w.u32(0); // body length, patched below
-        match self {
-            Frame::Hello { pid, host, capacity, instance, reach, routing } => {
-                w.u32(*pid);
-                w.bytes(host);
-                w.u32(*capacity);
-                w.u64(*instance);
-                encode_reach(&mut w, reach);
-                encode_routing(&mut w, routing);
-            }
-            Frame::Chunk { id, len, kind, device, legacy, writable } => {
-                w.u64(*id);
-                w.u64(*len);
-                w.u8(*kind as u8);
-                w.bytes(device);
-                w.u32(legacy.as_ref().map_or(0, |h| h.len() as u32));
-                w.bytes(legacy.as_deref().unwrap_or_default());
-                w.u8(u8::from(*writable));
-            }
-            Frame::Event { id, handle } => {
-                w.u32(*id);
-                w.u32(handle.len() as u32);
-                w.bytes(handle);
-            }
-            Frame::Message { seq, sent_ns, encoded_ns, tensors, payload } => {
-                w.u64(*seq);
-                w.u64(*sent_ns);
-                w.u64(*encoded_ns);
-                encode_table(&mut w, tensors);
-                w.u32(payload.len() as u32);
-                w.bytes(payload);
-            }
-            Frame::Release { messages } => {
-                w.u32(messages.len() as u32);
-                messages.iter().for_each(|&l| w.u64(l));
-            }
-            Frame::Credit { count } => w.u32(*count),
-            Frame::Retire { chunk } => w.u64(*chunk),
-            Frame::Rejected { seq, reason } => {
-                w.u64(*seq);
-                w.text(reason);
-            }
-            Frame::Close { read_up_to, reason } => {
-                w.u64(*read_up_to);
-                w.text(reason);
-            }
-            Frame::Bytes { data } => {
-                w.u32(data.len() as u32);
-                w.bytes(data);
-            }
-            Frame::Communicator { id, unique_id, target } => {
-                w.u32(*id);
-                w.u32(unique_id.len() as u32);
-                w.bytes(unique_id);
-                w.bytes(target);
-            }
-        }
-        let body = (w.0.len() - HEADER_LEN) as u32;
-        w.0[8..12].copy_from_slice(&body.to_le_bytes());
-        w.0
-    }
+/// A writer of a frame of `kind`, its header written (the body length is patched by [`end`]).
+fn begin(kind: u16) -> Writer {
+    let mut w = Writer(Vec::with_capacity(64));
+    w.bytes(&MAGIC);
+    w.u16(VERSION);
+    w.u16(kind);
+    w.u32(0); // body length, patched by `end`
+    w
+}
 
-    fn kind(&self) -> u16 {
-        match self {
-            Frame::Hello { .. } => KIND_HELLO,
-            Frame::Chunk { .. } => KIND_CHUNK,
-            Frame::Event { .. } => KIND_EVENT,
-            Frame::Message { .. } => KIND_MESSAGE,
-            Frame::Release { .. } => KIND_RELEASE,
-            Frame::Credit { .. } => KIND_CREDIT,
-            Frame::Retire { .. } => KIND_RETIRE,
-            Frame::Rejected { .. } => KIND_REJECTED,
-            Frame::Close { .. } => KIND_CLOSE,
-            Frame::Bytes { .. } => KIND_BYTES,
-            Frame::Communicator { .. } => KIND_COMMUNICATOR,
-        }
-    }
+/// The frame's bytes, its body length patched in.
+fn end(mut w: Writer) -> Vec<u8> {
+    let body = (w.0.len() - HEADER_LEN) as u32;
+    w.0[8..12].copy_from_slice(&body.to_le_bytes());
+    w.0
+}
 
-    /// Decodes and validates one frame. Never panics, whatever the bytes.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
-    /// use tensor_queue::wire::Frame;
-    /// assert_eq!(Frame::decode(&Frame::Retire { chunk: 5 }.encode())?, Frame::Retire { chunk: 5 });
-    /// assert!(Frame::decode(&[0xff; 64]).is_err()); // an error, never a panic, whatever the bytes
-    /// # Ok(()) }
-    /// ```
-    pub fn decode(bytes: &[u8]) -> Result<Frame, FrameError> {
-        if bytes.len() > MAX_MESSAGE_BYTES {
-            return Err(FrameError::TooMany { what: "bytes", count: bytes.len(), max: MAX_MESSAGE_BYTES });
-        }
-        let mut r = Reader { bytes, at: 0 };
-        let magic = r.array::<4>()?;
-        if magic != MAGIC {
-            return Err(FrameError::BadMagic(magic));
-        }
-        let version = r.u16()?;
-        if version != VERSION {
-            return Err(FrameError::Version(version));
-        }
-        let kind = r.u16()?;
-        let body = r.u32()? as usize;
-        if body != bytes.len() - HEADER_LEN {
-            return Err(FrameError::Length { said: body, has: bytes.len() - HEADER_LEN });
-        }
-        let frame = match kind {
-            KIND_HELLO => Frame::Hello {
-                pid: r.u32()?,
-                host: r.array()?,
-                capacity: r.u32()?,
-                instance: r.u64()?,
-                reach: decode_reach(&mut r)?,
-                routing: decode_routing(&mut r)?,
-            },
-            KIND_CHUNK => {
-                let (id, len) = (r.u64()?, r.u64()?);
-                let kind = match r.u8()? {
-                    1 => ChunkKind::Host,
-                    2 => ChunkKind::Vmm,
-                    3 => ChunkKind::Legacy,
-                    _ => return Err(FrameError::Invalid("chunk kind")),
-                };
-                let device = r.array()?;
-                let handle_len = r.count("handle bytes", LEGACY_HANDLE_LEN)?;
-                let legacy = (handle_len > 0).then(|| r.take(handle_len).map(<[u8]>::to_vec)).transpose()?;
-                let writable = match r.u8()? {
-                    0 => false,
-                    1 => true,
-                    _ => return Err(FrameError::Invalid("chunk flags")),
-                };
-                if (kind == ChunkKind::Legacy) != (handle_len == LEGACY_HANDLE_LEN) || len == 0 {
-                    return Err(FrameError::Invalid("chunk announcement"));
-                }
-                Frame::Chunk { id, len, kind, device, legacy, writable }
-            }
-            KIND_EVENT => {
-                let id = r.u32()?;
-                let len = r.count("handle bytes", LEGACY_HANDLE_LEN)?;
-                Frame::Event { id, handle: r.take(len)?.to_vec() }
-            }
-            KIND_MESSAGE => {
-                let (seq, sent_ns, encoded_ns) = (r.u64()?, r.u64()?, r.u64()?);
-                let tensors = decode_table(&mut r, bytes.len() - HEADER_LEN)?;
-                let len = r.count("payload bytes", MAX_MESSAGE_BYTES)?;
-                Frame::Message { seq, sent_ns, encoded_ns, tensors, payload: r.take(len)?.to_vec() }
-            }
-            KIND_RELEASE => {
-                let count = r.count("releases", MAX_RELEASES)?;
-                Frame::Release { messages: (0..count).map(|_| r.u64()).collect::<Result<_, _>>()? }
-            }
-            KIND_CREDIT => Frame::Credit { count: r.u32()? },
-            KIND_RETIRE => Frame::Retire { chunk: r.u64()? },
-            KIND_REJECTED => Frame::Rejected { seq: r.u64()?, reason: r.text()? },
-            KIND_CLOSE => Frame::Close { read_up_to: r.u64()?, reason: r.text()? },
-            KIND_BYTES => {
-                let len = r.count("bytes", MAX_MESSAGE_BYTES)?;
-                Frame::Bytes { data: r.take(len)?.to_vec() }
-            }
-            KIND_COMMUNICATOR => {
-                let id = r.u32()?;
-                let len = r.count("unique id bytes", ipc_core::nccl::UniqueId::LEN)?;
-                if len != ipc_core::nccl::UniqueId::LEN {
-                    return Err(FrameError::Invalid("an NCCL unique id of the wrong length"));
-                }
-                Frame::Communicator { id, unique_id: r.take(len)?.to_vec(), target: r.array()? }
-            }
-            other => return Err(FrameError::UnknownKind(other)),
-        };
-        r.finish()?;
-        Ok(frame)
+/// Checks a frame's header (size, magic, version, length): its kind, and a reader at its body.
+fn open(bytes: &[u8]) -> Result<(u16, Reader<'_>), FrameError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(FrameError::TooMany { what: "bytes", count: bytes.len(), max: MAX_MESSAGE_BYTES });
+    }
+    let mut r = Reader { bytes, at: 0 };
+    let magic = r.array::<4>()?;
+    if magic != MAGIC {
+        return Err(FrameError::BadMagic(magic));
+    }
+    let version = r.u16()?;
+    if version != VERSION {
+        return Err(FrameError::Version(version));
+    }
+    let kind = r.u16()?;
+    let body = r.u32()? as usize;
+    if body != bytes.len() - HEADER_LEN {
+        return Err(FrameError::Length { said: body, has: bytes.len() - HEADER_LEN });
+    }
+    Ok((kind, r))
+}
+
+/// The error for a frame of `kind` where another direction's are read: a kind of this protocol
+/// that does not travel this way, or one this build does not know.
+fn other_kind(kind: u16) -> FrameError {
+    match kind {
+        KIND_HELLO..=KIND_CLOSE | KIND_BYTES | KIND_COMMUNICATOR => FrameError::WrongDirection { kind },
+        other => FrameError::UnknownKind(other),
     }
 }
 
@@ -579,12 +373,12 @@ fn decode_bool(r: &mut Reader<'_>, what: &'static str) -> Result<bool, FrameErro
 /// The packets that carry `frame` (its encoded bytes): itself if it fits one, else parts.
 ///
 /// ```
-/// use tensor_queue::wire::{Frame, MAX_PACKET, packets};
+/// use tensor_queue::testing::wire::{Frame, MAX_PACKET, ToReceiver, ToSender, packets};
 /// let payload = vec![7; 200_000];
-/// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
+/// let bytes = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
 /// let parts = packets(&bytes);
 /// assert!(parts.len() > 1 && parts.iter().all(|part| part.len() <= MAX_PACKET));
-/// assert_eq!(packets(&Frame::Credit { count: 1 }.encode()).len(), 1); // a short frame goes whole
+/// assert_eq!(packets(&ToSender::Credit { count: 1 }.encode()).len(), 1); // a short frame goes whole
 /// ```
 pub fn packets(frame: &[u8]) -> Vec<std::borrow::Cow<'_, [u8]>> {
     use std::borrow::Cow;
@@ -612,9 +406,9 @@ pub fn packets(frame: &[u8]) -> Vec<std::borrow::Cow<'_, [u8]>> {
 /// Joins the packets of one connection into frames.
 ///
 /// ```
-/// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
-/// use tensor_queue::wire::{Assembler, Frame, packets};
-/// let frame = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload: vec![7; 200_000] };
+/// # fn main() -> Result<(), tensor_queue::FrameError> {
+/// use tensor_queue::testing::wire::{Assembler, Frame, ToReceiver, packets};
+/// let frame = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload: vec![7; 200_000] };
 /// let bytes = frame.encode();
 /// let mut assembler = Assembler::default(); // one per connection
 /// let mut joined = None;
@@ -635,12 +429,12 @@ impl Assembler {
     /// Whether a frame's parts have begun and not ended.
     ///
     /// ```
-    /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
-    /// use tensor_queue::wire::{Assembler, Frame, packets};
+    /// # fn main() -> Result<(), tensor_queue::FrameError> {
+    /// use tensor_queue::testing::wire::{Assembler, Frame, ToReceiver, packets};
     /// let payload = vec![7; 200_000];
-    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
+    /// let bytes = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
     /// let mut assembler = Assembler::default();
-    /// assert!(assembler.push(&packets(&bytes)[0], Vec::new())?.is_none());
+    /// assert!(assembler.push::<ToReceiver>(&packets(&bytes)[0], Vec::new())?.is_none());
     /// assert!(assembler.is_joining()); // the rest of the frame is still to come
     /// # Ok(()) }
     /// ```
@@ -656,23 +450,24 @@ impl Assembler {
     /// Takes one packet (and the descriptors that came with it): the frame it completes, if any.
     ///
     /// ```
-    /// # fn main() -> Result<(), tensor_queue::wire::FrameError> {
-    /// use tensor_queue::wire::{Assembler, Frame, FrameError, packets};
+    /// # fn main() -> Result<(), tensor_queue::FrameError> {
+    /// use tensor_queue::FrameError;
+    /// use tensor_queue::testing::wire::{Assembler, Frame, ToReceiver, ToSender, packets};
     /// let payload = vec![7; 200_000];
-    /// let bytes = Frame::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
+    /// let bytes = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: Default::default(), payload }.encode();
     /// let mut assembler = Assembler::default();
-    /// let credit = Frame::Credit { count: 1 }.encode();
-    /// assert_eq!(assembler.push(&credit, Vec::new())?.map(|(frame, _)| frame), Some(Frame::Credit { count: 1 }));
-    /// assembler.push(&packets(&bytes)[0], Vec::new())?;
+    /// let credit = ToSender::Credit { count: 1 }.encode();
+    /// assert_eq!(assembler.push(&credit, Vec::new())?.map(|(frame, _)| frame), Some(ToSender::Credit { count: 1 }));
+    /// assembler.push::<ToReceiver>(&packets(&bytes)[0], Vec::new())?;
     /// // A whole frame in the middle of another's parts is a broken peer.
-    /// assert_eq!(assembler.push(&credit, Vec::new()).err(), Some(FrameError::Parts));
+    /// assert_eq!(assembler.push::<ToSender>(&credit, Vec::new()).err(), Some(FrameError::Parts));
     /// # Ok(()) }
     /// ```
-    pub fn push(
+    pub fn push<F: Frame>(
         &mut self,
         packet: &[u8],
         fds: Vec<std::os::fd::OwnedFd>,
-    ) -> Result<Option<(Frame, Vec<std::os::fd::OwnedFd>)>, FrameError> {
+    ) -> Result<Option<(F, Vec<std::os::fd::OwnedFd>)>, FrameError> {
         let is_part = packet.len() > HEADER_LEN + 1
             && packet[..4] == MAGIC
             && packet[4..6] == VERSION.to_le_bytes()
@@ -681,7 +476,7 @@ impl Assembler {
             if !self.parts.is_empty() {
                 return Err(FrameError::Parts);
             }
-            return Frame::decode(packet).map(|frame| Some((frame, fds)));
+            return F::decode(packet).map(|frame| Some((frame, fds)));
         }
         let body = u32::from_le_bytes(packet[8..12].try_into().unwrap_or_default()) as usize;
         if body != packet.len() - HEADER_LEN {
@@ -704,7 +499,7 @@ impl Assembler {
         if whole.len() <= MAX_PACKET {
             return Err(FrameError::Invalid("parts of a frame that fits one packet"));
         }
-        Frame::decode(&whole).map(|frame| Some((frame, fds)))
+        F::decode(&whole).map(|frame| Some((frame, fds)))
     }
 }
 
@@ -713,12 +508,12 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::route::{DeviceReach, Landing, LinkReach, PeerMode, Strictness};
+    use crate::route::{DeviceReach, Landing, LinkReach, PeerMode, Reach, Routing, Strictness};
     use crate::tensor::dtype::DType;
     use ipc_core::Uuid;
 
     /// A message of one staged tensor of `shape` and `strides` at `view_offset` in a 48-byte copy.
-    fn staged(shape: &[u64], strides: &[i64], view_offset: u64) -> Frame {
+    fn staged(shape: &[u64], strides: &[i64], view_offset: u64) -> ToReceiver {
         let mut tensors = Descriptors::default();
         let storage = tensors.push_storage(StorageDesc {
             source: Source::Staged { chunk: 1, offset: 512, target: Uuid([4; 16]) },
@@ -726,16 +521,16 @@ mod tests {
             fence: Fence::Signal { chunk: 1, offset: 64, value: 5 },
         });
         tensors.push_tensor(storage, view_offset, DType::F32, shape, strides);
-        Frame::Message { seq: 3, sent_ns: 10, encoded_ns: 11, tensors, payload: vec![1, 2, 3] }
+        ToReceiver::Message { seq: 3, sent_ns: 10, encoded_ns: 11, tensors, payload: vec![1, 2, 3] }
     }
 
-    fn message() -> Frame {
+    fn message() -> ToReceiver {
         staged(&[3, 4], &[4, 1], 0)
     }
 
     /// A message from another host: two NCCL transfers on communicator 2 (three tensors, two
     /// sharing the first) and two host tensors in the bytes that came before it.
-    fn remote_message() -> Frame {
+    fn remote_message() -> ToReceiver {
         let mut tensors = Descriptors::unrouted(5);
         let nccl = |len| StorageDesc { source: Source::Nccl { communicator: 2 }, len, fence: Fence::None };
         let (first, second) = (tensors.push_storage(nccl(4096)), tensors.push_storage(nccl(256)));
@@ -747,12 +542,12 @@ mod tests {
         tensors.set_tensor(1, a, 0, DType::U8, &[10], &[1]);
         tensors.set_tensor(3, b, 0, DType::I64, &[], &[]);
         assert_eq!(tensors.unrouted_tensor(), None);
-        Frame::Message { seq: 4, sent_ns: 1, encoded_ns: 2, tensors, payload: vec![] }
+        ToReceiver::Message { seq: 4, sent_ns: 1, encoded_ns: 2, tensors, payload: vec![] }
     }
 
-    fn samples() -> Vec<Frame> {
+    fn hellos() -> Vec<Hello> {
         vec![
-            Frame::Hello {
+            Hello {
                 pid: 7,
                 host: [1; 16],
                 capacity: 8,
@@ -760,7 +555,7 @@ mod tests {
                 reach: Default::default(),
                 routing: Default::default(),
             },
-            Frame::Hello {
+            Hello {
                 pid: 8,
                 host: [1; 16],
                 capacity: 4,
@@ -785,8 +580,20 @@ mod tests {
                     .peer(PeerMode::Map)
                     .strict(Strictness::ZeroCopy),
             },
-            Frame::Chunk { id: 1, len: 4096, kind: ChunkKind::Host, device: [0; 16], legacy: None, writable: true },
-            Frame::Chunk {
+        ]
+    }
+
+    fn to_receiver() -> Vec<ToReceiver> {
+        vec![
+            ToReceiver::Chunk {
+                id: 1,
+                len: 4096,
+                kind: ChunkKind::Host,
+                device: [0; 16],
+                legacy: None,
+                writable: true,
+            },
+            ToReceiver::Chunk {
                 id: 2,
                 len: 4096,
                 kind: ChunkKind::Legacy,
@@ -794,53 +601,110 @@ mod tests {
                 legacy: Some(vec![5; LEGACY_HANDLE_LEN]),
                 writable: false,
             },
-            Frame::Event { id: 4, handle: vec![6; LEGACY_HANDLE_LEN] },
+            ToReceiver::Event { id: 4, handle: vec![6; LEGACY_HANDLE_LEN] },
             message(),
-            Frame::Release { messages: vec![1, 2, 3] },
-            Frame::Credit { count: 1 },
-            Frame::Retire { chunk: 5 },
-            Frame::Rejected { seq: 4, reason: "no such device".into() },
-            Frame::Close { read_up_to: 3, reason: "bye".into() },
-            Frame::Bytes { data: vec![9; 100] },
-            Frame::Communicator { id: 2, unique_id: vec![7; ipc_core::nccl::UniqueId::LEN], target: [4; 16] },
+            ToReceiver::Retire { chunk: 5 },
+            ToReceiver::Bytes { data: vec![9; 100] },
+            ToReceiver::Communicator { id: 2, unique_id: vec![7; ipc_core::nccl::UniqueId::LEN], target: [4; 16] },
             remote_message(),
         ]
     }
 
+    fn to_sender() -> Vec<ToSender> {
+        vec![
+            ToSender::Release { messages: vec![1, 2, 3] },
+            ToSender::Credit { count: 1 },
+            ToSender::Rejected { seq: 4, reason: "no such device".into() },
+            ToSender::Close { read_up_to: 3, reason: "bye".into() },
+        ]
+    }
+
+    /// Every sample frame's bytes, with the decoder of its direction re-encoding what decodes.
+    type Redecode = fn(&[u8]) -> Option<Vec<u8>>;
+
+    fn samples() -> Vec<(Vec<u8>, Redecode)> {
+        let mut out: Vec<(Vec<u8>, Redecode)> = Vec::new();
+        out.extend(hellos().iter().map(|f| (f.encode(), (|b: &[u8]| Hello::decode(b).ok().map(|f| f.encode())) as _)));
+        out.extend(
+            to_receiver()
+                .iter()
+                .map(|f| (f.encode(), (|b: &[u8]| ToReceiver::decode(b).ok().map(|f| f.encode())) as _)),
+        );
+        out.extend(
+            to_sender().iter().map(|f| (f.encode(), (|b: &[u8]| ToSender::decode(b).ok().map(|f| f.encode())) as _)),
+        );
+        out
+    }
+
     #[test]
     fn a_communicator_frame_with_an_id_of_the_wrong_length_is_refused() {
-        let frame = Frame::Communicator { id: 1, unique_id: vec![7; 64], target: [4; 16] };
-        assert_eq!(Frame::decode(&frame.encode()), Err(FrameError::Invalid("an NCCL unique id of the wrong length")));
+        let frame = ToReceiver::Communicator { id: 1, unique_id: vec![7; 64], target: [4; 16] };
+        assert_eq!(
+            ToReceiver::decode(&frame.encode()),
+            Err(FrameError::Invalid("an NCCL unique id of the wrong length"))
+        );
     }
 
     #[test]
     fn frames_round_trip() {
-        for frame in samples() {
-            assert_eq!(Frame::decode(&frame.encode()), Ok(frame));
+        for frame in hellos() {
+            assert_eq!(Hello::decode(&frame.encode()), Ok(frame.clone()));
+            assert_eq!(Answer::decode(&frame.encode()), Ok(Answer::Hello(frame)));
         }
+        for frame in to_receiver() {
+            assert_eq!(ToReceiver::decode(&frame.encode()), Ok(frame));
+        }
+        for frame in to_sender() {
+            assert_eq!(ToSender::decode(&frame.encode()), Ok(frame));
+        }
+    }
+
+    #[test]
+    fn a_frame_in_the_wrong_direction_is_a_decode_error() {
+        for frame in to_receiver() {
+            let kind = u16::from_le_bytes([frame.encode()[6], frame.encode()[7]]);
+            assert_eq!(ToSender::decode(&frame.encode()), Err(FrameError::WrongDirection { kind }));
+            assert_eq!(Hello::decode(&frame.encode()), Err(FrameError::NotHello { kind }));
+            assert_eq!(Answer::decode(&frame.encode()), Err(FrameError::NotHello { kind }));
+        }
+        for frame in to_sender() {
+            let kind = u16::from_le_bytes([frame.encode()[6], frame.encode()[7]]);
+            assert_eq!(ToReceiver::decode(&frame.encode()), Err(FrameError::WrongDirection { kind }));
+            assert_eq!(Hello::decode(&frame.encode()), Err(FrameError::NotHello { kind }));
+        }
+        let hello = hellos()[0].encode();
+        assert_eq!(ToReceiver::decode(&hello), Err(FrameError::WrongDirection { kind: KIND_HELLO }));
+        assert_eq!(ToSender::decode(&hello), Err(FrameError::WrongDirection { kind: KIND_HELLO }));
+        let mut unknown = ToSender::Credit { count: 1 }.encode();
+        unknown[6..8].copy_from_slice(&99u16.to_le_bytes());
+        assert_eq!(ToSender::decode(&unknown), Err(FrameError::UnknownKind(99)));
+        assert_eq!(ToReceiver::decode(&unknown), Err(FrameError::UnknownKind(99)));
+        // A receiver's refusal at the handshake is the one `Close` a sender reads first.
+        let close = ToSender::Close { read_up_to: 0, reason: "no".into() };
+        assert_eq!(Answer::decode(&close.encode()), Ok(Answer::Refused { reason: "no".into() }));
     }
 
     #[test]
     fn hostile_frames_are_refused_with_a_reason() {
         let good = message().encode();
-        assert!(matches!(Frame::decode(&good[..good.len() - 1]), Err(FrameError::Length { .. })));
+        assert!(matches!(ToReceiver::decode(&good[..good.len() - 1]), Err(FrameError::Length { .. })));
         let mut bad = good.clone();
         bad[0] = b'X';
-        assert!(matches!(Frame::decode(&bad), Err(FrameError::BadMagic(_))));
+        assert!(matches!(ToReceiver::decode(&bad), Err(FrameError::BadMagic(_))));
         let mut bad = good.clone();
         bad[4] = 1; // a peer of the previous protocol
-        assert_eq!(Frame::decode(&bad), Err(FrameError::Version(1)));
+        assert_eq!(ToReceiver::decode(&bad), Err(FrameError::Version(1)));
         let view_too_big = |shape: Vec<u64>, strides: Vec<i64>, view_offset: u64| {
-            Frame::decode(&staged(&shape, &strides, view_offset).encode())
+            ToReceiver::decode(&staged(&shape, &strides, view_offset).encode())
         };
         assert!(matches!(view_too_big(vec![3, 5], vec![4, 1], 0), Err(FrameError::OutOfBounds { index: 0, .. })));
         assert!(matches!(view_too_big(vec![3, 4], vec![4, 1], 4), Err(FrameError::OutOfBounds { .. })));
         assert!(matches!(view_too_big(vec![4], vec![-1], 0), Err(FrameError::OutOfBounds { .. })));
         assert!(view_too_big(vec![4], vec![-1], 12).is_ok(), "a reversed view ending at element 0");
         assert!(matches!(view_too_big(vec![u64::MAX, 2], vec![1, 1], 0), Err(FrameError::OutOfBounds { .. })));
-        let mut huge_count = Frame::Release { messages: vec![] }.encode();
+        let mut huge_count = ToSender::Release { messages: vec![] }.encode();
         huge_count[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(Frame::decode(&huge_count), Err(FrameError::TooMany { what: "releases", .. })));
+        assert!(matches!(ToSender::decode(&huge_count), Err(FrameError::TooMany { what: "releases", .. })));
         // Found by an outside test: 2^60 elements of stride 0 over 512 bytes passed, and reading
         // them aborted the receiver; an unaligned f32 view passed, and reading it was undefined.
         assert!(matches!(view_too_big(vec![1 << 60], vec![0], 0), Err(FrameError::OutOfBounds { .. })));
@@ -851,29 +715,29 @@ mod tests {
 
     #[test]
     fn long_frames_travel_in_parts_and_join_again() {
-        let Frame::Message { seq, sent_ns, encoded_ns, mut tensors, .. } = message() else { unreachable!() };
+        let ToReceiver::Message { seq, sent_ns, encoded_ns, mut tensors, .. } = message() else { unreachable!() };
         for _ in 1..100_000 {
             tensors.push_tensor(0, 0, DType::F32, &[3, 4], &[4, 1]);
         }
-        let big = Frame::Message { seq, sent_ns, encoded_ns, tensors, payload: vec![7; 10 << 20] };
+        let big = ToReceiver::Message { seq, sent_ns, encoded_ns, tensors, payload: vec![7; 10 << 20] };
         let bytes = big.encode();
         let packets = packets(&bytes);
         assert!(packets.len() > 100 && packets.iter().all(|p| p.len() <= MAX_PACKET));
         let mut assembler = Assembler::default();
         let mut joined = None;
         for (i, packet) in packets.iter().enumerate() {
-            let out = assembler.push(packet, Vec::new()).unwrap();
+            let out = assembler.push::<ToReceiver>(packet, Vec::new()).unwrap();
             assert_eq!(out.is_some(), i + 1 == packets.len(), "only the last part completes the frame");
             joined = out;
         }
         assert_eq!(joined.unwrap().0, big);
-        let small = Frame::Credit { count: 3 }.encode();
+        let small = ToSender::Credit { count: 3 }.encode();
         assert_eq!(packets_of(&small), 1);
-        assert_eq!(assembler.push(&small, Vec::new()).unwrap().unwrap().0, Frame::Credit { count: 3 });
+        assert_eq!(assembler.push::<ToSender>(&small, Vec::new()).unwrap().unwrap().0, ToSender::Credit { count: 3 });
         // A whole frame in the middle of another's parts is a broken peer.
         let first = packets[0].to_vec();
-        assembler.push(&first, Vec::new()).unwrap();
-        assert_eq!(assembler.push(&small, Vec::new()).err(), Some(FrameError::Parts));
+        assembler.push::<ToReceiver>(&first, Vec::new()).unwrap();
+        assert_eq!(assembler.push::<ToSender>(&small, Vec::new()).err(), Some(FrameError::Parts));
     }
 
     fn packets_of(frame: &[u8]) -> usize {
@@ -886,7 +750,9 @@ mod tests {
         /// The fuzz target: arbitrary bytes never panic the decoder.
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = Frame::decode(&bytes);
+            let _ = ToReceiver::decode(&bytes);
+            let _ = ToSender::decode(&bytes);
+            let _ = Answer::decode(&bytes);
         }
 
         /// Valid frames with bytes flipped, cut or extended: refused or decoded, never a panic,
@@ -897,14 +763,14 @@ mod tests {
             flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6),
             cut in any::<usize>(),
         ) {
-            let mut bytes = samples()[which].encode();
+            let (mut bytes, redecode) = samples().swap_remove(which);
             for (at, value) in flips {
                 let at = at % bytes.len();
                 bytes[at] = value;
             }
             bytes.truncate(cut % (bytes.len() + 1) + 12.min(bytes.len()));
-            if let Ok(frame) = Frame::decode(&bytes) {
-                prop_assert_eq!(frame.encode(), bytes);
+            if let Some(again) = redecode(&bytes) {
+                prop_assert_eq!(again, bytes);
             }
         }
     }

@@ -50,7 +50,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use ipc_core::tcp::{Secret, TcpLink};
-use tensor_queue::wire::{Frame, MAX_PACKET, packets};
+use tensor_queue::testing::wire::{Frame, Hello, MAX_PACKET, ToReceiver, packets};
 use tensor_queue::{DEFAULT_CAPACITY, DType, Sender, Tensor};
 
 fn main() {
@@ -106,7 +106,7 @@ fn run() -> Result<()> {
             let link = authenticated(&arg(1)?)?;
             link.send(&hello())?;
             // One frame larger than everything that follows: its parts never end.
-            let whole = Frame::Bytes { data: vec![5u8; ((number(2)? + 1) << 20) as usize] }.encode();
+            let whole = ToReceiver::Bytes { data: vec![5u8; ((number(2)? + 1) << 20) as usize] }.encode();
             let parts = packets(&whole);
             let mut sent = 0u64;
             for part in &parts[..parts.len() - 1] {
@@ -123,7 +123,7 @@ fn run() -> Result<()> {
         "mid-message-tcp" => {
             let link = authenticated(&arg(1)?)?;
             link.send(&hello())?;
-            let whole = Frame::Bytes { data: vec![5u8; 2 * MAX_PACKET] }.encode();
+            let whole = ToReceiver::Bytes { data: vec![5u8; 2 * MAX_PACKET] }.encode();
             link.send(&packets(&whole)[0])?;
             say("ready");
             until_stdin_closes();
@@ -132,7 +132,7 @@ fn run() -> Result<()> {
         "half-record-tcp" => {
             let link = authenticated(&arg(1)?)?;
             link.send(&hello())?;
-            let whole = Frame::Bytes { data: vec![5u8; 1000] }.encode();
+            let whole = ToReceiver::Bytes { data: vec![5u8; 1000] }.encode();
             let mut raw = std::fs::File::from(link.as_fd().try_clone_to_owned()?);
             raw.write_all(&[&(whole.len() as u32).to_le_bytes()[..], &whole[..whole.len() / 2]].concat())?;
             say("ready");
@@ -233,7 +233,7 @@ fn authenticated(addr: &str) -> Result<TcpLink> {
 
 /// The sender's first frame, as a plain host sender sends it.
 fn hello() -> Vec<u8> {
-    Frame::Hello {
+    Hello {
         pid: std::process::id(),
         host: [0; 16],
         capacity: DEFAULT_CAPACITY,

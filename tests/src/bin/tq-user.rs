@@ -44,7 +44,7 @@ use integration_tests::queue::{Probe, checksum, probe};
 use integration_tests::{arg, number};
 use ipc_core::seqpacket::Listener;
 use kernels::reference;
-use tensor_queue::wire::Frame;
+use tensor_queue::testing::wire::{Frame, Hello, ToReceiver, ToSender};
 use tensor_queue::{Error, Receiver, Sender, Tensor, from_parent, from_parent_with_capacity, monotonic_ns};
 
 /// What the `blob` role receives: an id, tensors, a byte payload and a text payload.
@@ -230,7 +230,7 @@ fn hostile(listen: &str) -> Result<()> {
     connection.recv(&mut buf)?;
     let host = ipc_core::HostId::current()?.0;
     connection.send(
-        &Frame::Hello {
+        &Hello {
             pid: std::process::id(),
             host,
             capacity: 1,
@@ -250,7 +250,7 @@ fn hostile(listen: &str) -> Result<()> {
                 break;
             }
             frames += 1;
-            if let Ok(Frame::Message { .. }) = Frame::decode(&buf[..n]) {
+            if let Ok(ToReceiver::Message { .. }) = ToReceiver::decode(&buf[..n]) {
                 count += 1;
                 let _ = messages_tx.send(count);
             }
@@ -259,10 +259,10 @@ fn hostile(listen: &str) -> Result<()> {
     });
     // Fair play first: one message on the first credit, a second on one more.
     messages.recv_timeout(Duration::from_secs(30)).context("the first message")?;
-    connection.send(&Frame::Credit { count: 1 }.encode(), &[])?;
+    connection.send(&ToSender::Credit { count: 1 }.encode(), &[])?;
     messages.recv_timeout(Duration::from_secs(30)).context("the second message")?;
     say("two messages");
-    let credit = Frame::Credit { count: u32::MAX }.encode();
+    let credit = ToSender::Credit { count: u32::MAX }.encode();
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut sent = 0u64;
     while Instant::now() < deadline {
