@@ -246,7 +246,9 @@ impl Connected {
         let arrived_ns = monotonic_ns();
         let Some((instance, _)) = &self.producer else {
             let instance = self.peer.link.check_hello(frame)?.instance;
-            self.producer = Some((instance, producer(self.pid(), instance, matches!(self.flavor, Flavor::Local))));
+            let producer = producer(self.pid(), instance, matches!(self.flavor, Flavor::Local));
+            producer.report_to(self.peer.link.liveness());
+            self.producer = Some((instance, producer));
             return Ok(Progress::Greeted);
         };
         let instance = *instance;

@@ -18,7 +18,9 @@ use ipc_core::{Event, Stream, Uuid};
 use super::network::{self, SendComms};
 use super::outgoing::{Fencing, Outgoing};
 use crate::error::{Error, Refusal, Result};
+use crate::fences::liveness::Gone;
 use crate::links::link::{Link, Read};
+use crate::links::poll::PollSet;
 use crate::memory::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::sync::lock;
@@ -133,6 +135,9 @@ impl SenderInner {
     /// Starts the connection's reader thread on `link`, whose `Hello` was sent.
     pub(crate) fn start(link: Link) -> Result<Arc<SenderInner>> {
         let flavor = if link.remote { Flavor::Remote(Mutex::new(SendComms::default())) } else { Flavor::Local };
+        // What the reader thread waits on: the socket, registered once.
+        let answers = PollSet::new()?;
+        answers.add(link.fd(), 0)?;
         let inner = Arc::new_cyclic(|me| SenderInner {
             link,
             flavor,
@@ -150,7 +155,7 @@ impl SenderInner {
         let reader = inner.clone();
         std::thread::Builder::new()
             .name("tq-sender-reader".into())
-            .spawn(move || reader.read_answers())
+            .spawn(move || reader.read_answers(&answers))
             .map_err(|e| Error::Protocol(format!("spawning the reader thread: {e}")))?;
         Ok(inner)
     }
@@ -439,9 +444,18 @@ impl SenderInner {
         lock(&self.state).leases.insert(seq, Vec::new());
         let lease: Arc<dyn Send + Sync> = Arc::new(RemoteLease { sender: self.me.clone(), seq });
         let me = self.me.clone();
-        let alive = move || me.upgrade().is_some_and(|inner| !inner.link.peer_closed());
-        let mut message =
-            { network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut lock(comms), lease, &alive)? };
+        let alive = move || me.upgrade().is_some_and(|inner| inner.link.gone().is_none());
+        let mut message = {
+            network::prepare(
+                &outgoing.tensors,
+                outgoing.stream,
+                &receiver,
+                &mut lock(comms),
+                lease,
+                &alive,
+                self.link.liveness(),
+            )?
+        };
         let frame = Frame::Message {
             seq,
             sent_ns: outgoing.sent_ns,
@@ -541,11 +555,11 @@ impl SenderInner {
     }
 
     /// The reader thread: credits, releases, rejections and closings until the receiver hangs up.
-    fn read_answers(self: Arc<Self>) {
+    fn read_answers(self: Arc<Self>, answers: &PollSet) {
         let mut buf = vec![0u8; MAX_PACKET];
         let mut assembler = Assembler::default();
         let greeting = loop {
-            match self.link.recv(&mut assembler, &mut buf) {
+            match self.link.recv(answers, &mut assembler, &mut buf) {
                 Ok(Read::Frame(Frame::Close { reason, .. }, _)) => {
                     break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
                 }
@@ -573,7 +587,7 @@ impl SenderInner {
             }
         }
         loop {
-            match self.link.recv(&mut assembler, &mut buf) {
+            match self.link.recv(answers, &mut assembler, &mut buf) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
                         break;
@@ -674,6 +688,7 @@ impl SenderInner {
     /// The receiver's end is closed (its process is gone, or it released everything and let
     /// go): everything it held comes back now (dropped outside the lock).
     fn hang_up(&self, why: &str) {
+        self.link.liveness().report(Gone::Closed(why.into()));
         self.link.shutdown(rustix::net::Shutdown::Both);
         if let Flavor::Remote(comms) = &self.flavor {
             lock(comms).abort();

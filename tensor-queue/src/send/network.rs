@@ -28,6 +28,7 @@ use ipc_core::{Context, Device, Event, Stream, Uuid};
 
 use super::routes::{group, spans, stream_after};
 use crate::error::{Error, Result};
+use crate::fences::liveness::{Gone, Liveness};
 use crate::links::nccl::{Next, WorkQueue, Workers};
 use crate::route::Reach;
 use crate::route::Routing;
@@ -80,6 +81,8 @@ pub(crate) struct SendComms {
 pub(crate) struct SendComm {
     pub id: u32,
     queue: WorkQueue<Transfer>,
+    /// The connection's liveness (`fences/liveness.rs`), told when the communicator fails.
+    liveness: Arc<Liveness>,
 }
 
 /// One message's spans on one communicator.
@@ -103,6 +106,7 @@ impl SendComms {
         announce: &mut Vec<Frame>,
         created: &mut Vec<u32>,
         alive: &(impl Fn() -> bool + Clone + Send + 'static),
+        liveness: &Arc<Liveness>,
     ) -> Result<Arc<SendComm>> {
         if let Some((_, _, comm)) = self.pairs.iter().find(|(s, t, _)| *s == source && *t == target) {
             return Ok(comm.clone());
@@ -114,7 +118,7 @@ impl SendComms {
         let mut communicator = Communicator::start(&context, &unique_id, 2, 0, NCCL_TIMEOUT)?;
         communicator.watch(alive.clone());
         let stream = Stream::new(&context)?;
-        let comm = Arc::new(SendComm { id, queue: WorkQueue::new() });
+        let comm = Arc::new(SendComm { id, queue: WorkQueue::new(), liveness: liveness.clone() });
         let worker = comm.clone();
         self.workers.spawn("tq-nccl-send", move || worker.work(communicator, stream))?;
         announce.push(Frame::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
@@ -166,6 +170,7 @@ impl SendComm {
     fn work(&self, communicator: Communicator, stream: Stream) {
         if let Err(error) = communicator.wait_until_ready() {
             tracing::warn!(%error, comm = self.id, "an NCCL communicator to a receiver failed to set up");
+            self.liveness.report(Gone::Nccl(error.to_string()));
             return self.fail(communicator, error.to_string());
         }
         loop {
@@ -173,6 +178,7 @@ impl SendComm {
                 Next::Job(transfer) => {
                     if let Err(error) = issue(&communicator, &stream, transfer) {
                         tracing::warn!(%error, comm = self.id, "an NCCL send failed");
+                        self.liveness.report(Gone::Nccl(error.to_string()));
                         return self.fail(communicator, error.to_string());
                     }
                 }
@@ -215,7 +221,7 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
 /// What the tensors of a message become for a receiver on another host with `receiver`'s GPUs
 /// and policy: descriptors, frames (new communicators, host bytes), and NCCL transfers (after
 /// the producer's work on `stream`) that hold `lease` until they are done. New communicators'
-/// waits give up once `alive` says the receiver is gone.
+/// waits give up once `alive` says the receiver is gone; their failures are reported to `liveness`.
 pub(crate) fn prepare(
     tensors: &[Tensor],
     stream: Option<&Stream>,
@@ -223,6 +229,7 @@ pub(crate) fn prepare(
     comms: &mut SendComms,
     lease: Arc<dyn Send + Sync>,
     alive: &(impl Fn() -> bool + Clone + Send + 'static),
+    liveness: &Arc<Liveness>,
 ) -> Result<RemoteMessage> {
     let mut frames = Vec::new();
     let mut created = Vec::new();
@@ -257,7 +264,7 @@ pub(crate) fn prepare(
         descriptors[index] = Some(inline(&tensors[index], stream, &mut bytes)?);
     }
     for ((source, target), members) in groups {
-        let comm = match comms.get(source, target, &mut frames, &mut created, alive) {
+        let comm = match comms.get(source, target, &mut frames, &mut created, alive, liveness) {
             Ok(comm) => comm,
             Err(error) => {
                 comms.unwritten(RemoteMessage { descriptors: Vec::new(), frames, transfers, created });
