@@ -11,7 +11,9 @@ use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
-use tensor_queue::testing::wire::{ChunkKind, Descriptors, Fence, Frame, Hello, Source, StorageDesc, ToReceiver, ToSender};
+use tensor_queue::testing::wire::{
+    ChunkKind, Descriptors, Fence, Frame, Hello, Source, StorageDesc, ToReceiver, ToSender,
+};
 use tensor_queue::{DType, Error, Receiver, Refusal, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
@@ -595,7 +597,8 @@ fn a_sender_that_lies_about_routes_is_refused_message_by_message() {
         client.send(&announce.encode(), &[staging.fd().as_fd()]).unwrap();
         for (seq, &(source, fence)) in claims.iter().enumerate() {
             let tensors = one_tensor(source, fence);
-            let message = ToReceiver::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] };
+            let message =
+                ToReceiver::Message { seq: seq as u64 + 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] };
             client.send(&message.encode(), &[]).unwrap();
         }
         (client, staging)
@@ -863,4 +866,37 @@ fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
     assert_eq!(next(), "got 32");
     assert_eq!(next(), "done");
     assert!(child.wait().unwrap().success());
+}
+
+/// A source taken out of a `Select` is never ready again, even while its receiver lives and has
+/// a message waiting (the `Select` registers each source once, and takes it out on `remove`);
+/// the others still are.
+#[test]
+fn a_source_removed_from_a_select_is_never_ready_again() {
+    use tensor_queue::channel::Select;
+    let (a_path, b_path) = (socket_path("select-removed-a"), socket_path("select-removed-b"));
+    let mut a = Receiver::<u32>::bind(&a_path).unwrap();
+    let mut b = Receiver::<u32>::bind(&b_path).unwrap();
+    let mut select = Select::new();
+    let (from_a, from_b) = (select.add(&a).unwrap(), select.add(&b).unwrap());
+    select.remove(from_a);
+    let sender_a = Sender::<u32>::connect(&a_path).unwrap();
+    sender_a.send(&1).unwrap();
+    // `a` is readable now: a `Select` of its own says so.
+    let mut only_a = Select::new();
+    only_a.add(&a).unwrap();
+    only_a.ready_timeout(Duration::from_secs(10)).expect("a's message makes it readable");
+    assert!(matches!(select.try_ready(), Err(Error::Empty)), "the removed source was reported");
+    Sender::<u32>::connect(&b_path).unwrap().send(&2).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let got = loop {
+        assert_eq!(select.ready_timeout(Duration::from_secs(10)).unwrap(), from_b, "only b is in the set");
+        match b.try_recv() {
+            Ok(n) => break n,
+            Err(Error::Empty) => assert!(Instant::now() < deadline, "b's message never came"),
+            Err(other) => panic!("{other}"),
+        }
+    };
+    assert_eq!(got, 2);
+    assert_eq!(a.recv().unwrap(), 1);
 }

@@ -1542,7 +1542,8 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
             Ok(Incoming::Record) => {}
             Err(_) => break,
         }
-        if let Some((ToReceiver::Message { tensors, .. }, _)) = assembler.push::<ToReceiver>(&buf, Vec::new()).unwrap() {
+        if let Some((ToReceiver::Message { tensors, .. }, _)) = assembler.push::<ToReceiver>(&buf, Vec::new()).unwrap()
+        {
             let needed: u64 = tensors.storages().iter().map(|s| s.source.offset() + s.len).max().unwrap_or(0);
             assert_eq!(stranded as u64, needed, "message {messages}: the bytes before it are exactly its own");
             stranded = 0;

@@ -1,18 +1,15 @@
-//! The receiving end: its connections are polled by the thread that calls `recv`, so a message
-//! goes from the socket to the caller with no hand-off between threads.
+//! The receiving end's typed API and its options. Its connections (`recv/connections.rs`) are
+//! polled by the thread that calls `recv`, so a message goes from the socket to the caller with no
+//! hand-off between threads; this module decodes what they deliver as a `T`.
 
-use std::collections::VecDeque;
 use std::marker::PhantomData;
-use std::os::fd::AsFd as _;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipc_core::seqpacket::{Connection, Listener};
 use ipc_core::tcp::TcpListener;
 use ipc_core::{Stream, Uuid};
-use rustix::event::{PollFd, PollFlags, Timespec, poll};
-use rustix::io::Errno;
 use serde::de::DeserializeOwned;
 
 use super::DEFAULT_CAPACITY;
@@ -21,14 +18,11 @@ use crate::error::{Error, Result};
 use crate::links::endpoint::{self, Endpoint};
 use crate::links::link::Link;
 use crate::recv::acceptor::{Acceptor, Greeting, Listening};
-use crate::recv::connection::{Arrival, Connected, MessageInfo, Progress, Ready};
-use crate::recv::devices::Devices;
-use crate::recv::readiness::Readiness;
+use crate::recv::connection::{MessageInfo, Ready};
+use crate::recv::connections::Connections;
 use crate::route::{MAX_SOURCES, Routing};
 use crate::secret::Secret;
 use crate::side_table;
-use crate::sync::lock;
-use crate::wire::MAX_PACKET;
 
 /// How a receiver is set up, for the deprecated [`Receiver::bind_with`] and
 /// [`from_parent_with`](crate::from_parent_with): build receivers with [`Receiver::builder`]
@@ -111,24 +105,9 @@ impl ReceiverOptions {
 /// # Ok(()) }
 /// ```
 pub struct Receiver<T> {
-    acceptor: Option<Acceptor>,
-    connected: Vec<Connected>,
-    arrivals: VecDeque<Arrival>,
-    /// Messages whose host-route data is not there yet (see `must_park`).
-    parked: VecDeque<Ready>,
-    devices: Devices,
-    capacity: u32,
-    errors: Vec<Error>,
-    /// How many senders have said hello.
-    joined: usize,
-    /// After how many senders no more may join (see `expect_senders`).
-    expected: Option<usize>,
-    /// How long `recv` polls without sleeping before it blocks (zero: it blocks at once).
-    spin: Duration,
-    buf: Vec<u8>,
-    /// Readable whenever `recv` may make progress (`AsFd`).
-    readiness: Readiness,
-    /// `readiness` registered with tokio's reactor, on first async use.
+    /// The connections `recv` polls, and what was read from them.
+    connections: Connections,
+    /// The receiver's descriptor registered with tokio's reactor, on first async use.
     #[cfg(feature = "tokio")]
     pub(super) registration: Option<super::asynchronous::Registration>,
     /// The `Stream` has returned its last item.
@@ -202,9 +181,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         let options = options.checked()?;
         let mut receiver = Receiver::new(&options)?;
         let listening = options.listen(endpoint)?;
-        let acceptor = Acceptor::start(listening, options.greeting())?;
-        receiver.readiness.watch(acceptor.doorbell.as_fd())?;
-        receiver.acceptor = Some(acceptor);
+        receiver.connections.accept_from(Acceptor::start(listening, options.greeting())?)?;
         Ok(receiver)
     }
 
@@ -219,28 +196,13 @@ impl<T: DeserializeOwned> Receiver<T> {
         let mut receiver = Receiver::new(&options)?;
         let link = Link::new(Box::new(connection))?;
         options.greeting().greet(&link)?;
-        receiver.readiness.watch(link.fd())?;
-        receiver.connected.push(Connected::new(link));
+        receiver.connections.adopt(link)?;
         Ok(receiver)
     }
 
     fn new(options: &ReceiverOptions) -> Result<Receiver<T>> {
-        let devices = Devices::new(options.routing.clone())?;
-        let readiness = Readiness::new()?;
-        readiness.watch(devices.nccl_wake.fd())?;
         Ok(Receiver {
-            acceptor: None,
-            connected: Vec::new(),
-            arrivals: VecDeque::new(),
-            parked: VecDeque::new(),
-            devices,
-            capacity: options.capacity,
-            errors: Vec::new(),
-            joined: 0,
-            expected: None,
-            spin: Duration::ZERO,
-            buf: vec![0; MAX_PACKET],
-            readiness,
+            connections: Connections::new(options.capacity, options.routing.clone())?,
             #[cfg(feature = "tokio")]
             registration: None,
             #[cfg(feature = "tokio")]
@@ -261,7 +223,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn path(&self) -> Option<&Path> {
-        self.acceptor.as_ref().and_then(Acceptor::path)
+        self.connections.path()
     }
 
     /// Where senders on other hosts connect, for a receiver bound to TCP (with port 0, the port
@@ -278,7 +240,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
-        self.acceptor.as_ref().and_then(Acceptor::local_addr)
+        self.connections.local_addr()
     }
 
     /// Where this receiver's GPU tensors land, and which routes it refuses (the policy its
@@ -295,7 +257,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn routing(&self) -> &Routing {
-        &self.devices.routing
+        self.connections.routing()
     }
 
     /// Makes `recv` poll its sockets without sleeping for up to `spin` before it blocks.
@@ -320,7 +282,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn set_spin(&mut self, spin: Duration) {
-        self.spin = spin;
+        self.connections.set_spin(spin);
     }
 
     /// Waits for the next message.
@@ -417,118 +379,14 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn recv_with_info(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
-        let result = self.next_message(timeout);
-        self.note_pending();
+        let result = self.connections.next(timeout).and_then(|ready| self.deliver(ready));
+        self.connections.note_pending();
         result
     }
 
-    /// Whether work inside the process waits for `recv` (see `readiness.rs`): messages read but
-    /// not taken, packets a TCP link read ahead, parked messages, or the end of the stream.
-    fn note_pending(&mut self) {
-        let pending = !self.arrivals.is_empty()
-            || !self.parked.is_empty()
-            || self.connected.iter().any(|c| c.peer.link.has_buffered())
-            || self.at_end();
-        self.readiness.set_pending(pending);
-    }
-
-    /// Whether `recv` returns [`Error::Disconnected`] now, with nothing left to read.
-    fn at_end(&self) -> bool {
-        let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
-        self.connected.is_empty() && self.parked.is_empty() && (all_joined || self.acceptor.is_none())
-    }
-
-    fn next_message(&mut self, timeout: Option<Duration>) -> Result<(T, MessageInfo)> {
-        // A timeout past what an `Instant` can hold is an error, not a panic.
-        let deadline = timeout
-            .map(|timeout| Instant::now().checked_add(timeout).ok_or(Error::TimeoutTooLong { timeout }))
-            .transpose()?;
-        loop {
-            if let Some(ready) = self.unpark()? {
-                return self.deliver(ready);
-            }
-            match self.arrivals.pop_front() {
-                Some(Arrival::Ready(ready)) if self.must_park(&ready)? => {
-                    self.parked.push_back(ready);
-                    continue;
-                }
-                Some(Arrival::Ready(ready)) => return self.deliver(ready),
-                Some(Arrival::Rejected { pid, connection, seq, reason }) => {
-                    return Err(Error::Rejected { pid, connection, seq, reason });
-                }
-                None => {}
-            }
-            if self.at_end() {
-                // Connections the accept thread already took may be waiting at the doorbell.
-                if self.acceptor.is_some() && self.pump(Some(Duration::ZERO))? {
-                    continue;
-                }
-                return Err(Error::Disconnected);
-            }
-            let expired = deadline.is_some_and(|d| Instant::now() >= d);
-            if !self.parked.is_empty() {
-                // Parked messages wait for words that GPUs write, which wake nobody: read the
-                // sockets without sleeping, then spin (if asked to) or nap briefly, and look again.
-                if self.pump(Some(Duration::ZERO))? {
-                    continue;
-                }
-                if expired {
-                    return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
-                }
-                if self.parked.iter().all(|p| p.fences.iter().all(|f| f.wakes_receiver())) {
-                    // NCCL workers ring when they have issued a message's receives: block.
-                    let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-                    self.pump(wait)?;
-                } else if self.spin.is_zero() {
-                    std::thread::sleep(PARKED_POLL);
-                } else {
-                    std::hint::spin_loop();
-                }
-                continue;
-            }
-            if !self.spin.is_zero() && timeout != Some(Duration::ZERO) && self.spin_until_readable(deadline)? {
-                continue;
-            }
-            let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-            if !self.pump(wait)? {
-                return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
-            }
-        }
-    }
-
-    /// Whether `ready` must wait: its host-route tensors' data is not there yet, or an earlier
-    /// message of its sender waits (each sender's messages are delivered in order).
-    fn must_park(&self, ready: &Ready) -> Result<bool> {
-        Ok(self.parked.iter().any(|p| Arc::ptr_eq(&p.peer, &ready.peer)) || !on_cpu_ready(ready)?)
-    }
-
-    /// The first parked message whose data is there, unless an earlier one of its sender waits.
-    fn unpark(&mut self) -> Result<Option<Ready>> {
-        let mut waiting: Vec<&Arc<crate::recv::peer::Peer>> = Vec::new();
-        let mut found = None;
-        for (at, ready) in self.parked.iter().enumerate() {
-            if waiting.iter().any(|p| Arc::ptr_eq(p, &ready.peer)) {
-                continue;
-            }
-            if on_cpu_ready(ready)? {
-                found = Some(at);
-                break;
-            }
-            waiting.push(&ready.peer);
-        }
-        Ok(found.and_then(|at| self.parked.remove(at)))
-    }
-
+    /// Decodes a message ready to be taken.
     fn deliver(&mut self, ready: Ready) -> Result<(T, MessageInfo)> {
-        let Ready { peer, tensors, payload, mut info, fences, .. } = ready;
-        if let Some(connected) = self.connected.iter_mut().find(|c| Arc::ptr_eq(&c.peer, &peer)) {
-            connected.took(self.capacity);
-        }
-        // Asked now, not when the message was read: the producer may have died since. The
-        // message's tensors share these fences, and with them the answer.
-        if crate::fences::failed(&fences) {
-            return Err(Error::ProducerFailed { pid: info.sender_pid, connection: info.connection, seq: info.seq });
-        }
+        let Ready { peer, tensors, payload, mut info, .. } = ready;
         // A payload that is not a `T` is refused alone, like any message the receiver cannot
         // use, at this one point whatever the codec: the sender hears why (`take_rejected`),
         // and its tensors, dropped by the decoder, go back to it.
@@ -544,7 +402,7 @@ impl<T: DeserializeOwned> Receiver<T> {
             let reason = undecodable::<T>(&cause);
             peer.reject(info.seq, reason.clone());
             let (pid, connection, seq) = (info.sender_pid, info.connection, info.seq);
-            self.errors.push(Error::Rejected { pid, connection, seq, reason: reason.clone() });
+            self.connections.report(Error::Rejected { pid, connection, seq, reason: reason.clone() });
             Error::Rejected { pid, connection, seq, reason }
         });
         drop(hold);
@@ -580,7 +438,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn expect_senders(&mut self, count: usize) {
-        self.expected = Some(count);
+        self.connections.expect_senders(count);
     }
 
     /// Lets no more senders join (the socket file goes): `recv` returns
@@ -602,15 +460,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn stop_accepting(&mut self) -> Result<()> {
-        // The thread stops first, then every connection it accepted (and greeted: their senders
-        // may already be sending) is taken from the doorbell; dropped, they would be lost.
-        if let Some(acceptor) = &mut self.acceptor {
-            acceptor.stop();
-        }
-        while self.accept_waiting()? {}
-        self.acceptor = None;
-        self.note_pending();
-        Ok(())
+        self.connections.stop_accepting()
     }
 
     /// What went wrong since the last call, oldest first, as errors to match on: connections
@@ -640,11 +490,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn take_errors(&mut self) -> Vec<Error> {
-        if self.arrivals.is_empty() {
-            // Read what is waiting, so errors of frames already sent are seen.
-            let _ = self.pump(Some(Duration::ZERO));
-        }
-        std::mem::take(&mut self.errors)
+        self.connections.take_errors()
     }
 
     /// A stream of `device` to queue the caller's own work on: the one set with
@@ -676,9 +522,10 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn work_stream(&self, device: &Uuid) -> Result<Arc<Stream>> {
-        match self.devices.chosen(device) {
+        let devices = self.connections.devices();
+        match devices.chosen(device) {
             Some(stream) => Ok(stream),
-            None => Ok(Arc::new(Stream::new(&self.devices.context(device)?)?)),
+            None => Ok(Arc::new(Stream::new(&devices.context(device)?)?)),
         }
     }
 
@@ -699,173 +546,9 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn set_stream(&self, stream: Arc<Stream>) -> Result<()> {
-        self.devices.choose(stream)
-    }
-
-    /// Looks for frames without sleeping for up to the spin time (or until `deadline`); whether
-    /// anything was read.
-    fn spin_until_readable(&mut self, deadline: Option<Instant>) -> Result<bool> {
-        let start = Instant::now();
-        let until = deadline.map_or(start + self.spin, |d| d.min(start + self.spin));
-        loop {
-            // A non-blocking read per connection: one system call per frame, where a zero-timeout
-            // `poll` and then the read would be two.
-            if self.read_connections(0..self.connected.len()) || self.accept_waiting()? {
-                return Ok(true);
-            }
-            if Instant::now() >= until {
-                return Ok(false);
-            }
-            std::hint::spin_loop();
-        }
-    }
-
-    /// Waits up to `wait` (forever with `None`) for sockets to become readable and reads one frame
-    /// from each that is. Returns whether anything was readable.
-    fn pump(&mut self, wait: Option<Duration>) -> Result<bool> {
-        // Packets a TCP link read ahead wait in this process, where `poll` cannot see them.
-        let buffered: Vec<usize> =
-            (0..self.connected.len()).filter(|&i| self.connected[i].peer.link.has_buffered()).collect();
-        if !buffered.is_empty() {
-            self.read_connections(buffered);
-            return Ok(true);
-        }
-        let (listener_ready, readable) = {
-            let mut fds = Vec::with_capacity(self.connected.len() + 2);
-            fds.push(PollFd::from_borrowed_fd(self.devices.nccl_wake.fd(), PollFlags::IN));
-            if let Some(acceptor) = &self.acceptor {
-                fds.push(PollFd::new(&acceptor.doorbell, PollFlags::IN));
-            }
-            for connected in &self.connected {
-                fds.push(PollFd::from_borrowed_fd(connected.peer.link.fd(), PollFlags::IN));
-            }
-            // An unfinished message is given up once idle too long: the wait ends by then.
-            let give_up = self.connected.iter().filter_map(Connected::unfinished_deadline).min();
-            let until_give_up = give_up.map(|at| at.saturating_duration_since(Instant::now()));
-            let capped = until_give_up.filter(|&left| wait.is_none_or(|wait| left < wait));
-            let timespec = capped
-                .or(wait)
-                .map(|timeout| Timespec::try_from(timeout).map_err(|_| Error::TimeoutTooLong { timeout }))
-                .transpose()?;
-            match poll(&mut fds, timespec.as_ref()) {
-                Ok(0) if capped.is_some() => {
-                    drop(fds);
-                    self.give_up_idle();
-                    return Ok(true);
-                }
-                Ok(0) => return Ok(false),
-                Ok(_) => {}
-                Err(Errno::INTR) => return Ok(true),
-                Err(errno) => return Err(ipc_core::Error::Os { what: "poll", source: errno.into() }.into()),
-            }
-            // An NCCL worker issued a parked message's receives: `recv` looks at it again.
-            let woken = !fds[0].revents().is_empty();
-            let skip = 1 + usize::from(self.acceptor.is_some());
-            let listener_ready = skip == 2 && !fds[1].revents().is_empty();
-            if woken {
-                self.devices.nccl_wake.drain();
-            }
-            let readable: Vec<usize> =
-                fds[skip..].iter().enumerate().filter(|(_, fd)| !fd.revents().is_empty()).map(|(i, _)| i).collect();
-            (listener_ready, readable)
-        };
-        self.read_connections(readable);
-        self.give_up_idle();
-        if listener_ready {
-            self.accept_waiting()?;
-        }
-        Ok(true)
-    }
-
-    /// Closes the connections whose unfinished message got no new byte for `UNFINISHED_IDLE`
-    /// (what they hold goes), and reports each.
-    fn give_up_idle(&mut self) {
-        let now = Instant::now();
-        let mut at = 0;
-        while at < self.connected.len() {
-            let connected = &self.connected[at];
-            if connected.unfinished_deadline().is_none_or(|deadline| deadline > now) {
-                at += 1;
-                continue;
-            }
-            let why = format!("nothing more of it came for {:?}", crate::recv::connection::UNFINISHED_IDLE);
-            let lost = connected.lost(&why).unwrap_or(Error::Protocol(why));
-            tracing::warn!(pid = connected.pid(), %lost, "closing a connection");
-            connected.close(format!("the receiver closed the connection: {lost}"));
-            self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
-            self.connected.remove(at);
-        }
-    }
-
-    /// Reads the next frame, if one is waiting, of each of these connections; closes those that
-    /// hung up or sent something wrong. Whether any frame or hang-up was read.
-    fn read_connections(&mut self, indexes: impl IntoIterator<Item = usize>) -> bool {
-        let mut read = false;
-        let mut closed = Vec::new();
-        for index in indexes {
-            let connected = &mut self.connected[index];
-            match connected.read(&mut self.buf, &self.devices, self.capacity) {
-                Ok(Progress::Idle) => {}
-                Ok(Progress::Handled) => read = true,
-                Ok(Progress::Greeted) => {
-                    read = true;
-                    self.joined += 1;
-                }
-                Ok(Progress::Arrived(arrival)) => {
-                    read = true;
-                    if let Arrival::Rejected { pid, connection, seq, reason } = &arrival {
-                        let (pid, connection, seq, reason) = (*pid, *connection, *seq, reason.clone());
-                        self.errors.push(Error::Rejected { pid, connection, seq, reason });
-                    }
-                    self.arrivals.push_back(arrival);
-                }
-                Ok(Progress::HungUp) => {
-                    // A sender that left in the middle of a message lost it: say so, so that a
-                    // death is not taken for a clean goodbye.
-                    if let Some(lost) = connected.lost("the sender hung up or died in the middle of it") {
-                        self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
-                    }
-                    closed.push(index);
-                }
-                Err(error) => {
-                    tracing::warn!(pid = connected.pid(), %error, "closing a connection");
-                    connected.close(format!("the receiver closed the connection: {error}"));
-                    self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(error) });
-                    closed.push(index);
-                }
-            }
-        }
-        read |= !closed.is_empty();
-        for index in closed.into_iter().rev() {
-            // Tensors received from it keep its socket open for their releases.
-            let gone = self.connected.remove(index);
-            self.readiness.forget(gone.peer.link.fd());
-        }
-        if self.expected.is_some_and(|n| self.joined >= n) && self.acceptor.is_some() {
-            // Every expected sender is here: no more join (and the socket file goes).
-            self.acceptor = None;
-        }
-        read
-    }
-
-    /// Adopts the connections the accept thread handed over, if any are waiting. Whether there
-    /// were any.
-    fn accept_waiting(&mut self) -> Result<bool> {
-        let Some(acceptor) = &self.acceptor else { return Ok(false) };
-        let Some((n, _)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
-        let handed = std::mem::take(&mut *lock(&acceptor.handed));
-        self.errors.extend(handed.refused);
-        for link in handed.links {
-            self.readiness.watch(link.fd())?;
-            self.connected.push(Connected::new(link));
-        }
-        // 0: the accept thread has ended (`stop_accepting`): nothing more comes.
-        Ok(n > 0)
+        self.connections.devices().choose(stream)
     }
 }
-
-/// How long `recv` naps between looks at parked messages (without spinning).
-const PARKED_POLL: Duration = Duration::from_micros(20);
 
 /// Why a payload was refused: the receiver's type, and the codec's cause, which may be empty
 /// (an input that ended early says nothing more).
@@ -877,19 +560,6 @@ fn undecodable<T>(cause: &str) -> String {
         "the message does not decode as the receiver's type `{}` (do both sides use the same message type?): {cause}",
         std::any::type_name::<T>()
     )
-}
-
-/// Whether every host word `ready` waits for on the CPU was written (or its producer died).
-fn on_cpu_ready(ready: &Ready) -> Result<bool> {
-    if !ready.on_cpu {
-        return Ok(true);
-    }
-    for fence in ready.fences.iter() {
-        if !fence.ready_on_cpu()? {
-            return Ok(false);
-        }
-    }
-    Ok(true)
 }
 
 /// A descriptor that becomes readable when [`recv`](Receiver::recv) may make progress: a message
@@ -920,23 +590,6 @@ fn on_cpu_ready(ready: &Ready) -> Result<bool> {
 /// ```
 impl<T> std::os::fd::AsFd for Receiver<T> {
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.readiness.fd()
-    }
-}
-
-impl<T> Drop for Receiver<T> {
-    fn drop(&mut self) {
-        // Senders hear that no more messages are taken (a blocked send returns at once); the
-        // sockets stay open for the releases of tensors still held.
-        for connected in &self.connected {
-            connected.close("the receiver was dropped".into());
-        }
-        // The NCCL workers of senders on other hosts give up, and end here, on the user's thread:
-        // a program that returns from `main` next must not exit under a worker still inside NCCL.
-        for connected in &mut self.connected {
-            connected.abandon();
-        }
-        self.connected.clear();
-        self.devices.nccl_workers.join();
+        self.connections.fd()
     }
 }

@@ -4,10 +4,8 @@ use std::cell::Cell;
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Duration;
 
-use rustix::event::{PollFd, PollFlags, Timespec, poll};
-use rustix::io::Errno;
-
 use crate::error::{Error, Result};
+use crate::links::poll::{PollSet, Waited};
 
 /// Waits until one of several [`Receiver`](super::Receiver)s may make progress, like crossbeam's
 /// `Select` or ipc-channel's `IpcReceiverSet`. Anything with a descriptor that becomes readable
@@ -21,7 +19,9 @@ use crate::error::{Error, Result};
 ///
 /// The `Select` keeps its own duplicate of each receiver's descriptor
 /// ([`AsFd for Receiver`](super::Receiver#impl-AsFd-for-Receiver<T>)), so the receivers stay free
-/// to receive. A receiver that is dropped is never ready again.
+/// to receive. A receiver that is dropped is never ready again. Each is registered once, in a poll
+/// set (epoll) of the `Select`'s own, so a descriptor epoll cannot watch (a regular file) is refused
+/// by [`add`](Select::add).
 ///
 /// ```
 /// # fn main() -> tensor_queue::Result<()> {
@@ -51,6 +51,8 @@ use crate::error::{Error, Result};
 pub struct Select {
     /// Index `i` is what `add` numbered `i`; `None` once removed.
     sources: Vec<Option<OwnedFd>>,
+    /// The sources, registered once with their index as the token; made by the first `add`.
+    set: Option<PollSet>,
     /// Where the next look starts, so that one busy source does not starve the others.
     next: Cell<usize>,
 }
@@ -65,14 +67,21 @@ impl Select {
     /// [`ready`](Select::ready) returns when it is ready.
     pub fn add(&mut self, source: &impl AsFd) -> Result<usize> {
         let fd = source.as_fd().try_clone_to_owned().map_err(|e| ipc_core::Error::Os { what: "dup", source: e })?;
+        let set = match &mut self.set {
+            Some(set) => set,
+            None => self.set.insert(PollSet::new()?),
+        };
+        set.add(fd.as_fd(), self.sources.len() as u64)?;
         self.sources.push(Some(fd));
         Ok(self.sources.len() - 1)
     }
 
     /// Takes the source numbered `index` out; the other indexes stay as they are.
     pub fn remove(&mut self, index: usize) {
-        if let Some(slot) = self.sources.get_mut(index) {
-            *slot = None;
+        if let (Some(fd), Some(set)) = (self.sources.get_mut(index).and_then(Option::take), &self.set) {
+            // Out of the set before it closes: the set would go on reporting it while the
+            // receiver's own descriptor of the same file lives.
+            set.remove(fd.as_fd());
         }
     }
 
@@ -92,30 +101,24 @@ impl Select {
     }
 
     fn wait(&self, timeout: Option<Duration>) -> Result<Option<usize>> {
-        let indexes: Vec<usize> = (0..self.sources.len()).filter(|&i| self.sources[i].is_some()).collect();
-        if indexes.is_empty() {
+        let set = self.set.as_ref().filter(|_| self.sources.iter().any(Option::is_some));
+        let Some(set) = set else {
             return Err(Error::NothingToSelect);
-        }
-        let mut fds: Vec<PollFd<'_>> =
-            indexes.iter().filter_map(|&i| self.sources[i].as_ref()).map(|fd| PollFd::new(fd, PollFlags::IN)).collect();
-        let timespec = timeout
-            .map(|timeout| Timespec::try_from(timeout).map_err(|_| Error::TimeoutTooLong { timeout }))
-            .transpose()?;
+        };
+        let mut ready = Vec::new();
         loop {
-            match poll(&mut fds, timespec.as_ref()) {
-                Ok(0) => return Ok(None),
-                Ok(_) => break,
+            match set.wait(&mut ready, timeout)? {
+                Waited::TimedOut => return Ok(None),
+                Waited::Ready => break,
                 // A signal: with no deadline, wait on; with one, say nothing is ready yet.
-                Err(Errno::INTR) if timeout.is_none() => continue,
-                Err(Errno::INTR) => return Ok(None),
-                Err(errno) => return Err(ipc_core::Error::Os { what: "poll", source: errno.into() }.into()),
+                Waited::Interrupted if timeout.is_none() => continue,
+                Waited::Interrupted => return Ok(None),
             }
         }
-        let start = self.next.get() % fds.len();
-        let found = (0..fds.len()).map(|k| (start + k) % fds.len()).find(|&k| !fds[k].revents().is_empty());
-        Ok(found.map(|k| {
-            self.next.set(k + 1);
-            indexes[k]
-        }))
+        // The first ready from where the last look ended, so one busy source starves no other.
+        let n = self.sources.len();
+        let start = self.next.get() % n;
+        let found = ready.iter().map(|&token| token as usize).min_by_key(|&index| (index + n - start) % n);
+        Ok(found.inspect(|&index| self.next.set(index + 1)))
     }
 }

@@ -29,9 +29,12 @@ use ipc_core::Stream;
 use ipc_core::process::ProcessHandle;
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
+use self::liveness::{Gone, Liveness};
 use crate::error::Result;
 use crate::memory::arena::Chunk;
 use crate::sync::lock;
+
+pub(crate) mod liveness;
 
 /// The value a word held when its producer died (`u64::MAX` while the producer lives).
 pub(crate) struct WordFate(AtomicU64);
@@ -127,6 +130,8 @@ pub(crate) struct Producer {
 struct ProducerState {
     dead: bool,
     words: Vec<Word>,
+    /// The liveness of each connection from it, told when its process is found dead.
+    connections: Vec<Weak<Liveness>>,
 }
 
 /// Producers with fences, for the watcher thread.
@@ -219,6 +224,18 @@ impl Producer {
         lock(&self.state).dead
     }
 
+    /// Has `liveness` (of a connection from this producer) told when the process is found dead
+    /// (at once if it already was).
+    pub fn report_to(&self, liveness: &Arc<Liveness>) {
+        let mut state = lock(&self.state);
+        if state.dead {
+            liveness.report(Gone::Exited);
+            return;
+        }
+        state.connections.retain(|c| c.strong_count() > 0);
+        state.connections.push(Arc::downgrade(liveness));
+    }
+
     /// Opens the producer's pidfd, once. A producer that no longer exists is dead from now on.
     fn open(&self, state: &mut ProducerState) {
         self.process.get_or_init(|| match ProcessHandle::open(self.pid) {
@@ -250,6 +267,9 @@ impl Producer {
             return;
         }
         state.dead = true;
+        for liveness in state.connections.drain(..).filter_map(|c| c.upgrade()) {
+            liveness.report(Gone::Exited);
+        }
         let mut abandoned = 0;
         for word in &state.words {
             match rescue_word(word) {

@@ -21,7 +21,9 @@ use ipc_core::transport::{Packets, Peer};
 use ipc_core::{HostId, SharedMemory};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
+use super::poll::{PollSet, Waited};
 use crate::error::{Error, Refusal, Result};
+use crate::fences::liveness::{Gone, Liveness};
 use crate::route::{Reach, Routing};
 use crate::wire::{self, Assembler, Frame, Hello, MAX_MESSAGE_BYTES, MAX_PACKET};
 
@@ -58,6 +60,8 @@ pub(crate) struct Link {
     peer_pid: AtomicU32,
     /// Whether the peer is across a TCP link: it shares no memory, handle or descriptor with us.
     pub remote: bool,
+    /// Whether the peer is gone, and why: the socket, the pidfd watcher and NCCL report to it.
+    liveness: Arc<Liveness>,
 }
 
 /// Packets of frames a send took that the socket had no room for yet: written in order by a
@@ -98,12 +102,17 @@ impl Link {
             Some(pid) => (pid, false),
             None => (0, true),
         };
+        let connection: Arc<dyn Packets> = Arc::from(connection);
+        // The probe holds the socket weakly: a liveness kept by a worker never keeps it open.
+        let socket = Arc::downgrade(&connection);
+        let probe = Box::new(move || socket.upgrade().is_none_or(|socket| closed(&*socket)));
         Ok(Link {
-            connection: Arc::from(connection),
+            connection,
             outbox: Arc::default(),
             drained: Arc::default(),
             peer_pid: AtomicU32::new(pid),
             remote,
+            liveness: Arc::new(Liveness::new(probe)),
         })
     }
 
@@ -261,14 +270,26 @@ impl Link {
         self.connection.try_recv_bulk_into(memory, offset, len).map_err(peer_gone)
     }
 
-    /// Waits for the next packet.
-    pub fn recv<F: Frame>(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read<F>> {
-        let (n, fds) = self.connection.recv(buf)?;
-        self.join(assembler, &buf[..n], fds)
+    /// Waits for the next packet, on `set`, a poll set in which this link's socket is
+    /// registered (and perhaps more: a wake-up of any other member ends the wait with
+    /// [`Read::Nothing`]).
+    pub fn recv<F: Frame>(&self, set: &PollSet, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read<F>> {
+        let mut tokens = Vec::new();
+        loop {
+            let (read, _) = self.try_recv(assembler, buf)?;
+            // Packets read ahead into this process (TCP) are not seen by the set: read them first.
+            if !matches!(read, Read::Nothing) || self.has_buffered() {
+                return Ok(read);
+            }
+            if set.wait(&mut tokens, None)? == Waited::Ready {
+                return Ok(Read::Nothing);
+            }
+        }
     }
 
     fn join<F: Frame>(&self, assembler: &mut Assembler, packet: &[u8], fds: Vec<OwnedFd>) -> Result<Read<F>> {
         if packet.is_empty() {
+            self.liveness.report(Gone::HungUp);
             return Ok(Read::HungUp);
         }
         match assembler.push(packet, fds) {
@@ -295,16 +316,15 @@ impl Link {
         self.connection.as_fd()
     }
 
-    /// Whether the peer has closed the connection (or its process is gone) and nothing it sent
-    /// is left to read, without reading: for waits on another engine (NCCL) that would
-    /// otherwise wait out their timeout.
-    pub fn peer_closed(&self) -> bool {
-        let mut fds = [PollFd::from_borrowed_fd(self.connection.as_fd(), PollFlags::RDHUP)];
-        let closed = match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
-            Ok(_) => fds[0].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR),
-            Err(_) => false,
-        };
-        closed && !self.has_buffered() && rustix::io::ioctl_fionread(self.connection.as_fd()).is_ok_and(|n| n == 0)
+    /// Whether the peer is gone, and why (see `fences/liveness.rs`): for waits on another engine
+    /// (NCCL) that would otherwise wait out their timeout, and to say why a connection ended.
+    pub fn gone(&self) -> Option<Gone> {
+        self.liveness.gone()
+    }
+
+    /// The peer's liveness, for the pidfd watcher and the NCCL workers to report to.
+    pub fn liveness(&self) -> &Arc<Liveness> {
+        &self.liveness
     }
 
     /// Whether a whole packet was read ahead and waits in this process, where `poll` on the
@@ -344,6 +364,17 @@ impl Link {
         }
         Ok(Greeting { capacity, instance, reach, routing })
     }
+}
+
+/// The liveness probe of a link: whether the peer has closed the connection (or its process is
+/// gone) and nothing it sent is left to read, without reading.
+fn closed(connection: &dyn Packets) -> bool {
+    let mut fds = [PollFd::from_borrowed_fd(connection.as_fd(), PollFlags::RDHUP)];
+    let closed = match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
+        Ok(_) => fds[0].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR),
+        Err(_) => false,
+    };
+    closed && !connection.has_buffered() && rustix::io::ioctl_fionread(connection.as_fd()).is_ok_and(|n| n == 0)
 }
 
 /// What a peer's `Hello` said.

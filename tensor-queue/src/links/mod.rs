@@ -5,4 +5,5 @@
 pub(crate) mod endpoint;
 pub(crate) mod link;
 pub(crate) mod nccl;
+pub(crate) mod poll;
 pub(crate) mod wake;

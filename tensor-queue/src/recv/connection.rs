@@ -266,7 +266,9 @@ impl Connected {
                 Err(progress) => return Ok(progress),
             };
             let instance = self.peer.link.check_hello(hello)?.instance;
-            self.producer = Some((instance, producer(self.pid(), instance, matches!(self.flavor, Flavor::Local))));
+            let producer = producer(self.pid(), instance, matches!(self.flavor, Flavor::Local));
+            producer.report_to(self.peer.link.liveness());
+            self.producer = Some((instance, producer));
             return Ok(Progress::Greeted);
         };
         let instance = *instance;

@@ -6,6 +6,7 @@
 
 pub(crate) mod acceptor;
 pub(crate) mod connection;
+pub(crate) mod connections;
 pub(crate) mod devices;
 pub(crate) mod imports;
 pub(crate) mod peer;

@@ -1,25 +1,27 @@
-//! One descriptor that is readable whenever [`Receiver::recv`](super::Receiver::recv) may make
-//! progress: what `AsFd for Receiver`, [`Select`](super::Select) and the async receiver wait on.
+//! The receiver's poll set ([`PollSet`]): what `recv` waits on, and the one descriptor that is
+//! readable whenever [`Receiver::recv`](crate::Receiver::recv) may make progress, which `AsFd for
+//! Receiver`, [`Select`](crate::channel::Select) and the async receiver wait on.
 //!
-//! It is an epoll set (level-triggered) of everything `recv` waits for: each connection's socket,
-//! the accept thread's doorbell, the NCCL workers' wake-up, and one eventfd of its own that stands
-//! for work already inside the process, which no socket shows (messages read but not yet taken,
-//! packets a TCP link read ahead, messages parked for their data, and the end of the stream). A
-//! connection leaves the set when the receiver lets it go, even if its socket stays open for the
-//! releases of tensors still held; the doorbell leaves with its descriptor.
+//! Its members are registered once: each connection's socket, the accept thread's doorbell, the
+//! NCCL workers' wake-up, and one eventfd of its own that stands for work already inside the
+//! process, which no socket shows (messages read but not yet taken, packets a TCP link read
+//! ahead, messages parked for their data, and the end of the stream). A connection leaves the
+//! set when the receiver lets it go, even if its socket stays open for the releases of tensors
+//! still held; the doorbell leaves with its descriptor.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::Duration;
 
-use rustix::event::{EventfdFlags, epoll, eventfd};
+use rustix::event::{EventfdFlags, eventfd};
 
 use crate::error::Result;
+use crate::links::poll::{PollSet, Waited};
 
-fn os(what: &'static str) -> impl FnOnce(rustix::io::Errno) -> crate::error::Error {
-    move |e| ipc_core::Error::Os { what, source: e.into() }.into()
-}
+/// The token of the pending flag; the others are the caller's to choose.
+pub(crate) const PENDING: u64 = 0;
 
 pub(crate) struct Readiness {
-    epoll: OwnedFd,
+    set: PollSet,
     /// Readable while work inside the process waits (see the module).
     pending: OwnedFd,
     /// What `pending` says now, to write it only when it changes.
@@ -28,22 +30,21 @@ pub(crate) struct Readiness {
 
 impl Readiness {
     pub fn new() -> Result<Readiness> {
-        let epoll = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(os("epoll_create"))?;
-        let pending = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC).map_err(os("eventfd"))?;
-        let readiness = Readiness { epoll, pending, flagged: false };
-        readiness.watch(readiness.pending.as_fd())?;
+        let pending = eventfd(0, EventfdFlags::NONBLOCK | EventfdFlags::CLOEXEC)
+            .map_err(|e| ipc_core::Error::Os { what: "eventfd", source: e.into() })?;
+        let readiness = Readiness { set: PollSet::new()?, pending, flagged: false };
+        readiness.set.add(readiness.pending.as_fd(), PENDING)?;
         Ok(readiness)
     }
 
-    /// Adds `fd` to the set; readable `fd` makes the set readable.
-    pub fn watch(&self, fd: BorrowedFd<'_>) -> Result<()> {
-        epoll::add(&self.epoll, fd, epoll::EventData::new_u64(0), epoll::EventFlags::IN).map_err(os("epoll_ctl"))
+    /// Adds `fd` to the set, reported by [`Readiness::wait`] as `token` (not [`PENDING`]).
+    pub fn watch(&self, fd: BorrowedFd<'_>, token: u64) -> Result<()> {
+        self.set.add(fd, token)
     }
 
     /// Takes `fd` out of the set (it may stay open for other reasons).
     pub fn forget(&self, fd: BorrowedFd<'_>) {
-        // Fails only for a descriptor that was never added: nothing to take out.
-        let _ = epoll::delete(&self.epoll, fd);
+        self.set.remove(fd);
     }
 
     /// Says whether work inside the process waits for `recv`.
@@ -61,7 +62,17 @@ impl Readiness {
         self.flagged = pending;
     }
 
+    /// For `recv`: waits up to `timeout` for members to be readable (their tokens in `tokens`).
+    /// The pending flag is cleared first: `recv` itself is the work it stands for, and says what
+    /// is pending again when it returns.
+    pub fn wait(&mut self, tokens: &mut Vec<u64>, timeout: Option<Duration>) -> Result<Waited> {
+        self.set_pending(false);
+        let waited = self.set.wait(tokens, timeout)?;
+        tokens.retain(|&token| token != PENDING);
+        Ok(waited)
+    }
+
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.epoll.as_fd()
+        self.set.fd()
     }
 }

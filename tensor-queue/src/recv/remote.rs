@@ -36,6 +36,7 @@ use ipc_core::{Context, Event, Stream, Uuid};
 use super::devices::Devices;
 use super::peer::Peer;
 use crate::error::{Error, Result};
+use crate::fences::liveness::Gone;
 use crate::fences::{FenceWait, WordFate};
 use crate::links::link::Link;
 use crate::links::nccl::{Next, WorkQueue};
@@ -90,6 +91,8 @@ struct RecvComm {
     keep_open: Mutex<Option<Arc<Peer>>>,
     /// The receiver is being dropped: the communicator's waits give up.
     abandoned: AtomicBool,
+    /// The connection, told when the communicator fails (its liveness, `fences/liveness.rs`).
+    peer: Weak<Peer>,
 }
 
 /// One message's receives on one communicator.
@@ -169,11 +172,12 @@ impl Remote {
             wake: devices.nccl_wake.clone(),
             keep_open: Mutex::new(None),
             abandoned: AtomicBool::new(false),
+            peer: peer.clone(),
         });
         let worker = comm.clone();
         let me = Arc::downgrade(&comm);
         let alive = move || {
-            peer.upgrade().is_some_and(|peer| !peer.link.peer_closed())
+            peer.upgrade().is_some_and(|peer| peer.link.gone().is_none())
                 && me.upgrade().is_some_and(|me| !me.abandoned.load(Ordering::Acquire))
         };
         devices.nccl_workers.spawn("tq-nccl-recv", move || worker.work(&context, &unique_id, alive))?;
@@ -287,7 +291,10 @@ impl RecvComm {
         });
         let (communicator, stream) = match started {
             Ok(started) => started,
-            Err(error) => return self.fail(None, running, error.to_string()),
+            Err(error) => {
+                self.report(&error.to_string());
+                return self.fail(None, running, error.to_string());
+            }
         };
         loop {
             match self.queue.next() {
@@ -298,6 +305,7 @@ impl RecvComm {
                         Ok(done) => running.push((done, fate)),
                         Err(error) => {
                             fate.cut(); // the wake rings in `fail`
+                            self.report(&error.to_string());
                             return self.fail(Some(communicator), running, error.to_string());
                         }
                     }
@@ -315,6 +323,14 @@ impl RecvComm {
                 }
                 Next::Aborted => return self.fail(Some(communicator), running, "aborted".into()),
             }
+        }
+    }
+
+    /// Reports to the connection's liveness that the communicator failed (its set-up or a
+    /// receive; not when it stops because the connection ended or the receiver is dropped).
+    fn report(&self, why: &str) {
+        if let Some(peer) = self.peer.upgrade() {
+            peer.link.liveness().report(Gone::Nccl(why.into()));
         }
     }
 

@@ -19,7 +19,9 @@ use super::network::{self, SendComms};
 use super::outgoing::{Fencing, Outgoing};
 use super::protocol::{Lease, Rejection, SenderProtocol};
 use crate::error::{Error, Refusal, Result};
+use crate::fences::liveness::Gone;
 use crate::links::link::{Link, Read};
+use crate::links::poll::PollSet;
 use crate::memory::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::sync::lock;
@@ -90,6 +92,9 @@ impl SenderInner {
     /// Starts the connection's reader thread on `link`, whose `Hello` was sent.
     pub(crate) fn start(link: Link) -> Result<Arc<SenderInner>> {
         let flavor = if link.remote { Flavor::Remote(Mutex::new(SendComms::default())) } else { Flavor::Local };
+        // What the reader thread waits on: the socket, registered once.
+        let answers = PollSet::new()?;
+        answers.add(link.fd(), 0)?;
         let inner = Arc::new_cyclic(|me| SenderInner {
             link,
             flavor,
@@ -107,7 +112,7 @@ impl SenderInner {
         let reader = inner.clone();
         std::thread::Builder::new()
             .name("tq-sender-reader".into())
-            .spawn(move || reader.read_answers())
+            .spawn(move || reader.read_answers(&answers))
             .map_err(|e| Error::Protocol(format!("spawning the reader thread: {e}")))?;
         Ok(inner)
     }
@@ -358,9 +363,18 @@ impl SenderInner {
         lock(&self.state).protocol.writing(seq, Some(Lease::Remote))?;
         let lease: Arc<dyn Send + Sync> = Arc::new(RemoteLease { sender: self.me.clone(), seq });
         let me = self.me.clone();
-        let alive = move || me.upgrade().is_some_and(|inner| !inner.link.peer_closed());
-        let mut message =
-            { network::prepare(&outgoing.tensors, outgoing.stream, &receiver, &mut lock(comms), lease, &alive)? };
+        let alive = move || me.upgrade().is_some_and(|inner| inner.link.gone().is_none());
+        let mut message = {
+            network::prepare(
+                &outgoing.tensors,
+                outgoing.stream,
+                &receiver,
+                &mut lock(comms),
+                lease,
+                &alive,
+                self.link.liveness(),
+            )?
+        };
         let frame = ToReceiver::Message {
             seq,
             sent_ns: outgoing.sent_ns,
@@ -465,11 +479,11 @@ impl SenderInner {
     }
 
     /// The reader thread: credits, releases, rejections and closings until the receiver hangs up.
-    fn read_answers(self: Arc<Self>) {
+    fn read_answers(self: Arc<Self>, answers: &PollSet) {
         let mut buf = vec![0u8; MAX_PACKET];
         let mut assembler = Assembler::default();
         let greeting = loop {
-            match self.link.recv(&mut assembler, &mut buf) {
+            match self.link.recv(answers, &mut assembler, &mut buf) {
                 Ok(Read::Frame(Answer::Refused { reason }, _)) => {
                     break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
                 }
@@ -496,7 +510,7 @@ impl SenderInner {
             }
         }
         loop {
-            match self.link.recv(&mut assembler, &mut buf) {
+            match self.link.recv(answers, &mut assembler, &mut buf) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
                         break;
@@ -571,6 +585,7 @@ impl SenderInner {
     /// The receiver's end is closed (its process is gone, or it released everything and let
     /// go): everything it held comes back now (dropped outside the lock).
     fn hang_up(&self, why: &str) {
+        self.link.liveness().report(Gone::Closed(why.into()));
         self.link.shutdown(rustix::net::Shutdown::Both);
         if let Flavor::Remote(comms) = &self.flavor {
             lock(comms).abort();

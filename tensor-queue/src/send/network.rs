@@ -36,6 +36,7 @@ use ipc_core::{Context, Device, Event, Stream, Uuid};
 
 use super::routes::{describe, group, spans, stream_after};
 use crate::error::{Error, Result};
+use crate::fences::liveness::{Gone, Liveness};
 use crate::links::nccl::{Next, WorkQueue, Workers};
 use crate::route::Reach;
 use crate::route::Routing;
@@ -91,6 +92,8 @@ pub(crate) struct SendComms {
 pub(crate) struct SendComm {
     pub id: u32,
     queue: WorkQueue<Transfer>,
+    /// The connection's liveness (`fences/liveness.rs`), told when the communicator fails.
+    liveness: Arc<Liveness>,
 }
 
 /// One message's spans on one communicator.
@@ -114,6 +117,7 @@ impl SendComms {
         announce: &mut Vec<ToReceiver>,
         created: &mut Vec<u32>,
         alive: &(impl Fn() -> bool + Clone + Send + 'static),
+        liveness: &Arc<Liveness>,
     ) -> Result<Arc<SendComm>> {
         if let Some((_, _, comm)) = self.pairs.iter().find(|(s, t, _)| *s == source && *t == target) {
             return Ok(comm.clone());
@@ -125,7 +129,7 @@ impl SendComms {
         let mut communicator = Communicator::start(&context, &unique_id, 2, 0, NCCL_TIMEOUT)?;
         communicator.watch(alive.clone());
         let stream = Stream::new(&context)?;
-        let comm = Arc::new(SendComm { id, queue: WorkQueue::new() });
+        let comm = Arc::new(SendComm { id, queue: WorkQueue::new(), liveness: liveness.clone() });
         let worker = comm.clone();
         self.workers.spawn("tq-nccl-send", move || worker.work(communicator, stream))?;
         announce.push(ToReceiver::Communicator { id, unique_id: unique_id.to_bytes().to_vec(), target: target.0 });
@@ -177,6 +181,7 @@ impl SendComm {
     fn work(&self, communicator: Communicator, stream: Stream) {
         if let Err(error) = communicator.wait_until_ready() {
             tracing::warn!(%error, comm = self.id, "an NCCL communicator to a receiver failed to set up");
+            self.liveness.report(Gone::Nccl(error.to_string()));
             return self.fail(communicator, error.to_string());
         }
         loop {
@@ -184,6 +189,7 @@ impl SendComm {
                 Next::Job(transfer) => {
                     if let Err(error) = issue(&communicator, &stream, transfer) {
                         tracing::warn!(%error, comm = self.id, "an NCCL send failed");
+                        self.liveness.report(Gone::Nccl(error.to_string()));
                         return self.fail(communicator, error.to_string());
                     }
                 }
@@ -226,7 +232,7 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
 /// What the tensors of a message become for a receiver on another host with `receiver`'s GPUs
 /// and policy: descriptors, frames (new communicators, host bytes), and NCCL transfers (after
 /// the producer's work on `stream`) that hold `lease` until they are done. New communicators'
-/// waits give up once `alive` says the receiver is gone.
+/// waits give up once `alive` says the receiver is gone; their failures are reported to `liveness`.
 pub(crate) fn prepare(
     tensors: &[Tensor],
     stream: Option<&Stream>,
@@ -234,6 +240,7 @@ pub(crate) fn prepare(
     comms: &mut SendComms,
     lease: Arc<dyn Send + Sync>,
     alive: &(impl Fn() -> bool + Clone + Send + 'static),
+    liveness: &Arc<Liveness>,
 ) -> Result<RemoteMessage> {
     let mut frames = Vec::new();
     let mut created = Vec::new();
@@ -273,7 +280,7 @@ pub(crate) fn prepare(
         }
     };
     for ((source, target), members) in groups {
-        let comm = match comms.get(source, target, &mut frames, &mut created, alive) {
+        let comm = match comms.get(source, target, &mut frames, &mut created, alive, liveness) {
             Ok(comm) => comm,
             Err(error) => {
                 comms.unwritten(RemoteMessage { descriptors, frames, bulk: None, transfers, created });

@@ -541,7 +541,9 @@ mod tests {
     use crate::wire::{Frame, ToReceiver};
 
     fn decode(tensors: Descriptors) -> Result<ToReceiver, FrameError> {
-        ToReceiver::decode(&ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] }.encode())
+        ToReceiver::decode(
+            &ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors, payload: vec![] }.encode(),
+        )
     }
 
     fn mapped(chunk: u64, offset: u64, len: u64) -> StorageDesc {
@@ -635,7 +637,8 @@ mod tests {
         // An unknown route code: the byte after the record count.
         let mut table = Descriptors::default();
         table.push_storage(mapped(1, 0, 8));
-        let mut bytes = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: table, payload: vec![] }.encode();
+        let mut bytes =
+            ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: table, payload: vec![] }.encode();
         bytes[12 + 24 + 4] = 200;
         assert!(
             matches!(ToReceiver::decode(&bytes), Err(FrameError::Storage { index: 0, reason }) if reason.contains("route 200"))

@@ -3,8 +3,8 @@
 //! receiver's reader decodes only these: any other kind is [`FrameError::WrongDirection`].
 
 use super::{
-    ChunkKind, Frame, FrameError, KIND_BYTES, KIND_CHUNK, KIND_COMMUNICATOR, KIND_EVENT, KIND_MESSAGE, KIND_RETIRE,
-    Descriptors, LEGACY_HANDLE_LEN, MAX_MESSAGE_BYTES, Reader, Writer, begin, decode_table, encode_table, end, open,
+    ChunkKind, Descriptors, Frame, FrameError, KIND_BYTES, KIND_CHUNK, KIND_COMMUNICATOR, KIND_EVENT, KIND_MESSAGE,
+    KIND_RETIRE, LEGACY_HANDLE_LEN, MAX_MESSAGE_BYTES, Reader, Writer, begin, decode_table, encode_table, end, open,
     other_kind,
 };
 
