@@ -1,7 +1,5 @@
 //! The error type of tensor-queue.
 
-use std::time::Duration;
-
 use ipc_core::Uuid;
 
 use crate::wire::FrameError;
@@ -139,7 +137,7 @@ pub enum Error {
     /// An argument that makes no sense, where no caller would act on the reason other than by
     /// fixing the call (and states that cannot arise unless this crate has a bug). Reasons a
     /// caller can act on have variants of their own: [`Error::Tensor`], [`Error::View`],
-    /// [`Error::NoParentChannel`], [`Error::NothingToSelect`], [`Error::TimeoutTooLong`] and others.
+    /// [`Error::NoParentChannel`], [`Error::NothingToSelect`] and others.
     #[error("invalid: {0}")]
     Invalid(String),
     /// A tensor operation whose arguments do not fit the tensor (see the problem); nothing was
@@ -175,13 +173,6 @@ pub enum Error {
     /// A [`crate::channel::Select`] with no source left to wait for (all were removed).
     #[error("the Select has nothing to wait for")]
     NothingToSelect,
-    /// A timeout longer than the operating system can wait; wait without one instead
-    /// (`recv`, `ready`).
-    #[error("a timeout of {timeout:?} is longer than the system can wait: wait without a timeout instead")]
-    TimeoutTooLong {
-        /// The timeout given.
-        timeout: Duration,
-    },
     /// The async API was used outside a tokio runtime (with IO enabled).
     #[error("the async API needs a tokio runtime (with IO enabled)")]
     NoRuntime,

@@ -23,7 +23,6 @@ pub fn to_py(error: Error) -> PyErr {
         Error::Invalid(_)
         | Error::Tensor(_)
         | Error::View { .. }
-        | Error::TimeoutTooLong { .. }
         | Error::TooManySources { .. }
         | Error::NothingToSelect
         | Error::NoParentChannel(_)

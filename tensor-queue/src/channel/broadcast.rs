@@ -1,6 +1,7 @@
 //! One message to several receivers, encoded once.
 
-use std::time::{Duration, Instant};
+use ipc_core::deadline::deadline;
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -132,7 +133,7 @@ impl<T: Serialize> Broadcast<T> {
     /// # Ok(()) }
     /// ```
     pub fn send_timeout(&self, message: &T, timeout: Duration) -> Result<()> {
-        self.send_all(&Outgoing::synchronized(message)?, Wait::Until(Instant::now() + timeout))
+        self.send_all(&Outgoing::synchronized(message)?, Wait::Until(deadline(timeout)))
     }
 
     /// [`Broadcast::send_on`] with a timeout, as [`Broadcast::send_timeout`].
@@ -148,7 +149,7 @@ impl<T: Serialize> Broadcast<T> {
     /// # Ok(()) }
     /// ```
     pub fn send_on_timeout(&self, message: &T, stream: &Stream, timeout: Duration) -> Result<()> {
-        self.send_all(&Outgoing::on_stream(message, stream)?, Wait::Until(Instant::now() + timeout))
+        self.send_all(&Outgoing::on_stream(message, stream)?, Wait::Until(deadline(timeout)))
     }
 
     /// Takes a credit of every receiver first (all or none), then writes to each.

@@ -1,8 +1,9 @@
 //! The sending end: the typed API over one connection to a receiver (`send/connection.rs`).
 
+use ipc_core::deadline::deadline;
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use ipc_core::seqpacket::Connection;
 use ipc_core::{Stream, Uuid};
@@ -216,7 +217,7 @@ impl<T: Serialize> Sender<T> {
     /// # Ok(()) }
     /// ```
     pub fn send_timeout(&self, message: &T, timeout: Duration) -> Result<()> {
-        self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Until(Instant::now() + timeout))
+        self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Until(deadline(timeout)))
     }
 
     /// [`Sender::send_on`] with a timeout, as [`Sender::send_timeout`].
@@ -237,7 +238,7 @@ impl<T: Serialize> Sender<T> {
     /// # Ok(()) }
     /// ```
     pub fn send_on_timeout(&self, message: &T, stream: &Stream, timeout: Duration) -> Result<()> {
-        self.inner().send_outgoing(&Outgoing::on_stream(message, stream)?, Wait::Until(Instant::now() + timeout))
+        self.inner().send_outgoing(&Outgoing::on_stream(message, stream)?, Wait::Until(deadline(timeout)))
     }
 
     /// [`Sender::send`] if the receiver has room now, else [`Error::Full`] (nothing sent).

@@ -8,6 +8,7 @@
 //! for a blocked send; `writer` (announcements and sequence numbers) is held across the writes of
 //! one message, so its frames reach the socket whole and in order.
 
+use ipc_core::deadline::deadline;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering as Atomic};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -136,7 +137,7 @@ impl SenderInner {
 
     /// See [`Sender::wait_ready`](crate::Sender::wait_ready).
     pub(crate) fn wait_ready(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline(timeout);
         let inner = self;
         let mut state = lock(&inner.state);
         loop {
@@ -210,7 +211,7 @@ pub(crate) enum Wait {
 impl SenderInner {
     /// See [`Sender::wait_released`].
     pub(crate) fn wait_released(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline(timeout);
         let mut state = lock(&self.state);
         while state.protocol.outstanding() > 0 {
             let left = deadline.saturating_duration_since(Instant::now());

@@ -90,7 +90,9 @@ pub fn cube() -> Tensor {
 
 /// The bytes of the tensor of `dtype` in [`Nested::by_dtype`].
 pub fn dtype_bytes(dtype: DType) -> Vec<u8> {
-    reference::pattern(dtype.size() * 30, 1000 + dtype as u64)
+    let bytes = reference::pattern(dtype.size() * 30, 1000 + dtype as u64);
+    // A Bool is 0 or 1.
+    if dtype == DType::Bool { bytes.iter().map(|b| b & 1).collect() } else { bytes }
 }
 
 /// The bytes of tensor `i` of [`Nested::batch`].
