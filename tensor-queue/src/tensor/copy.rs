@@ -548,7 +548,56 @@ fn kernels(stream: &Stream) -> Result<Arc<Kernels>> {
     Ok(Kernels::get(stream.context())?)
 }
 
-/// The pack kernels' description of a view (at most `kernels::MAX_DIMS` dimensions).
+/// The pack kernels' description of a view. They take at most `kernels::MAX_DIMS` dimensions
+/// where a tensor may have `MAX_DIMS` (32): the view is [`coalesced`] first.
 fn layout(tensor: &Tensor) -> Result<StridedLayout> {
-    Ok(StridedLayout::new(tensor.shape(), tensor.strides(), tensor.dtype().size())?)
+    let (shape, strides) = coalesced(tensor.shape(), tensor.strides());
+    Ok(StridedLayout::new(&shape, &strides, tensor.dtype().size())?)
+}
+
+/// The same elements in the same row-major order with fewest dimensions: dimensions of size 1
+/// (whose stride never moves) are dropped, and neighbours that step as one (`stride[i] ==
+/// stride[i + 1] * size[i + 1]`) merged. An empty view keeps its sizes.
+fn coalesced(shape: &[u64], strides: &[i64]) -> (Vec<u64>, Vec<i64>) {
+    if shape.contains(&0) {
+        return (shape.to_vec(), strides.to_vec());
+    }
+    let (mut sizes, mut steps): (Vec<u64>, Vec<i64>) = (Vec::new(), Vec::new());
+    for (&size, &stride) in shape.iter().zip(strides).filter(|(size, _)| **size != 1) {
+        let joins = steps
+            .last()
+            .is_some_and(|&last| i64::try_from(size).ok().and_then(|n| stride.checked_mul(n)) == Some(last));
+        match (joins, sizes.last_mut(), steps.last_mut()) {
+            (true, Some(last_size), Some(last_step)) => {
+                *last_size *= size;
+                *last_step = stride;
+            }
+            _ => {
+                sizes.push(size);
+                steps.push(stride);
+            }
+        }
+    }
+    (sizes, steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::coalesced;
+
+    #[test]
+    fn views_are_coalesced_to_the_same_elements_in_fewer_dimensions() {
+        // Found on the GPU by an outside test: a 32-dimension view failed the pack kernels (at
+        // most 8); dimensions of size 1 go, and contiguous neighbours merge.
+        let (shape, strides) = (vec![1; 32], vec![1; 32]);
+        assert_eq!(coalesced(&shape, &strides), (vec![], vec![]));
+        let mut shape = vec![1u64; 32];
+        let mut strides = vec![7i64; 32];
+        (shape[3], strides[3], shape[20], strides[20], shape[31], strides[31]) = (2, 24, 3, 8, 4, 1);
+        assert_eq!(coalesced(&shape, &strides), (vec![6, 4], vec![8, 1])); // 3 x 8 steps as 24
+        // A transpose does not merge; a row-major block does.
+        assert_eq!(coalesced(&[3, 4], &[1, 3]), (vec![3, 4], vec![1, 3]));
+        assert_eq!(coalesced(&[2, 3, 4], &[12, 4, 1]), (vec![24], vec![1]));
+        assert_eq!(coalesced(&[2, 0, 4], &[0, 4, 1]), (vec![2, 0, 4], vec![0, 4, 1]));
+    }
 }

@@ -88,23 +88,11 @@ fn main() -> Result<()> {
             let spare: u64 = args[2].parse()?;
             let count: usize = args[3].parse()?;
             let mut receiver = Receiver::<Tensor>::builder().capacity(64).bind(args[1].as_str())?;
-            // What every receiver asks once per process at its first hello: where a CUDA driver
-            // is, its initialisation opens descriptors of its own (/dev/nvidia*), which would
-            // otherwise take the spare ones (on the GPU machine every message was refused).
-            let _ = tensor_queue::testing::Reach::local();
-            let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
-            rustix::process::setrlimit(
-                rustix::process::Resource::Nofile,
-                rustix::process::Rlimit {
-                    current: Some(open + spare),
-                    maximum: rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum,
-                },
-            )?;
             say("bound");
             let mut held = Vec::new();
             let mut rejected = 0;
             let mut other = Vec::new();
-            for _ in 0..count {
+            for n in 0..count {
                 match receiver.recv_timeout(Duration::from_secs(60)) {
                     Ok(t) => held.push(t),
                     Err(Error::Rejected { reason, .. }) => {
@@ -115,6 +103,20 @@ fn main() -> Result<()> {
                         other.push(e.to_string());
                         break;
                     }
+                }
+                if n == 0 {
+                    // The spare descriptors are counted once the connection is up and its first
+                    // message held: what the process opens for a connection (on the GPU machine
+                    // the driver's own descriptors, its contexts' among them) is not the peer's
+                    // to take, and would otherwise leave none spare (every message refused).
+                    let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
+                    rustix::process::setrlimit(
+                        rustix::process::Resource::Nofile,
+                        rustix::process::Rlimit {
+                            current: Some(open + spare),
+                            maximum: rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum,
+                        },
+                    )?;
                 }
             }
             for (n, t) in held.iter().enumerate() {
