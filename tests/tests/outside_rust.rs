@@ -649,8 +649,14 @@ fn a_receiver_out_of_descriptors_rejects_alone_and_goes_on() {
     for n in 0..12u8 {
         tx.send_timeout(&Tensor::new(&pattern(len, n), &[len]).unwrap(), Duration::from_secs(60)).unwrap();
     }
+    // The next message goes once the peer let go of what it held (its chunk's announcement
+    // then finds descriptors free; one read ahead while none were would be refused with it).
+    let mut report = Vec::new();
+    while !report.last().is_some_and(|l: &String| l.starts_with("held ")) {
+        report.push(peer.line());
+    }
     tx.send_timeout(&Tensor::new(&[1u8; 4096], &[4096]).unwrap(), Duration::from_secs(60)).unwrap();
-    let report = peer.rest();
+    report.extend(peer.rest());
     let summary = report.iter().find(|l| l.starts_with("held ")).cloned().unwrap_or_default();
     let rejected: Vec<&String> = report.iter().filter(|l| l.starts_with("rejected ")).collect();
     assert!(!rejected.is_empty(), "with 6 spare descriptors, 12 chunks cannot all be held: {report:?}");

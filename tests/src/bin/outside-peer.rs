@@ -122,8 +122,9 @@ fn main() -> Result<()> {
             for (n, t) in held.iter().enumerate() {
                 let _ = (n, t.dtype() == DType::U8);
             }
-            say(&format!("held {} rejected {} other {:?}", held.len(), rejected, other));
-            drop(held);
+            let summary = format!("held {} rejected {} other {:?}", held.len(), rejected, other);
+            drop(held); // let go first: the test sends its next message once it reads the summary
+            say(&summary);
             // After letting go, the channel goes on.
             match receiver.recv_timeout(Duration::from_secs(60)) {
                 Ok(t) => say(&format!("after {}", t.shape()[0])),
