@@ -665,7 +665,7 @@ fn a_receiver_out_of_descriptors_rejects_alone_and_goes_on() {
     assert!(!rejected.is_empty(), "with 6 spare descriptors, 12 chunks cannot all be held: {report:?}");
     assert!(summary.contains("other []"), "only messages are refused, the channel stays: {report:?}");
     let after = format!("after {len}");
-    assert!(report.iter().any(|l| *l == after), "after letting go, the channel goes on: {report:?}");
+    assert!(report.contains(&after), "after letting go, the channel goes on: {report:?}");
     // The refusals reach the sender's reader thread after the peer printed them: gather them
     // until all came (a bounded wait; a missing one fails below).
     let mut sender_side = tx.take_rejected();
