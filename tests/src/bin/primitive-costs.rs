@@ -15,7 +15,7 @@ use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, Stream, VmmAllocation
 const MB64: usize = 64 << 20;
 
 struct Row {
-    what: &'static str,
+    what: String,
     samples: Vec<u64>,
     reference: &'static str,
 }
@@ -70,7 +70,7 @@ fn export_legacy(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
         let buffer = DeviceBuffer::alloc(context, MB64)?;
         samples.push(time(|| Ok(buffer.export()?))?.1);
     }
-    Ok(vec![Row { what: "cuIpcGetMemHandle, fresh 64 MB cuMemAlloc", samples, reference: "2 us" }])
+    Ok(vec![Row { what: "cuIpcGetMemHandle, fresh 64 MB cuMemAlloc".into(), samples, reference: "2 us" }])
 }
 
 fn open_close_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
@@ -86,18 +86,28 @@ fn open_close_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
     helper.connection.send(b"done", &[])?;
     helper.finish()?;
     Ok(vec![
-        Row { what: "cuIpcOpenMemHandle in another process", samples: opens, reference: "53 us (p99 107)" },
-        Row { what: "cuIpcCloseMemHandle in another process", samples: closes, reference: "34 us (p99 68)" },
+        Row { what: "cuIpcOpenMemHandle in another process".into(), samples: opens, reference: "53 us (p99 107)" },
+        Row { what: "cuIpcCloseMemHandle in another process".into(), samples: closes, reference: "34 us (p99 68)" },
     ])
 }
 
+/// VMM export at several sizes, with the allocation itself: whether a channel's first chunk
+/// would be cheaper to make and export if it were smaller (the first message pays both).
 fn export_vmm(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
-    let mut samples = Vec::new();
-    for _ in 0..20 {
-        let memory = VmmAllocation::new(context, MB64)?;
-        samples.push(time(|| Ok(memory.export()?))?.1);
+    let mut rows = Vec::new();
+    for mb in [2, 8, 64, 256] {
+        let (mut creates, mut exports) = (Vec::new(), Vec::new());
+        for _ in 0..20 {
+            let (memory, create) = time(|| Ok(VmmAllocation::new(context, mb << 20)?))?;
+            creates.push(create);
+            exports.push(time(|| Ok(memory.export()?))?.1);
+        }
+        let reference = if mb == 64 { "730 us" } else { "-" };
+        let what = format!("cuMemCreate + reserve + map, {mb} MB");
+        rows.push(Row { what, samples: creates, reference: "-" });
+        rows.push(Row { what: format!("cuMemExportToShareableHandle (fd), {mb} MB"), samples: exports, reference });
     }
-    Ok(vec![Row { what: "cuMemExportToShareableHandle (fd), 64 MB", samples, reference: "730 us" }])
+    Ok(rows)
 }
 
 fn import_vmm_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
@@ -113,7 +123,11 @@ fn import_vmm_elsewhere(context: &std::sync::Arc<Context>) -> Result<Vec<Row>> {
     }
     helper.connection.send(b"done", &[])?;
     helper.finish()?;
-    Ok(vec![Row { what: "import fd + reserve + map + access, 64 MB, other process", samples, reference: "129 us" }])
+    Ok(vec![Row {
+        what: "import fd + reserve + map + access, 64 MB, other process".into(),
+        samples,
+        reference: "129 us",
+    }])
 }
 
 fn record_event(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Vec<Row>> {
@@ -123,7 +137,7 @@ fn record_event(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Ve
         samples.push(time(|| Ok(event.record(stream)?))?.1);
     }
     stream.synchronize()?;
-    Ok(vec![Row { what: "cuEventRecord, interprocess event", samples, reference: "1.2 us" }])
+    Ok(vec![Row { what: "cuEventRecord, interprocess event".into(), samples, reference: "1.2 us" }])
 }
 
 fn wait_event_same_process(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Vec<Row>> {
@@ -140,7 +154,7 @@ fn wait_event_same_process(context: &std::sync::Arc<Context>, stream: &Stream) -
             .1,
         );
     }
-    Ok(vec![Row { what: "ordinary event, same process: wait + sync", samples, reference: "0.8 us (H100)" }])
+    Ok(vec![Row { what: "ordinary event, same process: wait + sync".into(), samples, reference: "0.8 us (H100)" }])
 }
 
 fn wait_event_elsewhere(context: &std::sync::Arc<Context>, stream: &Stream) -> Result<Vec<Row>> {
@@ -153,5 +167,9 @@ fn wait_event_elsewhere(context: &std::sync::Arc<Context>, stream: &Stream) -> R
     helper.connection.send(&encode_u64s(&[500]), &[])?;
     let samples = helper.recv_u64s().context("event wait timings")?;
     helper.finish()?;
-    Ok(vec![Row { what: "imported interprocess event, other process: wait + sync", samples, reference: "141 us" }])
+    Ok(vec![Row {
+        what: "imported interprocess event, other process: wait + sync".into(),
+        samples,
+        reference: "141 us",
+    }])
 }
