@@ -838,7 +838,9 @@ fn two_processes_that_each_send_first_do_not_deadlock() {
 
 /// A receiver that runs out of descriptors while a new chunk's descriptor is on its way does not
 /// lose the message whose `send` returned `Ok`: it is refused alone, on both sides, with a text
-/// that names the limit, and the connection goes on.
+/// that names the limit, and the connection goes on. Once the receiver has descriptors again,
+/// later messages in that same chunk arrive: the sender, told the descriptor was lost, announces
+/// the chunk again (before, the chunk stayed refused on that connection for good).
 #[test]
 fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
     let path = socket_path("fd-starved");
@@ -866,8 +868,16 @@ fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
         !rejected.is_empty()
     });
     assert!(rejected[0].reason.contains("open files"), "{:?}", rejected[0].reason);
+    assert_eq!(next(), "recovered");
     sender.send(&Tensor::zeros(DType::U8, &[32]).unwrap()).expect("the connection goes on");
     assert_eq!(next(), "got 32");
+    // The very chunk whose announcement was lost: the tensor again, and a view into it.
+    sender.send(&big).unwrap();
+    assert_eq!(next(), format!("got {}", 65 << 20), "a message in the chunk whose descriptor was lost");
+    sender.send(&big.narrow(0, 1 << 20, 4096).unwrap()).unwrap();
+    assert_eq!(next(), "got 4096");
+    assert!(sender.take_rejected().is_empty(), "refused only while the receiver had no descriptor free");
+    drop((sender, newcomer));
     assert_eq!(next(), "done");
     assert!(child.wait().unwrap().success());
 }

@@ -109,7 +109,11 @@ impl Chunk {
     pub fn announced(&self, peer: std::sync::Weak<dyn RetireListener>) {
         let mut peers = lock(&self.announced_to);
         peers.retain(|p| p.strong_count() > 0);
-        peers.push(peer);
+        // Announced again (the peer lost the first announcement's descriptor): still one peer,
+        // told once.
+        if !peers.iter().any(|p| p.ptr_eq(&peer)) {
+            peers.push(peer);
+        }
     }
 
     /// Whether this process made the chunk (only those can be sent; a received one is the

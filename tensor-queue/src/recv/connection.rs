@@ -306,7 +306,8 @@ impl Connected {
             (ToReceiver::Chunk { id, len, kind, device, legacy, .. }, Flavor::Local) => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
                 // A descriptor the kernel dropped (our table was full) makes the chunk unusable,
-                // not the connection: the messages that use it are refused, and say why.
+                // not the connection: the messages that use it are refused, and say why, until
+                // the sender, told of the loss, announces the chunk again.
                 let imported = match fds_lost {
                     Some(lost) => Err(lost),
                     None => import(self.pid(), instance, announced, |uuid| devices.context(uuid)),
@@ -318,6 +319,9 @@ impl Connected {
                     }
                     Err(error) => {
                         tracing::warn!(pid = self.pid(), chunk = id, %error, "could not map a chunk");
+                        if matches!(error, Error::Core(ipc_core::Error::DescriptorTableFull { .. })) {
+                            self.peer.chunk_lost(id);
+                        }
                         self.chunks.remove(&id);
                         self.refused.insert(id, error.to_string());
                     }

@@ -33,8 +33,9 @@
 //!
 //! - `fd-starved PATH`: binds a `Receiver<Tensor>` at `PATH`, says `listening`, receives one
 //!   message (`got BYTES`), then uses up its descriptor table and says `starved`; receives the
-//!   next message (`got BYTES`, or `rejected REASON`), frees its table, receives one more and
-//!   says `got BYTES`, then `done`.
+//!   next message (`got BYTES`, or `rejected REASON`), frees its table and says `recovered`;
+//!   then receives until every sender has gone (`got BYTES` or `rejected REASON` each), and
+//!   says `done`.
 //!
 //! - `deep-value PATH DEPTH`: a sender whose one message's payload is the Python package's value
 //!   tree (`tensor-queue/python/src/value.rs`) nested `DEPTH` lists deep, written byte by byte
@@ -344,7 +345,13 @@ fn fd_starved(path: &str) -> Result<()> {
     report(receiver.recv());
     drop(fillers);
     rustix::process::setrlimit(nofile, saved)?;
-    report(receiver.recv());
+    say("recovered");
+    loop {
+        match receiver.recv() {
+            Err(tensor_queue::Error::Disconnected) => break,
+            received => report(received),
+        }
+    }
     say("done");
     Ok(())
 }
