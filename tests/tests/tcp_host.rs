@@ -1008,7 +1008,10 @@ fn a_message_whose_nccl_transfers_cannot_be_received_closes_its_connection() {
     }
     closed_within(&liar, Duration::from_secs(5)).expect("the connection is closed");
     let closed = |errors: &[Error]| {
-        errors.iter().any(|e| matches!(e, Error::ConnectionClosed { cause, .. } if cause.to_string().contains("NCCL")))
+        errors.iter().any(|e| {
+            matches!(e, Error::ConnectionClosed { cause, .. }
+                if matches!(**cause, Error::NcclMessageLost { seq: 1, .. }) && cause.to_string().contains("NCCL"))
+        })
     };
     let errors = errors_until(&mut receiver, closed);
     assert!(closed(&errors), "the closing is reported with its reason: {errors:?}");
@@ -1087,6 +1090,85 @@ fn an_oversize_length_prefix_closes_the_connection() {
     assert!(failures.is_empty(), "{failures:#?}");
     still_serving(&mut receiver, &endpoint);
     drop(by_hand);
+}
+
+/// The start of a run of host bytes as `ipc_core::tcp` writes it: a `u32::MAX` mark where a
+/// record's length would be, then the run's length.
+fn run_header(len: u64) -> Vec<u8> {
+    let mut header = u32::MAX.to_le_bytes().to_vec();
+    header.extend_from_slice(&len.to_le_bytes());
+    header
+}
+
+/// Well-formed frames and runs of bytes that a sender on another host may not send where they
+/// are each close their connection with the typed `Violation` that names what was wrong (the
+/// cause of an `Error::ConnectionClosed`), and the receiver goes on serving.
+#[test]
+fn hostile_tcp_senders_are_closed_with_typed_violations() {
+    use tensor_queue::Violation;
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    // A run of bytes before the sender's Hello.
+    let mut before_hello = handshake_by_hand(addr, KEY.as_bytes());
+    before_hello.write_all(&run_header(8)).unwrap();
+    before_hello.write_all(&[1; 8]).unwrap();
+    // Host bytes as a frame, not as a run.
+    let (framed, _) = raw_link(addr, true);
+    framed.send(&ToReceiver::Bytes { data: vec![1; 8] }.encode()).unwrap();
+    // Two runs for one message.
+    let mut two_runs = handshake_by_hand(addr, KEY.as_bytes());
+    two_runs.write_all(&record(&hello(0))).unwrap();
+    for _ in 0..2 {
+        two_runs.write_all(&run_header(8)).unwrap();
+        two_runs.write_all(&[2; 8]).unwrap();
+    }
+    // A run longer than a message may carry (its bytes never come).
+    let mut too_long = handshake_by_hand(addr, KEY.as_bytes());
+    too_long.write_all(&record(&hello(0))).unwrap();
+    too_long.write_all(&run_header(MAX_INLINE_BYTES + 1)).unwrap();
+    // A communicator for a GPU this process does not have (it has none here).
+    let (absent_gpu, _) = raw_link(addr, true);
+    let target = [9; 16];
+    let unique_id = vec![7; ipc_core::nccl::UniqueId::LEN];
+    absent_gpu.send(&ToReceiver::Communicator { id: 1, unique_id, target }.encode()).unwrap();
+
+    let expected = [
+        Violation::BulkOutOfPlace,
+        Violation::FramedBytes,
+        Violation::SecondBulkRun,
+        Violation::BulkTooLong { len: MAX_INLINE_BYTES + 1 },
+        Violation::CommunicatorForAbsentGpu { target: ipc_core::Uuid(target) },
+    ];
+    let mut errors = Vec::new();
+    let violations = |errors: &[Error]| -> Vec<Violation> {
+        errors
+            .iter()
+            .filter_map(|e| match e {
+                Error::ConnectionClosed { cause, .. } => match &**cause {
+                    Error::Violation(violation) => Some(violation.clone()),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !expected.iter().all(|v| violations(&errors).contains(v)) && Instant::now() < deadline {
+        match receiver.recv_timeout(Duration::from_millis(100)) {
+            Ok(probe) => panic!("a hostile sender's message was delivered: {}", probe.note),
+            Err(Error::Timeout | Error::Disconnected) => {}
+            Err(other) => errors.push(other),
+        }
+        errors.extend(receiver.take_errors());
+    }
+    let seen = violations(&errors);
+    let missing: Vec<&Violation> = expected.iter().filter(|v| !seen.contains(v)).collect();
+    assert!(missing.is_empty(), "not reported as typed violations: {missing:?}; errors: {errors:#?}");
+    for (name, link) in [("framed bytes", &framed), ("a communicator for an absent GPU", &absent_gpu)] {
+        closed_within(link, Duration::from_secs(5)).unwrap_or_else(|why| panic!("{name}: {why}"));
+    }
+    still_serving(&mut receiver, &endpoint);
+    drop((before_hello, two_runs, too_long));
 }
 
 // ---------------------------------------------------------------------------------------------

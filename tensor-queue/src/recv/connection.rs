@@ -228,10 +228,11 @@ impl Connected {
     /// on another host, between two frames. An error closes the connection.
     fn read_bulk(&mut self, left: u64) -> Result<Progress> {
         let Flavor::Remote(remote) = &mut self.flavor else {
-            return Err(Error::Protocol("a bulk run from a sender on this machine".into()));
+            // A link to this machine carries no runs of bytes: its reads never report one.
+            return Err(Error::internal("a run of bytes from a sender on this machine"));
         };
         if self.assembler.held() > 0 || self.producer.is_none() {
-            return Err(Error::Protocol("a bulk run inside a frame, or before the greeting".into()));
+            return Err(Violation::BulkOutOfPlace.into());
         }
         match remote.bulk(left, &self.peer.link) {
             Ok(0) if left > 0 => return Ok(Progress::Idle),
@@ -292,7 +293,7 @@ impl Connected {
         match (frame, &mut self.flavor) {
             (ToReceiver::Bytes { .. }, Flavor::Remote(_)) => {
                 // Host bytes come as a bulk run before their message (`read_bulk`), never framed.
-                return Err(Error::Protocol("host bytes in a frame, not a bulk run".into()));
+                return Err(Violation::FramedBytes.into());
             }
             (ToReceiver::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
                 remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
@@ -357,9 +358,7 @@ impl Connected {
                     // (its bytes would be another message's, or the transfer would hang). Closing
                     // the connection aborts them on both sides.
                     Err(error) if tensors.uses(Route::Nccl) => {
-                        return Err(Error::Protocol(format!(
-                            "a message with NCCL transfers could not be received, so its connection cannot go on: {error}"
-                        )));
+                        return Err(Error::NcclMessageLost { seq, cause: Box::new(error) });
                     }
                     Err(error) => self.reject(seq, error.to_string(), !remote && !tensors.is_empty(), capacity),
                 }));

@@ -81,7 +81,7 @@ impl Connected {
         if !matches!(record.source, Source::PeerMap { .. }) {
             return self.order(index, record.fence, chunk, stream);
         }
-        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
+        let uuid = chunk.device_uuid().ok_or_else(|| Error::internal("a device chunk without a device"))?;
         let home = self.stream(devices, &uuid)?;
         let fence = self.order(index, record.fence, chunk, &home)?;
         let done = Event::new(home.context())?;
@@ -102,12 +102,11 @@ impl Connected {
     ) -> Result<Allocation> {
         let bad = |reason: String| self.refusal(index, reason);
         let (signal, word, value) = self.host_signal(index, record)?;
-        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::internal("no Hello"))?;
         let producer = producer.clone();
         let len = record.len as usize;
         let allocation = Arena::device(stream.context()).allocate(len)?;
-        let destination =
-            allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
+        let destination = allocation.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
         let host = staging.host().ok_or_else(|| bad("staged from device memory".into()))?;
         let source = host.registered(stream.context())?;
         let piece = route::staging_piece(len);
@@ -133,7 +132,7 @@ impl Connected {
     /// `signal::host_signal_pieces`): the data is whole only once the last piece's value is there.
     pub(crate) fn fence_on_cpu(&self, index: usize, record: &StorageDesc) -> Result<Option<FenceWait>> {
         let (signal, offset, first) = self.host_signal(index, record)?;
-        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::internal("no Hello"))?;
         let len = record.len as usize;
         let pieces = len.div_ceil(route::staging_piece(len)).max(1);
         let value =
@@ -184,8 +183,7 @@ impl Connected {
             let Located { chunk, offset, path, stream } = self.locate(devices, index, record)?;
             let memory = match record.source {
                 Source::Staged { .. } => {
-                    let stream =
-                        stream.as_ref().ok_or_else(|| Error::Protocol("a staged copy without a stream".into()))?;
+                    let stream = stream.as_ref().ok_or_else(|| Error::internal("a staged copy without a stream"))?;
                     Memory::Landed(self.copy_in(index, record, (&chunk, offset), stream, &mut fences)?)
                 }
                 Source::Host { .. } => {
@@ -226,7 +224,7 @@ impl Connected {
                     done.record(stream)?;
                     Prepared::Landed(allocation, stream.clone(), done)
                 }
-                (Memory::Landed(_), None) => return Err(Error::Protocol("a landed copy without a stream".into())),
+                (Memory::Landed(_), None) => return Err(Error::internal("a landed copy without a stream")),
             };
             prepared.push((memory, path, stream));
         }
@@ -262,7 +260,7 @@ impl Connected {
         let bad = move |index, reason| Error::Frame { pid, source: FrameError::Storage { index, reason } };
         // Taken out for the call, which needs the connection's streams; put back after.
         let Flavor::Remote(mut remote) = std::mem::replace(&mut self.flavor, Flavor::Local) else {
-            return Err(Error::Protocol("a local sender's message on the remote path".into()));
+            return Err(Error::internal("a local sender's message on the remote path"));
         };
         let received = remote.receive(table, devices, |uuid| self.stream(devices, uuid), bad);
         self.flavor = Flavor::Remote(remote);
@@ -328,9 +326,9 @@ impl Connected {
             (_, Source::PeerMap { .. }) => TransferPath::PeerMapped,
             (ChunkMemory::ImportedVmm(_), _) => TransferPath::CudaVmm,
             (ChunkMemory::ImportedLegacy(_), _) => TransferPath::CudaLegacyIpc,
-            _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
+            _ => return Err(Error::internal("a local chunk in a peer's table")),
         };
-        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
+        let uuid = chunk.device_uuid().ok_or_else(|| Error::internal("a device chunk without a device"))?;
         let landing = match record.source {
             Source::PeerMap { .. } => {
                 let (target, _) = route::target(&uuid, &devices.routing, Reach::local());
@@ -388,7 +386,7 @@ impl Connected {
                     return Err(bad(format!("signal chunk {signal_chunk} is on another device than the storage")));
                 }
                 let offset = usize::try_from(offset).map_err(|_| bad(format!("signal offset {offset}")))?;
-                let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+                let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::internal("no Hello"))?;
                 producer.wait(stream, signal, offset, value).map(Some).map_err(|e| match e {
                     Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
                         bad(format!("signal word {offset} of chunk {signal_chunk}: {e}"))
@@ -414,7 +412,7 @@ fn tensors<'a>(
         let record = desc.storage as usize;
         // Checked by Frame::decode: every tensor names a record of its message.
         let storage = storages.get(record).ok_or_else(|| {
-            Error::Protocol(format!("tensor {index} names storage record {record}, which is not placed"))
+            Error::internal(format_args!("tensor {index} names storage record {record}, which is not placed"))
         })?;
         let (base, path, stream) = way(record);
         let (shape, strides) = (table.shape(index), table.strides(index));

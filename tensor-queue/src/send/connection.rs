@@ -112,7 +112,7 @@ impl SenderInner {
         std::thread::Builder::new()
             .name("tq-sender-reader".into())
             .spawn(move || reader.read_answers(&answers))
-            .map_err(|e| Error::Protocol(format!("spawning the reader thread: {e}")))?;
+            .map_err(|source| ipc_core::Error::Os { what: "spawning the reader thread", source })?;
         Ok(inner)
     }
 
