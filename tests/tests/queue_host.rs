@@ -7,13 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use integration_tests::queue::{Probe, Report, checksum, probe, spawn_tq_peer};
+use integration_tests::raw::raw_client;
 use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
-use tensor_queue::testing::wire::{
-    ChunkKind, Descriptors, Fence, Frame, Hello, Source, StorageDesc, ToReceiver, ToSender,
-};
+use tensor_queue::testing::wire::{ChunkKind, Descriptors, Fence, Frame, Source, StorageDesc, ToReceiver, ToSender};
 use tensor_queue::{DType, Error, Receiver, Refusal, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
@@ -181,29 +180,6 @@ fn a_killed_sender_disconnects_and_what_arrived_stays_readable() {
     for probe in &probes {
         assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0], "data survived its sender");
     }
-}
-
-/// Connects a raw client that does the handshake correctly, so its later frames reach validation.
-fn raw_client(path: &std::path::Path) -> Connection {
-    let connection = Connection::connect(path).unwrap();
-    let host = ipc_core::HostId::current().unwrap().0;
-    connection
-        .send(
-            &Hello {
-                pid: std::process::id(),
-                host,
-                capacity: 0,
-                instance: 1,
-                reach: Default::default(),
-                routing: Default::default(),
-            }
-            .encode(),
-            &[],
-        )
-        .unwrap();
-    let mut buf = [0u8; 256];
-    connection.recv(&mut buf).unwrap();
-    connection
 }
 
 /// A descriptor table of one 64-byte storage record at `source` and one `u8` tensor viewing it

@@ -7,12 +7,13 @@
 use std::collections::BTreeMap;
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use integration_tests::queue::{Probe, wait_for};
+use integration_tests::talk::Talking;
 use integration_tests::{bin_path, socket_path};
 use ipc_core::tcp::{MAX_MESSAGE, TcpLink, TcpListener};
 use kernels::reference;
@@ -98,28 +99,30 @@ fn random_bytes(len: usize) -> Vec<u8> {
     reference::pattern(len, reference::splitmix64(seed))
 }
 
-/// A running `tcp-peer`: its stdout lines, its stdin, and a kill when it goes out of scope.
-struct Peer {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    stdin: Option<ChildStdin>,
-    seen: Vec<String>,
-}
+integration_tests::talking!(
+    /// A running `tcp-peer` or `tq-hostile` (its lines, its stdin, and a kill when it goes out of
+    /// scope).
+    Peer
+);
 
 impl Peer {
     /// Starts `tcp-peer <args>` with `TQ_SECRET` set to `secret`, or unset.
     fn start(args: &[&str], secret: Option<&str>) -> Peer {
-        let mut command = Command::new(bin_path("tcp-peer").expect("tcp-peer is built"));
+        Peer::program("tcp-peer", args, secret)
+    }
+
+    /// Starts `<program> <args>` (a helper of this crate) with `TQ_SECRET` set to `secret`, or
+    /// unset.
+    fn program(program: &str, args: &[&str], secret: Option<&str>) -> Peer {
+        let mut command = Command::new(bin_path(program).expect("the helper is built"));
         command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         match secret {
             Some(secret) => command.env(SECRET_ENV, secret),
             None => command.env_remove(SECRET_ENV),
         };
-        let mut child = command.spawn().expect("starting tcp-peer");
-        let stdin = child.stdin.take();
-        let tag = format!("tcp-peer {} {}", args.first().unwrap_or(&""), child.id());
-        let lines = integration_tests::stdout_lines(&mut child, Some(tag));
-        Peer { child, lines, stdin, seen: Vec::new() }
+        let child = command.spawn().unwrap_or_else(|e| panic!("starting {program}: {e}"));
+        let tag = format!("{program} {} {}", args.first().unwrap_or(&""), child.id());
+        Peer(Talking::adopt(program, child, tag))
     }
 
     /// `tcp-peer recv --bind tcp://127.0.0.1:0 <extra>` with the honest secret, and its endpoint
@@ -133,78 +136,9 @@ impl Peer {
         (peer, format!("tcp://127.0.0.1:{port}"))
     }
 
-    fn id(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The next line starting with `prefix` within `timeout`; panics (with everything the child
-    /// said) when none comes.
-    fn expect(&mut self, prefix: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.starts_with(prefix) => return line,
-                Ok(line) => self.seen.push(line),
-                Err(_) => {
-                    let status = self.child.try_wait().ok().flatten();
-                    panic!(
-                        "tcp-peer {} never said {prefix:?} within {timeout:?}; exit {status:?}; it said {:#?}",
-                        self.child.id(),
-                        self.seen
-                    );
-                }
-            }
-        }
-    }
-
     /// The next `count` lines starting with `got`.
     fn got(&mut self, count: usize, timeout: Duration) -> Vec<String> {
         (0..count).map(|_| self.expect("got ", timeout)).collect()
-    }
-
-    /// Every line said so far (without waiting).
-    fn drain(&mut self) -> &[String] {
-        while let Ok(line) = self.lines.try_recv() {
-            self.seen.push(line);
-        }
-        &self.seen
-    }
-
-    fn tell(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin still open");
-        writeln!(stdin, "{line}").and_then(|()| stdin.flush()).expect("writing to tcp-peer");
-    }
-
-    fn close_stdin(&mut self) {
-        self.stdin = None;
-    }
-
-    /// The exit status within `timeout`, or `None` while it still runs.
-    fn exit_within(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// SIGKILL, and the wait for it.
-    fn kill(&mut self) {
-        self.child.kill().expect("kill");
-        self.child.wait().expect("wait");
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -688,15 +622,7 @@ fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
 
 /// A `Hello` as a sender says it.
 fn hello(capacity: u32) -> Vec<u8> {
-    Hello {
-        pid: std::process::id(),
-        host: ipc_core::HostId::current().unwrap().0,
-        capacity,
-        instance: 0x7e57,
-        reach: Default::default(),
-        routing: Default::default(),
-    }
-    .encode()
+    integration_tests::raw::hello(capacity, 0x7e57).encode()
 }
 
 /// A descriptor table of one 64-byte storage record at `source`, viewed whole as `u8`.
@@ -1450,7 +1376,7 @@ fn broadcast_reaches_two_tcp_receivers_and_a_unix_one() {
         assert_eq!(got, expected, "{name}");
         peer.expect("done", Duration::from_secs(10));
         assert!(peer.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()), "{name}");
-        assert!(!peer.drain().iter().any(|l| l.starts_with("recv-error")), "{name}: {:?}", peer.seen);
+        assert!(!peer.drain().iter().any(|l| l.starts_with("recv-error")), "{name}: {:?}", peer.seen());
     }
     assert!(
         wait_for(Duration::from_secs(10), || broadcast.senders().iter().all(|s| s.outstanding_leases() == 0)).is_some(),
@@ -1643,17 +1569,7 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
 
 /// Starts `tq-hostile <args>` with `TQ_SECRET` set to `secret` (or unset).
 fn hostile(args: &[&str], secret: Option<&str>) -> Peer {
-    let mut command = Command::new(bin_path("tq-hostile").expect("tq-hostile is built"));
-    command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    match secret {
-        Some(secret) => command.env(SECRET_ENV, secret),
-        None => command.env_remove(SECRET_ENV),
-    };
-    let mut child = command.spawn().expect("starting tq-hostile");
-    let stdin = child.stdin.take();
-    let tag = format!("tq-hostile {} {}", args.first().unwrap_or(&""), child.id());
-    let lines = integration_tests::stdout_lines(&mut child, Some(tag));
-    Peer { child, lines, stdin, seen: Vec::new() }
+    Peer::program("tq-hostile", args, secret)
 }
 
 /// Errors the receiver reports until `enough` holds of them (10 s at most), while it serves.
@@ -1729,7 +1645,7 @@ fn a_slow_tcp_consumer_only_slows_its_sender() {
     sender.send(&make_probe(9, 9, 100).unwrap()).unwrap();
     consumer.tell("read 1");
     assert_eq!(parse_got(&consumer.expect("got", Duration::from_secs(30))).0, 9);
-    assert!(!consumer.drain().iter().any(|l| l.starts_with("recv-error")), "{:?}", consumer.seen);
+    assert!(!consumer.drain().iter().any(|l| l.starts_with("recv-error")), "{:?}", consumer.seen());
 }
 
 /// Resident memory of process `pid`, in bytes.

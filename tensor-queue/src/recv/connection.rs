@@ -346,11 +346,7 @@ impl Connected {
                     imported_ns: 0,
                     decoded_ns: 0,
                 };
-                let placed = if remote {
-                    self.place_remote(devices, &tensors, payload, info)
-                } else {
-                    self.place(devices, &tensors, payload, info)
-                };
+                let placed = self.place(devices, &tensors, payload, info);
                 return Ok(Progress::Arrived(match placed {
                     Ok(ready) => Arrival::Ready(ready),
                     // Its sender has queued the message's NCCL sends already: refused alone, they

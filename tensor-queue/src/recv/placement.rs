@@ -54,6 +54,14 @@ enum Prepared {
     Landed(Allocation, Arc<Stream>, Event),
 }
 
+/// A message's tensors once placed: the producer's fences they wait for, and whether `recv`
+/// waits for some of those on the CPU before delivering (see [`Ready`]).
+struct Placement {
+    tensors: Vec<Tensor>,
+    fences: Fences,
+    on_cpu: bool,
+}
+
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
     /// asks `crate::route::choose` first).
@@ -157,10 +165,9 @@ impl Connected {
         Ok((signal, offset, value))
     }
 
-    /// Checks every storage record of a message against this connection's chunks and events,
-    /// and orders the first use of its tensors after the producer's work: mapped in place, or
-    /// copied here (the staged route) after each piece's fence. One storage per record, which
-    /// the record's tensors share.
+    /// Places a message's tensors, from a sender on this machine (mapped, or copied here) or on
+    /// another host (landed from its bytes and NCCL transfers). Every storage record's route is
+    /// checked against this receiver's policy first.
     pub(crate) fn place(
         &mut self,
         devices: &Devices,
@@ -168,18 +175,31 @@ impl Connected {
         payload: Vec<u8>,
         mut info: MessageInfo,
     ) -> Result<Ready> {
-        if table.tensors().is_empty() {
+        let remote = matches!(self.flavor, Flavor::Remote(_));
+        let Placement { tensors, fences, on_cpu } = if !remote && table.tensors().is_empty() {
             // Nothing to place, and no lease: the sender recorded none, and no release is owed.
-            info.imported_ns = monotonic_ns();
-            let fences: Fences = Arc::new(Vec::new());
-            return Ok(Ready { peer: self.peer.clone(), tensors: Vec::new(), payload, info, fences, on_cpu: false });
-        }
+            // (From another host the message's run of bytes, if any, is taken even so.)
+            Placement { tensors: Vec::new(), fences: Arc::new(Vec::new()), on_cpu: false }
+        } else {
+            for (index, record) in table.storages().iter().enumerate() {
+                self.check_route(devices, index, record.source.route())?;
+            }
+            if remote { self.land_remote(devices, table)? } else { self.map_local(devices, table, info.seq)? }
+        };
+        info.imported_ns = monotonic_ns();
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
+    }
+
+    /// Checks every storage record of message `seq` from a sender on this machine against this
+    /// connection's chunks and events, and orders the first use of its tensors after the
+    /// producer's work: mapped in place, or copied here (the staged route) after each piece's
+    /// fence. One storage per record, which the record's tensors share.
+    fn map_local(&mut self, devices: &Devices, table: &Descriptors, seq: u64) -> Result<Placement> {
         let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
         let mut fences: Vec<FenceWait> = Vec::new();
         let mut placed = Vec::with_capacity(table.storages().len());
         let mut on_cpu = false;
         for (index, record) in table.storages().iter().enumerate() {
-            self.check_route(devices, index, record.source.route())?;
             let Located { chunk, offset, path, stream } = self.locate(devices, index, record)?;
             let memory = match record.source {
                 Source::Staged { .. } => {
@@ -230,7 +250,7 @@ impl Connected {
         }
         // Made after the last step that can fail: a message refused here is released by the
         // refusal (see `Connected::reject`), never twice.
-        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
+        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq, streams, fences: fences.clone() });
         let mut storages = Vec::with_capacity(prepared.len());
         let mut ways = Vec::with_capacity(prepared.len());
         for (memory, path, stream) in prepared {
@@ -241,21 +261,11 @@ impl Connected {
             ways.push((path, stream));
         }
         let tensors = tensors(table, &storages, |record| (0, ways[record].0, ways[record].1.as_ref()))?;
-        info.imported_ns = monotonic_ns();
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
+        Ok(Placement { tensors, fences, on_cpu })
     }
 
     /// Lands the tensors of a message from a sender on another host (see `remote.rs`).
-    pub(crate) fn place_remote(
-        &mut self,
-        devices: &Devices,
-        table: &Descriptors,
-        payload: Vec<u8>,
-        mut info: MessageInfo,
-    ) -> Result<Ready> {
-        for (index, record) in table.storages().iter().enumerate() {
-            self.check_route(devices, index, record.source.route())?;
-        }
+    fn land_remote(&mut self, devices: &Devices, table: &Descriptors) -> Result<Placement> {
         let pid = self.pid();
         let bad = move |index, reason| Error::Frame { pid, source: FrameError::Storage { index, reason } };
         // Taken out for the call, which needs the connection's streams; put back after.
@@ -276,11 +286,9 @@ impl Connected {
             let (_, base, stream) = &received.records[record];
             (*base, path, stream.as_ref())
         })?;
-        info.imported_ns = monotonic_ns();
         // A message with NCCL receives waits on the CPU until its worker has queued them.
         let on_cpu = !received.fences.is_empty();
-        let fences: Fences = Arc::new(received.fences);
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
+        Ok(Placement { tensors, fences: Arc::new(received.fences), on_cpu })
     }
 
     /// The chunk a mapped or copied record names, checked, with where the storage starts in it,

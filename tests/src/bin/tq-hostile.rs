@@ -180,6 +180,12 @@ fn deep_value(path: &str, depth: usize) -> Result<()> {
     let mut bytes = [7u8, 1].repeat(depth);
     bytes.push(0);
     sender.send(&RawPayload(bytes))?;
+    report_rejections(&sender)
+}
+
+/// Waits for `sender`'s messages to be released (30 s at most), says `rejected SEQ REASON` for
+/// each refused, then `done`.
+fn report_rejections<T: serde::Serialize>(sender: &Sender<T>) -> Result<()> {
     if !sender.wait_released(Duration::from_secs(30)) {
         bail!("the message was not released within 30 s");
     }
@@ -195,14 +201,7 @@ fn wrong_type(path: &str) -> Result<()> {
     let sender = Sender::<(String, Tensor)>::connect(path)?;
     let tensor = Tensor::from_slice(&[1.0f32; 16], DType::F32, &[16])?;
     sender.send(&("not what the receiver expects".to_string(), tensor))?;
-    if !sender.wait_released(Duration::from_secs(30)) {
-        bail!("the message was not released within 30 s");
-    }
-    for rejection in sender.take_rejected() {
-        say(&format!("rejected {} {}", rejection.seq, rejection.reason));
-    }
-    say("done");
-    Ok(())
+    report_rejections(&sender)
 }
 
 /// Several senders in one process.
