@@ -124,12 +124,24 @@ pub enum Error {
     /// A peer was refused at the handshake (by us, or by the peer: see [`Refusal`]).
     #[error("peer refused: {0}")]
     PeerRefused(Refusal),
-    /// A peer broke the protocol.
-    ///
-    /// Also the text of states that cannot arise unless this crate has a bug (a signal word in
-    /// the wrong kind of memory): nobody can act on those but by reporting them.
-    #[error("protocol error: {0}")]
-    Protocol(String),
+    /// A state that cannot arise whatever a peer sends, unless this crate has a bug (a signal
+    /// word in the wrong kind of memory, a tensor its own sender did not route): nobody can act
+    /// on it but by reporting it. (What a peer sent is never this: see [`Error::Violation`] and
+    /// [`Error::Frame`]. This was `Error::Protocol` before, which also meant a peer.)
+    #[error("internal error in tensor-queue (please report it): {0}")]
+    Internal(String),
+    /// A message from a sender on another host whose NCCL transfers were under way could not be
+    /// received here (`cause`). Refused alone, its transfers would pair with the next message's
+    /// receives, so its connection was closed (this is the cause of an
+    /// [`Error::ConnectionClosed`]) and the message is lost.
+    #[error("message {seq}, with NCCL transfers, could not be received ({cause}): its connection was closed")]
+    NcclMessageLost {
+        /// The message's sequence number on its connection.
+        seq: u64,
+        /// Why it could not be received.
+        #[source]
+        cause: Box<Error>,
+    },
     /// A peer sent a frame that is well formed but breaks the protocol at this point (see
     /// [`Violation`]); its connection was closed.
     #[error("the peer broke the protocol: {0}")]
@@ -289,6 +301,11 @@ impl From<TensorProblem> for Error {
 }
 
 impl Error {
+    /// An [`Error::Internal`]: `what` cannot happen unless this crate has a bug.
+    pub(crate) fn internal(what: impl std::fmt::Display) -> Error {
+        Error::Internal(what.to_string())
+    }
+
     /// Whether `recv` can go on after this error with the next message (an iterator or a
     /// `Stream` of messages goes on after it).
     pub(crate) fn about_one_message(&self) -> bool {
@@ -363,6 +380,43 @@ pub enum Violation {
     HandleMismatch {
         /// The sender's id for the chunk.
         id: u64,
+    },
+    /// A sender on another host began a run of host bytes in the middle of a frame's parts, or
+    /// before its greeting.
+    #[error("a run of host bytes inside a frame, or before the greeting")]
+    BulkOutOfPlace,
+    /// A sender on another host sent host bytes as a frame: they only travel as a run of bytes
+    /// between frames.
+    #[error("host bytes in a frame, not a run of bytes")]
+    FramedBytes,
+    /// A sender on another host sent a second run of host bytes before the message of the first.
+    #[error("two runs of host bytes for one message")]
+    SecondBulkRun,
+    /// A sender on another host began a run of host bytes longer than one message may carry
+    /// (4 GiB).
+    #[error("a run of {len} bytes of host tensors, more than one message may carry")]
+    BulkTooLong {
+        /// The run's length in bytes.
+        len: u64,
+    },
+    /// A sender on another host set up the same NCCL communicator twice.
+    #[error("communicator {id} set up twice")]
+    CommunicatorTwice {
+        /// The sender's id for the communicator.
+        id: u32,
+    },
+    /// A sender on another host set up more NCCL communicators than a connection keeps.
+    #[error("more than {max} communicators")]
+    TooManyCommunicators {
+        /// The most a connection keeps.
+        max: usize,
+    },
+    /// A sender on another host set up an NCCL communicator for a GPU this process does not
+    /// have (its `Hello` said which it has).
+    #[error("a communicator for GPU {target}, which this process does not have")]
+    CommunicatorForAbsentGpu {
+        /// The GPU named.
+        target: Uuid,
     },
 }
 

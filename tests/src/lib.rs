@@ -1,10 +1,14 @@
 //! Shared pieces of the integration tests: starting the helper binary as a second process with a
 //! connected socket, small message encodings, and the GPU skip rule; [`queue`] holds the messages
-//! of the tensor-queue tests, [`outside_messages`] those of the outside tests of what users send.
+//! of the tensor-queue tests, [`outside_messages`] those of the outside tests of what users send;
+//! [`talk`] is a helper program a test talks to by lines, [`raw`] a peer that speaks the wire by
+//! hand.
 
 pub mod cross;
 pub mod outside_messages;
 pub mod queue;
+pub mod raw;
+pub mod talk;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

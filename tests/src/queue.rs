@@ -139,6 +139,74 @@ pub struct FaultBatch {
     pub tensors: Vec<Tensor>,
 }
 
+/// The arguments of `tq-fault batch` (`tests/src/bin/tq-fault.rs`), shared by `faults_gpu` and
+/// `faults_host`: one message of `tensors` tensors of `len` bytes to `to`, tensor `k` the pattern
+/// of `seed + k`. The other fields are the options, left out at their defaults.
+#[derive(Clone, Debug)]
+pub struct BatchArgs<'a> {
+    /// The receiver's endpoint (a socket path or `tcp://host:port`).
+    pub to: &'a str,
+    /// How many tensors the message holds.
+    pub tensors: usize,
+    /// Each tensor's length in bytes.
+    pub len: usize,
+    /// The first tensor's pattern seed.
+    pub seed: u64,
+    /// Host tensors instead of GPU tensors (`--host`).
+    pub host: bool,
+    /// The GPU work before the send (`--spin-us`).
+    pub spin: Duration,
+    /// Not 0: it SIGKILLs itself this long after its send returned (`--die-after-us`).
+    pub die_after_us: u64,
+    /// Not 0: a thread SIGKILLs it this long after its send began (`--die-in-send-us`).
+    pub die_in_send_us: u64,
+    /// How long it may live at most (`--deadline-s`; the helper's default if `None`).
+    pub deadline_s: Option<u64>,
+}
+
+impl<'a> BatchArgs<'a> {
+    /// One message of `tensors` GPU tensors of `len` bytes to `to`, patterns from `seed`.
+    pub fn new(to: &'a str, tensors: usize, len: usize, seed: u64) -> BatchArgs<'a> {
+        BatchArgs {
+            to,
+            tensors,
+            len,
+            seed,
+            host: false,
+            spin: Duration::ZERO,
+            die_after_us: 0,
+            die_in_send_us: 0,
+            deadline_s: None,
+        }
+    }
+
+    /// The command line after the program's name.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut args = vec!["batch".to_string()];
+        let mut option = |name: &str, value: String| args.extend([name.to_string(), value]);
+        option("--to", self.to.to_string());
+        option("--tensors", self.tensors.to_string());
+        option("--len", self.len.to_string());
+        option("--seed", self.seed.to_string());
+        if !self.spin.is_zero() {
+            option("--spin-us", self.spin.as_micros().to_string());
+        }
+        if self.die_after_us != 0 {
+            option("--die-after-us", self.die_after_us.to_string());
+        }
+        if self.die_in_send_us != 0 {
+            option("--die-in-send-us", self.die_in_send_us.to_string());
+        }
+        if let Some(deadline) = self.deadline_s {
+            option("--deadline-s", deadline.to_string());
+        }
+        if self.host {
+            args.push("--host".into());
+        }
+        args
+    }
+}
+
 /// One `recv` of a killed-producer case's receiver, for up to `wait` (`faults_gpu` and
 /// `faults_host`): a message of the doomed producer `doomed_pid` goes into `held` (to be judged
 /// once it is dead), a refusal (`ProducerFailed` of its one message) counts in `refused`. Whether

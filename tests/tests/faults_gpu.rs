@@ -12,7 +12,9 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail, ensure};
-use integration_tests::queue::{FaultBatch, FaultItem, case_seed, checksum, fault_seed, take_doomed, wait_for};
+use integration_tests::queue::{
+    BatchArgs, FaultBatch, FaultItem, case_seed, checksum, fault_seed, take_doomed, wait_for,
+};
 use integration_tests::{GpuTest, bin_path, run_gpu_tests, socket_path};
 use ipc_core::{Context, DeviceBuffer, Stream};
 use kernels::{Kernels, reference};
@@ -1243,29 +1245,13 @@ fn killed_case(way: Way, moment: Moment, contexts: &[Arc<Context>], seed: u64) -
     let in_send = way == Way::Tcp && matches!(moment, Moment::DuringWork | Moment::DuringCopy);
     let batch_args = |seed: u64, tensors: usize, len: usize, spin: Duration| {
         let doomed = tensors > 2;
-        let die = if doomed && !in_send && moment == Moment::DuringCopy { "3000" } else { "0" };
-        let die_in_send = match moment {
-            Moment::DuringWork if doomed && in_send => "500000",
-            Moment::DuringCopy if doomed && in_send => "20000",
-            _ => "0",
+        let die_after_us = if doomed && !in_send && moment == Moment::DuringCopy { 3000 } else { 0 };
+        let die_in_send_us = match moment {
+            Moment::DuringWork if doomed && in_send => 500_000,
+            Moment::DuringCopy if doomed && in_send => 20_000,
+            _ => 0,
         };
-        strings(&[
-            "batch",
-            "--die-in-send-us",
-            die_in_send,
-            "--die-after-us",
-            die,
-            "--to",
-            &path,
-            "--tensors",
-            &tensors.to_string(),
-            "--len",
-            &len.to_string(),
-            "--seed",
-            &seed.to_string(),
-            "--spin-us",
-            &spin.as_micros().to_string(),
-        ])
+        BatchArgs { spin, die_after_us, die_in_send_us, ..BatchArgs::new(&path, tensors, len, seed) }.to_args()
     };
     let mut doomed = Proc::start("doomed producer", &batch_args(seed, tensors, len, spin))?;
     let mut held: Vec<FaultBatch> = Vec::new();
@@ -1511,9 +1497,7 @@ fn host_landing_delivers_whole_tensors() -> Result<()> {
     let path = socket_path("host-whole");
     let mut receiver = Receiver::<FaultBatch>::builder().routing(Routing::default().land(Landing::Host)).bind(&path)?;
     let path = path.to_str().context("a UTF-8 socket path")?;
-    let (len, seed_text) = (LEN.to_string(), seed.to_string());
-    let args = ["batch", "--to", path, "--tensors", "4", "--len", &len, "--seed", &seed_text];
-    let mut producer = Proc::start("producer", &strings(&args))?;
+    let mut producer = Proc::start("producer", &BatchArgs::new(path, 4, LEN, seed).to_args())?;
     let batch = match receiver.recv_timeout(Duration::from_secs(60)) {
         Ok(batch) => batch,
         Err(error) => bail!("recv: {error:?}; {}", producer.tail(10)),

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::bin_path;
-use integration_tests::queue::{FaultBatch, case_seed, checksum, take_doomed, wait_for};
+use integration_tests::queue::{BatchArgs, FaultBatch, case_seed, checksum, take_doomed, wait_for};
 use kernels::reference;
 use tensor_queue::{Error, Receiver, SECRET_ENV, Secret, TransferPath};
 
@@ -176,23 +176,8 @@ fn wait_blocked(pid: u32, timeout: Duration) -> Result<()> {
 /// `tq-fault batch --host` to `endpoint`: `tensors` of `len` bytes, tensor `k` the pattern of
 /// `seed + k`; `die_after_us` (not 0): it kills itself that long after its send returned.
 fn batch_args(endpoint: &str, seed: u64, tensors: usize, len: usize, die_after_us: u64) -> Vec<String> {
-    let args = [
-        "batch",
-        "--host",
-        "--to",
-        endpoint,
-        "--tensors",
-        &tensors.to_string(),
-        "--len",
-        &len.to_string(),
-        "--seed",
-        &seed.to_string(),
-        "--die-after-us",
-        &die_after_us.to_string(),
-        "--deadline-s",
-        "60",
-    ];
-    args.iter().map(|a| a.to_string()).collect()
+    BatchArgs { host: true, die_after_us, deadline_s: Some(60), ..BatchArgs::new(endpoint, tensors, len, seed) }
+        .to_args()
 }
 
 /// Kills a `tq-fault batch --host` producer at `moment` and checks what the receiver sees (see

@@ -277,11 +277,7 @@ fn many_tensors_to_a_child() -> Result<()> {
 
 fn many_tensors_from_a_peer() -> Result<()> {
     let _memory = shared_memory_use();
-    let path = socket_path("om-many");
-    let mut receiver = Receiver::<Many>::bind(&path)?;
-    receiver.expect_senders(1);
-    let path = path.to_str().context("socket path")?.to_string();
-    let peer = Peer::start("send-many", &["--to", &path, "--count", "2", "--first", "5"], &[])?;
+    let (mut receiver, peer) = many_from("send-many", "om-many", 2, &["--first", "5"])?;
     let mut holding = Vec::new();
     for id in 5..7 {
         let message = receiver.recv_timeout(BOUND)?;
@@ -300,10 +296,7 @@ fn many_tensors_from_a_peer() -> Result<()> {
     for message in &holding {
         check_many(message, true)?;
     }
-    match receiver.recv_timeout(BOUND) {
-        Err(Error::Disconnected) => Ok(()),
-        other => bail!("after its only sender left: {:?}", other.map(|m| m.id)),
-    }
+    expect_end(&mut receiver, "its only sender left")
 }
 
 fn views_alias_in_the_receiver() -> Result<()> {
@@ -771,8 +764,7 @@ fn a_hundred_connections_from_one_process() -> Result<()> {
 /// anything: every message arrives, exact, then the end.
 fn sender_exits_right_after_sending() -> Result<()> {
     let _memory = shared_memory_use();
-    let (mut receiver, path) = bound_many("om-exits")?;
-    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "4", "--exit"], &[])?;
+    let (mut receiver, mut peer) = many_from("send-many", "om-exits", 4, &["--exit"])?;
     peer.expect("sent")?;
     for id in 0..4 {
         let message = receiver
@@ -782,10 +774,7 @@ fn sender_exits_right_after_sending() -> Result<()> {
         check_many(&message, true)?;
     }
     ensure!(peer.wait_exit()?.success(), "the sender's program failed");
-    match receiver.recv_timeout(BOUND) {
-        Err(Error::Disconnected) => {}
-        other => bail!("after the sender's end: {:?}", other.map(|m| m.id)),
-    }
+    expect_end(&mut receiver, "the sender's end")?;
     let errors = receiver.take_errors();
     ensure!(errors.is_empty(), "a sender that exited cleanly: {errors:?}");
     Ok(())
@@ -795,18 +784,14 @@ fn sender_exits_right_after_sending() -> Result<()> {
 /// the receiver looked: every message arrives, exact, then the end.
 fn sender_killed_before_look() -> Result<()> {
     let _memory = shared_memory_use();
-    let (mut receiver, path) = bound_many("om-killed-written")?;
-    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "1"], &[])?;
+    let (mut receiver, mut peer) = many_from("send-many", "om-killed-written", 1, &[])?;
     peer.expect("sent")?;
     peer.expect("written")?; // every byte is in the socket; the receiver has not looked yet
     peer.kill()?;
     let message = receiver.recv_timeout(BOUND).context("the message of a sender killed after writing it")?;
     ensure!(message.id == 0, "message {} where 0 was due", message.id);
     check_many(&message, true)?;
-    match receiver.recv_timeout(BOUND) {
-        Err(Error::Disconnected) => {}
-        other => bail!("after the killed sender's message: {:?}", other.map(|m| m.id)),
-    }
+    expect_end(&mut receiver, "the killed sender's message")?;
     let errors = receiver.take_errors();
     ensure!(!errors.iter().any(is_lost_message), "a message was reported lost though it arrived: {errors:?}");
     Ok(())
@@ -817,8 +802,7 @@ fn sender_killed_before_look() -> Result<()> {
 /// short is reported (`ConnectionClosed` caused by `Unfinished`), never delivered.
 fn sender_killed_right_after_send_returned() -> Result<()> {
     let _memory = shared_memory_use();
-    let (mut receiver, path) = bound_many("om-killed-sent")?;
-    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "4"], &[])?;
+    let (mut receiver, mut peer) = many_from("send-many", "om-killed-sent", 4, &[])?;
     peer.expect("sent")?;
     peer.kill()?;
     let mut arrived = 0;
@@ -843,12 +827,24 @@ fn sender_killed_right_after_send_returned() -> Result<()> {
     Ok(())
 }
 
-/// A receiver for `Many` messages from one sender, and its path.
-fn bound_many(tag: &str) -> Result<(Receiver<Many>, String)> {
+/// A receiver for `Many` messages from one sender (its socket named by `tag`), and that sender:
+/// the peer's `program` (`send-many` or `send-many-gpu`) sending `count` messages, with `extra`
+/// arguments.
+fn many_from(program: &str, tag: &str, count: u32, extra: &[&str]) -> Result<(Receiver<Many>, Peer)> {
     let path = socket_path(tag);
     let mut receiver = Receiver::<Many>::bind(&path)?;
     receiver.expect_senders(1);
-    Ok((receiver, path.to_str().context("socket path")?.to_string()))
+    let (path, count) = (path.to_str().context("socket path")?, count.to_string());
+    let args: Vec<&str> = ["--to", path, "--count", &count].into_iter().chain(extra.iter().copied()).collect();
+    Ok((receiver, Peer::start(program, &args, &[])?))
+}
+
+/// `recv` says the sender has gone (within `BOUND`), `after` what.
+fn expect_end(receiver: &mut Receiver<Many>, after: &str) -> Result<()> {
+    match receiver.recv_timeout(BOUND) {
+        Err(Error::Disconnected) => Ok(()),
+        other => bail!("after {after}: {:?}", other.map(|m| m.id)),
+    }
 }
 
 /// Whether `error` reports a message lost with its sender.
@@ -857,14 +853,10 @@ fn is_lost_message(error: &Error) -> bool {
 }
 
 fn sender_killed_before_sending_anything() -> Result<()> {
-    let (mut receiver, path) = bound_many("om-killed-silent")?;
-    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "0"], &[])?;
+    let (mut receiver, mut peer) = many_from("send-many", "om-killed-silent", 0, &[])?;
     peer.expect("sent")?; // connected, nothing sent
     peer.kill()?;
-    match receiver.recv_timeout(BOUND) {
-        Err(Error::Disconnected) => Ok(()),
-        other => bail!("after a sender killed before sending: {:?}", other.map(|m| m.id)),
-    }
+    expect_end(&mut receiver, "a sender killed before sending")
 }
 
 fn receiver_killed_while_a_send_waits() -> Result<()> {
@@ -910,8 +902,7 @@ fn kill_receiver_under_a_waiting_send(mut peer: Peer, sender: Sender<Held>) -> R
 
 fn sender_killed_while_held() -> Result<()> {
     let _memory = shared_memory_use();
-    let (mut receiver, path) = bound_many("om-killed-held")?;
-    let mut peer = Peer::start("send-many", &["--to", &path, "--count", "3"], &[])?;
+    let (mut receiver, mut peer) = many_from("send-many", "om-killed-held", 3, &[])?;
     let mut holding = Vec::new();
     for _ in 0..3 {
         holding.push(receiver.recv_timeout(BOUND)?);
@@ -922,10 +913,7 @@ fn sender_killed_while_held() -> Result<()> {
     for message in &holding {
         check_many(message, true)?;
     }
-    match receiver.recv_timeout(BOUND) {
-        Err(Error::Disconnected) => {}
-        other => bail!("after the killed sender: {:?}", other.map(|m| m.id)),
-    }
+    expect_end(&mut receiver, "the killed sender")?;
     for message in &holding {
         check_many(message, true)?;
     }
@@ -945,16 +933,7 @@ fn receiver_stops_reading() -> Result<()> {
         sender.send_timeout(&held(id)?, BOUND)?;
     }
     // Credits exhausted: typed refusals, nothing sent.
-    for refused in [100, 101] {
-        match sender.send_timeout(&held(refused)?, Duration::from_millis(100)) {
-            Err(Error::Timeout) => {}
-            other => bail!("send_timeout with no credit: {other:?}"),
-        }
-    }
-    match sender.try_send(&held(102)?) {
-        Err(Error::Full) => {}
-        other => bail!("try_send with no credit: {other:?}"),
-    }
+    no_credit_left(&sender, &[100, 101], 102, "")?;
     peer.write("read 2")?;
     peer.expect("got 1 2")?;
     // Room again: sends go on where they left off.
@@ -968,6 +947,21 @@ fn receiver_stops_reading() -> Result<()> {
     peer.finish()
 }
 
+/// With no credit left, `send_timeout` of each of `timed` times out and `try_send` of `tried` is
+/// `Full`: typed refusals, nothing sent. `over` names the channel in the messages.
+fn no_credit_left(sender: &Sender<Held>, timed: &[u64], tried: u64, over: &str) -> Result<()> {
+    for &id in timed {
+        match sender.send_timeout(&held(id)?, Duration::from_millis(100)) {
+            Err(Error::Timeout) => {}
+            other => bail!("send_timeout{over} with no credit: {other:?}"),
+        }
+    }
+    match sender.try_send(&held(tried)?) {
+        Err(Error::Full) => Ok(()),
+        other => bail!("try_send{over} with no credit: {other:?}"),
+    }
+}
+
 fn tcp_receiver_stops_reading() -> Result<()> {
     let _memory = shared_memory_use();
     let mut peer =
@@ -979,14 +973,7 @@ fn tcp_receiver_stops_reading() -> Result<()> {
     for id in 1..=2 {
         sender.send_timeout(&held(id)?, BOUND)?;
     }
-    match sender.send_timeout(&held(100)?, Duration::from_millis(100)) {
-        Err(Error::Timeout) => {}
-        other => bail!("send_timeout over TCP with no credit: {other:?}"),
-    }
-    match sender.try_send(&held(101)?) {
-        Err(Error::Full) => {}
-        other => bail!("try_send over TCP with no credit: {other:?}"),
-    }
+    no_credit_left(&sender, &[100], 101, " over TCP")?;
     peer.write("read 1")?;
     peer.expect("got 1")?;
     sender.send_timeout(&held(3)?, BOUND).context("send after the TCP receiver read")?;
@@ -1137,15 +1124,11 @@ fn gpu_consumer_holds_many() -> Result<()> {
 fn gpu_sender_killed_before_look() -> Result<()> {
     let _memory = shared_memory_use();
     let _context = Context::on_ordinal(0)?;
-    let (mut receiver, path) = bound_many("om-gpu-killed")?;
-    let mut peer = Peer::start("send-many-gpu", &["--to", &path, "--count", "1"], &[])?;
+    let (mut receiver, mut peer) = many_from("send-many-gpu", "om-gpu-killed", 1, &[])?;
     peer.expect("written")?; // its GPU work was done and every byte written
     peer.kill()?;
     let message = receiver.recv_timeout(BOUND)?;
     ensure!(message.id == 0, "message {} where 0 was due", message.id);
     check_many(&message, true)?;
-    match receiver.recv_timeout(BOUND) {
-        Err(Error::Disconnected) => Ok(()),
-        other => bail!("after the killed GPU sender: {:?}", other.map(|m| m.id)),
-    }
+    expect_end(&mut receiver, "the killed GPU sender")
 }

@@ -655,9 +655,8 @@ fn a_receiver_out_of_descriptors_rejects_alone_and_goes_on() {
     while !report.last().is_some_and(|l: &String| l.starts_with("held ")) {
         report.push(peer.line());
     }
-    // A tensor of a chunk of its own, announced now. (A small one could land in a chunk of this
-    // process's arena that a test running beside this one announced to the peer while it had no
-    // descriptor free: such a chunk stays refused on that connection, which is a known gap.)
+    // A tensor of a chunk of its own, announced now. (A chunk announced while the peer had no
+    // descriptor free is announced again before its next message: queue_host's fd-starved test.)
     tx.send_timeout(&Tensor::new(&pattern(len, 99), &[len]).unwrap(), Duration::from_secs(60)).unwrap();
     report.extend(peer.rest());
     let summary = report.iter().find(|l| l.starts_with("held ")).cloned().unwrap_or_default();

@@ -7,13 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use integration_tests::queue::{Probe, Report, checksum, probe, spawn_tq_peer};
+use integration_tests::raw::raw_client;
 use integration_tests::{bin_path, socket_path};
 use ipc_core::SharedMemory;
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
-use tensor_queue::testing::wire::{
-    ChunkKind, Descriptors, Fence, Frame, Hello, Source, StorageDesc, ToReceiver, ToSender,
-};
+use tensor_queue::testing::wire::{ChunkKind, Descriptors, Fence, Frame, Source, StorageDesc, ToReceiver, ToSender};
 use tensor_queue::{DType, Error, Receiver, Refusal, Sender, Tensor};
 
 fn peer(role: &str) -> (Child, Sender<Probe>, Receiver<Report>) {
@@ -181,29 +180,6 @@ fn a_killed_sender_disconnects_and_what_arrived_stays_readable() {
     for probe in &probes {
         assert_eq!(checksum(&probe.tensors[0]).unwrap(), probe.expected[0], "data survived its sender");
     }
-}
-
-/// Connects a raw client that does the handshake correctly, so its later frames reach validation.
-fn raw_client(path: &std::path::Path) -> Connection {
-    let connection = Connection::connect(path).unwrap();
-    let host = ipc_core::HostId::current().unwrap().0;
-    connection
-        .send(
-            &Hello {
-                pid: std::process::id(),
-                host,
-                capacity: 0,
-                instance: 1,
-                reach: Default::default(),
-                routing: Default::default(),
-            }
-            .encode(),
-            &[],
-        )
-        .unwrap();
-    let mut buf = [0u8; 256];
-    connection.recv(&mut buf).unwrap();
-    connection
 }
 
 /// A descriptor table of one 64-byte storage record at `source` and one `u8` tensor viewing it
@@ -838,7 +814,9 @@ fn two_processes_that_each_send_first_do_not_deadlock() {
 
 /// A receiver that runs out of descriptors while a new chunk's descriptor is on its way does not
 /// lose the message whose `send` returned `Ok`: it is refused alone, on both sides, with a text
-/// that names the limit, and the connection goes on.
+/// that names the limit, and the connection goes on. Once the receiver has descriptors again,
+/// later messages in that same chunk arrive: the sender, told the descriptor was lost, announces
+/// the chunk again (before, the chunk stayed refused on that connection for good).
 #[test]
 fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
     let path = socket_path("fd-starved");
@@ -866,8 +844,16 @@ fn a_receiver_out_of_descriptors_refuses_the_message_and_goes_on() {
         !rejected.is_empty()
     });
     assert!(rejected[0].reason.contains("open files"), "{:?}", rejected[0].reason);
+    assert_eq!(next(), "recovered");
     sender.send(&Tensor::zeros(DType::U8, &[32]).unwrap()).expect("the connection goes on");
     assert_eq!(next(), "got 32");
+    // The very chunk whose announcement was lost: the tensor again, and a view into it.
+    sender.send(&big).unwrap();
+    assert_eq!(next(), format!("got {}", 65 << 20), "a message in the chunk whose descriptor was lost");
+    sender.send(&big.narrow(0, 1 << 20, 4096).unwrap()).unwrap();
+    assert_eq!(next(), "got 4096");
+    assert!(sender.take_rejected().is_empty(), "refused only while the receiver had no descriptor free");
+    drop((sender, newcomer));
     assert_eq!(next(), "done");
     assert!(child.wait().unwrap().success());
 }

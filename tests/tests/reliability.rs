@@ -6,12 +6,14 @@ use std::ffi::{c_char, c_int, c_uint};
 use std::io::Write as _;
 use std::os::fd::{AsFd, FromRawFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use integration_tests::queue::{Probe, checksum, probe, wait_for};
+use integration_tests::raw::{hello, raw_client};
+use integration_tests::talk::Talking;
 use integration_tests::{bin_path, socket_path};
 use ipc_core::seqpacket::{Connection, Listener};
 use kernels::reference;
@@ -23,13 +25,10 @@ use tensor_queue::{DType, Error, Receiver, Sender, Tensor, monotonic_ns};
 /// What the `blob` role receives: an id, tensors, a byte payload and a text payload.
 type Blob = (u64, Vec<Tensor>, Vec<u8>, String);
 
-/// A running `tq-user`: its stdout lines, its stdin, and a kill when it goes out of scope.
-struct User {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    stdin: Option<ChildStdin>,
-    seen: Vec<String>,
-}
+integration_tests::talking!(
+    /// A running `tq-user` (its lines, its stdin, and a kill when it goes out of scope).
+    User
+);
 
 impl User {
     /// Starts `tq-user <args>`.
@@ -46,82 +45,9 @@ impl User {
         (User::adopt(child), sender)
     }
 
-    fn adopt(mut child: Child) -> User {
-        let stdin = child.stdin.take();
+    fn adopt(child: Child) -> User {
         let tag = format!("tq-user {}", child.id());
-        let lines = integration_tests::stdout_lines(&mut child, Some(tag));
-        User { child, lines, stdin, seen: Vec::new() }
-    }
-
-    /// The next line starting with `prefix` within `timeout`; panics (with everything the child
-    /// said) when none comes.
-    fn expect(&mut self, prefix: &str, timeout: Duration) -> String {
-        self.expect_any(&[prefix], timeout)
-    }
-
-    /// The next line starting with any of `prefixes` within `timeout`.
-    fn expect_any(&mut self, prefixes: &[&str], timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if prefixes.iter().any(|p| line.starts_with(p)) => return line,
-                Ok(line) => self.seen.push(line),
-                Err(_) => {
-                    let status = self.child.try_wait().ok().flatten();
-                    panic!(
-                        "tq-user {} never said {prefixes:?} within {timeout:?}; exit {status:?}; it said {:#?}",
-                        self.child.id(),
-                        self.seen
-                    );
-                }
-            }
-        }
-    }
-
-    /// Every line said so far (without waiting).
-    fn drain(&mut self) -> &[String] {
-        while let Ok(line) = self.lines.try_recv() {
-            self.seen.push(line);
-        }
-        &self.seen
-    }
-
-    /// Writes a command line to the child's stdin.
-    fn tell(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin still open");
-        writeln!(stdin, "{line}").and_then(|()| stdin.flush()).expect("writing to tq-user");
-    }
-
-    /// Closes the child's stdin.
-    fn close_stdin(&mut self) {
-        self.stdin = None;
-    }
-
-    /// The exit status within `timeout`, or `None` while it still runs.
-    fn exit_within(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// Whether it is still running.
-    fn alive(&mut self) -> bool {
-        self.child.try_wait().expect("try_wait").is_none()
-    }
-}
-
-impl Drop for User {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        User(Talking::adopt("tq-user", child, tag))
     }
 }
 
@@ -148,30 +74,6 @@ fn honest(id: u64, seed: u64, len: usize) -> Probe {
     probe
 }
 
-/// Connects a raw client that does the handshake correctly, so its later frames reach validation.
-fn raw_client(path: &Path) -> Connection {
-    let connection = Connection::connect(path).unwrap();
-    let host = ipc_core::HostId::current().unwrap().0;
-    connection
-        .send(
-            &Hello {
-                pid: std::process::id(),
-                host,
-                capacity: 0,
-                instance: 0x7e57,
-                reach: Default::default(),
-                routing: Default::default(),
-            }
-            .encode(),
-            &[],
-        )
-        .unwrap();
-    connection.set_recv_timeout(Some(Duration::from_secs(10))).unwrap();
-    let mut buf = [0u8; 256];
-    connection.recv(&mut buf).unwrap();
-    connection
-}
-
 /// The serde payload tensor-queue writes for `probe` (whose tensors the payload names by index),
 /// taken from a real `Sender` talking to a raw listener: raw frames can then carry a message the
 /// receiver decodes, whatever the serde format is.
@@ -187,21 +89,7 @@ fn payload_of(probe: Probe) -> Vec<u8> {
     connection.set_recv_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut buf = vec![0u8; 64 << 20];
     connection.recv(&mut buf).unwrap();
-    let host = ipc_core::HostId::current().unwrap().0;
-    connection
-        .send(
-            &Hello {
-                pid: std::process::id(),
-                host,
-                capacity: 4,
-                instance: 0x7e57,
-                reach: Default::default(),
-                routing: Default::default(),
-            }
-            .encode(),
-            &[],
-        )
-        .unwrap();
+    connection.send(&hello(4, 0x7e57).encode(), &[]).unwrap();
     loop {
         let (n, _fds) = connection.recv(&mut buf).unwrap();
         assert!(n > 0, "the capturing sender hung up");
@@ -358,7 +246,7 @@ fn a_consumer_that_drops_a_large_batch_at_once_returns_every_lease() {
         drop(sender);
         consumer.expect("disconnected", Duration::from_secs(10));
         assert!(consumer.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()), "{count}");
-        assert!(!consumer.drain().iter().any(|l| l.starts_with("bad")), "{:?}", consumer.seen);
+        assert!(!consumer.drain().iter().any(|l| l.starts_with("bad")), "{:?}", consumer.seen());
     }
 }
 
@@ -553,7 +441,7 @@ fn a_receiver_granting_absurd_credit_does_not_stall_the_sender() {
 fn listen(user: &mut User, said: &mut Vec<String>, until: &dyn Fn(&[String]) -> bool) {
     wait_for(Duration::from_secs(5), || {
         said.extend(user.drain().iter().filter(|l| !l.starts_with("ready")).cloned());
-        user.seen.clear();
+        user.clear_seen();
         until(said) || !user.alive()
     });
 }
@@ -603,7 +491,7 @@ fn a_chunk_that_can_shrink_is_refused_without_sigbus() {
         eprintln!("after the {kind}: {said:?}");
         attackers.push((connection, file));
     }
-    let status = receiver.child.try_wait().unwrap();
+    let status = receiver.try_wait();
     assert!(status.is_none(), "the receiver died: {status:?} (it said {said:?})");
     assert!(!said.iter().any(|l| l.starts_with("other")), "a shrinkable chunk was used: {said:?}");
     assert!(said.iter().filter(|l| l.starts_with("error:")).count() >= 2, "both refused: {said:?}");
@@ -655,11 +543,11 @@ fn hostile_views_are_refused_and_the_receiver_lives_on() {
         let mut said = Vec::new();
         wait_for(Duration::from_secs(10), || {
             said.extend(receiver.drain().iter().filter(|l| !l.starts_with("ready")).cloned());
-            receiver.seen.clear();
+            receiver.clear_seen();
             let refused = said.iter().any(|l| l.starts_with("error:") || l.starts_with("recv-error"));
             (refused && said.iter().any(|l| l.contains("raw-control"))) || !receiver.alive()
         });
-        if let Some(status) = receiver.child.try_wait().unwrap() {
+        if let Some(status) = receiver.try_wait() {
             failures.push(format!("{name}: the receiver died ({status}); it said {said:?}"));
             continue;
         }
@@ -900,16 +788,7 @@ fn raw_receiver(path: &Path) -> (Sender<u64>, Connection) {
     let mut buf = vec![0u8; 1 << 16];
     let (n, _) = connection.recv(&mut buf).unwrap();
     assert!(Hello::decode(&buf[..n]).is_ok(), "a sender begins with Hello");
-    let host = ipc_core::HostId::current().unwrap().0;
-    let hello = Hello {
-        pid: std::process::id(),
-        host,
-        capacity: 8,
-        instance: 7,
-        reach: Default::default(),
-        routing: Default::default(),
-    };
-    connection.send(&hello.encode(), &[]).unwrap();
+    connection.send(&hello(8, 7).encode(), &[]).unwrap();
     let sender = connecting.join().unwrap();
     sender.wait_ready(Duration::from_secs(10)).unwrap();
     (sender, connection)

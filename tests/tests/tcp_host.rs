@@ -7,12 +7,13 @@
 use std::collections::BTreeMap;
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use integration_tests::queue::{Probe, wait_for};
+use integration_tests::talk::Talking;
 use integration_tests::{bin_path, socket_path};
 use ipc_core::tcp::{MAX_MESSAGE, TcpLink, TcpListener};
 use kernels::reference;
@@ -98,28 +99,30 @@ fn random_bytes(len: usize) -> Vec<u8> {
     reference::pattern(len, reference::splitmix64(seed))
 }
 
-/// A running `tcp-peer`: its stdout lines, its stdin, and a kill when it goes out of scope.
-struct Peer {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    stdin: Option<ChildStdin>,
-    seen: Vec<String>,
-}
+integration_tests::talking!(
+    /// A running `tcp-peer` or `tq-hostile` (its lines, its stdin, and a kill when it goes out of
+    /// scope).
+    Peer
+);
 
 impl Peer {
     /// Starts `tcp-peer <args>` with `TQ_SECRET` set to `secret`, or unset.
     fn start(args: &[&str], secret: Option<&str>) -> Peer {
-        let mut command = Command::new(bin_path("tcp-peer").expect("tcp-peer is built"));
+        Peer::program("tcp-peer", args, secret)
+    }
+
+    /// Starts `<program> <args>` (a helper of this crate) with `TQ_SECRET` set to `secret`, or
+    /// unset.
+    fn program(program: &str, args: &[&str], secret: Option<&str>) -> Peer {
+        let mut command = Command::new(bin_path(program).expect("the helper is built"));
         command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         match secret {
             Some(secret) => command.env(SECRET_ENV, secret),
             None => command.env_remove(SECRET_ENV),
         };
-        let mut child = command.spawn().expect("starting tcp-peer");
-        let stdin = child.stdin.take();
-        let tag = format!("tcp-peer {} {}", args.first().unwrap_or(&""), child.id());
-        let lines = integration_tests::stdout_lines(&mut child, Some(tag));
-        Peer { child, lines, stdin, seen: Vec::new() }
+        let child = command.spawn().unwrap_or_else(|e| panic!("starting {program}: {e}"));
+        let tag = format!("{program} {} {}", args.first().unwrap_or(&""), child.id());
+        Peer(Talking::adopt(program, child, tag))
     }
 
     /// `tcp-peer recv --bind tcp://127.0.0.1:0 <extra>` with the honest secret, and its endpoint
@@ -133,78 +136,9 @@ impl Peer {
         (peer, format!("tcp://127.0.0.1:{port}"))
     }
 
-    fn id(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// The next line starting with `prefix` within `timeout`; panics (with everything the child
-    /// said) when none comes.
-    fn expect(&mut self, prefix: &str, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.starts_with(prefix) => return line,
-                Ok(line) => self.seen.push(line),
-                Err(_) => {
-                    let status = self.child.try_wait().ok().flatten();
-                    panic!(
-                        "tcp-peer {} never said {prefix:?} within {timeout:?}; exit {status:?}; it said {:#?}",
-                        self.child.id(),
-                        self.seen
-                    );
-                }
-            }
-        }
-    }
-
     /// The next `count` lines starting with `got`.
     fn got(&mut self, count: usize, timeout: Duration) -> Vec<String> {
         (0..count).map(|_| self.expect("got ", timeout)).collect()
-    }
-
-    /// Every line said so far (without waiting).
-    fn drain(&mut self) -> &[String] {
-        while let Ok(line) = self.lines.try_recv() {
-            self.seen.push(line);
-        }
-        &self.seen
-    }
-
-    fn tell(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin still open");
-        writeln!(stdin, "{line}").and_then(|()| stdin.flush()).expect("writing to tcp-peer");
-    }
-
-    fn close_stdin(&mut self) {
-        self.stdin = None;
-    }
-
-    /// The exit status within `timeout`, or `None` while it still runs.
-    fn exit_within(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return Some(status);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-
-    /// SIGKILL, and the wait for it.
-    fn kill(&mut self) {
-        self.child.kill().expect("kill");
-        self.child.wait().expect("wait");
-    }
-}
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -688,15 +622,7 @@ fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
 
 /// A `Hello` as a sender says it.
 fn hello(capacity: u32) -> Vec<u8> {
-    Hello {
-        pid: std::process::id(),
-        host: ipc_core::HostId::current().unwrap().0,
-        capacity,
-        instance: 0x7e57,
-        reach: Default::default(),
-        routing: Default::default(),
-    }
-    .encode()
+    integration_tests::raw::hello(capacity, 0x7e57).encode()
 }
 
 /// A descriptor table of one 64-byte storage record at `source`, viewed whole as `u8`.
@@ -1008,7 +934,10 @@ fn a_message_whose_nccl_transfers_cannot_be_received_closes_its_connection() {
     }
     closed_within(&liar, Duration::from_secs(5)).expect("the connection is closed");
     let closed = |errors: &[Error]| {
-        errors.iter().any(|e| matches!(e, Error::ConnectionClosed { cause, .. } if cause.to_string().contains("NCCL")))
+        errors.iter().any(|e| {
+            matches!(e, Error::ConnectionClosed { cause, .. }
+                if matches!(**cause, Error::NcclMessageLost { seq: 1, .. }) && cause.to_string().contains("NCCL"))
+        })
     };
     let errors = errors_until(&mut receiver, closed);
     assert!(closed(&errors), "the closing is reported with its reason: {errors:?}");
@@ -1087,6 +1016,85 @@ fn an_oversize_length_prefix_closes_the_connection() {
     assert!(failures.is_empty(), "{failures:#?}");
     still_serving(&mut receiver, &endpoint);
     drop(by_hand);
+}
+
+/// The start of a run of host bytes as `ipc_core::tcp` writes it: a `u32::MAX` mark where a
+/// record's length would be, then the run's length.
+fn run_header(len: u64) -> Vec<u8> {
+    let mut header = u32::MAX.to_le_bytes().to_vec();
+    header.extend_from_slice(&len.to_le_bytes());
+    header
+}
+
+/// Well-formed frames and runs of bytes that a sender on another host may not send where they
+/// are each close their connection with the typed `Violation` that names what was wrong (the
+/// cause of an `Error::ConnectionClosed`), and the receiver goes on serving.
+#[test]
+fn hostile_tcp_senders_are_closed_with_typed_violations() {
+    use tensor_queue::Violation;
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    // A run of bytes before the sender's Hello.
+    let mut before_hello = handshake_by_hand(addr, KEY.as_bytes());
+    before_hello.write_all(&run_header(8)).unwrap();
+    before_hello.write_all(&[1; 8]).unwrap();
+    // Host bytes as a frame, not as a run.
+    let (framed, _) = raw_link(addr, true);
+    framed.send(&ToReceiver::Bytes { data: vec![1; 8] }.encode()).unwrap();
+    // Two runs for one message.
+    let mut two_runs = handshake_by_hand(addr, KEY.as_bytes());
+    two_runs.write_all(&record(&hello(0))).unwrap();
+    for _ in 0..2 {
+        two_runs.write_all(&run_header(8)).unwrap();
+        two_runs.write_all(&[2; 8]).unwrap();
+    }
+    // A run longer than a message may carry (its bytes never come).
+    let mut too_long = handshake_by_hand(addr, KEY.as_bytes());
+    too_long.write_all(&record(&hello(0))).unwrap();
+    too_long.write_all(&run_header(MAX_INLINE_BYTES + 1)).unwrap();
+    // A communicator for a GPU this process does not have (it has none here).
+    let (absent_gpu, _) = raw_link(addr, true);
+    let target = [9; 16];
+    let unique_id = vec![7; ipc_core::nccl::UniqueId::LEN];
+    absent_gpu.send(&ToReceiver::Communicator { id: 1, unique_id, target }.encode()).unwrap();
+
+    let expected = [
+        Violation::BulkOutOfPlace,
+        Violation::FramedBytes,
+        Violation::SecondBulkRun,
+        Violation::BulkTooLong { len: MAX_INLINE_BYTES + 1 },
+        Violation::CommunicatorForAbsentGpu { target: ipc_core::Uuid(target) },
+    ];
+    let mut errors = Vec::new();
+    let violations = |errors: &[Error]| -> Vec<Violation> {
+        errors
+            .iter()
+            .filter_map(|e| match e {
+                Error::ConnectionClosed { cause, .. } => match &**cause {
+                    Error::Violation(violation) => Some(violation.clone()),
+                    _ => None,
+                },
+                _ => None,
+            })
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !expected.iter().all(|v| violations(&errors).contains(v)) && Instant::now() < deadline {
+        match receiver.recv_timeout(Duration::from_millis(100)) {
+            Ok(probe) => panic!("a hostile sender's message was delivered: {}", probe.note),
+            Err(Error::Timeout | Error::Disconnected) => {}
+            Err(other) => errors.push(other),
+        }
+        errors.extend(receiver.take_errors());
+    }
+    let seen = violations(&errors);
+    let missing: Vec<&Violation> = expected.iter().filter(|v| !seen.contains(v)).collect();
+    assert!(missing.is_empty(), "not reported as typed violations: {missing:?}; errors: {errors:#?}");
+    for (name, link) in [("framed bytes", &framed), ("a communicator for an absent GPU", &absent_gpu)] {
+        closed_within(link, Duration::from_secs(5)).unwrap_or_else(|why| panic!("{name}: {why}"));
+    }
+    still_serving(&mut receiver, &endpoint);
+    drop((before_hello, two_runs, too_long));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1368,7 +1376,7 @@ fn broadcast_reaches_two_tcp_receivers_and_a_unix_one() {
         assert_eq!(got, expected, "{name}");
         peer.expect("done", Duration::from_secs(10));
         assert!(peer.exit_within(Duration::from_secs(10)).is_some_and(|s| s.success()), "{name}");
-        assert!(!peer.drain().iter().any(|l| l.starts_with("recv-error")), "{name}: {:?}", peer.seen);
+        assert!(!peer.drain().iter().any(|l| l.starts_with("recv-error")), "{name}: {:?}", peer.seen());
     }
     assert!(
         wait_for(Duration::from_secs(10), || broadcast.senders().iter().all(|s| s.outstanding_leases() == 0)).is_some(),
@@ -1561,17 +1569,7 @@ fn a_message_begun_is_finished_even_past_its_deadline() {
 
 /// Starts `tq-hostile <args>` with `TQ_SECRET` set to `secret` (or unset).
 fn hostile(args: &[&str], secret: Option<&str>) -> Peer {
-    let mut command = Command::new(bin_path("tq-hostile").expect("tq-hostile is built"));
-    command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    match secret {
-        Some(secret) => command.env(SECRET_ENV, secret),
-        None => command.env_remove(SECRET_ENV),
-    };
-    let mut child = command.spawn().expect("starting tq-hostile");
-    let stdin = child.stdin.take();
-    let tag = format!("tq-hostile {} {}", args.first().unwrap_or(&""), child.id());
-    let lines = integration_tests::stdout_lines(&mut child, Some(tag));
-    Peer { child, lines, stdin, seen: Vec::new() }
+    Peer::program("tq-hostile", args, secret)
 }
 
 /// Errors the receiver reports until `enough` holds of them (10 s at most), while it serves.
@@ -1647,7 +1645,7 @@ fn a_slow_tcp_consumer_only_slows_its_sender() {
     sender.send(&make_probe(9, 9, 100).unwrap()).unwrap();
     consumer.tell("read 1");
     assert_eq!(parse_got(&consumer.expect("got", Duration::from_secs(30))).0, 9);
-    assert!(!consumer.drain().iter().any(|l| l.starts_with("recv-error")), "{:?}", consumer.seen);
+    assert!(!consumer.drain().iter().any(|l| l.starts_with("recv-error")), "{:?}", consumer.seen());
 }
 
 /// Resident memory of process `pid`, in bytes.

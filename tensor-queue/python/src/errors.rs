@@ -32,11 +32,12 @@ pub fn to_py(error: Error) -> PyErr {
         | Error::SecretTooShort { .. }
         | Error::SecretNotSet { .. } => "InvalidArgument",
         Error::Frame { .. }
-        | Error::Protocol(_)
         | Error::Violation(_)
         | Error::ConnectionClosed { .. }
         | Error::Decode(_)
         | Error::Encode(_) => "ProtocolError",
+        // A message lost with its connection, a bug of this crate, the driver or the system.
+        Error::NcclMessageLost { .. } | Error::Internal(_) | Error::Core(_) => "TensorQueueError",
         _ => "TensorQueueError",
     };
     raise(class, error.to_string())

@@ -105,7 +105,7 @@ impl FenceWait {
 }
 
 fn host(chunk: &Chunk) -> Result<&ipc_core::SharedMemory> {
-    chunk.host().ok_or_else(|| crate::error::Error::Protocol("a host word in device memory".into()))
+    chunk.host().ok_or_else(|| crate::error::Error::internal("a host word in device memory"))
 }
 
 /// A word of a producer's this process waits on.
@@ -170,7 +170,7 @@ impl Producer {
     /// `offset` of the host chunk `chunk` reaches `value`.
     pub fn wait_on_cpu(self: &Arc<Self>, chunk: &Arc<Chunk>, offset: usize, value: u64) -> Result<FenceWait> {
         if chunk.host().is_none() {
-            return Err(crate::error::Error::Protocol("a CPU wait on device memory".into()));
+            return Err(crate::error::Error::internal("a CPU wait on device memory"));
         }
         self.fence(None, chunk, offset, value)
     }
@@ -298,7 +298,7 @@ fn rescue_word(word: &Word) -> Result<bool> {
         memory.store_u64(word.offset, word.awaited)?;
         return Ok(true);
     }
-    let memory = word.chunk.device().ok_or_else(|| crate::error::Error::Protocol("a signal word nowhere".into()))?;
+    let memory = word.chunk.device().ok_or_else(|| crate::error::Error::internal("a signal word nowhere"))?;
     // A stream of its own: the receiving streams are blocked on this very word.
     let stream = Stream::new(memory.context())?;
     let reached = stream.read_value64(memory, word.offset)?;

@@ -109,7 +109,11 @@ impl Chunk {
     pub fn announced(&self, peer: std::sync::Weak<dyn RetireListener>) {
         let mut peers = lock(&self.announced_to);
         peers.retain(|p| p.strong_count() > 0);
-        peers.push(peer);
+        // Announced again (the peer lost the first announcement's descriptor): still one peer,
+        // told once.
+        if !peers.iter().any(|p| p.ptr_eq(&peer)) {
+            peers.push(peer);
+        }
     }
 
     /// Whether this process made the chunk (only those can be sent; a received one is the
@@ -178,7 +182,7 @@ impl Chunk {
             if self.exported.get().is_none() {
                 let _ = self.exported.set(export()?);
             }
-            let fd = self.exported.get().ok_or_else(|| Error::Protocol("an export vanished".into()))?;
+            let fd = self.exported.get().ok_or_else(|| Error::internal("an export vanished"))?;
             Ok(Shared::Fd(std::os::fd::AsFd::as_fd(fd)))
         };
         match &self.memory {
@@ -340,7 +344,7 @@ impl Arena {
         }
         let chunk = self.new_chunk(len.max(CHUNK_BYTES))?;
         let mut free = FreeList::whole(chunk.len());
-        let offset = free.take(len).ok_or_else(|| Error::Protocol("a new chunk is too small".into()))?;
+        let offset = free.take(len).ok_or_else(|| Error::internal("a new chunk is too small"))?;
         slots.push(Slot { chunk: chunk.clone(), free, used: len, idle_since: None });
         Ok(Allocation { chunk, offset, len, arena: self.clone() })
     }

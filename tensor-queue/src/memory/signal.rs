@@ -128,7 +128,7 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
 }
 
 fn device_memory(block: &Chunk) -> Result<&dyn DeviceMemory> {
-    block.device().ok_or_else(|| Error::Protocol("a signal block in host memory".into()))
+    block.device().ok_or_else(|| Error::internal("a signal block in host memory"))
 }
 
 // Signal words in shared host memory, for receivers that cannot reach the producer's GPU (the
@@ -152,7 +152,7 @@ pub(crate) fn host_signal_pieces(
         let memory = ipc_core::SharedMemory::create("tensor-queue-signals", WORDS_PER_BLOCK * 8)?;
         Chunk::writable(ChunkMemory::Host(memory))
     })?;
-    let memory = block.host().ok_or_else(|| Error::Protocol("a host signal block on a device".into()))?;
+    let memory = block.host().ok_or_else(|| Error::internal("a host signal block on a device"))?;
     let registered = memory.registered(stream.context())?;
     let first = all.words[index].1 + 1;
     for piece in 0..pieces.max(1) {

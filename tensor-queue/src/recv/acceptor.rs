@@ -152,7 +152,11 @@ impl Acceptor {
                             });
                             if let Err(error) = spawned {
                                 lock(&handshakes).finished(id);
-                                return Some(Err(Error::Protocol(format!("spawning a handshake thread: {error}"))));
+                                return Some(Err(ipc_core::Error::Os {
+                                    what: "spawning a handshake thread",
+                                    source: error,
+                                }
+                                .into()));
                             }
                             None
                         }),
@@ -180,7 +184,7 @@ impl Acceptor {
                     }
                 }
             })
-            .map_err(|e| Error::Protocol(format!("spawning the accept thread: {e}")))?;
+            .map_err(|source| ipc_core::Error::Os { what: "spawning the accept thread", source })?;
         Ok(Acceptor { listening, doorbell, closed, handed, thread: Some(thread) })
     }
 

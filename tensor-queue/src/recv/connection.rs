@@ -228,10 +228,11 @@ impl Connected {
     /// on another host, between two frames. An error closes the connection.
     fn read_bulk(&mut self, left: u64) -> Result<Progress> {
         let Flavor::Remote(remote) = &mut self.flavor else {
-            return Err(Error::Protocol("a bulk run from a sender on this machine".into()));
+            // A link to this machine carries no runs of bytes: its reads never report one.
+            return Err(Error::internal("a run of bytes from a sender on this machine"));
         };
         if self.assembler.held() > 0 || self.producer.is_none() {
-            return Err(Error::Protocol("a bulk run inside a frame, or before the greeting".into()));
+            return Err(Violation::BulkOutOfPlace.into());
         }
         match remote.bulk(left, &self.peer.link) {
             Ok(0) if left > 0 => return Ok(Progress::Idle),
@@ -292,7 +293,7 @@ impl Connected {
         match (frame, &mut self.flavor) {
             (ToReceiver::Bytes { .. }, Flavor::Remote(_)) => {
                 // Host bytes come as a bulk run before their message (`read_bulk`), never framed.
-                return Err(Error::Protocol("host bytes in a frame, not a bulk run".into()));
+                return Err(Violation::FramedBytes.into());
             }
             (ToReceiver::Communicator { id, unique_id, target }, Flavor::Remote(remote)) => {
                 remote.join(devices, id, &unique_id, Uuid(target), Arc::downgrade(&self.peer))?;
@@ -306,7 +307,8 @@ impl Connected {
             (ToReceiver::Chunk { id, len, kind, device, legacy, .. }, Flavor::Local) => {
                 let announced = Announced { id, len: len as usize, kind, device: Uuid(device), legacy, fd: fds.pop() };
                 // A descriptor the kernel dropped (our table was full) makes the chunk unusable,
-                // not the connection: the messages that use it are refused, and say why.
+                // not the connection: the messages that use it are refused, and say why, until
+                // the sender, told of the loss, announces the chunk again.
                 let imported = match fds_lost {
                     Some(lost) => Err(lost),
                     None => import(self.pid(), instance, announced, |uuid| devices.context(uuid)),
@@ -318,6 +320,9 @@ impl Connected {
                     }
                     Err(error) => {
                         tracing::warn!(pid = self.pid(), chunk = id, %error, "could not map a chunk");
+                        if matches!(error, Error::Core(ipc_core::Error::DescriptorTableFull { .. })) {
+                            self.peer.chunk_lost(id);
+                        }
                         self.chunks.remove(&id);
                         self.refused.insert(id, error.to_string());
                     }
@@ -341,11 +346,7 @@ impl Connected {
                     imported_ns: 0,
                     decoded_ns: 0,
                 };
-                let placed = if remote {
-                    self.place_remote(devices, &tensors, payload, info)
-                } else {
-                    self.place(devices, &tensors, payload, info)
-                };
+                let placed = self.place(devices, &tensors, payload, info);
                 return Ok(Progress::Arrived(match placed {
                     Ok(ready) => Arrival::Ready(ready),
                     // Its sender has queued the message's NCCL sends already: refused alone, they
@@ -353,9 +354,7 @@ impl Connected {
                     // (its bytes would be another message's, or the transfer would hang). Closing
                     // the connection aborts them on both sides.
                     Err(error) if tensors.uses(Route::Nccl) => {
-                        return Err(Error::Protocol(format!(
-                            "a message with NCCL transfers could not be received, so its connection cannot go on: {error}"
-                        )));
+                        return Err(Error::NcclMessageLost { seq, cause: Box::new(error) });
                     }
                     Err(error) => self.reject(seq, error.to_string(), !remote && !tensors.is_empty(), capacity),
                 }));

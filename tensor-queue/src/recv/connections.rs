@@ -365,7 +365,9 @@ impl Connections {
                 continue;
             }
             let why = format!("nothing more of it came for {UNFINISHED_IDLE:?}");
-            let lost = connected.lost(&why).unwrap_or(Error::Protocol(why));
+            // Past its deadline, a connection holds an unfinished message: `lost` says so.
+            let lost =
+                connected.lost(&why).unwrap_or_else(|| Error::internal(format_args!("idle, yet nothing held: {why}")));
             tracing::warn!(pid = connected.pid(), %lost, "closing a connection");
             connected.close(format!("the receiver closed the connection: {lost}"));
             self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });

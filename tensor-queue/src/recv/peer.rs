@@ -1,5 +1,5 @@
 //! A receiver's side of one sender's connection, shared by the tensors received from it: what it
-//! owes the sender (credits, releases, rejections, a closing) and the non-blocking writes that
+//! owes the sender (credits, releases, rejections, lost announcements, a closing) and the non-blocking writes that
 //! deliver it.
 //!
 //! A receiver never waits for a sender to read: a sender that stops reading must not stop the
@@ -60,6 +60,12 @@ impl Peer {
     /// Tells the sender that message `seq` was refused.
     pub fn reject(self: &Arc<Self>, seq: u64, reason: String) {
         self.post(|owed| owed.reject(seq, reason));
+    }
+
+    /// Tells the sender that the descriptor of `chunk`'s announcement was lost (it announces the
+    /// chunk again).
+    pub fn chunk_lost(self: &Arc<Self>, chunk: u64) {
+        self.post(|owed| owed.chunk_lost(chunk));
     }
 
     /// Tells the sender that no more messages are taken; `read_up_to` is the last one read.

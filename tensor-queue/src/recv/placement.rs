@@ -54,6 +54,14 @@ enum Prepared {
     Landed(Allocation, Arc<Stream>, Event),
 }
 
+/// A message's tensors once placed: the producer's fences they wait for, and whether `recv`
+/// waits for some of those on the CPU before delivering (see [`Ready`]).
+struct Placement {
+    tensors: Vec<Tensor>,
+    fences: Fences,
+    on_cpu: bool,
+}
+
 impl Connected {
     /// Refuses a route this receiver's policy forbids (an honest sender never sends one: it
     /// asks `crate::route::choose` first).
@@ -81,7 +89,7 @@ impl Connected {
         if !matches!(record.source, Source::PeerMap { .. }) {
             return self.order(index, record.fence, chunk, stream);
         }
-        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
+        let uuid = chunk.device_uuid().ok_or_else(|| Error::internal("a device chunk without a device"))?;
         let home = self.stream(devices, &uuid)?;
         let fence = self.order(index, record.fence, chunk, &home)?;
         let done = Event::new(home.context())?;
@@ -102,12 +110,11 @@ impl Connected {
     ) -> Result<Allocation> {
         let bad = |reason: String| self.refusal(index, reason);
         let (signal, word, value) = self.host_signal(index, record)?;
-        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::internal("no Hello"))?;
         let producer = producer.clone();
         let len = record.len as usize;
         let allocation = Arena::device(stream.context()).allocate(len)?;
-        let destination =
-            allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
+        let destination = allocation.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
         let host = staging.host().ok_or_else(|| bad("staged from device memory".into()))?;
         let source = host.registered(stream.context())?;
         let piece = route::staging_piece(len);
@@ -133,7 +140,7 @@ impl Connected {
     /// `signal::host_signal_pieces`): the data is whole only once the last piece's value is there.
     pub(crate) fn fence_on_cpu(&self, index: usize, record: &StorageDesc) -> Result<Option<FenceWait>> {
         let (signal, offset, first) = self.host_signal(index, record)?;
-        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+        let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::internal("no Hello"))?;
         let len = record.len as usize;
         let pieces = len.div_ceil(route::staging_piece(len)).max(1);
         let value =
@@ -158,10 +165,9 @@ impl Connected {
         Ok((signal, offset, value))
     }
 
-    /// Checks every storage record of a message against this connection's chunks and events,
-    /// and orders the first use of its tensors after the producer's work: mapped in place, or
-    /// copied here (the staged route) after each piece's fence. One storage per record, which
-    /// the record's tensors share.
+    /// Places a message's tensors, from a sender on this machine (mapped, or copied here) or on
+    /// another host (landed from its bytes and NCCL transfers). Every storage record's route is
+    /// checked against this receiver's policy first.
     pub(crate) fn place(
         &mut self,
         devices: &Devices,
@@ -169,23 +175,35 @@ impl Connected {
         payload: Vec<u8>,
         mut info: MessageInfo,
     ) -> Result<Ready> {
-        if table.tensors().is_empty() {
+        let remote = matches!(self.flavor, Flavor::Remote(_));
+        let Placement { tensors, fences, on_cpu } = if !remote && table.tensors().is_empty() {
             // Nothing to place, and no lease: the sender recorded none, and no release is owed.
-            info.imported_ns = monotonic_ns();
-            let fences: Fences = Arc::new(Vec::new());
-            return Ok(Ready { peer: self.peer.clone(), tensors: Vec::new(), payload, info, fences, on_cpu: false });
-        }
+            // (From another host the message's run of bytes, if any, is taken even so.)
+            Placement { tensors: Vec::new(), fences: Arc::new(Vec::new()), on_cpu: false }
+        } else {
+            for (index, record) in table.storages().iter().enumerate() {
+                self.check_route(devices, index, record.source.route())?;
+            }
+            if remote { self.land_remote(devices, table)? } else { self.map_local(devices, table, info.seq)? }
+        };
+        info.imported_ns = monotonic_ns();
+        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
+    }
+
+    /// Checks every storage record of message `seq` from a sender on this machine against this
+    /// connection's chunks and events, and orders the first use of its tensors after the
+    /// producer's work: mapped in place, or copied here (the staged route) after each piece's
+    /// fence. One storage per record, which the record's tensors share.
+    fn map_local(&mut self, devices: &Devices, table: &Descriptors, seq: u64) -> Result<Placement> {
         let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
         let mut fences: Vec<FenceWait> = Vec::new();
         let mut placed = Vec::with_capacity(table.storages().len());
         let mut on_cpu = false;
         for (index, record) in table.storages().iter().enumerate() {
-            self.check_route(devices, index, record.source.route())?;
             let Located { chunk, offset, path, stream } = self.locate(devices, index, record)?;
             let memory = match record.source {
                 Source::Staged { .. } => {
-                    let stream =
-                        stream.as_ref().ok_or_else(|| Error::Protocol("a staged copy without a stream".into()))?;
+                    let stream = stream.as_ref().ok_or_else(|| Error::internal("a staged copy without a stream"))?;
                     Memory::Landed(self.copy_in(index, record, (&chunk, offset), stream, &mut fences)?)
                 }
                 Source::Host { .. } => {
@@ -226,13 +244,13 @@ impl Connected {
                     done.record(stream)?;
                     Prepared::Landed(allocation, stream.clone(), done)
                 }
-                (Memory::Landed(_), None) => return Err(Error::Protocol("a landed copy without a stream".into())),
+                (Memory::Landed(_), None) => return Err(Error::internal("a landed copy without a stream")),
             };
             prepared.push((memory, path, stream));
         }
         // Made after the last step that can fail: a message refused here is released by the
         // refusal (see `Connected::reject`), never twice.
-        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq: info.seq, streams, fences: fences.clone() });
+        let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq, streams, fences: fences.clone() });
         let mut storages = Vec::with_capacity(prepared.len());
         let mut ways = Vec::with_capacity(prepared.len());
         for (memory, path, stream) in prepared {
@@ -243,26 +261,16 @@ impl Connected {
             ways.push((path, stream));
         }
         let tensors = tensors(table, &storages, |record| (0, ways[record].0, ways[record].1.as_ref()))?;
-        info.imported_ns = monotonic_ns();
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
+        Ok(Placement { tensors, fences, on_cpu })
     }
 
     /// Lands the tensors of a message from a sender on another host (see `remote.rs`).
-    pub(crate) fn place_remote(
-        &mut self,
-        devices: &Devices,
-        table: &Descriptors,
-        payload: Vec<u8>,
-        mut info: MessageInfo,
-    ) -> Result<Ready> {
-        for (index, record) in table.storages().iter().enumerate() {
-            self.check_route(devices, index, record.source.route())?;
-        }
+    fn land_remote(&mut self, devices: &Devices, table: &Descriptors) -> Result<Placement> {
         let pid = self.pid();
         let bad = move |index, reason| Error::Frame { pid, source: FrameError::Storage { index, reason } };
         // Taken out for the call, which needs the connection's streams; put back after.
         let Flavor::Remote(mut remote) = std::mem::replace(&mut self.flavor, Flavor::Local) else {
-            return Err(Error::Protocol("a local sender's message on the remote path".into()));
+            return Err(Error::internal("a local sender's message on the remote path"));
         };
         let received = remote.receive(table, devices, |uuid| self.stream(devices, uuid), bad);
         self.flavor = Flavor::Remote(remote);
@@ -278,11 +286,9 @@ impl Connected {
             let (_, base, stream) = &received.records[record];
             (*base, path, stream.as_ref())
         })?;
-        info.imported_ns = monotonic_ns();
         // A message with NCCL receives waits on the CPU until its worker has queued them.
         let on_cpu = !received.fences.is_empty();
-        let fences: Fences = Arc::new(received.fences);
-        Ok(Ready { peer: self.peer.clone(), tensors, payload, info, fences, on_cpu })
+        Ok(Placement { tensors, fences: Arc::new(received.fences), on_cpu })
     }
 
     /// The chunk a mapped or copied record names, checked, with where the storage starts in it,
@@ -328,9 +334,9 @@ impl Connected {
             (_, Source::PeerMap { .. }) => TransferPath::PeerMapped,
             (ChunkMemory::ImportedVmm(_), _) => TransferPath::CudaVmm,
             (ChunkMemory::ImportedLegacy(_), _) => TransferPath::CudaLegacyIpc,
-            _ => return Err(Error::Protocol("a local chunk in a peer's table".into())),
+            _ => return Err(Error::internal("a local chunk in a peer's table")),
         };
-        let uuid = chunk.device_uuid().ok_or_else(|| Error::Protocol("a device chunk without a device".into()))?;
+        let uuid = chunk.device_uuid().ok_or_else(|| Error::internal("a device chunk without a device"))?;
         let landing = match record.source {
             Source::PeerMap { .. } => {
                 let (target, _) = route::target(&uuid, &devices.routing, Reach::local());
@@ -388,7 +394,7 @@ impl Connected {
                     return Err(bad(format!("signal chunk {signal_chunk} is on another device than the storage")));
                 }
                 let offset = usize::try_from(offset).map_err(|_| bad(format!("signal offset {offset}")))?;
-                let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::Protocol("no Hello".into()))?;
+                let (_, producer) = self.producer.as_ref().ok_or_else(|| Error::internal("no Hello"))?;
                 producer.wait(stream, signal, offset, value).map(Some).map_err(|e| match e {
                     Error::Core(ipc_core::Error::OutOfBounds { .. } | ipc_core::Error::InvalidArgument(_)) => {
                         bad(format!("signal word {offset} of chunk {signal_chunk}: {e}"))
@@ -414,7 +420,7 @@ fn tensors<'a>(
         let record = desc.storage as usize;
         // Checked by Frame::decode: every tensor names a record of its message.
         let storage = storages.get(record).ok_or_else(|| {
-            Error::Protocol(format!("tensor {index} names storage record {record}, which is not placed"))
+            Error::internal(format_args!("tensor {index} names storage record {record}, which is not placed"))
         })?;
         let (base, path, stream) = way(record);
         let (shape, strides) = (table.shape(index), table.strides(index));

@@ -133,8 +133,8 @@ impl ConnectionProtocol {
 /// carries this many (or goes with the next credit or rejection, or when the receiver waits).
 pub(crate) const RELEASE_BATCH: usize = 64;
 
-/// What a receiver owes one sender and has not written yet: rejections and the closing (in
-/// order), credits (adding up to one number), releases (one list). Frames go out in that order.
+/// What a receiver owes one sender and has not written yet: rejections, lost announcements and
+/// the closing (in order), credits (adding up to one number), releases (one list). Frames go out in that order.
 #[derive(Debug, Default)]
 pub(crate) struct Owed {
     control: VecDeque<ToSender>,
@@ -156,6 +156,13 @@ impl Owed {
     /// Message `seq` was refused.
     pub fn reject(&mut self, seq: u64, reason: String) {
         self.control.push_back(ToSender::Rejected { seq, reason });
+    }
+
+    /// The descriptor of `chunk`'s announcement was lost: the sender announces it again before
+    /// its next message that uses it. (Ahead of the rejections of messages that used it, which
+    /// the sender thus hears of after it knows.)
+    pub fn chunk_lost(&mut self, chunk: u64) {
+        self.control.push_back(ToSender::ChunkLost { chunk });
     }
 
     /// No more messages are taken; `read_up_to` is the last one read.
@@ -187,7 +194,9 @@ impl Owed {
         match frame {
             ToSender::Credit { count } => self.credits -= count,
             ToSender::Release { messages } => drop(self.releases.drain(..messages.len())),
-            ToSender::Rejected { .. } | ToSender::Close { .. } => drop(self.control.pop_front()),
+            ToSender::Rejected { .. } | ToSender::ChunkLost { .. } | ToSender::Close { .. } => {
+                drop(self.control.pop_front())
+            }
         }
     }
 
@@ -296,6 +305,27 @@ mod tests {
         assert!(matches!(owed.next(), Some(ToSender::Close { read_up_to: 9, .. })));
         owed.forget();
         assert_eq!(owed.next(), None);
+    }
+
+    #[test]
+    fn a_lost_announcement_is_told_before_the_rejections_it_causes() {
+        let mut owed = Owed::default();
+        owed.credit(1);
+        owed.chunk_lost(5);
+        owed.reject(2, "chunk 5 could not be mapped".into());
+        let mut frames = Vec::new();
+        while let Some(frame) = owed.next() {
+            owed.written(&frame);
+            frames.push(frame);
+        }
+        assert_eq!(
+            frames,
+            vec![
+                ToSender::ChunkLost { chunk: 5 },
+                ToSender::Rejected { seq: 2, reason: "chunk 5 could not be mapped".into() },
+                ToSender::Credit { count: 1 },
+            ]
+        );
     }
 
     #[test]

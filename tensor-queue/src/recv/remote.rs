@@ -35,7 +35,7 @@ use ipc_core::{Context, Event, Stream, Uuid};
 
 use super::devices::Devices;
 use super::peer::Peer;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, Violation};
 use crate::fences::liveness::Gone;
 use crate::fences::{FenceWait, WordFate};
 use crate::links::link::Link;
@@ -126,26 +126,25 @@ impl Remote {
     /// the sender claims; the pages are backed only as bytes arrive.
     pub fn bulk(&mut self, left: u64, link: &Link) -> Result<usize> {
         if self.landing.as_ref().is_some_and(|landing| landing.filled == landing.len) {
-            return Err(Error::Protocol("two runs of host bytes for one message".into()));
+            return Err(Violation::SecondBulkRun.into());
         }
         if self.landing.is_none() {
             if left > MAX_INLINE_BYTES {
-                return Err(Error::Protocol(format!(
-                    "a run of {left} bytes of host tensors, more than the {MAX_INLINE_BYTES} one message may carry"
-                )));
+                return Err(Violation::BulkTooLong { len: left }.into());
             }
             let len = left as usize;
             let allocation = Arena::host().allocate(len.max(ALIGN))?;
             self.landing = Some(HostLanding { allocation, len, filled: 0 });
         }
-        let landing = self.landing.as_mut().ok_or_else(|| Error::Protocol("no landing".into()))?;
+        let landing = self.landing.as_mut().ok_or_else(|| Error::internal("no landing"))?;
         if (landing.len - landing.filled) as u64 != left {
-            return Err(Error::Protocol(format!(
+            // The byte stream counts a run's bytes itself: what is left is what it said.
+            return Err(Error::internal(format_args!(
                 "a run with {left} bytes left where {} were expected",
                 landing.len - landing.filled
             )));
         }
-        let host = landing.allocation.chunk.host().ok_or_else(|| Error::Protocol("a host arena on a device".into()))?;
+        let host = landing.allocation.chunk.host().ok_or_else(|| Error::internal("a host arena on a device"))?;
         let at = landing.allocation.offset + landing.filled;
         let read = link.try_recv_bulk(host, at, landing.len - landing.filled)?;
         landing.filled += read;
@@ -156,13 +155,13 @@ impl Remote {
     /// (joined when the receiver is dropped). Its waits give up once `peer`'s connection is closed.
     pub fn join(&mut self, devices: &Devices, id: u32, unique_id: &[u8], target: Uuid, peer: Weak<Peer>) -> Result<()> {
         if self.communicators.contains_key(&id) {
-            return Err(Error::Protocol(format!("communicator {id} was set up twice")));
+            return Err(Violation::CommunicatorTwice { id }.into());
         }
         if self.communicators.len() >= MAX_COMMUNICATORS {
-            return Err(Error::Protocol(format!("more than {MAX_COMMUNICATORS} communicators")));
+            return Err(Violation::TooManyCommunicators { max: MAX_COMMUNICATORS }.into());
         }
         if !Reach::local().sees(&target) {
-            return Err(Error::Protocol(format!("a communicator for GPU {target}, which this process does not have")));
+            return Err(Violation::CommunicatorForAbsentGpu { target }.into());
         }
         let unique_id = UniqueId::try_from(unique_id)?;
         let context = devices.context(&target)?;
@@ -360,8 +359,7 @@ impl RecvComm {
     fn issue(&self, communicator: &Communicator, stream: &Stream, receive: Receive) -> Result<Event> {
         let mut memories = Vec::with_capacity(receive.spans.len());
         for (storage, len) in &receive.spans {
-            let memory =
-                storage.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
+            let memory = storage.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
             memories.push((memory, storage.offset, *len));
         }
         communicator.group(|c| {

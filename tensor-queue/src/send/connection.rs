@@ -2,14 +2,13 @@
 //! leases, announcements, the event pool, the thread that reads the receiver's answers, and the
 //! hang-up. A receiver on this machine and one on another host are the two flavors ([`Flavor`]).
 //!
-//! Two locks, never nested the other way round: `state` (credits, leases, events, what the
-//! receiver said) is only ever held briefly and never across a socket write, so the reader thread
+//! Two locks, never nested the other way round: `state` (credits, leases, chunks announced,
+//! events, what the receiver said) is only ever held briefly and never across a socket write, so the reader thread
 //! can always take releases and credits, and `is_connected` or `outstanding_leases` never wait
 //! for a blocked send; `writer` (announcements and sequence numbers) is held across the writes of
 //! one message, so its frames reach the socket whole and in order.
 
 use ipc_core::deadline::deadline;
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering as Atomic};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -47,7 +46,6 @@ struct SenderState {
 /// What only the thread writing a message touches.
 #[derive(Default)]
 struct Writer {
-    announced: HashSet<u64>,
     seq: u64,
 }
 
@@ -114,7 +112,7 @@ impl SenderInner {
         std::thread::Builder::new()
             .name("tq-sender-reader".into())
             .spawn(move || reader.read_answers(&answers))
-            .map_err(|e| Error::Protocol(format!("spawning the reader thread: {e}")))?;
+            .map_err(|source| ipc_core::Error::Os { what: "spawning the reader thread", source })?;
         Ok(inner)
     }
 
@@ -412,9 +410,11 @@ impl SenderInner {
         message.written().inspect_err(|error| self.hang_up(&format!("an NCCL communicator failed: {error}")))
     }
 
-    /// Sends the chunk's descriptor or handle the first time this peer needs it.
-    fn announce(&self, writer: &mut Writer, chunk: &Chunk) -> Result<()> {
-        if writer.announced.contains(&chunk.id) {
+    /// Sends the chunk's descriptor or handle the first time this peer needs it (and again if
+    /// the peer lost it: see `ToSender::ChunkLost`). Under the writer lock, which only the
+    /// `&mut Writer` proves.
+    fn announce(&self, _writer: &mut Writer, chunk: &Chunk) -> Result<()> {
+        if !lock(&self.state).protocol.needs_announcing(chunk.id) {
             return Ok(());
         }
         let device = chunk.device_uuid().unwrap_or_default().0;
@@ -425,8 +425,12 @@ impl SenderInner {
         };
         let frame =
             ToReceiver::Chunk { id: chunk.id, len: chunk.len() as u64, kind, device, legacy, writable: chunk.writable };
-        self.link.send(&frame, fd.as_slice())?;
-        writer.announced.insert(chunk.id);
+        // Marked first: the receiver may say it lost the descriptor as soon as the frame is out.
+        lock(&self.state).protocol.announcing(chunk.id);
+        if let Err(error) = self.link.send(&frame, fd.as_slice()) {
+            lock(&self.state).protocol.forget_chunk(chunk.id);
+            return Err(error);
+        }
         // When the chunk goes (a user buffer freed, an idle arena chunk given back), the
         // receiver must drop its mapping: to free the memory, and since a user buffer's address
         // may be reused for other memory.
@@ -437,11 +441,11 @@ impl SenderInner {
 
     /// Sends the retirements queued since the last write, waiting for room if `wait`, else
     /// keeping what does not fit for later.
-    fn flush_retired(&self, writer: &mut Writer, wait: bool) -> Result<()> {
+    fn flush_retired(&self, _writer: &mut Writer, wait: bool) -> Result<()> {
         let retired = std::mem::take(&mut *lock(&self.retired));
         let mut pending = retired.into_iter();
         while let Some(chunk) = pending.next() {
-            writer.announced.remove(&chunk);
+            lock(&self.state).protocol.forget_chunk(chunk);
             let frame = ToReceiver::Retire { chunk };
             let sent = if wait { self.link.send(&frame, &[]).map(|()| true) } else { self.link.try_send(&frame) };
             match sent {

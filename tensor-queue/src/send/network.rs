@@ -214,7 +214,7 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
     }
     let mut sends = Vec::with_capacity(transfer.spans.len());
     for (storage, offset, len) in &transfer.spans {
-        let memory = storage.chunk.device().ok_or_else(|| Error::Protocol("an NCCL send of host memory".into()))?;
+        let memory = storage.chunk.device().ok_or_else(|| Error::internal("an NCCL send of host memory"))?;
         sends.push((memory, *offset, *len));
     }
     communicator.group(|c| {
@@ -320,7 +320,7 @@ pub(crate) fn prepare(
         transfers.push((comm, transfer));
     }
     if let Some(index) = descriptors.unrouted_tensor() {
-        return Err(Error::Protocol(format!("tensor {index} was not routed")));
+        return Err(Error::internal(format_args!("tensor {index} was not routed")));
     }
     Ok(RemoteMessage { descriptors, frames, bulk, transfers, created })
 }
@@ -373,7 +373,7 @@ impl Run {
                 stream.copy_to_host(memory, storage.offset + start, &mut staged)?;
                 self.pieces.push(Piece::Owned(staged));
             }
-            (None, None) => return Err(Error::Protocol("a tensor in neither host nor device memory".into())),
+            (None, None) => return Err(Error::internal("a tensor in neither host nor device memory")),
         }
         self.len = at + have;
         self.pad(len - have); // an empty view still takes a byte

@@ -1,11 +1,12 @@
 //! A sender's side of the protocol as a plain state machine fed the receiver's decoded frames:
-//! credits, leases, the events waiting for a credit, rejections and the closing. No sockets,
+//! credits, leases, the chunks announced, the events waiting for a credit, rejections and the
+//! closing. No sockets,
 //! threads or CUDA inside (the way quinn-proto keeps its protocol apart from I/O): the connection
 //! (`connection.rs`) holds it under its state lock, writes the frames, and drops what a frame
 //! gave back outside the lock. `L` is what a message's lease holds (its tensors' storage), `E` a
 //! pooled interprocess event.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use crate::error::{Error, Refusal, Violation};
 use crate::wire::ToSender;
@@ -56,6 +57,11 @@ pub(crate) struct SenderProtocol<L, E> {
     sent: u64,
     /// Per message the receiver may still hold (by `seq`).
     leases: HashMap<u64, Lease<L>>,
+    /// The chunks (by id) announced to the receiver and neither retired nor lost since: a
+    /// message may name them. A chunk whose announcement the receiver lost (its descriptor did
+    /// not arrive) leaves the set, so that it is announced again before the next message that
+    /// uses it.
+    announced: HashSet<u64>,
     free_events: Vec<E>,
     /// Per message sent and not yet covered by a credit, oldest first: its event, if it has one.
     /// A credit means the receiver took the message and so already queued its wait on the
@@ -83,6 +89,7 @@ impl<L, E> Default for SenderProtocol<L, E> {
             uncredited: 0,
             sent: 0,
             leases: HashMap::new(),
+            announced: HashSet::new(),
             free_events: Vec::new(),
             untaken: VecDeque::new(),
             next_event: 0,
@@ -182,6 +189,23 @@ impl<L, E> SenderProtocol<L, E> {
         self.leases.remove(&seq)
     }
 
+    /// Whether `chunk` must be announced before a message may name it.
+    pub fn needs_announcing(&self, chunk: u64) -> bool {
+        !self.announced.contains(&chunk)
+    }
+
+    /// `chunk` is being announced (marked before its frame is written: the receiver may answer
+    /// that it lost it as soon as the frame is out).
+    pub fn announcing(&mut self, chunk: u64) {
+        self.announced.insert(chunk);
+    }
+
+    /// `chunk` is not announced: its announcement could not be written, or it is retired (its
+    /// memory is gone, and its `Retire` is being written).
+    pub fn forget_chunk(&mut self, chunk: u64) {
+        self.announced.remove(&chunk);
+    }
+
     /// The NCCL sends of message `seq` (to another host) are done.
     pub fn remote_done(&mut self, seq: u64) {
         self.leases.remove(&seq);
@@ -259,6 +283,14 @@ impl<L, E> SenderProtocol<L, E> {
                 // Its lease comes back by the release that follows (from a receiver on another
                 // host, when its NCCL sends end).
                 self.rejected.push(Rejection { seq, reason });
+            }
+            ToSender::ChunkLost { chunk } => {
+                if self.close_read {
+                    return Err(Violation::AfterClose);
+                }
+                // Announced again before the next message that uses it. (A chunk retired since
+                // is no longer in the set: nothing to do, its `Retire` is on its way.)
+                self.announced.remove(&chunk);
             }
             ToSender::Close { read_up_to, reason } => {
                 if self.close_read {
@@ -417,6 +449,30 @@ mod tests {
         assert!(matches!(protocol.take_credit(), Err(Error::Disconnected)), "the receiver is gone");
         assert_eq!(protocol.hang_up("gone"), vec!["one"]);
         assert_eq!(protocol.outstanding(), 0);
+    }
+
+    #[test]
+    fn a_chunk_the_receiver_lost_is_announced_again_and_a_retired_one_stays_forgotten() {
+        let mut protocol = greeted(8);
+        assert!(protocol.needs_announcing(3));
+        protocol.announcing(3);
+        protocol.announcing(4);
+        assert!(!protocol.needs_announcing(3), "announced once per connection");
+        send(&mut protocol, 1, Some("one"));
+        // The descriptor of chunk 3 never reached the receiver: the next message announces it again.
+        assert_eq!(protocol.on_frame(ToSender::ChunkLost { chunk: 3 }), Ok(vec![]));
+        assert!(protocol.needs_announcing(3));
+        assert!(!protocol.needs_announcing(4), "only the lost chunk");
+        protocol.announcing(3);
+        assert!(!protocol.needs_announcing(3));
+        // Retired here while the receiver said it lost it: the loss changes nothing.
+        protocol.forget_chunk(4);
+        assert_eq!(protocol.on_frame(ToSender::ChunkLost { chunk: 4 }), Ok(vec![]));
+        assert_eq!(protocol.on_frame(ToSender::ChunkLost { chunk: 99 }), Ok(vec![]), "never announced");
+        assert!(protocol.needs_announcing(4) && !protocol.needs_announcing(3));
+        // After the closing, only releases and credits may come.
+        protocol.on_frame(ToSender::Close { read_up_to: 1, reason: "bye".into() }).unwrap();
+        assert_eq!(protocol.on_frame(ToSender::ChunkLost { chunk: 3 }), Err(Violation::AfterClose));
     }
 
     #[test]

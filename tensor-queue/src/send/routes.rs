@@ -81,12 +81,12 @@ pub(crate) fn prepare(
             prepared.chunks.push(chunk);
             continue;
         }
-        let memory = chunk.device().ok_or_else(|| Error::Protocol("a device route for host memory".into()))?;
+        let memory = chunk.device().ok_or_else(|| Error::internal("a device route for host memory"))?;
         let stream = &*stream_after(stream, memory.context())?;
         for span in spans(tensors, &members)? {
             let (storage, signal) = match route {
                 Route::PeerCopy => {
-                    let target = target.ok_or_else(|| Error::Protocol("a peer copy without a target".into()))?;
+                    let target = target.ok_or_else(|| Error::internal("a peer copy without a target"))?;
                     peer_copy(&chunk, &span, stream, &target)?
                 }
                 _ => stage(&chunk, &span, stream)?,
@@ -96,7 +96,7 @@ pub(crate) fn prepare(
                 (Route::PeerCopy, _) => Source::PeerCopy { chunk: id, offset },
                 (Route::Staged, Some(target)) => Source::Staged { chunk: id, offset, target },
                 (Route::Host, _) => Source::Host { chunk: id, offset },
-                (route, _) => return Err(Error::Protocol(format!("route {route} has no copy source"))),
+                (route, _) => return Err(Error::internal(format_args!("route {route} has no copy source"))),
             };
             let fence = Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value };
             let record = prepared.table.push_storage(StorageDesc { source, len: storage.len as u64, fence });
@@ -114,7 +114,7 @@ pub(crate) fn prepare(
         crate::memory::arena::drop_after(vec![done], Box::new(sources));
     }
     if let Some(index) = prepared.table.unrouted_tensor() {
-        return Err(Error::Protocol(format!("tensor {index} was not routed")));
+        return Err(Error::internal(format_args!("tensor {index} was not routed")));
     }
     Ok(prepared)
 }
@@ -210,13 +210,12 @@ pub(crate) fn spans(tensors: &[Tensor], members: &[usize]) -> Result<Vec<Span>> 
 /// Copies `span` of `chunk` into the sender's memory on `target` on `stream` (the copy engine,
 /// over the peer link), and fences it on that device.
 fn peer_copy(chunk: &Chunk, span: &Span, stream: &Stream, target: &Uuid) -> Result<(Arc<Storage>, Arc<Signal>)> {
-    let source = chunk.device().ok_or_else(|| Error::Protocol("a peer copy of host memory".into()))?;
+    let source = chunk.device().ok_or_else(|| Error::internal("a peer copy of host memory"))?;
     let context = context_with_access(source.context(), target)?;
     let allocation = Arena::device(&context).allocate(span.high - span.low)?;
     // VMM memory is reached by its access list, not by context peer access.
     allocation.chunk.grant_access(source.context())?;
-    let destination =
-        allocation.chunk.device().ok_or_else(|| Error::Protocol("a device arena in host memory".into()))?;
+    let destination = allocation.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
     stream.copy_async(destination, allocation.offset, source, span.low, span.high - span.low)?;
     // The receiver waits on a word of the target device: a stream of that device waits for the
     // copy, then writes it.
@@ -240,10 +239,10 @@ fn peer_copy(chunk: &Chunk, span: &Span, stream: &Stream, target: &Uuid) -> Resu
 /// Copies `span` of `chunk` into shared host memory on `stream`, in pieces, each followed by the
 /// write of the next value of the stream's host signal word.
 fn stage(chunk: &Chunk, span: &Span, stream: &Stream) -> Result<(Arc<Storage>, Arc<Signal>)> {
-    let source = chunk.device().ok_or_else(|| Error::Protocol("staging host memory".into()))?;
+    let source = chunk.device().ok_or_else(|| Error::internal("staging host memory"))?;
     let len = span.high - span.low;
     let allocation = Arena::host().allocate(len)?;
-    let host = allocation.chunk.host().ok_or_else(|| Error::Protocol("a host arena on a device".into()))?;
+    let host = allocation.chunk.host().ok_or_else(|| Error::internal("a host arena on a device"))?;
     let registered = host.registered(stream.context())?;
     let piece = staging_piece(len);
     let pieces = len.div_ceil(piece);

@@ -49,7 +49,7 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
 /// assert_eq!(ToSender::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
-pub const VERSION: u16 = 7;
+pub const VERSION: u16 = 8;
 
 /// The largest packet: one SEQPACKET message must fit the socket's send buffer.
 ///
@@ -228,6 +228,7 @@ const KIND_CLOSE: u16 = 9;
 const KIND_PART: u16 = 10;
 const KIND_BYTES: u16 = 11;
 const KIND_COMMUNICATOR: u16 = 12;
+const KIND_CHUNK_LOST: u16 = 15;
 
 struct Writer(Vec<u8>);
 
@@ -357,7 +358,9 @@ fn open(bytes: &[u8]) -> Result<(u16, Reader<'_>), FrameError> {
 /// that does not travel this way, or one this build does not know.
 fn other_kind(kind: u16) -> FrameError {
     match kind {
-        KIND_HELLO..=KIND_CLOSE | KIND_BYTES | KIND_COMMUNICATOR => FrameError::WrongDirection { kind },
+        KIND_HELLO..=KIND_CLOSE | KIND_BYTES | KIND_COMMUNICATOR | KIND_CHUNK_LOST => {
+            FrameError::WrongDirection { kind }
+        }
         other => FrameError::UnknownKind(other),
     }
 }
@@ -616,6 +619,7 @@ mod tests {
             ToSender::Credit { count: 1 },
             ToSender::Rejected { seq: 4, reason: "no such device".into() },
             ToSender::Close { read_up_to: 3, reason: "bye".into() },
+            ToSender::ChunkLost { chunk: 7 },
         ]
     }
 
@@ -759,7 +763,7 @@ mod tests {
         /// and what decodes re-encodes to the same bytes.
         #[test]
         fn mutated_frames_never_panic(
-            which in 0usize..14,
+            which in 0usize..15,
             flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..6),
             cut in any::<usize>(),
         ) {

@@ -1,10 +1,10 @@
 //! The frames a receiver sends a sender after the greeting ([`ToSender`]): credits, releases,
-//! rejections and the closing. The sender's reader decodes only these: any other kind is
+//! rejections, lost announcements and the closing. The sender's reader decodes only these: any other kind is
 //! [`FrameError::WrongDirection`].
 
 use super::{
-    Frame, FrameError, KIND_CLOSE, KIND_CREDIT, KIND_REJECTED, KIND_RELEASE, MAX_RELEASES, Reader, Writer, begin, end,
-    open, other_kind,
+    Frame, FrameError, KIND_CHUNK_LOST, KIND_CLOSE, KIND_CREDIT, KIND_REJECTED, KIND_RELEASE, MAX_RELEASES, Reader,
+    Writer, begin, end, open, other_kind,
 };
 
 /// Everything a receiver sends a sender after the greeting.
@@ -36,6 +36,14 @@ pub enum ToSender {
         /// Why, for people.
         reason: String,
     },
+    /// The descriptor of this chunk's announcement never reached the receiver (its descriptor
+    /// table was full when the announcement was read): it maps nothing of the chunk, and refuses
+    /// the messages that use it until the chunk is announced again, which the sender does before
+    /// its next message that uses it.
+    ChunkLost {
+        /// The sender's id of the chunk.
+        chunk: u64,
+    },
     /// The receiver takes no more messages on this connection. Releases of what it still holds
     /// follow; the socket closes when it holds nothing (or its process ends).
     Close {
@@ -52,6 +60,7 @@ impl ToSender {
             ToSender::Release { .. } => KIND_RELEASE,
             ToSender::Credit { .. } => KIND_CREDIT,
             ToSender::Rejected { .. } => KIND_REJECTED,
+            ToSender::ChunkLost { .. } => KIND_CHUNK_LOST,
             ToSender::Close { .. } => KIND_CLOSE,
         }
     }
@@ -68,6 +77,7 @@ impl ToSender {
                 w.u64(*seq);
                 w.text(reason);
             }
+            ToSender::ChunkLost { chunk } => w.u64(*chunk),
             ToSender::Close { read_up_to, reason } => {
                 w.u64(*read_up_to);
                 w.text(reason);
@@ -83,6 +93,7 @@ impl ToSender {
             }
             KIND_CREDIT => ToSender::Credit { count: r.u32()? },
             KIND_REJECTED => ToSender::Rejected { seq: r.u64()?, reason: r.text()? },
+            KIND_CHUNK_LOST => ToSender::ChunkLost { chunk: r.u64()? },
             KIND_CLOSE => ToSender::Close { read_up_to: r.u64()?, reason: r.text()? },
             other => return Err(other_kind(other)),
         })

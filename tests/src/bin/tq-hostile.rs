@@ -33,8 +33,9 @@
 //!
 //! - `fd-starved PATH`: binds a `Receiver<Tensor>` at `PATH`, says `listening`, receives one
 //!   message (`got BYTES`), then uses up its descriptor table and says `starved`; receives the
-//!   next message (`got BYTES`, or `rejected REASON`), frees its table, receives one more and
-//!   says `got BYTES`, then `done`.
+//!   next message (`got BYTES`, or `rejected REASON`), frees its table and says `recovered`;
+//!   then receives until every sender has gone (`got BYTES` or `rejected REASON` each), and
+//!   says `done`.
 //!
 //! - `deep-value PATH DEPTH`: a sender whose one message's payload is the Python package's value
 //!   tree (`tensor-queue/python/src/value.rs`) nested `DEPTH` lists deep, written byte by byte
@@ -179,6 +180,12 @@ fn deep_value(path: &str, depth: usize) -> Result<()> {
     let mut bytes = [7u8, 1].repeat(depth);
     bytes.push(0);
     sender.send(&RawPayload(bytes))?;
+    report_rejections(&sender)
+}
+
+/// Waits for `sender`'s messages to be released (30 s at most), says `rejected SEQ REASON` for
+/// each refused, then `done`.
+fn report_rejections<T: serde::Serialize>(sender: &Sender<T>) -> Result<()> {
     if !sender.wait_released(Duration::from_secs(30)) {
         bail!("the message was not released within 30 s");
     }
@@ -194,14 +201,7 @@ fn wrong_type(path: &str) -> Result<()> {
     let sender = Sender::<(String, Tensor)>::connect(path)?;
     let tensor = Tensor::from_slice(&[1.0f32; 16], DType::F32, &[16])?;
     sender.send(&("not what the receiver expects".to_string(), tensor))?;
-    if !sender.wait_released(Duration::from_secs(30)) {
-        bail!("the message was not released within 30 s");
-    }
-    for rejection in sender.take_rejected() {
-        say(&format!("rejected {} {}", rejection.seq, rejection.reason));
-    }
-    say("done");
-    Ok(())
+    report_rejections(&sender)
 }
 
 /// Several senders in one process.
@@ -344,7 +344,13 @@ fn fd_starved(path: &str) -> Result<()> {
     report(receiver.recv());
     drop(fillers);
     rustix::process::setrlimit(nofile, saved)?;
-    report(receiver.recv());
+    say("recovered");
+    loop {
+        match receiver.recv() {
+            Err(tensor_queue::Error::Disconnected) => break,
+            received => report(received),
+        }
+    }
     say("done");
     Ok(())
 }

@@ -44,7 +44,7 @@ use integration_tests::queue::{Probe, checksum, probe};
 use integration_tests::{arg, number};
 use ipc_core::seqpacket::Listener;
 use kernels::reference;
-use tensor_queue::testing::wire::{Frame, Hello, ToReceiver, ToSender};
+use tensor_queue::testing::wire::{Frame, ToReceiver, ToSender};
 use tensor_queue::{Error, Receiver, Sender, Tensor, from_parent, from_parent_with_capacity, monotonic_ns};
 
 /// What the `blob` role receives: an id, tensors, a byte payload and a text payload.
@@ -228,19 +228,7 @@ fn hostile(listen: &str) -> Result<()> {
     connection.set_recv_timeout(Some(Duration::from_secs(30)))?;
     let mut buf = vec![0u8; 16 << 20];
     connection.recv(&mut buf)?;
-    let host = ipc_core::HostId::current()?.0;
-    connection.send(
-        &Hello {
-            pid: std::process::id(),
-            host,
-            capacity: 1,
-            instance: 7,
-            reach: Default::default(),
-            routing: Default::default(),
-        }
-        .encode(),
-        &[],
-    )?;
+    connection.send(&integration_tests::raw::hello(1, 7).encode(), &[])?;
     let reader = connection.clone();
     let (messages_tx, messages) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
