@@ -161,6 +161,15 @@ pub enum Error {
         /// Which bound it made room under.
         why: &'static str,
     },
+    /// The TCP listener turned this connector away before the handshake, and said why (an
+    /// unauthenticated notice: it proves nothing about the listener).
+    #[error("TCP peer {peer} turned the connection away: {why}")]
+    TurnedAway {
+        /// The address at the other end.
+        peer: std::net::SocketAddr,
+        /// Why.
+        why: crate::tcp::TurnAway,
+    },
     /// A message over [`crate::tcp::MAX_MESSAGE`], to send or announced by the peer (which then
     /// is broken or hostile: the link is closed).
     #[error("a message of {len} bytes is over the limit of {max} bytes")]

@@ -92,6 +92,42 @@ const TAG: &[u8; 10] = b"tq-auth-v1";
 const NONCE_LEN: usize = 32;
 const HELLO_LEN: usize = TAG.len() + 1 + NONCE_LEN;
 const PROOF_LEN: usize = 32;
+/// The role byte of a listener's greeting that turns the connector away instead of challenging
+/// it (the reason's code follows in the nonce's place): no secret is used, so it proves nothing,
+/// but it tells an honest connector why, where a bare hang-up would look like a wrong secret.
+const TURNED_AWAY: u8 = b'X';
+
+/// Why a listener turned a connector away before the handshake ([`Unverified::turn_away`],
+/// [`Error::TurnedAway`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TurnAway {
+    /// The listening process has no descriptor free for another connection.
+    #[error(
+        "the receiver has used up its descriptors (open files): it cannot take a new connection now; \
+         raise its limit (`ulimit -n`) or close descriptors"
+    )]
+    OutOfDescriptors,
+    /// A code this version does not know (a newer listener).
+    #[error("the listener turned this connection away (reason code {0})")]
+    Other(u8),
+}
+
+impl TurnAway {
+    fn code(self) -> u8 {
+        match self {
+            TurnAway::OutOfDescriptors => 1,
+            TurnAway::Other(code) => code,
+        }
+    }
+
+    fn from_code(code: u8) -> TurnAway {
+        match code {
+            1 => TurnAway::OutOfDescriptors,
+            other => TurnAway::Other(other),
+        }
+    }
+}
 
 /// A shared secret of at least [`MIN_SECRET_LEN`] bytes. Its `Debug` shows only its length, and
 /// its bytes are overwritten with zeros when it drops (`zeroize`: stores the compiler keeps).
@@ -403,6 +439,17 @@ impl Unverified {
     pub fn abort_handle(&self) -> Result<HandshakeAbort> {
         let stream = self.stream.try_clone().map_err(|e| Error::os("duplicating a TCP socket", e))?;
         Ok(HandshakeAbort { stream, peer: self.peer, started: self.started, aborted: self.aborted.clone() })
+    }
+
+    /// Tells the connector why it is not taken (a greeting that says so in place of the
+    /// challenge, written without waiting) and closes the connection.
+    pub fn turn_away(self, why: TurnAway) {
+        let mut greeting = [0u8; HELLO_LEN];
+        greeting[..TAG.len()].copy_from_slice(TAG);
+        greeting[TAG.len()] = TURNED_AWAY;
+        greeting[TAG.len() + 1] = why.code();
+        let _ = self.stream.set_nonblocking(true);
+        let _ = (&self.stream).write(&greeting);
     }
 
     /// Runs the listener's side of the handshake, bounded by the listener's handshake timeout:
@@ -1075,6 +1122,9 @@ fn handshake(
     read_exact_by(&stream, &mut theirs, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
     if &theirs[..TAG.len()] != TAG {
         return Err(refused("its greeting is not tq-auth-v1 (another protocol, or garbage)"));
+    }
+    if matches!(side, Side::Connector) && theirs[TAG.len()] == TURNED_AWAY {
+        return Err(Error::TurnedAway { peer, why: TurnAway::from_code(theirs[TAG.len() + 1]) });
     }
     if theirs[TAG.len()] != side.peer_role() {
         return Err(refused("its greeting claims the wrong role (both sides connecting, or both listening?)"));

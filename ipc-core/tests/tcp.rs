@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use ipc_core::Error;
-use ipc_core::tcp::{MAX_MESSAGE, SECRET_ENV, Secret, TcpLink, TcpListener};
+use ipc_core::tcp::{MAX_MESSAGE, SECRET_ENV, Secret, TcpLink, TcpListener, TurnAway};
 use sha2::Sha256;
 
 const KEY: &[u8] = b"0123456789abcdef-test-secret";
@@ -138,6 +138,21 @@ fn a_silent_connector_times_out_and_the_next_one_is_accepted() {
     let mut buf = Vec::new();
     server.recv(&mut buf, Some(PATIENCE)).unwrap();
     assert_eq!(buf, b"after");
+}
+
+/// A listener that cannot take a connection (out of descriptors) says so in place of its
+/// challenge: the connector learns why, and it is not mistaken for a wrong secret.
+#[test]
+fn a_connector_turned_away_learns_why() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let turning = std::thread::spawn(move || {
+        listener.accept_unverified(Some(PATIENCE)).unwrap().turn_away(TurnAway::OutOfDescriptors)
+    });
+    let refused = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap_err();
+    turning.join().unwrap();
+    assert!(matches!(refused, Error::TurnedAway { why: TurnAway::OutOfDescriptors, .. }), "{refused:?}");
+    assert!(refused.to_string().contains("descriptors"), "{refused}");
 }
 
 #[test]

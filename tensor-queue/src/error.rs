@@ -430,6 +430,9 @@ pub enum EndpointProblem {
         "a `{0}://` endpoint is not supported; use a socket path or tcp://host:port (for a path that starts this way, write ./ before it)"
     )]
     Scheme(String),
+    /// An empty endpoint: neither a socket path nor a TCP address.
+    #[error("the endpoint is empty: give a socket path or tcp://host:port")]
+    Empty,
     /// A TCP endpoint without a port: add `:PORT` (when binding, port 0 picks a free one).
     #[error("a TCP endpoint needs a port: tcp://host:PORT (when binding, port 0 picks a free one)")]
     NoPort,

@@ -76,6 +76,7 @@ impl<T> Drop for Owned<T> {
 fn info_dict<'py>(py: Python<'py>, info: &MessageInfo) -> PyResult<Bound<'py, PyDict>> {
     let dict = PyDict::new(py);
     dict.set_item("sender_pid", info.sender_pid)?;
+    dict.set_item("connection", info.connection)?;
     dict.set_item("seq", info.seq)?;
     dict.set_item("sent_ns", info.sent_ns)?;
     dict.set_item("encoded_ns", info.encoded_ns)?;
@@ -107,11 +108,24 @@ impl Receiver {
     /// Binds `address`; `capacity` bounds the messages queued here (senders wait beyond it).
     #[staticmethod]
     #[pyo3(signature = (address, capacity = None))]
-    fn bind(py: Python<'_>, address: String, capacity: Option<u32>) -> PyResult<Receiver> {
-        let capacity = capacity.unwrap_or(tensor_queue::DEFAULT_CAPACITY);
+    fn bind(py: Python<'_>, address: String, capacity: Option<&Bound<'_, PyAny>>) -> PyResult<Receiver> {
+        let capacity = match capacity {
+            None => tensor_queue::DEFAULT_CAPACITY,
+            // Any int the caller gives (a negative one, one beyond 32 bits) is a bad argument,
+            // not a bare OverflowError.
+            Some(given) => given.extract::<u32>().map_err(|_| {
+                let shown = given.repr().map(|r| r.to_string()).unwrap_or_default();
+                raise("InvalidArgument", format!("capacity {shown} is not a number of messages from 1 to {}", u32::MAX))
+            })?,
+        };
         let receiver = py
             .detach(|| tensor_queue::Receiver::<Value>::bind_with_capacity(address.as_str(), capacity))
             .map_err(to_py)?;
+        // `tcp://host:0` asks for any free port: the address senders need names the one taken.
+        let address = match receiver.local_addr() {
+            Some(bound) => format!("tcp://{bound}"),
+            None => address,
+        };
         Ok(Receiver { end: Mutex::new(Owned::new(receiver)), address })
     }
 
@@ -141,8 +155,9 @@ impl Receiver {
         decode(py, value)
     }
 
-    /// The next message and a dict of when each stage of its hand-off happened (`sender_pid`,
-    /// `seq`, `sent_ns`, `encoded_ns`, `arrived_ns`, `imported_ns`, `decoded_ns`).
+    /// The next message and a dict of who sent it and when each stage of its hand-off happened
+    /// (`sender_pid`; `connection`, which tells apart two senders of one process; `seq`, counted
+    /// per connection; `sent_ns`, `encoded_ns`, `arrived_ns`, `imported_ns`, `decoded_ns`).
     #[pyo3(signature = (timeout = None))]
     fn recv_with_info<'py>(
         &self,

@@ -474,14 +474,18 @@ unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, String> {
     let size = dtype.size();
     // SAFETY: the data pointer plus the byte offset is the first element (DLPack).
     let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
-    let nbytes = numel as usize * size;
+    // A broadcast view (stride 0) can name far more elements than memory holds: its copy is
+    // refused, never left to abort the process in the allocator.
+    let too_large = || format!("needs a copy of {numel} elements of {size} bytes, more than this process can allocate");
+    let nbytes = usize::try_from(numel).ok().and_then(|n| n.checked_mul(size)).ok_or_else(too_large)?;
     if is_contiguous {
         // SAFETY: a contiguous array of `numel` elements starts at `base`.
         let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };
         return Tensor::from_bytes(bytes, dtype, &dims).map_err(|e| e.to_string());
     }
     let strides = strides.unwrap_or_else(|| tensor_queue::contiguous_strides(&dims));
-    let mut gathered = Vec::with_capacity(nbytes);
+    let mut gathered = Vec::new();
+    gathered.try_reserve_exact(nbytes).map_err(|_| too_large())?;
     let mut index = vec![0u64; ndim];
     for _ in 0..numel {
         let at: i64 = index.iter().zip(&strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;

@@ -154,7 +154,10 @@ fn encode_at<'py>(
         return Ok(Value::Float(value.extract::<f64>()?));
     }
     if let Ok(s) = value.cast_exact::<PyString>() {
-        return Ok(Value::Str(s.to_str()?.to_owned()));
+        // A str with a lone surrogate has no UTF-8 form (`"\ud800"`): not sendable, said where.
+        let text =
+            s.to_str().map_err(|_| not_sendable(path, "is a str with a lone surrogate, which has no UTF-8 form"))?;
+        return Ok(Value::Str(text.to_owned()));
     }
     if let Ok(b) = value.cast_exact::<PyBytes>() {
         return Ok(Value::Bytes(b.as_bytes().to_vec()));

@@ -8,7 +8,7 @@ use ipc_core::seqpacket::Connection;
 use ipc_core::tcp::TcpLink;
 use ipc_core::transport::Packets;
 
-use crate::error::{EndpointProblem, Error, Result};
+use crate::error::{EndpointProblem, Error, Refusal, Result};
 use crate::secret::Secret;
 
 /// Where a receiver listens and a sender connects.
@@ -46,6 +46,7 @@ impl Endpoint {
     /// use tensor_queue::{Endpoint, EndpointProblem, Error, Receiver};
     /// assert!(Endpoint::from("/tmp/queue.sock").check().is_ok());
     /// assert!(Endpoint::from("tcp://127.0.0.1:0").check().is_ok());
+    /// assert!(matches!(Endpoint::from("").check(), Err(Error::BadEndpoint { problem: EndpointProblem::Empty, .. })));
     /// let Err(Error::BadEndpoint { endpoint, problem }) = Receiver::<u32>::bind("tcp://127.0.0.1") else { panic!() };
     /// assert_eq!((endpoint.as_str(), problem), ("tcp://127.0.0.1", EndpointProblem::NoPort));
     /// let Err(error) = Receiver::<u32>::bind("http://127.0.0.1:0") else { panic!() };
@@ -55,6 +56,7 @@ impl Endpoint {
     pub fn check(&self) -> Result<()> {
         let bad = |problem| Err(Error::BadEndpoint { endpoint: self.to_string(), problem });
         match self {
+            Endpoint::Unix(path) if path.as_os_str().is_empty() => bad(EndpointProblem::Empty),
             Endpoint::Unix(path) => match path.to_str().and_then(scheme) {
                 Some(scheme) => bad(EndpointProblem::Scheme(scheme.to_string())),
                 None => Ok(()),
@@ -201,7 +203,11 @@ pub(crate) fn connect(endpoint: &Endpoint, options: &ConnectOptions) -> Result<B
         Endpoint::Unix(path) => Box::new(Connection::connect(path).map_err(|error| nobody_there(endpoint, error))?),
         Endpoint::Tcp(address) => {
             let secret = secret(options.secret.as_ref())?;
-            Box::new(TcpLink::connect(address.as_str(), &secret, options.timeout)?)
+            Box::new(TcpLink::connect(address.as_str(), &secret, options.timeout).map_err(|error| match error {
+                // Turned away before the handshake (a receiver out of descriptors): refused, and why.
+                ipc_core::Error::TurnedAway { why, .. } => Error::PeerRefused(Refusal::ByPeer(why.to_string())),
+                other => nobody_there(endpoint, other),
+            })?)
         }
     })
 }

@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ipc_core::seqpacket::{Connection, Listener};
-use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener};
+use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener, TurnAway};
 
 use crate::error::{Error, Result};
 use crate::links::link::Link;
@@ -225,18 +225,21 @@ fn is_table_full(errno: i32) -> bool {
 /// out of descriptors (a Unix sender hears it as `Error::PeerRefused`); a TCP connector is
 /// closed before its handshake. Either way it does not wait in the backlog.
 fn turn_away(listening: &Listening) {
-    const WHY: &str = "the receiver has used up its descriptors (open files): it cannot take a new connection now; \
-                       raise its limit (`ulimit -n`) or close descriptors";
+    let why = TurnAway::OutOfDescriptors;
     match listening {
         Listening::Unix(unix) => {
             if let Ok(connection) = unix.accept(Some(Duration::ZERO)) {
-                let close = ToSender::Close { read_up_to: 0, reason: WHY.into() };
+                let close = ToSender::Close { read_up_to: 0, reason: why.to_string() };
                 let _ = connection.try_send(&close.encode(), &[]);
             }
         }
-        Listening::Tcp(tcp, _) => drop(tcp.accept_unverified(Some(Duration::ZERO))),
+        Listening::Tcp(tcp, _) => {
+            if let Ok(unverified) = tcp.accept_unverified(Some(Duration::ZERO)) {
+                unverified.turn_away(why);
+            }
+        }
     }
-    tracing::warn!("{WHY}");
+    tracing::warn!("{why}");
 }
 
 /// Greets a checked connection and hands it to `recv`, or records why it was refused; rings
