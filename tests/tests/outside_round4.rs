@@ -1,0 +1,676 @@
+//! Round 4 of the outside tester's attacks, written from the README and the rustdoc of public
+//! items only: host tensors across "hosts" (TCP on 127.0.0.1 with a secret) beside raw TCP
+//! clients that speak garbage, claim huge lengths, trickle or stop halfway; several senders in
+//! one process; peers killed right after `send` returned and mid-transfer (separate processes,
+//! `outside4-peer`); a receiver holding many messages; hundreds of senders against a receiver
+//! that does not read; a process at its descriptor limit; odd shapes, strides and overflowing
+//! dimensions.
+//!
+//! Every bound here is a generous "does not hang" bound, never a speed assertion.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use integration_tests::socket_path;
+use tensor_queue::{DType, Error, MAX_DIMS, Receiver, Secret, Sender, Tensor};
+
+const KEY: &str = "outside-round4-secret-0123456789abcdef";
+
+/// Runs `f` on a thread and fails the test if it has not returned within `bound`.
+fn within<R: Send + 'static>(bound: Duration, what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(bound) {
+        Ok(value) => value,
+        Err(_) => panic!("{what} did not return within {bound:?}"),
+    }
+}
+
+fn secret() -> Secret {
+    Secret::from_bytes(KEY.as_bytes().to_vec()).unwrap()
+}
+
+/// A TCP receiver on a free loopback port, and its endpoint.
+fn tcp_receiver<T: serde::de::DeserializeOwned>(capacity: u32) -> (Receiver<T>, String) {
+    let rx = Receiver::<T>::builder().capacity(capacity).secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
+    (rx, endpoint)
+}
+
+fn tcp_sender<T: serde::Serialize>(endpoint: &str) -> tensor_queue::Result<Sender<T>> {
+    Sender::<T>::builder().secret(secret()).timeout(Duration::from_secs(60)).connect(endpoint)
+}
+
+/// The byte pattern of message `n`: element `i` is `(i * 31 + n) % 251` (as the peer makes it).
+fn pattern(len: usize, n: u8) -> Vec<u8> {
+    (0..len).map(|i| ((i * 31 + n as usize) % 251) as u8).collect()
+}
+
+/// Which pattern `bytes` is, if it is one whole.
+fn which_pattern(bytes: &[u8]) -> Option<u8> {
+    let n = (*bytes.first()? as usize % 251) as u8;
+    bytes.iter().enumerate().all(|(i, &b)| b as usize == (i * 31 + n as usize) % 251).then_some(n)
+}
+
+/// The peer process, killed if the test ends first.
+struct Peer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Peer {
+    fn start(args: &[&str]) -> Peer {
+        let mut command = Command::new(integration_tests::bin_path("outside4-peer").expect("outside4-peer's path"));
+        command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).env("TQ_SECRET", KEY);
+        let mut child = command.spawn().expect("start outside4-peer");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Peer { child, lines }
+    }
+
+    /// The next line the peer prints, within a generous bound.
+    fn line(&self) -> String {
+        self.lines.recv_timeout(Duration::from_secs(120)).expect("the peer said nothing within 120 s")
+    }
+
+    fn sigkill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// The peer's exit status within 120 s.
+    fn exit(&mut self) -> std::process::ExitStatus {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "peer did not exit within 120 s");
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The kernel's count of bytes this peer wrote (`wchar`) or read (`rchar`).
+    fn io(&self, field: &str) -> u64 {
+        let (file, scale) = if field == "VmRSS" { ("status", 1024) } else { ("io", 1) };
+        let text = std::fs::read_to_string(format!("/proc/{}/{file}", self.child.id())).unwrap_or_default();
+        text.lines()
+            .find_map(|l| l.strip_prefix(field).and_then(|v| v.strip_prefix(":")))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |v| v * scale)
+    }
+
+    /// Waits until the peer's `field` count grew by `bytes` (a transfer is under way). `field`
+    /// is a `/proc/PID/io` field, or `VmRSS` (in bytes) for a receiver, whose socket reads do
+    /// not count in `rchar`.
+    fn wait_io(&self, field: &str, bytes: u64) {
+        let start = self.io(field);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while self.io(field) < start + bytes {
+            assert!(Instant::now() < deadline, "the peer never moved {bytes} bytes ({field})");
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// True when the receiver closed `stream` (end of stream or reset) within `bound`.
+fn closed_by_peer(stream: &mut TcpStream, bound: Duration) -> bool {
+    let deadline = Instant::now() + bound;
+    stream.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let mut buf = [0u8; 4096];
+    while Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Across hosts: several honest senders beside raw clients that attack the listener.
+
+/// How a raw client misbehaves.
+#[derive(Clone, Copy, Debug)]
+enum Attack {
+    /// 64 KiB of bytes that mean nothing.
+    Garbage,
+    /// A frame header claiming the largest lengths, then nothing.
+    HugeLength,
+    /// Three bytes of something, then silence.
+    HalfHeader,
+    /// One byte every 300 ms, for as long as it is let.
+    Trickle,
+    /// Connects and closes at once.
+    Hangup,
+    /// 4 MiB of zeros as fast as the socket takes them.
+    Flood,
+}
+
+fn attack(addr: &str, how: Attack) -> Result<bool, String> {
+    let mut s = TcpStream::connect(addr).map_err(|e| format!("{how:?}: connect: {e}"))?;
+    s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    match how {
+        Attack::Garbage => {
+            let mut seed = 0x1234_5678_9abc_def0u64;
+            let bytes: Vec<u8> = (0..65536)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect();
+            let _ = s.write_all(&bytes);
+        }
+        Attack::HugeLength => {
+            let _ = s.write_all(&[0xff; 32]);
+        }
+        Attack::HalfHeader => {
+            let _ = s.write_all(b"tq-");
+        }
+        Attack::Trickle => {
+            let (tx, rx) = mpsc::channel::<()>();
+            let mut w = s.try_clone().unwrap();
+            thread::spawn(move || {
+                for b in b"tq-auth-v1 please let me in, slowly ....................................".iter().cycle() {
+                    if rx.recv_timeout(Duration::from_millis(300)).is_ok() || w.write_all(&[*b]).is_err() {
+                        break;
+                    }
+                }
+            });
+            let closed = closed_by_peer(&mut s, Duration::from_secs(40));
+            let _ = tx.send(());
+            return Ok(closed);
+        }
+        Attack::Hangup => return Ok(true),
+        Attack::Flood => {
+            let zeros = vec![0u8; 64 << 10];
+            for _ in 0..64 {
+                if s.write_all(&zeros).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    // Whatever it said, the receiver must end the connection within a bounded time (README:
+    // a silent connector is dropped after 10 s; a handshake runs at most 10 s).
+    Ok(closed_by_peer(&mut s, Duration::from_secs(40)))
+}
+
+#[test]
+fn tcp_senders_of_one_process_deliver_everything_beside_raw_attackers() {
+    let (mut rx, endpoint) = tcp_receiver::<Tensor>(8);
+    let addr = endpoint.trim_start_matches("tcp://").to_string();
+    let attacks =
+        [Attack::Garbage, Attack::HugeLength, Attack::HalfHeader, Attack::Trickle, Attack::Hangup, Attack::Flood];
+    let attackers: Vec<_> = attacks
+        .iter()
+        .flat_map(|&how| (0..2).map(move |_| how))
+        .map(|how| {
+            let addr = addr.clone();
+            (how, thread::spawn(move || attack(&addr, how)))
+        })
+        .collect();
+    // Three senders of this process, each with its own numbers: 5 x 4 MiB and one 64 MiB.
+    let senders: Vec<_> = (0..3u8)
+        .map(|s| {
+            let endpoint = endpoint.clone();
+            thread::spawn(move || {
+                let tx = tcp_sender::<Tensor>(&endpoint).expect("an honest sender was kept out");
+                for k in 0..6u8 {
+                    let len = if k == 5 { 64 << 20 } else { 4 << 20 };
+                    tx.send_timeout(&Tensor::new(&pattern(len, s * 16 + k), &[len]).unwrap(), Duration::from_secs(60))
+                        .unwrap();
+                }
+                assert!(tx.wait_written(Duration::from_secs(60)), "sender {s}: bytes not written");
+                tx
+            })
+        })
+        .collect();
+    let got = within(Duration::from_secs(240), "receiving 18 messages beside attackers", move || {
+        let mut got: BTreeMap<u8, Vec<u8>> = BTreeMap::new();
+        for _ in 0..18 {
+            let t = rx.recv_timeout(Duration::from_secs(60)).expect("an honest message did not arrive");
+            let bytes = t.to_bytes().unwrap();
+            let n = which_pattern(&bytes).expect("a message arrived torn");
+            got.entry(n / 16).or_default().push(n % 16);
+        }
+        (got, rx)
+    });
+    let (got, mut rx) = got;
+    for s in 0..3u8 {
+        assert_eq!(got.get(&s), Some(&(0..6).collect::<Vec<_>>()), "sender {s}'s messages, in order");
+    }
+    let _senders: Vec<_> = senders.into_iter().map(|h| h.join().unwrap()).collect();
+    for (how, handle) in attackers {
+        let closed = handle.join().unwrap().unwrap();
+        assert!(closed, "the receiver kept a {how:?} connection open past 40 s");
+    }
+    // The receiver still takes a new sender, and reports nothing against honest ones.
+    let late = tcp_sender::<Tensor>(&endpoint).unwrap();
+    late.send(&Tensor::new(&pattern(1000, 250), &[1000]).unwrap()).unwrap();
+    let t = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert_eq!(which_pattern(&t.to_bytes().unwrap()), Some(250));
+    let errors = rx.take_errors();
+    assert!(
+        !errors
+            .iter()
+            .any(|e| matches!(e, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Unfinished { .. }))),
+        "an honest sender's message was reported lost: {errors:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1b. A receiver holding many messages of many host tensors over TCP.
+
+#[test]
+fn tcp_receiver_holding_many_messages_of_many_tensors_reads_them_all_intact() {
+    let (mut rx, endpoint) = tcp_receiver::<(u64, Vec<Tensor>)>(16);
+    let messages = 200u64;
+    let expected = |m: u64| -> Vec<(Vec<u64>, Vec<u8>)> {
+        (0..6u64)
+            .map(|k| match k {
+                0 => (vec![], vec![(m % 251) as u8]), // 0-dim
+                1 => (vec![0], vec![]),               // empty
+                2 => (vec![3, 0, 5], vec![]),         // empty, 3 dims
+                3 => (vec![4097], pattern(4097, (m % 200) as u8)),
+                4 => (vec![7, 3], pattern(21, 3)),
+                _ => (vec![(m % 13 + 1) * 1000], pattern(((m % 13 + 1) * 1000) as usize, 9)),
+            })
+            .collect()
+    };
+    let sender = thread::spawn(move || {
+        let tx = tcp_sender::<(u64, Vec<Tensor>)>(&endpoint).unwrap();
+        for m in 0..messages {
+            let tensors: Vec<Tensor> = expected(m)
+                .into_iter()
+                .map(|(shape, bytes)| Tensor::from_bytes(&bytes, DType::U8, &shape).unwrap())
+                .collect();
+            tx.send_timeout(&(m, tensors), Duration::from_secs(60)).unwrap();
+        }
+        // One message of 20,000 tensors of 1 to 17 bytes.
+        let many: Vec<Tensor> = (0..20_000usize)
+            .map(|i| Tensor::new(&pattern(i % 17 + 1, (i % 251) as u8), &[i % 17 + 1]).unwrap())
+            .collect();
+        tx.send_timeout(&(u64::MAX, many), Duration::from_secs(60)).unwrap();
+        assert!(tx.wait_written(Duration::from_secs(60)));
+        tx
+    });
+    let held = within(Duration::from_secs(240), "receiving and holding 201 messages", move || {
+        let mut held = Vec::new();
+        for _ in 0..=messages {
+            held.push(rx.recv_timeout(Duration::from_secs(60)).expect("a message did not arrive"));
+        }
+        held
+    });
+    let _tx = sender.join().unwrap();
+    for (m, (number, tensors)) in held.iter().enumerate().take(messages as usize) {
+        assert_eq!(*number, m as u64, "messages in order");
+        let want = expected(m as u64);
+        assert_eq!(tensors.len(), want.len());
+        for (k, (t, (shape, bytes))) in tensors.iter().zip(&want).enumerate() {
+            assert_eq!(t.shape(), &shape[..], "message {m} tensor {k} shape");
+            assert_eq!(&t.to_bytes().unwrap(), bytes, "message {m} tensor {k} bytes");
+        }
+    }
+    let (number, many) = &held[messages as usize];
+    assert_eq!(*number, u64::MAX);
+    assert_eq!(many.len(), 20_000);
+    for (i, t) in many.iter().enumerate() {
+        assert_eq!(t.to_bytes().unwrap(), pattern(i % 17 + 1, (i % 251) as u8), "tensor {i} of the big message");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1c. Peers killed at the worst moments (separate processes).
+
+#[test]
+fn a_tcp_sender_killed_right_after_send_returned_loses_nothing_silently() {
+    let (mut rx, endpoint) = tcp_receiver::<Tensor>(4);
+    let len = 64usize << 20;
+    let mut peer = Peer::start(&["send-then-die", &endpoint, &len.to_string()]);
+    let status = peer.exit();
+    assert!(!status.success(), "the peer should have died by SIGKILL: {status}");
+    // A message whose send returned is either delivered whole or reported lost; never torn,
+    // never silently missing.
+    let (result, errors) = within(Duration::from_secs(120), "recv after the sender died", move || {
+        let result = rx.recv_timeout(Duration::from_secs(30)).map(|t| t.to_bytes().unwrap());
+        let mut errors = rx.take_errors();
+        if errors.is_empty() && result.is_err() {
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+            errors = rx.take_errors();
+        }
+        (result, errors)
+    });
+    match result {
+        Ok(bytes) => assert_eq!(which_pattern(&bytes), Some(5), "the message arrived torn"),
+        Err(e) => assert!(
+            errors.iter().any(
+                |e| matches!(e, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Unfinished { .. }))
+            ),
+            "recv said {e:?} and take_errors has no lost message: {errors:?}"
+        ),
+    }
+}
+
+#[test]
+fn a_tcp_sender_process_killed_mid_transfer_costs_the_other_senders_nothing() {
+    let (mut rx, endpoint) = tcp_receiver::<Tensor>(4);
+    let len = 512usize << 20;
+    let mut peer = Peer::start(&["send", &endpoint, &len.to_string(), "1"]);
+    // This process's own senders keep streaming meanwhile.
+    let e2 = endpoint.clone();
+    let mine = thread::spawn(move || {
+        let tx = tcp_sender::<Tensor>(&e2).unwrap();
+        for n in 0..30u8 {
+            tx.send_timeout(&Tensor::new(&pattern(1 << 20, 100 + n), &[1 << 20]).unwrap(), Duration::from_secs(60))
+                .unwrap();
+        }
+        assert!(tx.wait_written(Duration::from_secs(60)));
+        tx
+    });
+    peer.wait_io("wchar", 4 << 20);
+    peer.sigkill();
+    let (mine_got, big, errors) = within(Duration::from_secs(180), "receiving beside a killed sender", move || {
+        let mut mine_got = Vec::new();
+        let mut big = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while mine_got.len() < 30 && Instant::now() < deadline {
+            match rx.recv_timeout(Duration::from_secs(30)) {
+                Ok(t) => {
+                    let bytes = t.to_bytes().unwrap();
+                    match which_pattern(&bytes) {
+                        Some(n) if n >= 100 => mine_got.push(n - 100),
+                        other => big.push((bytes.len(), other)),
+                    }
+                }
+                Err(Error::Timeout) => break,
+                Err(e) => panic!("recv: {e:?}"),
+            }
+        }
+        let mut errors = rx.take_errors();
+        if errors.is_empty() {
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+            errors = rx.take_errors();
+        }
+        (mine_got, big, errors)
+    });
+    let _tx = mine.join().unwrap();
+    assert_eq!(mine_got, (0..30).collect::<Vec<_>>(), "the other sender's messages, all and in order");
+    // The killed peer's message: delivered whole (it could have finished) or reported lost.
+    assert!(big.iter().all(|&(l, n)| l == len && n == Some(0)), "a torn message was delivered: {big:?}");
+    if big.is_empty() {
+        assert!(
+            errors.iter().any(
+                |e| matches!(e, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Unfinished { .. }))
+            ),
+            "the lost message is not in take_errors: {errors:?}"
+        );
+    }
+}
+
+#[test]
+fn a_tcp_receiver_process_killed_mid_transfer_fails_only_its_own_senders() {
+    let mut peer = Peer::start(&["recv", "1"]);
+    let port = peer.line().strip_prefix("port ").expect("port line").to_string();
+    let doomed = tcp_sender::<Tensor>(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let (mut rx, endpoint) = tcp_receiver::<Tensor>(4);
+    let healthy = tcp_sender::<Tensor>(&endpoint).unwrap();
+    let len = 1usize << 30;
+    let big = Tensor::zeros(DType::U8, &[len as u64]).unwrap();
+    let sending = thread::spawn(move || {
+        let first = doomed.send_timeout(&big, Duration::from_secs(60));
+        let written = doomed.wait_written(Duration::from_secs(60));
+        // A later send must fail with a typed error, not hang.
+        let mut later = Ok(());
+        for _ in 0..50 {
+            later = doomed.send_timeout(&Tensor::zeros(DType::U8, &[16]).unwrap(), Duration::from_secs(10));
+            if later.is_err() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        (first, written, later, doomed.is_connected(), doomed)
+    });
+    peer.wait_io("VmRSS", 16 << 20);
+    peer.sigkill();
+    // The healthy channel of the same process goes on meanwhile.
+    for n in 0..10u8 {
+        healthy.send(&Tensor::new(&pattern(1 << 20, n), &[1 << 20]).unwrap()).unwrap();
+        let t = rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert_eq!(which_pattern(&t.to_bytes().unwrap()), Some(n));
+    }
+    let (first, written, later, connected, doomed) =
+        within(Duration::from_secs(200), "sends to a killed receiver", move || sending.join().unwrap());
+    assert!(matches!(first, Ok(()) | Err(Error::Disconnected)), "the first send: {first:?}");
+    assert!(!written || first.is_ok(), "wait_written said written for a failed send");
+    assert!(matches!(later, Err(Error::Disconnected)), "a send after the receiver died: {later:?}");
+    assert!(!connected);
+    within(Duration::from_secs(70), "dropping a sender whose receiver died", move || drop(doomed));
+    assert!(rx.take_errors().is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Resource exhaustion on one host.
+
+#[test]
+fn hundreds_of_senders_against_a_receiver_that_does_not_read_lose_nothing() {
+    let path = socket_path("r4-many");
+    let mut rx = Receiver::<(u32, u32)>::bind_with_capacity(&path, 4).unwrap();
+    let senders: Vec<Sender<(u32, u32)>> = (0..300).map(|_| Sender::connect(&path).unwrap()).collect();
+    // The receiver reads nothing: each sender try_sends until Full (a typed error, at once), and
+    // one send_timeout past that must time out (or be Full), never block.
+    let senders = within(Duration::from_secs(120), "try_send on 300 senders", move || {
+        let mut accepted = vec![0u32; senders.len()];
+        for (s, tx) in senders.iter().enumerate() {
+            for k in 0..64u32 {
+                match tx.try_send(&(s as u32, k)) {
+                    Ok(()) => accepted[s] += 1,
+                    Err(Error::Full) => break,
+                    Err(e) => panic!("sender {s}: try_send: {e:?}"),
+                }
+            }
+            assert!(accepted[s] < 64, "sender {s}: try_send never said Full");
+            match tx.send_timeout(&(s as u32, 999), Duration::from_millis(20)) {
+                Err(Error::Timeout) | Err(Error::Full) => {}
+                other => panic!("sender {s}: send_timeout on a full queue: {other:?}"),
+            }
+        }
+        (senders, accepted)
+    });
+    let (senders, accepted) = senders;
+    // Once it reads, exactly the accepted messages arrive, in order per sender.
+    let mut got: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    let total: u32 = accepted.iter().sum();
+    let mut n = 0;
+    while n < total {
+        let (s, k) = rx.recv_timeout(Duration::from_secs(30)).expect("an accepted message did not arrive");
+        got.entry(s).or_default().push(k);
+        n += 1;
+    }
+    assert!(matches!(rx.recv_timeout(Duration::from_millis(500)), Err(Error::Timeout)), "a refused message arrived");
+    for (s, &count) in accepted.iter().enumerate() {
+        assert_eq!(got.get(&(s as u32)).cloned().unwrap_or_default(), (0..count).collect::<Vec<_>>(), "sender {s}");
+    }
+    // And every sender still works afterwards.
+    for (s, tx) in senders.iter().enumerate() {
+        tx.send_timeout(&(s as u32, 1000), Duration::from_secs(30)).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap(), (s as u32, 1000));
+    }
+    assert!(rx.take_errors().is_empty());
+}
+
+#[test]
+fn a_process_at_its_descriptor_limit_gets_a_typed_error_and_keeps_its_senders() {
+    let path = socket_path("r4-nofile");
+    let mut rx = Receiver::<u64>::bind(&path).unwrap();
+    let mut peer = Peer::start(&["fd-limit", path.to_str().unwrap(), "64"]);
+    let connected: usize = peer.line().strip_prefix("connected ").expect("connected line").parse().unwrap();
+    let error = peer.line();
+    let mut got = Vec::new();
+    let reader = thread::spawn(move || {
+        while let Ok(n) = rx.recv_timeout(Duration::from_secs(5)) {
+            got.push(n);
+        }
+        (rx, got)
+    });
+    let sent = peer.line();
+    let status = peer.exit();
+    let (_rx, mut got) =
+        within(Duration::from_secs(120), "reading the fd-limited peer's messages", move || reader.join().unwrap());
+    assert!(connected > 0, "no sender could connect under 64 descriptors");
+    assert_ne!(error, "error none", "128 senders under a 64-descriptor limit all connected?");
+    assert!(status.success(), "the peer failed (a panic, not a typed error?): {status}; it said {error:?}");
+    assert_eq!(sent, format!("sent {}", connected - 1));
+    got.sort_unstable();
+    assert_eq!(got, (0..connected as u64 - 1).collect::<Vec<_>>(), "every message of the senders it kept");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2b. Odd dtypes, shapes and strides.
+
+/// Views of every odd kind, with the bytes each must read as.
+fn odd_tensors() -> Vec<(&'static str, Tensor, Vec<u64>, Vec<u8>)> {
+    let base = Tensor::new(&pattern(60, 1), &[3, 4, 5]).unwrap();
+    let row = Tensor::new(&pattern(10, 2), &[10]).unwrap();
+    let scalar = Tensor::from_slice(&[2.5f64], DType::F64, &[]).unwrap();
+    let views = vec![
+        ("0-dim f64", scalar.clone()),
+        ("empty", Tensor::zeros(DType::F32, &[0]).unwrap()),
+        ("empty 3-d", Tensor::zeros(DType::I16, &[3, 0, 5]).unwrap()),
+        ("narrow to nothing", row.narrow(0, 4, 0).unwrap()),
+        ("flip", row.flip(&[0]).unwrap()),
+        ("flip 3-d", base.flip(&[0, 2]).unwrap()),
+        ("expand", Tensor::new(&[9u8], &[1]).unwrap().expand(&[1000]).unwrap()),
+        ("expand then transpose", row.reshape(&[10, 1]).unwrap().expand(&[10, 7]).unwrap().transpose(0, 1).unwrap()),
+        ("select to 0-dim", row.select(0, 7).unwrap()),
+        ("slice step 3", row.slice(0, 1, 10, 3).unwrap()),
+        ("permute", base.permute(&[2, 0, 1]).unwrap()),
+        ("MAX_DIMS ones", Tensor::new(&[42u8], &[1]).unwrap().reshape(&[1; MAX_DIMS]).unwrap()),
+        ("flip of a slice", base.slice(2, 0, 5, 2).unwrap().flip(&[1]).unwrap()),
+    ];
+    views
+        .into_iter()
+        .map(|(name, t)| {
+            let shape = t.shape().to_vec();
+            let bytes = t.to_bytes().unwrap();
+            (name, t, shape, bytes)
+        })
+        .collect()
+}
+
+fn check_odd(received: &[Tensor]) {
+    let want = odd_tensors();
+    assert_eq!(received.len(), want.len());
+    for (t, (name, sent, shape, bytes)) in received.iter().zip(&want) {
+        assert_eq!(t.shape(), &shape[..], "{name}: shape");
+        assert_eq!(t.dtype(), sent.dtype(), "{name}: dtype");
+        assert_eq!(&t.to_bytes().unwrap(), bytes, "{name}: bytes");
+    }
+}
+
+#[test]
+fn odd_shapes_and_strides_cross_unix_and_tcp_intact() {
+    let path = socket_path("r4-odd");
+    let mut rx = Receiver::<Vec<Tensor>>::bind(&path).unwrap();
+    let tx = Sender::<Vec<Tensor>>::connect(&path).unwrap();
+    tx.send(&odd_tensors().into_iter().map(|(_, t, _, _)| t).collect()).unwrap();
+    check_odd(&rx.recv_timeout(Duration::from_secs(30)).unwrap());
+
+    let (mut rx, endpoint) = tcp_receiver::<Vec<Tensor>>(4);
+    let tx = tcp_sender::<Vec<Tensor>>(&endpoint).unwrap();
+    tx.send(&odd_tensors().into_iter().map(|(_, t, _, _)| t).collect()).unwrap();
+    check_odd(&rx.recv_timeout(Duration::from_secs(30)).unwrap());
+}
+
+#[test]
+fn overflowing_and_impossible_shapes_are_typed_errors_not_panics() {
+    let t = Tensor::new(&pattern(24, 3), &[2, 3, 4]).unwrap();
+    let cases: Vec<(&str, tensor_queue::Result<Tensor>)> = vec![
+        ("zeros [u64::MAX, 2]", Tensor::zeros(DType::U8, &[u64::MAX, 2])),
+        ("zeros [2^62] f64", Tensor::zeros(DType::F64, &[1 << 62])),
+        ("zeros [2^32, 2^32]", Tensor::zeros(DType::U8, &[1 << 32, 1 << 32])),
+        ("zeros MAX_DIMS + 1", Tensor::zeros(DType::U8, &[1; MAX_DIMS + 1])),
+        ("from_bytes wrong length", Tensor::from_bytes(&[1, 2, 3], DType::U8, &[2])),
+        ("from_bytes overflowing shape", Tensor::from_bytes(&[1, 2, 3, 4], DType::U8, &[u64::MAX, u64::MAX])),
+        ("reshape to more elements", t.reshape(&[5, 5])),
+        ("reshape to an overflowing shape", t.reshape(&[u64::MAX, 0, 2])),
+        ("expand to u64::MAX", Tensor::new(&[1u8], &[1]).unwrap().expand(&[u64::MAX])),
+        ("expand to 2^64 elements", Tensor::new(&[1u8], &[1, 1]).unwrap().expand(&[1 << 32, 1 << 32])),
+        ("expand a non-1 dim", t.expand(&[2, 5, 4])),
+        ("narrow past the end", t.narrow(1, 2, 2)),
+        ("narrow with start overflowing", t.narrow(1, u64::MAX, 2)),
+        ("slice step 0", t.slice(0, 0, 2, 0)),
+        ("slice end before start", t.slice(2, 3, 1, 1)),
+        ("select out of range", t.select(2, 4)),
+        ("select a missing dim", t.select(3, 0)),
+        ("transpose a missing dim", t.transpose(0, 3)),
+        ("permute with a repeat", t.permute(&[0, 0, 1])),
+        ("permute too short", t.permute(&[0, 1])),
+        ("flip a missing dim", t.flip(&[5])),
+        ("as_layout before the storage", t.as_layout(DType::U8, &[4], &[-1], 0)),
+        ("as_layout huge stride", t.as_layout(DType::U8, &[2], &[i64::MAX], 0)),
+        ("as_layout stride overflow negative", t.as_layout(DType::U8, &[3], &[i64::MIN], 23)),
+        ("as_layout offset overflow", t.as_layout(DType::U8, &[1], &[1], usize::MAX)),
+        ("as_layout numel overflow", t.as_layout(DType::U8, &[u64::MAX, u64::MAX], &[0, 0], 0)),
+    ];
+    let mut ok = Vec::new();
+    for (name, result) in cases {
+        match result {
+            Err(Error::Tensor(_) | Error::View { .. } | Error::Invalid(_)) => {}
+            Err(other) => ok.push(format!("{name}: unexpected error kind {other:?}")),
+            Ok(t) => ok.push(format!("{name}: accepted as {:?} {:?}", t.shape(), t.strides())),
+        }
+    }
+    assert!(ok.is_empty(), "impossible shapes that were not refused with Tensor/View/Invalid: {ok:#?}");
+}
+
+#[test]
+fn a_broadcast_view_of_a_huge_logical_size_crosses_tcp_or_is_refused_without_a_crash() {
+    // Both ends are separate processes: if either tried to allocate the logical size (1 TiB) it
+    // would die, and that is what this test looks for.
+    let mut receiver = Peer::start(&["recv-one", "tcp://127.0.0.1:0"]);
+    let port = receiver.line().strip_prefix("bound ").expect("bound line").to_string();
+    let numel = 1u64 << 40;
+    let mut sender = Peer::start(&["send-expanded", &format!("tcp://127.0.0.1:{port}"), &numel.to_string()]);
+    let said = sender.line();
+    assert!(
+        said == "send ok" || said.starts_with("send error TooLarge") || said.starts_with("send error NotSendable"),
+        "send of a broadcast view: {said}"
+    );
+    let got = receiver.line();
+    let errors = receiver.line();
+    let status = receiver.exit();
+    assert!(status.success(), "the receiver process died: {status} (said {got:?})");
+    let sender_status = sender.exit();
+    assert!(sender_status.success(), "the sender process died: {sender_status}");
+    if said == "send ok" {
+        assert_eq!(got, format!("got [{numel}] [0] 7"), "the view arrived as it was sent; errors: {errors}");
+    }
+}
