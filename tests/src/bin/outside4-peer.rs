@@ -138,6 +138,27 @@ fn main() -> Result<()> {
             }
             say(&format!("errors {:?}", receiver.take_errors()));
         }
+        // Lowers RLIMIT_NOFILE to `limit`, binds `endpoint` and says "bound PORT" (0 for a
+        // socket path), then says "got N" for each u64 until every sender has gone (or 30 s pass
+        // without a message), then "errors N" (how many take_errors reported).
+        "recv-limited" => {
+            let limit: u64 = args[2].parse()?;
+            let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
+            rustix::process::setrlimit(
+                rustix::process::Resource::Nofile,
+                rustix::process::Rlimit { current: Some(limit), maximum: hard },
+            )?;
+            let mut receiver = Receiver::<u64>::bind(args[1].as_str())?;
+            say(&format!("bound {}", receiver.local_addr().map(|a| a.port()).unwrap_or(0)));
+            loop {
+                match receiver.recv_timeout(Duration::from_secs(30)) {
+                    Ok(n) => say(&format!("got {n}")),
+                    Err(tensor_queue::Error::Disconnected | tensor_queue::Error::Timeout) => break,
+                    Err(e) => say(&format!("recv error {e:?}")),
+                }
+            }
+            say(&format!("errors {}", receiver.take_errors().len()));
+        }
         other => bail!("unknown mode {other:?}"),
     }
     Ok(())
