@@ -479,14 +479,13 @@ fn a_tcp_receiver_process_killed_mid_transfer_fails_only_its_own_senders() {
 // ---------------------------------------------------------------------------------------------
 // 2. Resource exhaustion on one host.
 
-#[test]
-fn hundreds_of_senders_against_a_receiver_that_does_not_read_lose_nothing() {
-    let path = socket_path("r4-many");
-    let mut rx = Receiver::<(u32, u32)>::bind_with_capacity(&path, 4).unwrap();
-    let senders: Vec<Sender<(u32, u32)>> = (0..300).map(|_| Sender::connect(&path).unwrap()).collect();
+/// `count` senders of this process against one receiver that does not read: `try_send` says
+/// `Full` (typed, at once), `send_timeout` times out, and once it reads exactly the accepted
+/// messages arrive, in order per sender; every sender works afterwards.
+fn many_senders_against_a_receiver_that_does_not_read(mut rx: Receiver<(u32, u32)>, senders: Vec<Sender<(u32, u32)>>) {
     // The receiver reads nothing: each sender try_sends until Full (a typed error, at once), and
     // one send_timeout past that must time out (or be Full), never block.
-    let senders = within(Duration::from_secs(120), "try_send on 300 senders", move || {
+    let senders = within(Duration::from_secs(120), "try_send on every sender", move || {
         let mut accepted = vec![0u32; senders.len()];
         for (s, tx) in senders.iter().enumerate() {
             for k in 0..64u32 {
@@ -524,6 +523,21 @@ fn hundreds_of_senders_against_a_receiver_that_does_not_read_lose_nothing() {
         assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap(), (s as u32, 1000));
     }
     assert!(rx.take_errors().is_empty());
+}
+
+#[test]
+fn hundreds_of_unix_senders_against_a_receiver_that_does_not_read_lose_nothing() {
+    let path = socket_path("r4-many");
+    let rx = Receiver::<(u32, u32)>::bind_with_capacity(&path, 4).unwrap();
+    let senders = (0..300).map(|_| Sender::connect(&path).unwrap()).collect();
+    many_senders_against_a_receiver_that_does_not_read(rx, senders);
+}
+
+#[test]
+fn sixty_tcp_senders_against_a_receiver_that_does_not_read_lose_nothing() {
+    let (rx, endpoint) = tcp_receiver::<(u32, u32)>(4);
+    let senders = (0..60).map(|_| tcp_sender(&endpoint).unwrap()).collect();
+    many_senders_against_a_receiver_that_does_not_read(rx, senders);
 }
 
 #[test]
@@ -743,4 +757,91 @@ fn a_tcp_receiver_at_its_descriptor_limit_turns_connectors_away_with_the_reason(
 #[test]
 fn a_unix_receiver_at_its_descriptor_limit_turns_connectors_away_with_the_reason() {
     receiver_at_its_descriptor_limit(socket_path("r4-limited").to_str().unwrap());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1d. Raw clients on a local (Unix SOCK_SEQPACKET) receiver: garbage packets carrying hundreds of
+// descriptors each, empty and oversize packets, silence.
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// A raw SEQPACKET client of `path` that sends `packets` of `bytes` each, with `fds` copies of
+/// /dev/null's descriptor attached to every one, and keeps the socket `hold` long.
+fn raw_unix_client(
+    path: &std::path::Path,
+    packets: usize,
+    bytes: usize,
+    fds: usize,
+    hold: Duration,
+) -> Result<(), String> {
+    use rustix::net::{
+        AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketType, connect,
+        sendmsg, socket,
+    };
+    use std::os::fd::AsFd;
+    let sock = socket(AddressFamily::UNIX, SocketType::SEQPACKET, None).map_err(|e| format!("socket: {e}"))?;
+    connect(&sock, &SocketAddrUnix::new(path).unwrap()).map_err(|e| format!("connect: {e}"))?;
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let copies: Vec<_> = (0..fds).map(|_| null.as_fd()).collect();
+    let payload: Vec<u8> = (0..bytes).map(|i| (i * 7 + 3) as u8).collect();
+    for _ in 0..packets {
+        let mut space = vec![std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(253))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !copies.is_empty() {
+            assert!(control.push(SendAncillaryMessage::ScmRights(&copies)));
+        }
+        // The receiver may close the connection at the first bad packet: later sends then fail,
+        // which is the receiver's right.
+        if sendmsg(&sock, &[std::io::IoSlice::new(&payload)], &mut control, SendFlags::NOSIGNAL).is_err() {
+            break;
+        }
+    }
+    thread::sleep(hold);
+    Ok(())
+}
+
+#[test]
+fn raw_unix_clients_with_garbage_and_descriptor_floods_cost_the_receiver_nothing() {
+    let path = socket_path("r4-raw-unix");
+    let mut rx = Receiver::<Tensor>::bind(&path).unwrap();
+    let baseline = open_fds();
+    let attackers: Vec<_> = [
+        (20, 4096, 250, Duration::from_secs(3)), // garbage, 250 descriptors a packet
+        (20, 0, 250, Duration::from_secs(3)),    // empty packets with descriptors
+        (1, 150_000, 0, Duration::from_secs(3)), // one large garbage packet
+        (0, 0, 0, Duration::from_secs(6)),       // connects and says nothing
+        (5, 1, 253, Duration::ZERO),             // one byte, the most descriptors, then gone
+    ]
+    .into_iter()
+    .map(|(packets, bytes, fds, hold)| {
+        let path = path.clone();
+        thread::spawn(move || raw_unix_client(&path, packets, bytes, fds, hold))
+    })
+    .collect();
+    let tx = Sender::<Tensor>::connect(&path).unwrap();
+    let (got, rx2) = within(Duration::from_secs(120), "an honest sender beside raw Unix attackers", move || {
+        let mut got = Vec::new();
+        for n in 0..20u8 {
+            tx.send_timeout(&Tensor::new(&pattern(300_000, n), &[300_000]).unwrap(), Duration::from_secs(30)).unwrap();
+            got.push(which_pattern(&rx.recv_timeout(Duration::from_secs(30)).unwrap().to_bytes().unwrap()));
+        }
+        (got, rx)
+    });
+    rx = rx2;
+    assert_eq!(got, (0..20).map(Some).collect::<Vec<_>>(), "the honest sender's messages, whole and in order");
+    for a in attackers {
+        a.join().unwrap().unwrap();
+    }
+    // The descriptors the attackers pushed (up to 10,000) do not stay in this process.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while open_fds() > baseline + 500 && Instant::now() < deadline {
+        let _ = rx.try_recv();
+        thread::sleep(Duration::from_millis(50));
+    }
+    let now = open_fds();
+    assert!(now <= baseline + 500, "the receiver kept the attackers' descriptors: {baseline} open before, {now} after");
+    let errors = rx.take_errors();
+    assert!(errors.iter().all(|e| !format!("{e:?}").contains("Unfinished")), "{errors:?}");
 }
