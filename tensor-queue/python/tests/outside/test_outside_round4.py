@@ -297,3 +297,44 @@ def test_tcp_host_arrays_large_many_and_held(monkeypatch):
             child.kill()
             child.communicate(timeout=30)
         r.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrays whose logical size no memory can hold (a broadcast view of one element): refused typed,
+# never the end of the process. Run in a separate program, since the failure seen is an abort.
+
+HUGE_BROADCAST = r"""
+import sys
+import numpy as np
+import tensor_queue as tq
+r = tq.Receiver.bind(sys.argv[1])
+s = tq.Sender.connect(sys.argv[1])
+n, dtype = int(sys.argv[2]), np.dtype(sys.argv[3])
+a = np.broadcast_to(np.zeros(1, dtype), (n,))
+try:
+    s.send({"a": a}, timeout=10)
+    print("sent", flush=True)
+except tq.TensorQueueError as e:
+    print("refused", type(e).__name__, flush=True)
+s.send("after")
+print("after", r.recv(timeout=10), flush=True)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: send of a broadcast array over the address space (np.broadcast_to(np.zeros(1), (2**62,))) "
+    "aborts the process (memory allocation of 4611686018427387904 bytes failed), no typed error",
+)
+@pytest.mark.parametrize("n,dtype", [(2**62, "uint8"), (2**46, "int64")], ids=["2^62 uint8", "2^46 int64"])
+def test_a_broadcast_array_larger_than_memory_is_refused_typed(n, dtype, sock_path):
+    prog = program(HUGE_BROADCAST, sock_path, n, dtype)
+    try:
+        out, err = prog.communicate(timeout=60)
+    except Exception:
+        prog.kill()
+        prog.communicate()
+        raise
+    assert prog.returncode == 0, f"the sending process died ({prog.returncode}): {err[-500:]}"
+    assert out.startswith("refused "), out
+    assert "after after" in out, out
