@@ -338,3 +338,107 @@ def test_a_broadcast_array_larger_than_memory_is_refused_typed(n, dtype, sock_pa
     assert prog.returncode == 0, f"the sending process died ({prog.returncode}): {err[-500:]}"
     assert out.startswith("refused "), out
     assert "after after" in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# TCP: a sending program killed mid-transfer of a large array, beside another sending program.
+
+TCP_BIG_SENDER = r"""
+import sys
+import numpy as np
+import tensor_queue as tq
+s = tq.Sender.connect(sys.argv[1], timeout=30)
+big = np.ones(256 << 20, dtype=np.uint8)
+print("sending", flush=True)
+s.send({"who": "big", "a": big})
+print("sent", flush=True)
+import time; time.sleep(600)
+"""
+
+TCP_SMALL_SENDER = r"""
+import sys, time
+import numpy as np
+import tensor_queue as tq
+s = tq.Sender.connect(sys.argv[1], timeout=30)
+for i in range(40):
+    s.send({"who": "small", "i": i, "a": np.full(1 << 16, i, dtype=np.int32)})
+    time.sleep(0.02)
+s.close()
+print("closed", flush=True)
+"""
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_tcp_sender_program_killed_mid_array_costs_the_other_nothing(monkeypatch):
+    import threading
+    import time
+
+    monkeypatch.setenv("TQ_SECRET", SECRET)
+    addr = f"tcp://127.0.0.1:{_free_port()}"
+    r = tq.Receiver.bind(addr, capacity=4)
+    smalls, bigs, failures = [], [], []
+
+    def receive():
+        # Until every sender has gone (EOFError) or nothing came for 30 s.
+        while True:
+            try:
+                m = r.recv(timeout=30)
+            except (TimeoutError, EOFError):
+                return
+            except Exception as e:  # reported below
+                failures.append(e)
+                return
+            if m["who"] == "small":
+                if not (m["a"] == m["i"]).all():
+                    failures.append(f"small {m['i']} torn")
+                smalls.append(m["i"])
+            else:
+                bigs.append(m)
+
+    before = _rss()
+    reader = threading.Thread(target=receive, daemon=True)
+    reader.start()
+    big = program(TCP_BIG_SENDER, addr, env={"TQ_SECRET": SECRET})
+    small = program(TCP_SMALL_SENDER, addr, env={"TQ_SECRET": SECRET})
+    try:
+        assert big.stdout.readline().strip() == "sending"
+        # Kill it once this receiver holds 64 MiB more than before (its host memory is backed as
+        # the bytes arrive; the other program sends 10 MiB in all): mid-transfer.
+        deadline = time.monotonic() + 60
+        while _rss() < before + (64 << 20) and not bigs:
+            assert time.monotonic() < deadline, "the big array never started arriving"
+            time.sleep(0.001)
+        os.kill(big.pid, signal.SIGKILL)
+        big.wait(timeout=30)
+        reader.join(timeout=120)
+        assert not reader.is_alive(), "recv hung"
+        assert not failures, failures
+        assert smalls == list(range(40)), "the other program's messages, all and in order"
+        # The killed one's message arrived whole (it may have finished) or is reported lost.
+        for m in bigs:
+            assert m["a"].shape == (256 << 20,) and bool(m["a"].all())
+        out, err = small.communicate(timeout=60)
+        assert "closed" in out, err
+        if not bigs:
+            errors = r.take_errors()
+            if not errors:
+                try:
+                    r.recv(timeout=3)
+                except (TimeoutError, EOFError):
+                    pass
+                errors = r.take_errors()
+            assert errors and all(isinstance(e, str) for e in errors), errors
+            assert any("unfinished" in e.lower() or "lost" in e.lower() for e in errors), errors
+    finally:
+        for p in (big, small):
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=30)
+        r.close()
