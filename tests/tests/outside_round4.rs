@@ -842,6 +842,90 @@ fn raw_unix_clients_with_garbage_and_descriptor_floods_cost_the_receiver_nothing
     }
     let now = open_fds();
     assert!(now <= baseline + 500, "the receiver kept the attackers' descriptors: {baseline} open before, {now} after");
-    let errors = rx.take_errors();
-    assert!(errors.iter().all(|e| !format!("{e:?}").contains("Unfinished")), "{errors:?}");
+    // The garbage is reported (take_errors: connections closed), as the README's example shows.
+    let mut errors = rx.take_errors();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !errors.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })) && Instant::now() < deadline {
+        let _ = rx.try_recv();
+        thread::sleep(Duration::from_millis(50));
+        errors.extend(rx.take_errors());
+    }
+    assert!(
+        errors.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })),
+        "the garbage was not reported: {errors:?}"
+    );
+}
+
+#[test]
+fn reading_a_broadcast_view_larger_than_memory_is_a_typed_error_not_an_abort() {
+    // A received tensor can be such a view (a peer sends `expand` of one element): reading it
+    // must not end the reader's process. Separate process: the failure seen is an abort.
+    let mut peer = Peer::start(&["read-expanded", &(1u64 << 46).to_string()]);
+    assert_eq!(peer.line(), "expanded");
+    let mut said = Vec::new();
+    while let Ok(line) = peer.lines.recv_timeout(Duration::from_secs(60)) {
+        said.push(line);
+    }
+    let status = peer.exit();
+    assert!(status.success(), "the reading process died: {status}; it said {said:?}");
+    assert_eq!(said.len(), 2, "{said:?}");
+    assert!(said.iter().all(|l| l.contains(" error ")), "{said:?}");
+}
+
+#[test]
+fn dropping_a_tcp_sender_whose_receiver_was_dropped_mid_message_returns_promptly() {
+    let (rx, endpoint) = tcp_receiver::<Tensor>(4);
+    let tx = tcp_sender::<Tensor>(&endpoint).unwrap();
+    let big = Tensor::zeros(DType::U8, &[1 << 30]).unwrap();
+    tx.send_timeout(&big, Duration::from_secs(30)).unwrap();
+    drop(rx);
+    // The receiver is gone: nothing waits for it to read (README: the drop waits at most 60 s
+    // only "while the receiver takes nothing"; a closed socket takes nothing ever).
+    let result = within(Duration::from_secs(30), "a send after the receiver was dropped", move || {
+        let mut last = Ok(());
+        for _ in 0..100 {
+            last = tx.send_timeout(&Tensor::zeros(DType::U8, &[8]).unwrap(), Duration::from_secs(5));
+            if last.is_err() {
+                break;
+            }
+            thread::sleep(Duration::from_millis(50));
+        }
+        (last, tx)
+    });
+    let (last, tx) = result;
+    assert!(matches!(last, Err(Error::Disconnected)), "sending to a dropped receiver: {last:?}");
+    within(Duration::from_secs(30), "dropping the sender", move || drop(tx));
+}
+
+#[test]
+fn connectors_after_stop_accepting_get_a_typed_error_and_joined_senders_go_on() {
+    let (mut rx, endpoint) = tcp_receiver::<u32>(4);
+    let tx = tcp_sender::<u32>(&endpoint).unwrap();
+    tx.send(&1).unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap(), 1);
+    rx.stop_accepting().unwrap();
+    let e2 = endpoint.clone();
+    let late = within(Duration::from_secs(90), "connecting after stop_accepting", move || {
+        Sender::<u32>::builder().secret(secret()).timeout(Duration::from_secs(10)).connect(e2.as_str()).map(|_| ())
+    });
+    assert!(late.is_err(), "a connector after stop_accepting got in");
+    tx.send(&2).unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap(), 2);
+    drop(tx);
+    assert!(matches!(rx.recv_timeout(Duration::from_secs(30)), Err(Error::Disconnected)));
+}
+
+#[test]
+#[ignore = "BUG: Sender::connect to a TCP port nobody listens on is Core(Os ConnectionRefused), not Error::NoReceiver as over Unix"]
+fn tcp_connect_to_nothing_listening_is_no_receiver_as_over_unix() {
+    // Error::NoReceiver: "A sender found nothing listening at its endpoint: no socket file there,
+    // or no process accepting on it (the receiver is not bound yet, or has gone)."
+    let (mut rx, endpoint) = tcp_receiver::<u32>(4);
+    rx.stop_accepting().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    for endpoint in [endpoint, format!("tcp://127.0.0.1:{port}")] {
+        let result =
+            Sender::<u32>::builder().secret(secret()).timeout(Duration::from_secs(10)).connect(endpoint.as_str());
+        assert!(matches!(result, Err(Error::NoReceiver { .. })), "{endpoint}: {:?}", result.map(|_| ()));
+    }
 }

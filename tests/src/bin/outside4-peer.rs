@@ -159,6 +159,25 @@ fn main() -> Result<()> {
             }
             say(&format!("errors {}", receiver.take_errors().len()));
         }
+        // Reads a broadcast view of one byte with `numel` elements with `to_vec` and `to_bytes`
+        // under a 16 GiB address-space limit (so no machine fills its memory), reporting each.
+        "read-expanded" => {
+            let numel: u64 = args[1].parse()?;
+            rustix::process::setrlimit(
+                rustix::process::Resource::As,
+                rustix::process::Rlimit { current: Some(16 << 30), maximum: None },
+            )?;
+            let view = Tensor::new(&[7u8], &[1])?.expand(&[numel])?;
+            say("expanded");
+            match view.to_vec::<u8>() {
+                Ok(v) => say(&format!("to_vec ok {}", v.len())),
+                Err(error) => say(&format!("to_vec error {error:?}")),
+            }
+            match view.to_bytes() {
+                Ok(v) => say(&format!("to_bytes ok {}", v.len())),
+                Err(error) => say(&format!("to_bytes error {error:?}")),
+            }
+        }
         other => bail!("unknown mode {other:?}"),
     }
     Ok(())
