@@ -929,3 +929,12 @@ fn tcp_connect_to_nothing_listening_is_no_receiver_as_over_unix() {
         assert!(matches!(result, Err(Error::NoReceiver { .. })), "{endpoint}: {:?}", result.map(|_| ()));
     }
 }
+
+#[test]
+#[ignore = "BUG: Receiver::bind(\"\") is Core(Os: \" vanished right after bind\") and connect(\"\") NoReceiver(ECONNREFUSED), not BadEndpoint"]
+fn an_empty_endpoint_is_a_bad_endpoint() {
+    let bound = Receiver::<u32>::bind("").map(|_| ());
+    assert!(matches!(bound, Err(Error::BadEndpoint { .. })), "bind(\"\"): {bound:?}");
+    let connected = Sender::<u32>::connect("").map(|_| ());
+    assert!(matches!(connected, Err(Error::BadEndpoint { .. })), "connect(\"\"): {connected:?}");
+}

@@ -442,3 +442,28 @@ def test_tcp_sender_program_killed_mid_array_costs_the_other_nothing(monkeypatch
                 p.kill()
             p.communicate(timeout=30)
         r.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Addresses.
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: Receiver.bind('tcp://127.0.0.1:0').address is 'tcp://127.0.0.1:0', not the port bound "
+    "(a Python user cannot learn the port; Rust has Receiver::local_addr)",
+)
+def test_tcp_port_zero_address_names_the_port_bound(monkeypatch):
+    monkeypatch.setenv("TQ_SECRET", SECRET)
+    with tq.Receiver.bind("tcp://127.0.0.1:0") as r:
+        # "The address it was bound to": one a sender can connect to.
+        assert not r.address.endswith(":0"), r.address
+        with tq.Sender.connect(r.address, timeout=10) as s:
+            s.send("hi")
+            assert r.recv(timeout=10) == "hi"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: Receiver.bind('') raises a bare TensorQueueError ('... vanished right after bind'), not InvalidArgument")
+def test_empty_address_is_invalid_argument():
+    with pytest.raises(tq.InvalidArgument):
+        tq.Receiver.bind("")
