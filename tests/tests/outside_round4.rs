@@ -938,3 +938,60 @@ fn an_empty_endpoint_is_a_bad_endpoint() {
     let connected = Sender::<u32>::connect("").map(|_| ());
     assert!(matches!(connected, Err(Error::BadEndpoint { .. })), "connect(\"\"): {connected:?}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// 2c. Large payloads without tensors (frames up to MAX_MESSAGE_BYTES), to a receiver that reads
+// and to one that does not.
+
+fn big_payloads(rx: Receiver<String>, tx: Sender<String>) {
+    let mut rx = rx;
+    let limit = tensor_queue::MAX_MESSAGE_BYTES;
+    let over = "y".repeat(limit + 1);
+    assert!(matches!(tx.send(&over), Err(Error::TooLarge { .. })), "a payload over the limit");
+    drop(over);
+    let big = "x".repeat(100 << 20);
+    // The receiver does not read: try_send and send_timeout keep their promise.
+    let tx =
+        within(Duration::from_secs(60), "try_send/send_timeout of 100 MiB payloads, receiver not reading", move || {
+            let mut accepted = 0;
+            for _ in 0..3 {
+                match tx.try_send(&big) {
+                    Ok(()) => accepted += 1,
+                    Err(Error::Full) => {}
+                    Err(e) => panic!("try_send: {e:?}"),
+                }
+            }
+            match tx.send_timeout(&big, Duration::from_millis(200)) {
+                Ok(()) => accepted += 1,
+                Err(Error::Timeout | Error::Full) => {}
+                Err(e) => panic!("send_timeout: {e:?}"),
+            }
+            (tx, accepted)
+        });
+    let (tx, accepted) = tx;
+    assert!(accepted >= 1, "not even one 100 MiB payload was taken by a receiver with room");
+    let got = within(Duration::from_secs(120), "receiving the 100 MiB payloads", move || {
+        let mut got = Vec::new();
+        for _ in 0..accepted {
+            got.push(rx.recv_timeout(Duration::from_secs(60)).map(|s| (s.len(), s.bytes().all(|b| b == b'x'))));
+        }
+        got
+    });
+    assert!(got.iter().all(|g| matches!(g, Ok((len, true)) if *len == 100 << 20)), "{got:?}");
+    drop(tx);
+}
+
+#[test]
+fn large_payloads_without_tensors_over_unix() {
+    let path = socket_path("r4-payload");
+    let rx = Receiver::<String>::bind_with_capacity(&path, 2).unwrap();
+    let tx = Sender::<String>::connect(&path).unwrap();
+    big_payloads(rx, tx);
+}
+
+#[test]
+fn large_payloads_without_tensors_over_tcp() {
+    let (rx, endpoint) = tcp_receiver::<String>(2);
+    let tx = tcp_sender::<String>(&endpoint).unwrap();
+    big_payloads(rx, tx);
+}
