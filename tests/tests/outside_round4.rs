@@ -667,12 +667,22 @@ fn overflowing_and_impossible_shapes_are_typed_errors_not_panics() {
 
 #[test]
 fn a_broadcast_view_of_a_huge_logical_size_crosses_tcp_or_is_refused_without_a_crash() {
+    huge_broadcast_view("tcp://127.0.0.1:0");
+}
+
+#[test]
+fn a_broadcast_view_of_a_huge_logical_size_crosses_unix_or_is_refused_without_a_crash() {
+    huge_broadcast_view(socket_path("r4-expand").to_str().unwrap());
+}
+
+fn huge_broadcast_view(endpoint: &str) {
     // Both ends are separate processes: if either tried to allocate the logical size (1 TiB) it
     // would die, and that is what this test looks for.
-    let mut receiver = Peer::start(&["recv-one", "tcp://127.0.0.1:0"]);
-    let port = receiver.line().strip_prefix("bound ").expect("bound line").to_string();
+    let mut receiver = Peer::start(&["recv-one", endpoint]);
+    let port: u16 = receiver.line().strip_prefix("bound ").expect("bound line").parse().unwrap();
+    let endpoint = if port == 0 { endpoint.to_string() } else { format!("tcp://127.0.0.1:{port}") };
     let numel = 1u64 << 40;
-    let mut sender = Peer::start(&["send-expanded", &format!("tcp://127.0.0.1:{port}"), &numel.to_string()]);
+    let mut sender = Peer::start(&["send-expanded", &endpoint, &numel.to_string()]);
     let said = sender.line();
     assert!(
         said == "send ok" || said.starts_with("send error TooLarge") || said.starts_with("send error NotSendable"),
@@ -994,4 +1004,25 @@ fn large_payloads_without_tensors_over_tcp() {
     let (rx, endpoint) = tcp_receiver::<String>(2);
     let tx = tcp_sender::<String>(&endpoint).unwrap();
     big_payloads(rx, tx);
+}
+
+#[test]
+fn memory_held_by_a_killed_receiver_process_comes_back_to_its_sender() {
+    let path = socket_path("r4-hold");
+    let mut peer = Peer::start(&["hold", path.to_str().unwrap(), "20"]);
+    assert_eq!(peer.line(), "bound");
+    let tx = Sender::<Tensor>::connect(&path).unwrap();
+    for n in 0..20u8 {
+        tx.send_timeout(&Tensor::new(&pattern(1 << 20, n), &[1 << 20]).unwrap(), Duration::from_secs(30)).unwrap();
+    }
+    assert_eq!(peer.line(), "held");
+    assert!(tx.outstanding_leases() > 0, "the receiver holds the tensors: their leases are out");
+    assert!(!tx.wait_released(Duration::from_millis(200)), "released while the receiver still holds them");
+    peer.sigkill();
+    // README: memory a receiver holds is never reused until it is released or the receiver's
+    // process is gone.
+    assert!(tx.wait_released(Duration::from_secs(30)), "the leases of a dead receiver did not come back");
+    assert_eq!(tx.outstanding_leases(), 0);
+    let later = tx.send_timeout(&Tensor::new(&[1u8], &[1]).unwrap(), Duration::from_secs(10));
+    assert!(matches!(later, Err(Error::Disconnected)), "a send to the dead receiver: {later:?}");
 }

@@ -178,6 +178,20 @@ fn main() -> Result<()> {
                 Err(error) => say(&format!("to_bytes error {error:?}")),
             }
         }
+        // Binds `endpoint`, says "bound", receives `count` tensors and holds them all, says
+        // "held", then waits for stdin to close (the test kills it while it holds them).
+        "hold" => {
+            let mut receiver = Receiver::<Tensor>::bind(args[1].as_str())?;
+            say("bound");
+            let count: usize = args[2].parse()?;
+            let mut held = Vec::new();
+            for _ in 0..count {
+                held.push(receiver.recv_timeout(Duration::from_secs(60))?);
+            }
+            say("held");
+            let _ = std::io::stdin().lock().lines().count();
+            drop(held);
+        }
         other => bail!("unknown mode {other:?}"),
     }
     Ok(())
