@@ -1026,3 +1026,25 @@ fn memory_held_by_a_killed_receiver_process_comes_back_to_its_sender() {
     let later = tx.send_timeout(&Tensor::new(&[1u8], &[1]).unwrap(), Duration::from_secs(10));
     assert!(matches!(later, Err(Error::Disconnected)), "a send to the dead receiver: {later:?}");
 }
+
+#[test]
+fn one_tensor_repeated_in_a_message_and_overlapping_views_cross_tcp_intact() {
+    let (mut rx, endpoint) = tcp_receiver::<Vec<Tensor>>(4);
+    let tx = tcp_sender::<Vec<Tensor>>(&endpoint).unwrap();
+    let base = Tensor::new(&pattern(1 << 20, 77), &[1024, 1024]).unwrap();
+    let mut message: Vec<Tensor> = (0..200).map(|_| base.clone()).collect();
+    message.push(base.narrow(0, 1000, 24).unwrap());
+    message.push(base.transpose(0, 1).unwrap());
+    message.push(base.flip(&[0, 1]).unwrap().narrow(1, 3, 5).unwrap());
+    let expected: Vec<(Vec<u64>, Vec<u8>)> =
+        message.iter().map(|t| (t.shape().to_vec(), t.to_bytes().unwrap())).collect();
+    tx.send_timeout(&message, Duration::from_secs(60)).unwrap();
+    let got = within(Duration::from_secs(120), "a message of one tensor 200 times", move || {
+        rx.recv_timeout(Duration::from_secs(60)).unwrap()
+    });
+    assert_eq!(got.len(), expected.len());
+    for (k, (t, (shape, bytes))) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(t.shape(), &shape[..], "tensor {k}");
+        assert!(&t.to_bytes().unwrap() == bytes, "tensor {k}: bytes differ");
+    }
+}

@@ -554,3 +554,39 @@ def test_queue_producer_sigkilled_while_consumer_holds_its_messages():
         if child.poll() is None:
             child.kill()
         child.communicate(timeout=30)
+
+
+def test_raw_tcp_garbage_is_reported_and_the_receiver_goes_on(monkeypatch):
+    import time
+
+    monkeypatch.setenv("TQ_SECRET", SECRET)
+    port = _free_port()
+    addr = f"tcp://127.0.0.1:{port}"
+    with tq.Receiver.bind(addr) as r:
+        raws = []
+        for payload in (b"\xff" * 64, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 64):
+            c = socket.create_connection(("127.0.0.1", port), timeout=10)
+            c.sendall(payload)
+            raws.append(c)
+        with tq.Sender.connect(addr, timeout=30) as s:
+            s.send({"ok": np.arange(5)})
+            assert r.recv(timeout=30)["ok"].tolist() == [0, 1, 2, 3, 4]
+        # Each raw connection is closed by the receiver, within a bound.
+        for c in raws:
+            c.settimeout(40)
+            try:
+                while c.recv(4096):
+                    pass
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+            c.close()
+        errors = r.take_errors()
+        deadline = time.monotonic() + 20
+        while not errors and time.monotonic() < deadline:
+            try:
+                r.try_recv()
+            except (tq.Empty, EOFError):
+                pass
+            time.sleep(0.05)
+            errors = r.take_errors()
+        assert errors and all(isinstance(e, str) for e in errors), errors
