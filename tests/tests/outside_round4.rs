@@ -1048,3 +1048,35 @@ fn one_tensor_repeated_in_a_message_and_overlapping_views_cross_tcp_intact() {
         assert!(&t.to_bytes().unwrap() == bytes, "tensor {k}: bytes differ");
     }
 }
+
+#[test]
+fn a_sender_process_at_its_descriptor_limit_gets_typed_errors_and_goes_on() {
+    let path = socket_path("r4-sender-nofile");
+    let mut rx = Receiver::<Tensor>::bind(&path).unwrap();
+    let mut peer = Peer::start(&["fd-limit-tensors", path.to_str().unwrap(), "40", "60"]);
+    let reader = thread::spawn(move || {
+        let mut got = Vec::new();
+        loop {
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok(t) => got.push(t.shape().to_vec()),
+                Err(Error::Disconnected | Error::Timeout) => break,
+                Err(e) => got.push(vec![u64::MAX, e.to_string().len() as u64]),
+            }
+        }
+        got
+    });
+    let mut said = Vec::new();
+    while let Ok(line) = peer.lines.recv_timeout(Duration::from_secs(120)) {
+        said.push(line);
+    }
+    let status = peer.exit();
+    let got = within(Duration::from_secs(120), "the receiver's end", move || reader.join().unwrap());
+    assert!(status.success(), "the fd-limited sender died: {status}; it said {said:?}");
+    let failures: Vec<&String> = said.iter().filter(|l| l.contains(" error ")).collect();
+    assert!(!failures.is_empty(), "60 chunks under a 40-descriptor limit all made and sent? {said:?}");
+    let sent: usize = said.iter().find_map(|l| l.strip_prefix("sent ")).expect("sent line").parse().unwrap();
+    assert!(said.contains(&"after".to_string()), "{said:?}");
+    let big = got.iter().filter(|s| s[..] == [48 << 20]).count();
+    assert_eq!(big, sent, "every send that succeeded arrived: {got:?}");
+    assert_eq!(got.last().map(|s| s.to_vec()), Some(vec![3]), "the message after letting go");
+}

@@ -192,6 +192,41 @@ fn main() -> Result<()> {
             let _ = std::io::stdin().lock().lines().count();
             drop(held);
         }
+        // Lowers RLIMIT_NOFILE to `limit`, connects to `endpoint`, then makes and sends `count`
+        // 48 MiB tensors (a chunk each), holding every one: says "made error E" / "send error E"
+        // for each failure, then "sent N" (how many sends succeeded).
+        "fd-limit-tensors" => {
+            let limit: u64 = args[2].parse()?;
+            let count: usize = args[3].parse()?;
+            let sender = connect::<Tensor>(&args[1])?;
+            let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
+            rustix::process::setrlimit(
+                rustix::process::Resource::Nofile,
+                rustix::process::Rlimit { current: Some(limit), maximum: hard },
+            )?;
+            let mut held = Vec::new();
+            let mut sent = 0;
+            for _ in 0..count {
+                let tensor = match Tensor::zeros(tensor_queue::DType::U8, &[48 << 20]) {
+                    Ok(t) => t,
+                    Err(error) => {
+                        say(&format!("made error {error:?}"));
+                        continue;
+                    }
+                };
+                match sender.send_timeout(&tensor, Duration::from_secs(30)) {
+                    Ok(()) => sent += 1,
+                    Err(error) => say(&format!("send error {error:?}")),
+                }
+                held.push(tensor);
+            }
+            say(&format!("sent {sent}"));
+            // Room again: one more send goes through.
+            held.clear();
+            sender.send_timeout(&Tensor::new(&[1u8, 2, 3], &[3])?, Duration::from_secs(30))?;
+            say("after");
+            drop(sender);
+        }
         other => bail!("unknown mode {other:?}"),
     }
     Ok(())
