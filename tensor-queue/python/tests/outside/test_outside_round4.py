@@ -590,3 +590,46 @@ def test_raw_tcp_garbage_is_reported_and_the_receiver_goes_on(monkeypatch):
             time.sleep(0.05)
             errors = r.take_errors()
         assert errors and all(isinstance(e, str) for e in errors), errors
+
+
+# ---------------------------------------------------------------------------------------------
+# Odd arrays: dimension limits, unaligned data, overlapping and negative strides, zero-size
+# shapes with huge dimensions.
+
+
+def _odd_arrays():
+    from numpy.lib.stride_tricks import as_strided
+
+    raw = np.arange(100, dtype=np.uint8).tobytes()
+    return {
+        "32 dims": np.arange(2, dtype=np.int8).reshape((1,) * 31 + (2,)),
+        "unaligned int32": np.frombuffer(raw, dtype=np.int32, count=10, offset=1),
+        "zero-size with a 2^40 dim": np.empty((0, 2**40), np.float64),
+        "zero-size with a 2^31 zero-stride dim": as_strided(np.zeros(1, np.int8), shape=(2**31, 0), strides=(0, 0)),
+        "overlapping strides": as_strided(np.arange(10, dtype=np.int64), shape=(5, 4), strides=(8, 8)),
+        "negative strides 2-d": np.arange(12, dtype=np.float32).reshape(3, 4)[::-1, ::-2],
+        "0-d int64 max": np.array(2**63 - 1, dtype=np.int64),
+        "read-only source": np.frombuffer(b"abcd", dtype=np.uint8),
+        "float16 nan, -0, inf": np.array([np.nan, -0.0, np.inf], np.float16),
+        "bool strided": np.array([True, False] * 5)[::3],
+    }
+
+
+@pytest.mark.parametrize("name", list(_odd_arrays()))
+def test_odd_arrays_round_trip(name, sock_path):
+    a = _odd_arrays()[name]
+    with tq.Receiver.bind(sock_path) as r, tq.Sender.connect(sock_path) as s:
+        s.send({"a": a})
+        got = r.recv(timeout=10)["a"]
+        assert got.shape == a.shape and got.dtype == a.dtype
+        assert np.array_equal(got, a, equal_nan=a.dtype.kind == "f")
+
+
+@pytest.mark.parametrize("ndim", [33, 40])
+def test_more_dims_than_the_limit_is_not_sendable_and_the_channel_goes_on(ndim, sock_path):
+    with tq.Receiver.bind(sock_path) as r, tq.Sender.connect(sock_path) as s:
+        with pytest.raises(tq.NotSendable) as ei:
+            s.send({"deep": np.zeros((1,) * ndim, np.float32)})
+        assert "deep" in str(ei.value)
+        s.send("after")
+        assert r.recv(timeout=10) == "after"
