@@ -1080,3 +1080,44 @@ fn a_sender_process_at_its_descriptor_limit_gets_typed_errors_and_goes_on() {
     assert_eq!(big, sent, "every send that succeeded arrived: {got:?}");
     assert_eq!(got.last().map(|s| s.to_vec()), Some(vec![3]), "the message after letting go");
 }
+
+#[test]
+fn a_stopped_tcp_receiver_process_costs_nothing_and_loses_nothing_once_it_resumes() {
+    use rustix::process::{Pid, Signal, kill_process};
+    let peer = Peer::start(&["recv", "1000"]);
+    let port = peer.line().strip_prefix("port ").expect("port line").to_string();
+    let stalled = tcp_sender::<Tensor>(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    let pid = Pid::from_raw(peer.child.id() as i32).unwrap();
+    kill_process(pid, Signal::STOP).unwrap();
+    let (mut rx, endpoint) = tcp_receiver::<Tensor>(4);
+    let healthy = tcp_sender::<Tensor>(&endpoint).unwrap();
+    // Against the stopped process: every call returns within its promise, typed.
+    let (stalled, accepted) = within(Duration::from_secs(120), "sends to a stopped receiver", move || {
+        let mut accepted = 0usize;
+        for n in 0..40u8 {
+            let t = Tensor::new(&pattern(4 << 20, n), &[4 << 20]).unwrap();
+            let result =
+                if n % 2 == 0 { stalled.try_send(&t) } else { stalled.send_timeout(&t, Duration::from_millis(100)) };
+            match result {
+                Ok(()) => accepted += 1,
+                Err(Error::Full | Error::Timeout) => {}
+                Err(e) => panic!("message {n}: {e:?}"),
+            }
+        }
+        (stalled, accepted)
+    });
+    // The same process's other channel is not held up.
+    for n in 0..5u8 {
+        healthy.send(&Tensor::new(&pattern(1 << 20, n), &[1 << 20]).unwrap()).unwrap();
+        assert_eq!(which_pattern(&rx.recv_timeout(Duration::from_secs(30)).unwrap().to_bytes().unwrap()), Some(n));
+    }
+    kill_process(pid, Signal::CONT).unwrap();
+    // Everything accepted arrives once it resumes.
+    for k in 0..accepted {
+        let line = peer.line();
+        assert_eq!(line, format!("got {k} {}", 4 << 20), "after SIGCONT");
+    }
+    assert!(stalled.wait_written(Duration::from_secs(60)));
+    assert!(accepted >= 1, "not one message was accepted by a receiver with room (capacity)");
+    assert!(stalled.is_connected());
+}
