@@ -1121,3 +1121,42 @@ fn a_stopped_tcp_receiver_process_costs_nothing_and_loses_nothing_once_it_resume
     assert!(accepted >= 1, "not one message was accepted by a receiver with room (capacity)");
     assert!(stalled.is_connected());
 }
+
+#[test]
+fn a_broadcast_with_one_receiver_process_killed_still_reaches_the_others() {
+    let dead_path = socket_path("r4-bc-dead");
+    let mut peer = Peer::start(&["hold", dead_path.to_str().unwrap(), "1"]);
+    assert_eq!(peer.line(), "bound");
+    let live_path = socket_path("r4-bc-live");
+    let mut unix_rx = Receiver::<Tensor>::bind(&live_path).unwrap();
+    let (mut tcp_rx, endpoint) = tcp_receiver::<Tensor>(4);
+    let senders = vec![
+        Sender::<Tensor>::connect(&dead_path).unwrap(),
+        Sender::<Tensor>::connect(&live_path).unwrap(),
+        tcp_sender::<Tensor>(&endpoint).unwrap(),
+    ];
+    let broadcast = tensor_queue::Broadcast::new(senders);
+    broadcast.send(&Tensor::new(&pattern(1 << 20, 0), &[1 << 20]).unwrap()).unwrap();
+    assert_eq!(peer.line(), "held");
+    peer.sigkill();
+    // "Every receiver is tried; the first error is returned."
+    let mut results = Vec::new();
+    for n in 1..4u8 {
+        results.push(broadcast.send(&Tensor::new(&pattern(1 << 20, n), &[1 << 20]).unwrap()));
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        results.iter().all(|r| matches!(r, Ok(()) | Err(Error::Disconnected))),
+        "broadcast sends with one receiver dead: {results:?}"
+    );
+    assert!(
+        matches!(results.last(), Some(Err(Error::Disconnected))),
+        "the dead receiver is never reported: {results:?}"
+    );
+    for rx in [&mut unix_rx, &mut tcp_rx] {
+        for n in 0..4u8 {
+            let t = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+            assert_eq!(which_pattern(&t.to_bytes().unwrap()), Some(n));
+        }
+    }
+}
