@@ -33,6 +33,7 @@ const BINARIES: &[&str] = &[
     "tq-hostile",
     "outside-peer",
     "outside-msg-peer",
+    "outside4-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",

@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,nohea
 # binaries, which CI runs in parallel anyway, use 4 threads so their long waits overlap.
 for t in "$here"/tests/*; do
   case "$(basename "$t")" in
-    tests-api_host | tests-async_host | tests-ecosystem | tests-faults_host | tests-outside_rust | tests-queue_host | tests-reliability | tests-tcp_host | tests-views) threads=4 ;;
+    tests-api_host | tests-async_host | tests-ecosystem | tests-faults_host | tests-outside_rust | tests-outside_round4 | tests-queue_host | tests-reliability | tests-tcp_host | tests-views) threads=4 ;;
     *) threads=1 ;;
   esac
   step "test-$(basename "$t")" "$t" --test-threads=$threads
