@@ -137,6 +137,14 @@ impl Acceptor {
                         Listening::Tcp(tcp, secret) => tcp.accept_unverified(wait).map(|unverified| {
                             let abort = match unverified.abort_handle() {
                                 Ok(abort) => abort,
+                                // Accepted with the last descriptor: none left to duplicate it.
+                                Err(ipc_core::Error::Os { source, .. })
+                                    if source.raw_os_error().is_some_and(is_table_full) =>
+                                {
+                                    unverified.turn_away(TurnAway::OutOfDescriptors);
+                                    tracing::warn!("{}", TurnAway::OutOfDescriptors);
+                                    return None;
+                                }
                                 Err(error) => return Some(Err(error.into())),
                             };
                             let id = lock(&handshakes).admit(abort);

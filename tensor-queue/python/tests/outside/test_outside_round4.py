@@ -83,16 +83,7 @@ UNLISTED = {
 
 @pytest.mark.parametrize(
     "name",
-    [n for n in UNLISTED if not n.startswith("lone_surrogate")]
-    + [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True, reason="BUG: a str with a lone surrogate raises UnicodeEncodeError, not NotSendable naming where"
-            ),
-        )
-        for name in ("lone_surrogate", "lone_surrogate_key")
-    ],
+    list(UNLISTED),
 )
 def test_unlisted_values_raise_not_sendable_and_the_channel_goes_on(name, sock_path):
     value = UNLISTED[name]()
@@ -167,9 +158,6 @@ def test_errors_are_caught_by_their_builtin_names(sock_path):
             pytest.fail("recv after every sender closed did not raise")
 
 
-@pytest.mark.xfail(
-    strict=True, reason="BUG: Receiver.bind(capacity=-1 / 2**40 / 2**64) raises a bare OverflowError, not InvalidArgument"
-)
 @pytest.mark.parametrize("capacity", [-1, 2**40, 2**64])
 def test_out_of_range_capacity_is_invalid_argument(capacity, sock_path):
     with pytest.raises(tq.InvalidArgument):
@@ -321,11 +309,6 @@ print("after", r.recv(timeout=10), flush=True)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: send of a broadcast array over the address space (np.broadcast_to(np.zeros(1), (2**62,))) "
-    "aborts the process (memory allocation of 4611686018427387904 bytes failed), no typed error",
-)
 @pytest.mark.parametrize("n,dtype", [(2**62, "uint8"), (2**46, "int64")], ids=["2^62 uint8", "2^46 int64"])
 def test_a_broadcast_array_larger_than_memory_is_refused_typed(n, dtype, sock_path):
     prog = program(HUGE_BROADCAST, sock_path, n, dtype)
@@ -448,11 +431,6 @@ def test_tcp_sender_program_killed_mid_array_costs_the_other_nothing(monkeypatch
 # Addresses.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Receiver.bind('tcp://127.0.0.1:0').address is 'tcp://127.0.0.1:0', not the port bound "
-    "(a Python user cannot learn the port; Rust has Receiver::local_addr)",
-)
 def test_tcp_port_zero_address_names_the_port_bound(monkeypatch):
     monkeypatch.setenv("TQ_SECRET", SECRET)
     with tq.Receiver.bind("tcp://127.0.0.1:0") as r:
@@ -463,7 +441,6 @@ def test_tcp_port_zero_address_names_the_port_bound(monkeypatch):
             assert r.recv(timeout=10) == "hi"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Receiver.bind('') raises a bare TensorQueueError ('... vanished right after bind'), not InvalidArgument")
 def test_empty_address_is_invalid_argument():
     with pytest.raises(tq.InvalidArgument):
         tq.Receiver.bind("")
@@ -505,11 +482,6 @@ def test_several_tcp_senders_of_one_process_in_threads_keep_their_order(monkeypa
             r.recv(timeout=30)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: recv_with_info gives no connection: messages of two Senders of one process share (sender_pid, seq) "
-    "(the Rust MessageInfo has `connection` for this)",
-)
 def test_recv_with_info_tells_apart_two_senders_of_one_process(sock_path):
     with tq.Receiver.bind(sock_path) as r, tq.Sender.connect(sock_path) as a, tq.Sender.connect(sock_path) as b:
         a.send("a")
