@@ -21,7 +21,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use ipc_core::{DeviceAttribute, DeviceMemory, Stream, VmmAllocation};
+use ipc_core::{Context, DeviceAttribute, DeviceMemory, Stream, VmmAllocation};
 
 use crate::error::{Error, Result};
 use crate::memory::arena::{Chunk, ChunkMemory};
@@ -51,18 +51,18 @@ impl Words {
         Words { blocks: Vec::new(), words: Vec::new() }
     }
 
-    /// The block, byte offset and index of `stream`'s word; `new_block` makes a block when
-    /// the last one is full.
+    /// The block, byte offset and index of the word of the stream whose handle is `key`;
+    /// `new_block` makes a block when the last one is full.
     fn word(
         &mut self,
-        stream: &Stream,
+        key: usize,
         new_block: impl FnOnce() -> Result<Arc<Chunk>>,
     ) -> Result<(Arc<Chunk>, usize, usize)> {
-        let key = stream.raw() as usize;
         let index = match self.words.iter().position(|w| w.0 == key) {
             Some(index) => index,
             None => {
-                if self.words.len().is_multiple_of(WORDS_PER_BLOCK) {
+                // A block made ahead ([`prepare`]) may already hold the new word.
+                if self.words.len() / WORDS_PER_BLOCK >= self.blocks.len() {
                     self.blocks.push(new_block()?);
                 }
                 self.words.push((key, 0));
@@ -86,13 +86,10 @@ struct DeviceSignals {
 
 static SIGNALS: Mutex<Vec<DeviceSignals>> = Mutex::new(Vec::new());
 
-/// Queues, on `stream`, the write of its word's next value and returns where and what to wait
-/// for; `None` when the device lacks 64-bit stream memory operations (use an event instead).
-pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
-    let context = stream.context();
+/// The signal words of `context`'s device, found or added (asking the device once whether it
+/// has 64-bit stream memory operations).
+fn device_signals<'a>(all: &'a mut Vec<DeviceSignals>, context: &Context) -> Result<&'a mut DeviceSignals> {
     let ordinal = context.device().ordinal();
-    // One lock across the increment and the enqueue, so values reach each stream in order.
-    let mut all = lock(&SIGNALS);
     let at = match all.iter().position(|d| d.ordinal == ordinal) {
         Some(at) => at,
         None => {
@@ -102,25 +99,53 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
             all.len() - 1
         }
     };
-    let device = &mut all[at];
+    Ok(&mut all[at])
+}
+
+/// A new block of zeroed signal words on `context`'s device, exported.
+fn new_block(context: &Arc<Context>, zeroing: &mut Option<Stream>) -> Result<Arc<Chunk>> {
+    let block = Chunk::new(ChunkMemory::Vmm(VmmAllocation::new(context, WORDS_PER_BLOCK * 8)?))?;
+    block.share()?; // exported once, now, like an arena chunk
+    // Zeroed, and the zeroing finished, before any stream can write to it (a copy from the
+    // host could land after a stream's first write and erase it). On the device's zeroing
+    // stream, not the producer's: its queued work must not delay the send.
+    let zeroing = match zeroing {
+        Some(zeroing) => zeroing,
+        zeroing @ None => zeroing.insert(Stream::new(context)?),
+    };
+    device_memory(&block)?.memset_range_async(0, WORDS_PER_BLOCK * 8, 0, zeroing)?;
+    zeroing.synchronize()?;
+    Ok(block)
+}
+
+/// Makes the first block of signal words of `context`'s device ahead of the first send: its
+/// export costs as much as an arena chunk's (0.7 ms on an H200), and is paid here, with the
+/// process's first device tensor made for sending, instead of by the first message of its first
+/// channel. A failure is left for that send to meet and report.
+pub(crate) fn prepare(context: &Arc<Context>) {
+    let mut all = lock(&SIGNALS);
+    let Ok(device) = device_signals(&mut all, context) else { return };
+    if device.supported
+        && !crate::switches::force_events()
+        && device.words.blocks.is_empty()
+        && let Ok(block) = new_block(context, &mut device.zeroing)
+    {
+        device.words.blocks.push(block);
+    }
+}
+
+/// Queues, on `stream`, the write of its word's next value and returns where and what to wait
+/// for; `None` when the device lacks 64-bit stream memory operations (use an event instead).
+pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
+    let context = stream.context();
+    // One lock across the increment and the enqueue, so values reach each stream in order.
+    let mut all = lock(&SIGNALS);
+    let device = device_signals(&mut all, context)?;
     if !device.supported || crate::switches::force_events() {
         return Ok(None);
     }
     let zeroing = &mut device.zeroing;
-    let (block, offset, index) = device.words.word(stream, || {
-        let block = Chunk::new(ChunkMemory::Vmm(VmmAllocation::new(context, WORDS_PER_BLOCK * 8)?))?;
-        block.share()?; // exported once, now, like an arena chunk
-        // Zeroed, and the zeroing finished, before any stream can write to it (a copy from the
-        // host could land after a stream's first write and erase it). On the device's zeroing
-        // stream, not the producer's: its queued work must not delay the send.
-        let zeroing = match zeroing {
-            Some(zeroing) => zeroing,
-            zeroing @ None => zeroing.insert(Stream::new(context)?),
-        };
-        device_memory(&block)?.memset_range_async(0, WORDS_PER_BLOCK * 8, 0, zeroing)?;
-        zeroing.synchronize()?;
-        Ok(block)
-    })?;
+    let (block, offset, index) = device.words.word(stream.raw() as usize, || new_block(context, zeroing))?;
     let value = device.words.words[index].1 + 1;
     stream.write_value64(device_memory(&block)?, offset, value)?;
     device.words.words[index].1 = value;
@@ -146,7 +171,7 @@ pub(crate) fn host_signal_pieces(
     mut enqueue: impl FnMut(usize) -> Result<()>,
 ) -> Result<Signal> {
     let mut all = lock(&HOST_SIGNALS);
-    let (block, offset, index) = all.word(stream, || {
+    let (block, offset, index) = all.word(stream.raw() as usize, || {
         // Writable by peers: a receiver whose producer died writes the awaited value itself to
         // release its stream (see `channel/fences.rs`).
         let memory = ipc_core::SharedMemory::create("tensor-queue-signals", WORDS_PER_BLOCK * 8)?;
@@ -164,4 +189,39 @@ pub(crate) fn host_signal_pieces(
         all.words[index].1 = value;
     }
     Ok(Signal { chunk: block, offset, value: first })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host_block() -> Result<Arc<Chunk>> {
+        Chunk::writable(ChunkMemory::Host(ipc_core::SharedMemory::create("signal-test", WORDS_PER_BLOCK * 8)?))
+    }
+
+    /// A block made ahead (`prepare`) holds the first words; the next block is made only when it
+    /// is full, and a stream keeps its word.
+    #[test]
+    fn a_block_made_ahead_holds_the_first_words() {
+        let mut words = Words::new();
+        words.blocks.push(host_block().unwrap());
+        let ahead = words.blocks[0].id;
+        for key in 0..WORDS_PER_BLOCK {
+            let (block, offset, index) = words.word(key, || panic!("a block made for word {key}")).unwrap();
+            assert_eq!((block.id, offset, index), (ahead, key * 8, key));
+        }
+        let (block, offset, _) = words.word(WORDS_PER_BLOCK, host_block).unwrap();
+        assert!(block.id != ahead && offset == 0, "the 513th word starts a second block");
+        assert_eq!(words.word(3, || panic!("stream 3 has its word")).unwrap().0.id, ahead);
+        assert_eq!(words.blocks.len(), 2);
+    }
+
+    /// Without a block made ahead, the first word makes one.
+    #[test]
+    fn the_first_word_makes_the_first_block() {
+        let mut words = Words::new();
+        let (block, offset, index) = words.word(7, host_block).unwrap();
+        assert_eq!((offset, index, words.blocks.len()), (0, 0, 1));
+        assert_eq!(words.word(7, || panic!("no second block")).unwrap().0.id, block.id);
+    }
 }
