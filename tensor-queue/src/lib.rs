@@ -121,13 +121,13 @@ pub fn is_gpu_available() -> bool {
 /// ```
 #[doc(hidden)]
 pub mod testing {
+    /// The environment variable that keeps local links on the socket when `0` (before/after
+    /// measurements, tests): see `docs/ARCHITECTURE.md`, "Per-message frames through rings".
+    pub use crate::links::rings::RINGS_ENV;
     pub use crate::route::choose::{choose, choose_remote};
     pub use crate::route::reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
     pub use crate::route::staging::staging_piece;
     pub use crate::tensor::layout::check_layout;
-    /// The environment variable that keeps local links on the socket when `0` (before/after
-    /// measurements, tests): see `docs/ARCHITECTURE.md`, "Per-message frames through rings".
-    pub use crate::links::rings::RINGS_ENV;
 
     /// The frame format, for tests and tools that speak the wire by hand (hostile and
     /// outside peers): the frames each way and how they are cut into packets.
