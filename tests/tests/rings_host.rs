@@ -60,11 +60,15 @@ fn expect_end(receiver: &mut Receiver<Item>) {
 fn a_producer_killed_after_pushing_has_every_message_delivered_then_the_end() {
     let (mut receiver, path) = bind("rings-burst", 512);
     let (mut child, lines) = helper("burst", &path, &["--count", "400", "--every", "7", "--len", "4096"], &[]);
+    let first = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(first.0, 0);
+    check(&first, 1, 4096);
+    drop(first); // released: the producer sends the rest
     expect_line(&lines, "sent");
     let status = child.wait().unwrap();
     assert_eq!(status.signal(), Some(9), "the producer kills itself: {status:?}");
     // Only now does the receiver read: what the dead producer pushed is all there, in order.
-    for index in 0..400 {
+    for index in 1..400 {
         let item = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
         assert_eq!(item.0, index);
         check(&item, 7, 4096);

@@ -6,8 +6,9 @@
 //! announced on the socket between ring records).
 //!
 //! Roles:
-//! - `burst --to P --count N [--every E --len L]`: sends `N` messages, waits until the link
-//!   wrote them all, prints `sent`, and SIGKILLs itself (its receiver has not read them yet).
+//! - `burst --to P --count N [--every E --len L]`: sends message 0 (always with a tensor) and
+//!   waits until it is released, then sends messages 1 to `N - 1`, waits until the link wrote
+//!   them all, prints `sent`, and SIGKILLs itself (its receiver has not read them yet).
 //! - `marker --to P`: with `TENSOR_QUEUE_TEST_DIE_AFTER_MARKER=1`: sends message 0 without
 //!   tensors, then message 1 with a tensor (its second send waits for a credit, which comes
 //!   after the rings are on), and dies between that tensor's marker and its announcement.
@@ -57,7 +58,11 @@ fn run() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("burst") => {
             let sender = Sender::<Item>::connect(&to)?;
-            for index in 0..number(&args, "--count", 100)? {
+            // Message 0 (with a tensor) released: the rings are on by then (their offer comes
+            // before any release), so the rest goes through them, not into the socket's buffer.
+            sender.send(&item(0, 1, len)?)?;
+            ensure!(sender.wait_released(Duration::from_secs(30)), "message 0 not released within 30 s");
+            for index in 1..number(&args, "--count", 100)? {
                 sender.send(&item(index, every, len)?)?;
             }
             ensure!(sender.wait_written(Duration::from_secs(30)), "not written within 30 s");
