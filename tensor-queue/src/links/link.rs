@@ -6,10 +6,13 @@
 //! hosts, and the peer's machine may differ).
 //!
 //! Frames longer than a packet travel in parts ([`wire::packets`], joined by
-//! [`wire::Assembler`]). A local link moves its per-message frames to shared-memory rings after
-//! the greeting (`links/rings.rs`); which path a frame took is this module's business alone. Writes never hold a lock of the channel's state: a blocked write must
+//! [`wire::Assembler`]). Writes never hold a lock of the channel's state: a blocked write must
 //! never stop the thread that reads the peer's frames, or two honest processes that write to
 //! each other at once wait for each other forever.
+//!
+//! A local link moves its per-message frames to shared-memory rings after the greeting
+//! (`links/rings.rs`: the switch, the markers of frames the socket carries, the doorbells);
+//! which path a frame took is this module's business alone.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
