@@ -785,3 +785,104 @@ fn peer_gone(error: ipc_core::Error) -> Error {
         other => other.into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ipc_core::ring::RingWriter;
+    use ipc_core::seqpacket::Connection;
+
+    use super::*;
+    use crate::wire::ToReceiver;
+
+    /// A receiver's link whose rings are on, and the sender's end played by hand: its socket and
+    /// the ring it writes.
+    fn switched() -> (Link, Connection, RingWriter, Assembler, Vec<u8>) {
+        let (ours, theirs) = Connection::pair().unwrap();
+        let link = Link::new(Box::new(ours)).unwrap();
+        link.offer_rings().unwrap();
+        let mut buf = vec![0u8; MAX_PACKET];
+        let (n, fds) = theirs.recv(&mut buf).unwrap();
+        assert_eq!(LinkFrame::decode(&buf[..n]), Ok(LinkFrame::Rings));
+        let [to_receiver, _, doorbell, _]: [OwnedFd; 4] = fds.try_into().unwrap();
+        let mut ring = RingWriter::open(to_receiver).unwrap();
+        ring.set_doorbell(Some(doorbell)).unwrap();
+        theirs.send(&LinkFrame::RingsOn.encode(), &[]).unwrap();
+        let mut assembler = Assembler::default();
+        assert!(matches!(link.try_recv::<ToReceiver>(&mut assembler, &mut buf).unwrap().0, Read::Nothing));
+        let (n, _) = theirs.recv(&mut buf).unwrap();
+        assert_eq!(LinkFrame::decode(&buf[..n]), Ok(LinkFrame::RingsOn), "the receiver's own switch");
+        (link, theirs, ring, assembler, buf)
+    }
+
+    fn readable(link: &Link) -> bool {
+        let mut fds = [PollFd::from_borrowed_fd(link.fd(), PollFlags::IN)];
+        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap() == 1
+    }
+
+    fn next(link: &Link, assembler: &mut Assembler, buf: &mut [u8]) -> Read<ToReceiver> {
+        for _ in 0..10_000 {
+            match link.try_recv(assembler, buf).unwrap().0 {
+                Read::Nothing => std::thread::sleep(Duration::from_micros(20)),
+                other => return other,
+            }
+        }
+        panic!("nothing came");
+    }
+
+    /// The bug this fixed: a marker popped before its socket frame came emptied the doorbell,
+    /// and the record behind the frame then waited in the ring with nothing readable, for a
+    /// receiver that reads one frame per wake-up.
+    #[test]
+    fn records_behind_a_late_socket_frame_keep_the_link_readable() {
+        let (link, theirs, mut ring, mut assembler, mut buf) = switched();
+        ring.push(&LinkFrame::OnSocket.encode()).unwrap();
+        assert!(readable(&link), "the doorbell rang for the marker");
+        assert!(matches!(link.try_recv::<ToReceiver>(&mut assembler, &mut buf).unwrap().0, Read::Nothing));
+        let event = ToReceiver::Event { id: 3, handle: vec![1; 64] };
+        theirs.send(&event.encode(), &[]).unwrap();
+        ring.push(&ToReceiver::Retire { chunk: 9 }.encode()).unwrap();
+        assert!(matches!(next(&link, &mut assembler, &mut buf), Read::Frame(frame, _) if frame == event));
+        assert!(readable(&link), "a record waits: the link must say so");
+        assert!(matches!(next(&link, &mut assembler, &mut buf), Read::Frame(ToReceiver::Retire { chunk: 9 }, _)));
+    }
+
+    /// At the socket's end the ring is drained first; a marker whose frame never comes ends it.
+    #[test]
+    fn a_hang_up_delivers_what_the_ring_holds_first() {
+        let (link, theirs, mut ring, mut assembler, mut buf) = switched();
+        ring.push(&ToReceiver::Retire { chunk: 1 }.encode()).unwrap();
+        ring.push(&ToReceiver::Retire { chunk: 2 }.encode()).unwrap();
+        ring.push(&LinkFrame::OnSocket.encode()).unwrap();
+        drop(theirs);
+        for chunk in [1, 2] {
+            assert!(
+                matches!(next(&link, &mut assembler, &mut buf), Read::Frame(ToReceiver::Retire { chunk: c }, _) if c == chunk)
+            );
+        }
+        assert!(matches!(next(&link, &mut assembler, &mut buf), Read::HungUp));
+        assert_eq!(link.gone(), Some(Gone::HungUp));
+    }
+
+    /// A frame on the socket without its marker, and a ring that breaks its rules, are typed
+    /// errors of this connection.
+    #[test]
+    fn a_lying_peer_gets_typed_errors() {
+        let (link, theirs, _ring, mut assembler, mut buf) = switched();
+        theirs.send(&ToReceiver::Retire { chunk: 1 }.encode(), &[]).unwrap();
+        let error = loop {
+            match link.try_recv::<ToReceiver>(&mut assembler, &mut buf) {
+                Ok((Read::Nothing, _)) => std::thread::sleep(Duration::from_micros(20)),
+                Ok(_) => panic!("a frame without its marker was taken"),
+                Err(error) => break error,
+            }
+        };
+        assert!(matches!(&error, Error::Protocol(why) if why.contains("marker")), "{error}");
+
+        let (link, _theirs, ring, mut assembler, mut buf) = switched();
+        let memory =
+            SharedMemory::from_fd(ring.fd().try_clone_to_owned().unwrap(), 4096 + rings::RING_CAPACITY).unwrap();
+        memory.store_u64(128, 12345).unwrap(); // the head, not 8-aligned
+        let error = link.try_recv::<ToReceiver>(&mut assembler, &mut buf).err().expect("a typed error");
+        assert!(matches!(&error, Error::Protocol(why) if why.contains("ring")), "{error}");
+    }
+}
