@@ -12,8 +12,10 @@
 //! pushed before it died is delivered), then reports the peer gone.
 //!
 //! Waking: each side has an eventfd doorbell in its link's poll set, which the peer's writer
-//! rings only when this side said it sleeps ([`Inbound::settle`]); streaming and spinning make
-//! no system call for the rings.
+//! rings only when this side said it may sleep ([`Inbound::settle`]: it found its ring empty);
+//! a stream that keeps the reader busy makes no system call for the rings. A spinning reader
+//! finds its ring empty often, so its writer rings once per record it then pushes (the price of
+//! a reader that may stop spinning and sleep at any point without telling the link).
 
 use std::os::fd::{AsFd as _, OwnedFd};
 use std::time::{Duration, Instant};
@@ -23,7 +25,8 @@ use ipc_core::ring::{self, RingError, RingReader, RingWriter};
 use crate::wire::LinkFrame;
 
 /// Each ring's data bytes: every one-packet frame fits a record (half of it), and a receiver's
-/// credits of small messages fit many times over. Pages are touched only as records use them.
+/// credits of small messages fit many times over. Pages are touched as records go round: a
+/// busy connection holds 2 MiB of shared memory (one ring each way) and 6 descriptors in all.
 pub(crate) const RING_CAPACITY: usize = 1 << 20;
 
 /// The environment variable that keeps local links on the socket when `0` (for measurements
