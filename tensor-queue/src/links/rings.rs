@@ -26,7 +26,9 @@ use crate::wire::LinkFrame;
 
 /// Each ring's data bytes: every one-packet frame fits a record (half of it), and a receiver's
 /// credits of small messages fit many times over. Pages are touched as records go round: a
-/// busy connection holds 2 MiB of shared memory (one ring each way) and 6 descriptors in all.
+/// busy connection holds 2 MiB of shared memory (one ring each way), and 5 descriptors at the
+/// receiver (the socket, the link's poll set, two rings, a doorbell) and 6 at the sender (the
+/// receiver's doorbell too) where the socket alone took 1.
 pub(crate) const RING_CAPACITY: usize = 1 << 20;
 
 /// The environment variable that keeps local links on the socket when `0` (for measurements
