@@ -164,18 +164,18 @@ impl Link {
         if !rings::enabled() {
             return Ok(());
         }
-        let offer = match rings::create().map_err(Error::from).and_then(|offer| {
+        let (offer, theirs) = match rings::create().map_err(Error::from).and_then(|(offer, theirs)| {
             local.ready.add(offer.doorbell.as_fd(), DOORBELL)?;
-            Ok(offer)
+            Ok((offer, theirs))
         }) {
-            Ok(offer) => offer,
+            Ok(offered) => offered,
             Err(error) => {
                 tracing::debug!(%error, "no rings for this connection; it stays on the socket");
                 return Ok(());
             }
         };
         let mut inbound = lock(&local.inbound);
-        let fds = [offer.reader.fd(), offer.writer.fd(), offer.doorbell.as_fd(), offer.theirs.as_fd()];
+        let fds = [offer.reader.fd(), offer.writer.fd(), offer.doorbell.as_fd(), theirs.as_fd()];
         self.send(&LinkFrame::Rings, &fds)?;
         inbound.offered = Some(offer);
         Ok(())
@@ -210,9 +210,7 @@ impl Link {
             }
             // A receiver's side: the sender writes its ring from now on, and reads ours.
             LinkFrame::RingsOn if inbound.offered.is_some() && fds.is_empty() => {
-                let Some(rings::Offer { reader, writer, doorbell, .. }) = inbound.offered.take() else {
-                    unreachable!()
-                };
+                let Some(rings::Offer { reader, writer, doorbell }) = inbound.offered.take() else { unreachable!() };
                 inbound.reader = Some(reader);
                 inbound.doorbell = Some(doorbell);
                 inbound.path = Path::Ring;

@@ -54,18 +54,18 @@ pub(crate) struct Offer {
     pub writer: RingWriter,
     /// Ours, rung by the sender: in the link's poll set.
     pub doorbell: OwnedFd,
-    /// The sender's, rung by us.
-    pub theirs: OwnedFd,
 }
 
-/// Creates a receiver's rings and both doorbells.
-pub(crate) fn create() -> ipc_core::Result<Offer> {
+/// Creates a receiver's rings and both doorbells: the offer, and the sender's doorbell to send
+/// with it (then closed here at once: the descriptors a connection holds do not change later,
+/// when the process may be short of them).
+pub(crate) fn create() -> ipc_core::Result<(Offer, OwnedFd)> {
     let (doorbell, theirs) = (ring::doorbell()?, ring::doorbell()?);
     let mut reader = RingReader::create("tensor-queue ring in", RING_CAPACITY)?;
     reader.set_doorbell(Some(duplicate(&doorbell)?))?;
     let mut writer = RingWriter::create("tensor-queue ring out", RING_CAPACITY)?;
     writer.set_doorbell(Some(duplicate(&theirs)?))?;
-    Ok(Offer { reader, writer, doorbell, theirs })
+    Ok((Offer { reader, writer, doorbell }, theirs))
 }
 
 /// A sender's side of a receiver's [`LinkFrame::Rings`] and its four descriptors (the ring to
