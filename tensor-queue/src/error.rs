@@ -411,6 +411,24 @@ pub enum Violation {
         /// The most a connection keeps.
         max: usize,
     },
+    /// A peer on this machine sent a frame of the link's own (the rings' set-up, a marker)
+    /// where none belongs.
+    #[error("a link frame out of place: {what}")]
+    LinkFrameOutOfPlace {
+        /// Which frame, and where.
+        what: String,
+    },
+    /// A peer on this machine wrote a frame on the socket without its marker on the ring (after
+    /// the switch, the ring orders every frame).
+    #[error("a frame on the socket without its marker on the ring")]
+    UnmarkedSocketFrame,
+    /// A peer on this machine broke the shared-memory ring between the two processes (it shares
+    /// the memory and wrote what the ring's rules forbid).
+    #[error("the shared-memory ring is unusable: {why}")]
+    CorruptRing {
+        /// The ring's own account of what is wrong.
+        why: String,
+    },
     /// A sender on another host set up an NCCL communicator for a GPU this process does not
     /// have (its `Hello` said which it has).
     #[error("a communicator for GPU {target}, which this process does not have")]

@@ -121,6 +121,9 @@ pub fn is_gpu_available() -> bool {
 /// ```
 #[doc(hidden)]
 pub mod testing {
+    /// The environment variable that keeps local links on the socket when `0` (before/after
+    /// measurements, tests): see `docs/ARCHITECTURE.md`, "Per-message frames through rings".
+    pub use crate::links::rings::RINGS_ENV;
     pub use crate::route::choose::{choose, choose_remote};
     pub use crate::route::reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
     pub use crate::route::staging::staging_piece;
@@ -131,8 +134,8 @@ pub mod testing {
     pub mod wire {
         pub use crate::wire::{
             Answer, Assembler, BYTES_FRAME, ChunkKind, Descriptors, Fence, Frame, FrameError, Hello, LEGACY_HANDLE_LEN,
-            MAGIC, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, MAX_PACKET, MAX_REASON, MAX_RELEASES, Source, StorageDesc,
-            TensorDesc, ToReceiver, ToSender, VERSION, packets,
+            LinkFrame, MAGIC, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, MAX_PACKET, MAX_REASON, MAX_RELEASES, Source,
+            StorageDesc, TensorDesc, ToReceiver, ToSender, VERSION, packets,
         };
     }
 }

@@ -37,3 +37,20 @@ pub(crate) fn force_events() -> bool {
     #[cfg(not(feature = "test-switches"))]
     false
 }
+
+#[cfg(feature = "test-switches")]
+/// With the `test-switches` feature, when set to `1`: a sender whose link uses rings kills its
+/// own process right after it pushed the marker of a frame on the socket, before the frame, so
+/// tests can cover a producer that dies between the two (the receiver must end, not hang).
+pub const DIE_AFTER_MARKER_ENV: &str = "TENSOR_QUEUE_TEST_DIE_AFTER_MARKER";
+
+/// Whether a sender dies between a marker and its socket frame (tests only).
+pub(crate) fn die_after_marker() -> bool {
+    #[cfg(feature = "test-switches")]
+    {
+        static DIE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        switch(DIE_AFTER_MARKER_ENV, &DIE)
+    }
+    #[cfg(not(feature = "test-switches"))]
+    false
+}

@@ -31,6 +31,7 @@ const BINARIES: &[&str] = &[
     "tq-cross",
     "tcp-peer",
     "tq-hostile",
+    "tq-rings",
     "outside-peer",
     "outside-msg-peer",
     "outside4-peer",

@@ -9,6 +9,10 @@
 //! [`wire::Assembler`]). Writes never hold a lock of the channel's state: a blocked write must
 //! never stop the thread that reads the peer's frames, or two honest processes that write to
 //! each other at once wait for each other forever.
+//!
+//! A local link moves its per-message frames to shared-memory rings after the greeting
+//! (`links/rings.rs`: the switch, the markers of frames the socket carries, the doorbells);
+//! which path a frame took is this module's business alone.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
@@ -16,16 +20,18 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
+use ipc_core::ring::{RingError, RingWriter, Wakeup};
 use ipc_core::tcp::Bulk;
 use ipc_core::transport::{Packets, Peer};
 use ipc_core::{HostId, SharedMemory};
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 
 use super::poll::{PollSet, Waited};
-use crate::error::{Error, Refusal, Result};
+use super::rings::{self, Ahead, Inbound, Path, Popped};
+use crate::error::{Error, Refusal, Result, Violation};
 use crate::fences::liveness::{Gone, Liveness};
 use crate::route::{Reach, Routing};
-use crate::wire::{self, Assembler, Frame, Hello, MAX_MESSAGE_BYTES, MAX_PACKET};
+use crate::wire::{self, Assembler, Frame, Hello, LinkFrame, MAX_MESSAGE_BYTES, MAX_PACKET};
 
 /// What a read that may find a bulk run found ([`Link::try_recv_or_bulk`]).
 #[allow(clippy::large_enum_variant)] // returned at once, never stored
@@ -62,7 +68,24 @@ pub(crate) struct Link {
     pub remote: bool,
     /// Whether the peer is gone, and why: the socket, the pidfd watcher and NCCL report to it.
     liveness: Arc<Liveness>,
+    /// A local link: its own poll set (the socket, and the doorbell of its inbound ring once
+    /// there is one), which [`Link::fd`] gives; and the reading side of its rings.
+    local: Option<Local>,
 }
+
+/// What only a local link has (see the field).
+struct Local {
+    ready: PollSet,
+    inbound: Mutex<Inbound>,
+}
+
+/// A packet read into the caller's buffer: its length, its descriptors, and the error of those
+/// the kernel dropped.
+type Packet = (usize, Vec<OwnedFd>, Option<Error>);
+
+/// Tokens in a local link's poll set (only its readiness as a whole is used).
+const SOCKET: u64 = 0;
+const DOORBELL: u64 = 1;
 
 /// Packets of frames a send took that the socket had no room for yet: written in order by a
 /// writer thread of the link, before any later frame. What a sender queues here is bounded by
@@ -76,6 +99,11 @@ struct Outbox {
     broken: bool,
     /// A shutdown of the writing direction asked for while packets were queued.
     close_after: Option<rustix::net::Shutdown>,
+    /// Our ring to the peer, once switched (`links/rings.rs`): frames go there, in order with
+    /// the queue; taken out by the writer thread while it waits for room.
+    ring: Option<RingWriter>,
+    /// Whether frames go to the ring: `ring` may be out with the writer thread.
+    rings_on: bool,
 }
 
 /// What waits in the outbox: a packet and the descriptors that go with it, or a bulk run of
@@ -83,6 +111,8 @@ struct Outbox {
 enum Queued {
     Packet(Vec<u8>, Vec<OwnedFd>),
     Bulk(Bulk),
+    /// A ring record: a frame, or the marker of one on the socket.
+    Record(Vec<u8>),
 }
 
 /// A random number drawn once per process: with the pid it names this process for good.
@@ -106,6 +136,15 @@ impl Link {
         // The probe holds the socket weakly: a liveness kept by a worker never keeps it open.
         let socket = Arc::downgrade(&connection);
         let probe = Box::new(move || socket.upgrade().is_none_or(|socket| closed(&*socket)));
+        // Without a poll set of its own (no descriptor free for it) a local link stays on the
+        // socket, as one over TCP does.
+        let local = match remote {
+            true => None,
+            false => PollSet::new()
+                .and_then(|ready| ready.add(connection.as_fd(), SOCKET).map(|()| ready))
+                .ok()
+                .map(|ready| Local { ready, inbound: Mutex::default() }),
+        };
         Ok(Link {
             connection,
             outbox: Arc::default(),
@@ -113,7 +152,100 @@ impl Link {
             peer_pid: AtomicU32::new(pid),
             remote,
             liveness: Arc::new(Liveness::new(probe)),
+            local,
         })
+    }
+
+    /// For a receiver, after its `Hello`: offers the sender a ring each way
+    /// ([`LinkFrame::Rings`], `links/rings.rs`). A link that cannot make them (no memfd, rings
+    /// turned off with [`rings::RINGS_ENV`]) stays on the socket, as one over TCP does.
+    pub fn offer_rings(&self) -> Result<()> {
+        let Some(local) = &self.local else { return Ok(()) };
+        if !rings::enabled() {
+            return Ok(());
+        }
+        let (offer, theirs) = match rings::create().map_err(Error::from).and_then(|(offer, theirs)| {
+            local.ready.add(offer.doorbell.as_fd(), DOORBELL)?;
+            Ok((offer, theirs))
+        }) {
+            Ok(offered) => offered,
+            Err(error) => {
+                tracing::debug!(%error, "no rings for this connection; it stays on the socket");
+                return Ok(());
+            }
+        };
+        let mut inbound = lock(&local.inbound);
+        let fds = [offer.reader.fd(), offer.writer.fd(), offer.doorbell.as_fd(), theirs.as_fd()];
+        self.send(&LinkFrame::Rings, &fds)?;
+        inbound.offered = Some(offer);
+        Ok(())
+    }
+
+    /// Handles a link frame read from the socket before the switch (see `links/rings.rs`).
+    fn on_link_frame(&self, local: &Local, inbound: &mut Inbound, frame: LinkFrame, fds: Vec<OwnedFd>) -> Result<()> {
+        let unexpected =
+            |what: &str| -> Result<()> { Err(Violation::LinkFrameOutOfPlace { what: what.into() }.into()) };
+        match frame {
+            // A sender's side: map the receiver's rings, or say no.
+            LinkFrame::Rings if inbound.offered.is_none() && inbound.reader.is_none() => {
+                let mapped = match rings::enabled() {
+                    true => rings::open(fds).map_err(Error::from).and_then(|(writer, reader, doorbell)| {
+                        local.ready.add(doorbell.as_fd(), DOORBELL)?;
+                        Ok((writer, reader, doorbell))
+                    }),
+                    false => Err(Error::Invalid(format!("{}=0", rings::RINGS_ENV))),
+                };
+                // A receiver gone meanwhile is seen by the reads that follow (its frames first).
+                match mapped {
+                    Ok((writer, reader, doorbell)) => {
+                        inbound.reader = Some(reader);
+                        inbound.doorbell = Some(doorbell);
+                        let _ = self.rings_out(writer);
+                    }
+                    Err(error) => {
+                        tracing::debug!(%error, "not using the receiver's rings; this connection stays on the socket");
+                        let _ = self.send(&LinkFrame::RingsOff, &[]);
+                    }
+                }
+                Ok(())
+            }
+            // A receiver's side: the sender writes its ring from now on, and reads ours.
+            LinkFrame::RingsOn if inbound.offered.is_some() && fds.is_empty() => {
+                let Some(rings::Offer { reader, writer, doorbell }) = inbound.offered.take() else { unreachable!() };
+                inbound.reader = Some(reader);
+                inbound.doorbell = Some(doorbell);
+                inbound.path = Path::Ring;
+                // A sender gone meanwhile is seen by the reads that follow, its ring drained first.
+                let _ = self.rings_out(writer);
+                Ok(())
+            }
+            // A sender's side: the receiver's frames come through its ring from now on.
+            LinkFrame::RingsOn if inbound.reader.is_some() && fds.is_empty() => {
+                inbound.path = Path::Ring;
+                Ok(())
+            }
+            LinkFrame::RingsOff if inbound.offered.is_some() => {
+                if let Some(offer) = inbound.offered.take() {
+                    local.ready.remove(offer.doorbell.as_fd());
+                }
+                Ok(())
+            }
+            other => unexpected(&format!("a link frame {other:?} out of place")),
+        }
+    }
+
+    /// Sends `RingsOn` on the socket, after which our frames go to `writer`: under the send
+    /// lock, so every frame is on one side of it.
+    fn rings_out(&self, writer: RingWriter) -> Result<()> {
+        let bytes = LinkFrame::RingsOn.encode();
+        let mut out = lock(&self.outbox);
+        if out.broken {
+            return Err(Error::Disconnected);
+        }
+        self.put_packets(&mut out, &bytes, &[])?;
+        out.ring = Some(writer);
+        out.rings_on = true;
+        Ok(())
     }
 
     /// The peer's pid if it is local and runs as this user; `None` for a remote peer.
@@ -145,11 +277,43 @@ impl Link {
         if bytes.len() > MAX_MESSAGE_BYTES {
             return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
         }
-        let packets = wire::packets(&bytes);
         let mut out = lock(&self.outbox);
         if out.broken {
             return Err(Error::Disconnected);
         }
+        if out.rings_on {
+            if fds.is_empty() && wire::ring_eligible(&bytes) && bytes.len() <= MAX_PACKET {
+                return self.put_record(&mut out, bytes);
+            }
+            // The marker first: a reader reads the socket only once it popped it.
+            self.put_record(&mut out, LinkFrame::OnSocket.encode())?;
+            if crate::switches::die_after_marker() {
+                die();
+            }
+        }
+        self.put_packets(&mut out, &bytes, fds)
+    }
+
+    /// Pushes `record` to the ring, or queues it behind what is queued (or when the ring is full).
+    fn put_record(&self, out: &mut Outbox, record: Vec<u8>) -> Result<()> {
+        if out.queue.is_empty() && !out.writing {
+            let ring = out.ring.as_mut().ok_or(Error::Disconnected)?;
+            match ring.push(&record) {
+                Ok(()) => return Ok(()),
+                Err(RingError::Full { .. }) => {}
+                Err(error) => {
+                    out.broken = true;
+                    return Err(broken_ring(error));
+                }
+            }
+        }
+        out.queue.push_back(Queued::Record(record));
+        self.start_writer(out)
+    }
+
+    /// Writes a frame's packets on the socket, or queues them (see [`Link::send`]).
+    fn put_packets(&self, out: &mut Outbox, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> Result<()> {
+        let packets = wire::packets(bytes);
         let mut first_unsent = 0;
         if out.queue.is_empty() && !out.writing {
             while first_unsent < packets.len() {
@@ -173,7 +337,7 @@ impl Link {
                 };
             out.queue.push_back(Queued::Packet(packet.to_vec(), owned));
         }
-        self.start_writer(&mut out)
+        self.start_writer(out)
     }
 
     /// Sends a bulk run of bytes straight from the memory they lie in (over TCP only; see
@@ -217,12 +381,30 @@ impl Link {
             // A string: the frames are this crate's own, small by construction (no caller acts on it).
             return Err(Error::Invalid(format!("a {}-byte control frame", bytes.len())));
         }
-        let out = lock(&self.outbox);
+        let mut out = lock(&self.outbox);
         if out.broken {
             return Err(Error::Disconnected);
         }
         if !out.queue.is_empty() || out.writing {
             return Ok(false);
+        }
+        if out.rings_on {
+            let eligible = wire::ring_eligible(&bytes);
+            let ring = out.ring.as_mut().ok_or(Error::Disconnected)?;
+            let pushed = match eligible {
+                true => ring.push(&bytes),
+                false => ring.push(&LinkFrame::OnSocket.encode()),
+            };
+            match pushed {
+                Ok(()) if eligible => return Ok(true),
+                // The marker is out: the frame follows it, queued if the socket is full.
+                Ok(()) => return self.put_packets(&mut out, &bytes, &[]).map(|()| true),
+                Err(RingError::Full { .. }) => return Ok(false),
+                Err(error) => {
+                    out.broken = true;
+                    return Err(broken_ring(error));
+                }
+            }
         }
         self.connection.try_send(&bytes, &[]).map_err(peer_gone)
     }
@@ -242,15 +424,109 @@ impl Link {
     /// the kernel dropped (this process had no room for them) is still read: the error that
     /// says so comes back beside it, for the frame to be refused alone rather than the whole
     /// connection lost.
+    ///
+    /// On a local link the frames come from the socket, or after the switch from the peer's ring
+    /// in the order it wrote them (`links/rings.rs`): a marker there means "the next frame is
+    /// the socket's"; at the socket's end the ring is drained before [`Read::HungUp`].
     pub fn try_recv<F: Frame>(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<(Read<F>, Option<Error>)> {
+        let Some(local) = &self.local else {
+            return match self.read_packet(buf)? {
+                Some((n, fds, lost)) => Ok((self.join(assembler, &buf[..n], fds)?, lost)),
+                None => Ok((Read::Nothing, None)),
+            };
+        };
+        let mut inbound = lock(&local.inbound);
+        let inbound = &mut *inbound;
+        loop {
+            if inbound.path == Path::Socket {
+                let Some((n, fds, lost)) = self.read_packet(buf)? else { return Ok((Read::Nothing, None)) };
+                if n > 0
+                    && let Some(frame) = LinkFrame::peek(&buf[..n])
+                {
+                    let frame = frame.map_err(|source| Error::Frame { pid: self.peer_pid(), source })?;
+                    self.on_link_frame(local, inbound, frame, fds)?;
+                    continue;
+                }
+                return Ok((self.join(assembler, &buf[..n], fds)?, lost));
+            }
+            if inbound.owes {
+                let (read, lost) = match inbound.ahead.take() {
+                    Some(Ahead { bytes, fds, lost }) => (self.owed(assembler, &bytes, fds)?, lost),
+                    None => match self.read_packet(buf)? {
+                        Some((n, fds, lost)) => (self.owed(assembler, &buf[..n], fds)?, lost),
+                        None => {
+                            inbound.wait_for_socket();
+                            return Ok((Read::Nothing, None));
+                        }
+                    },
+                };
+                inbound.owes = matches!(read, Read::Nothing);
+                if !inbound.owes {
+                    // Records may wait behind it, with the doorbell emptied meanwhile.
+                    inbound.socket_frame_read();
+                }
+                return Ok((read, lost));
+            }
+            match inbound.pop().map_err(|error| self.corrupt(error))? {
+                Popped::Marker => {
+                    inbound.owes = true;
+                    continue;
+                }
+                Popped::Record => {
+                    let frame =
+                        F::decode(&inbound.record).map_err(|source| Error::Frame { pid: self.peer_pid(), source })?;
+                    return Ok((Read::Frame(frame, Vec::new()), None));
+                }
+                Popped::Empty => {}
+            }
+            if inbound.ahead.is_some() {
+                return Err(Violation::UnmarkedSocketFrame.into());
+            }
+            if inbound.hung_up {
+                self.liveness.report(Gone::HungUp);
+                return Ok((Read::HungUp, None));
+            }
+            let look = inbound.time_to_look();
+            if inbound.settle(look).map_err(|error| self.corrupt(error))? {
+                continue;
+            }
+            if !look {
+                return Ok((Read::Nothing, None));
+            }
+            // The hang-up, or a frame whose marker is now on the ring (it was pushed first).
+            match self.read_packet(buf)? {
+                None => return Ok((Read::Nothing, None)),
+                Some((0, ..)) => inbound.hung_up = true,
+                Some((n, fds, lost)) => inbound.ahead = Some(Ahead { bytes: buf[..n].to_vec(), fds, lost }),
+            }
+        }
+    }
+
+    /// Reads the next packet from the socket if one is waiting: its length in `buf`, its
+    /// descriptors, and the error of descriptors the kernel dropped (see [`Link::try_recv`]).
+    fn read_packet(&self, buf: &mut [u8]) -> Result<Option<Packet>> {
         match self.connection.try_recv(buf) {
-            Ok(Some((n, fds))) => Ok((self.join(assembler, &buf[..n], fds)?, None)),
-            Ok(None) => Ok((Read::Nothing, None)),
+            Ok(Some((n, fds))) => Ok(Some((n, fds, None))),
+            Ok(None) => Ok(None),
             Err(error @ ipc_core::Error::DescriptorTableFull { received, .. }) if received > 0 => {
-                Ok((self.join(assembler, &buf[..received], Vec::new())?, Some(error.into())))
+                Ok(Some((received, Vec::new(), Some(error.into()))))
             }
             Err(error) => Err(error.into()),
         }
+    }
+
+    /// The socket's packet a marker announced: a frame (or a part of one), never a link frame;
+    /// the socket's end here means the peer died between the marker and its frame.
+    fn owed<F: Frame>(&self, assembler: &mut Assembler, packet: &[u8], fds: Vec<OwnedFd>) -> Result<Read<F>> {
+        if LinkFrame::peek(packet).is_some() {
+            return Err(Violation::LinkFrameOutOfPlace { what: "after the switch to the ring".into() }.into());
+        }
+        self.join(assembler, packet, fds)
+    }
+
+    /// A ring the peer broke: this connection ends with [`Violation::CorruptRing`].
+    fn corrupt(&self, error: RingError) -> Error {
+        Violation::CorruptRing { why: format!("the ring from process {}: {error}", self.peer_pid()) }.into()
     }
 
     /// As [`Link::try_recv`], where a bulk run of host bytes may come (from a sender on another
@@ -311,9 +587,13 @@ impl Link {
         self.connection.shutdown(how);
     }
 
-    /// The socket, for `poll`.
+    /// What to `poll` for this link's frames: its socket, or for a local link its own poll set
+    /// (the socket and its ring's doorbell).
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.connection.as_fd()
+        match &self.local {
+            Some(local) => local.ready.fd(),
+            None => self.connection.as_fd(),
+        }
     }
 
     /// Whether the peer is gone, and why (see `fences/liveness.rs`): for waits on another engine
@@ -423,6 +703,31 @@ fn write_queued(connection: &dyn Packets, outbox: &Mutex<Outbox>, drained: &Cond
                 }
                 Err(error) => Err(error),
             },
+            Some(Queued::Record(record)) => match out.ring.take() {
+                None => Err(ipc_core::Error::PeerGone),
+                Some(mut ring) => match ring.push(&record) {
+                    Ok(()) => {
+                        out.ring = Some(ring);
+                        Ok(true)
+                    }
+                    Err(RingError::Full { .. }) => {
+                        // Wait for room outside the lock: senders meanwhile only queue
+                        // (`writing`), so nobody needs the ring.
+                        let len = record.len();
+                        out.queue.push_front(Queued::Record(record));
+                        drop(out);
+                        let waited = ring.wait_for_room(len, Some(RING_WAIT), Some(connection.as_fd()));
+                        out = lock(outbox);
+                        out.ring = Some(ring);
+                        match waited {
+                            Ok(Wakeup::Watched) if hung_up(connection) => Err(ipc_core::Error::PeerGone),
+                            Ok(_) => continue,
+                            Err(error) => Err(error.into()),
+                        }
+                    }
+                    Err(error) => Err(error.into()),
+                },
+            },
         };
         match written {
             Ok(true) => {}
@@ -445,6 +750,27 @@ fn write_queued(connection: &dyn Packets, outbox: &Mutex<Outbox>, drained: &Cond
     }
 }
 
+/// How long the writer thread waits for room in a full ring before it looks again.
+const RING_WAIT: Duration = Duration::from_millis(100);
+
+/// Whether the peer hung up the socket (its process is gone, or it shut both directions).
+fn hung_up(connection: &dyn Packets) -> bool {
+    let mut fds = [PollFd::from_borrowed_fd(connection.as_fd(), PollFlags::empty())];
+    poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok()
+        && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
+}
+
+/// A write to a ring the peer broke: the connection's sending side ends.
+fn broken_ring(error: RingError) -> Error {
+    Violation::CorruptRing { why: format!("the ring to the peer: {error}") }.into()
+}
+
+/// The test switch of [`crate::switches::die_after_marker`]: this process dies at once.
+fn die() -> ! {
+    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    std::process::abort()
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -454,5 +780,106 @@ fn peer_gone(error: ipc_core::Error) -> Error {
     match error {
         ipc_core::Error::PeerGone => Error::Disconnected,
         other => other.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ipc_core::ring::RingWriter;
+    use ipc_core::seqpacket::Connection;
+
+    use super::*;
+    use crate::wire::ToReceiver;
+
+    /// A receiver's link whose rings are on, and the sender's end played by hand: its socket and
+    /// the ring it writes.
+    fn switched() -> (Link, Connection, RingWriter, Assembler, Vec<u8>) {
+        let (ours, theirs) = Connection::pair().unwrap();
+        let link = Link::new(Box::new(ours)).unwrap();
+        link.offer_rings().unwrap();
+        let mut buf = vec![0u8; MAX_PACKET];
+        let (n, fds) = theirs.recv(&mut buf).unwrap();
+        assert_eq!(LinkFrame::decode(&buf[..n]), Ok(LinkFrame::Rings));
+        let [to_receiver, _, doorbell, _]: [OwnedFd; 4] = fds.try_into().unwrap();
+        let mut ring = RingWriter::open(to_receiver).unwrap();
+        ring.set_doorbell(Some(doorbell)).unwrap();
+        theirs.send(&LinkFrame::RingsOn.encode(), &[]).unwrap();
+        let mut assembler = Assembler::default();
+        assert!(matches!(link.try_recv::<ToReceiver>(&mut assembler, &mut buf).unwrap().0, Read::Nothing));
+        let (n, _) = theirs.recv(&mut buf).unwrap();
+        assert_eq!(LinkFrame::decode(&buf[..n]), Ok(LinkFrame::RingsOn), "the receiver's own switch");
+        (link, theirs, ring, assembler, buf)
+    }
+
+    fn readable(link: &Link) -> bool {
+        let mut fds = [PollFd::from_borrowed_fd(link.fd(), PollFlags::IN)];
+        poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap() == 1
+    }
+
+    fn next(link: &Link, assembler: &mut Assembler, buf: &mut [u8]) -> Read<ToReceiver> {
+        for _ in 0..10_000 {
+            match link.try_recv(assembler, buf).unwrap().0 {
+                Read::Nothing => std::thread::sleep(Duration::from_micros(20)),
+                other => return other,
+            }
+        }
+        panic!("nothing came");
+    }
+
+    /// The bug this fixed: a marker popped before its socket frame came emptied the doorbell,
+    /// and the record behind the frame then waited in the ring with nothing readable, for a
+    /// receiver that reads one frame per wake-up.
+    #[test]
+    fn records_behind_a_late_socket_frame_keep_the_link_readable() {
+        let (link, theirs, mut ring, mut assembler, mut buf) = switched();
+        ring.push(&LinkFrame::OnSocket.encode()).unwrap();
+        assert!(readable(&link), "the doorbell rang for the marker");
+        assert!(matches!(link.try_recv::<ToReceiver>(&mut assembler, &mut buf).unwrap().0, Read::Nothing));
+        let event = ToReceiver::Event { id: 3, handle: vec![1; 64] };
+        theirs.send(&event.encode(), &[]).unwrap();
+        ring.push(&ToReceiver::Retire { chunk: 9 }.encode()).unwrap();
+        assert!(matches!(next(&link, &mut assembler, &mut buf), Read::Frame(frame, _) if frame == event));
+        assert!(readable(&link), "a record waits: the link must say so");
+        assert!(matches!(next(&link, &mut assembler, &mut buf), Read::Frame(ToReceiver::Retire { chunk: 9 }, _)));
+    }
+
+    /// At the socket's end the ring is drained first; a marker whose frame never comes ends it.
+    #[test]
+    fn a_hang_up_delivers_what_the_ring_holds_first() {
+        let (link, theirs, mut ring, mut assembler, mut buf) = switched();
+        ring.push(&ToReceiver::Retire { chunk: 1 }.encode()).unwrap();
+        ring.push(&ToReceiver::Retire { chunk: 2 }.encode()).unwrap();
+        ring.push(&LinkFrame::OnSocket.encode()).unwrap();
+        drop(theirs);
+        for chunk in [1, 2] {
+            assert!(
+                matches!(next(&link, &mut assembler, &mut buf), Read::Frame(ToReceiver::Retire { chunk: c }, _) if c == chunk)
+            );
+        }
+        assert!(matches!(next(&link, &mut assembler, &mut buf), Read::HungUp));
+        assert_eq!(link.gone(), Some(Gone::HungUp));
+    }
+
+    /// A frame on the socket without its marker, and a ring that breaks its rules, are typed
+    /// errors of this connection.
+    #[test]
+    fn a_lying_peer_gets_typed_errors() {
+        let (link, theirs, _ring, mut assembler, mut buf) = switched();
+        theirs.send(&ToReceiver::Retire { chunk: 1 }.encode(), &[]).unwrap();
+        let error = loop {
+            match link.try_recv::<ToReceiver>(&mut assembler, &mut buf) {
+                Ok((Read::Nothing, _)) => std::thread::sleep(Duration::from_micros(20)),
+                Ok(_) => panic!("a frame without its marker was taken"),
+                Err(error) => break error,
+            }
+        };
+        assert!(matches!(&error, Error::Violation(Violation::UnmarkedSocketFrame)), "{error}");
+
+        let (link, _theirs, ring, mut assembler, mut buf) = switched();
+        let memory =
+            SharedMemory::from_fd(ring.fd().try_clone_to_owned().unwrap(), 4096 + rings::RING_CAPACITY).unwrap();
+        memory.store_u64(128, 12345).unwrap(); // the head, not 8-aligned
+        let error = link.try_recv::<ToReceiver>(&mut assembler, &mut buf).err().expect("a typed error");
+        assert!(matches!(&error, Error::Violation(Violation::CorruptRing { .. })), "{error}");
     }
 }

@@ -6,4 +6,5 @@ pub(crate) mod endpoint;
 pub(crate) mod link;
 pub(crate) mod nccl;
 pub(crate) mod poll;
+pub(crate) mod rings;
 pub(crate) mod wake;

@@ -36,9 +36,11 @@ pub(crate) struct Greeting {
 }
 
 impl Greeting {
-    /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing.
+    /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing; then,
+    /// on a local link, the offer of the rings (`links/rings.rs`).
     pub(crate) fn greet(&self, link: &Link) -> Result<()> {
-        link.hello(self.capacity, Reach::local(), &self.routing)
+        link.hello(self.capacity, Reach::local(), &self.routing)?;
+        link.offer_rings()
     }
 }
 

@@ -40,6 +40,7 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 ///
 /// 7: a message without tensors is never released (its sender leases nothing), a refused
 /// message's lease comes back by its release, and a release of anything else is a violation.
+/// 8: a local link's per-message frames go through shared-memory rings ([`LinkFrame`]).
 ///
 /// ```
 /// use tensor_queue::FrameError;
@@ -228,7 +229,78 @@ const KIND_CLOSE: u16 = 9;
 const KIND_PART: u16 = 10;
 const KIND_BYTES: u16 = 11;
 const KIND_COMMUNICATOR: u16 = 12;
-const KIND_CHUNK_LOST: u16 = 15;
+const KIND_RINGS: u16 = 13;
+const KIND_RINGS_ON: u16 = 14;
+const KIND_RINGS_OFF: u16 = 15;
+const KIND_ON_SOCKET: u16 = 16;
+const KIND_CHUNK_LOST: u16 = 17;
+
+/// The frames of the link itself (`links/link.rs`), never seen above it: the switch of a local
+/// link's per-message frames to shared-memory rings, and the marker that keeps the ring the one
+/// ordered path. Header-only frames; the descriptors they need travel beside them.
+///
+/// ```
+/// use tensor_queue::testing::wire::{Frame, LinkFrame, ToReceiver};
+/// let marker = LinkFrame::OnSocket.encode();
+/// assert_eq!(marker.len(), 12, "a header alone");
+/// assert_eq!(LinkFrame::decode(&marker), Ok(LinkFrame::OnSocket));
+/// assert!(LinkFrame::decode(&ToReceiver::Retire { chunk: 1 }.encode()).is_err());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkFrame {
+    /// From a receiver, after its `Hello`, on the socket, with four descriptors: the ring the
+    /// sender writes, the ring it reads, the eventfd it rings when the receiver sleeps, and the
+    /// one the receiver rings when the sender sleeps (all made by the receiver, so descriptors
+    /// cross once, at the greeting). The sender answers `RingsOn` or `RingsOff`.
+    Rings,
+    /// On the socket, without descriptors: "my frames after this one come through my ring". A
+    /// receiver sends its own once it read the sender's.
+    RingsOn,
+    /// From a sender that cannot use the rings: both directions stay on the socket.
+    RingsOff,
+    /// A ring record: the next frame is on the socket (it carries descriptors, or is longer than
+    /// a ring record, or is one the socket keeps). Read it before the ring's next record.
+    OnSocket,
+}
+
+impl LinkFrame {
+    /// The link frame in `packet`, if its header says it is one (`None` for every other frame).
+    pub(crate) fn peek(packet: &[u8]) -> Option<Result<LinkFrame, FrameError>> {
+        let kind = u16::from_le_bytes(packet.get(6..8)?.try_into().ok()?);
+        (packet[..4] == MAGIC && (KIND_RINGS..=KIND_ON_SOCKET).contains(&kind)).then(|| LinkFrame::decode(packet))
+    }
+}
+
+impl Frame for LinkFrame {
+    fn encode(&self) -> Vec<u8> {
+        end(begin(match self {
+            LinkFrame::Rings => KIND_RINGS,
+            LinkFrame::RingsOn => KIND_RINGS_ON,
+            LinkFrame::RingsOff => KIND_RINGS_OFF,
+            LinkFrame::OnSocket => KIND_ON_SOCKET,
+        }))
+    }
+
+    fn decode(bytes: &[u8]) -> Result<LinkFrame, FrameError> {
+        let (kind, r) = open(bytes)?;
+        let frame = match kind {
+            KIND_RINGS => LinkFrame::Rings,
+            KIND_RINGS_ON => LinkFrame::RingsOn,
+            KIND_RINGS_OFF => LinkFrame::RingsOff,
+            KIND_ON_SOCKET => LinkFrame::OnSocket,
+            other => return Err(other_kind(other)),
+        };
+        r.finish()?;
+        Ok(frame)
+    }
+}
+
+/// Whether an encoded frame may travel as a ring record: not one the socket keeps (the
+/// greeting, announcements, the closing, TCP's bytes and communicators, parts).
+pub(crate) fn ring_eligible(encoded: &[u8]) -> bool {
+    let kind = encoded.get(6..8).map_or(0, |kind| u16::from_le_bytes([kind[0], kind[1]]));
+    matches!(kind, KIND_MESSAGE | KIND_RELEASE | KIND_CREDIT | KIND_RETIRE | KIND_REJECTED | KIND_CHUNK_LOST)
+}
 
 struct Writer(Vec<u8>);
 
@@ -358,7 +430,7 @@ fn open(bytes: &[u8]) -> Result<(u16, Reader<'_>), FrameError> {
 /// that does not travel this way, or one this build does not know.
 fn other_kind(kind: u16) -> FrameError {
     match kind {
-        KIND_HELLO..=KIND_CLOSE | KIND_BYTES | KIND_COMMUNICATOR | KIND_CHUNK_LOST => {
+        KIND_HELLO..=KIND_CLOSE | KIND_BYTES | KIND_COMMUNICATOR | KIND_RINGS..=KIND_CHUNK_LOST => {
             FrameError::WrongDirection { kind }
         }
         other => FrameError::UnknownKind(other),

@@ -141,7 +141,10 @@ fn main() -> Result<()> {
             for entry in std::fs::read_dir("/proc/self/fd")? {
                 let entry = entry?;
                 let Ok(link) = std::fs::read_link(entry.path()) else { continue };
-                if !link.to_string_lossy().starts_with("/memfd:") {
+                // The link's own control rings (writable by both ends by design; they carry frames,
+                // never a tensor's bytes) are not the sender's memory.
+                let link = link.to_string_lossy();
+                if !link.starts_with("/memfd:") || link.starts_with("/memfd:tensor-queue ring") {
                     continue;
                 }
                 attack(&entry.path());

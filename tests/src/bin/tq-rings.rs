@@ -1,0 +1,156 @@
+//! The second process of the ring tests (`tests/tests/rings_host.rs`): `tq-rings <role> [options]`.
+//! Every role reports on stdout, one line per event; a watchdog aborts it after 60 s.
+//!
+//! Messages are `(u64, Vec<Tensor>)`: an index and, for every `--every`-th message (0: none),
+//! one fresh host tensor of `--len` bytes filled with the pattern of its index (a new chunk,
+//! announced on the socket between ring records).
+//!
+//! Roles:
+//! - `burst --to P --count N [--every E --len L]`: sends message 0 (always with a tensor) and
+//!   waits until it is released, then sends messages 1 to `N - 1`, waits until the link wrote
+//!   them all, prints `sent`, and SIGKILLs itself (its receiver has not read them yet).
+//! - `marker --to P`: with `TENSOR_QUEUE_TEST_DIE_AFTER_MARKER=1`: sends message 0 without
+//!   tensors, then message 1 with a tensor (its second send waits for a credit, which comes
+//!   after the rings are on), and dies between that tensor's marker and its announcement.
+//! - `senders --to P --threads T --count N [--every E --len L]`: `T` threads, each with its own
+//!   `Sender`, send `N` messages each, index `1_000_000 * thread + i`; prints `done`.
+//! - `scribble --to P`: speaks the wire by hand: greets, takes the receiver's rings, switches to
+//!   them, writes garbage into the head of the ring it writes, prints `scribbled`, and waits
+//!   until stdin closes.
+
+use std::io::{BufRead as _, Write as _};
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::{arg, number};
+use ipc_core::seqpacket::Connection;
+use kernels::reference;
+use tensor_queue::testing::wire::{Frame, Hello, LinkFrame};
+use tensor_queue::{DType, Sender, Tensor};
+
+/// What the ring tests send.
+pub type Item = (u64, Vec<Tensor>);
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn main() {
+    std::thread::spawn(|| {
+        std::thread::sleep(Duration::from_secs(60));
+        eprintln!("tq-rings: watchdog");
+        std::process::abort();
+    });
+    if let Err(error) = run() {
+        say(&format!("error {error:#}"));
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let to = arg(&args, "--to").context("--to")?;
+    let every = number(&args, "--every", 0)?;
+    let len = number(&args, "--len", 4096)? as usize;
+    match args.first().map(String::as_str) {
+        Some("burst") => {
+            let sender = Sender::<Item>::connect(&to)?;
+            // Message 0 (with a tensor) released: the rings are on by then (their offer comes
+            // before any release), so the rest goes through them, not into the socket's buffer.
+            sender.send(&item(0, 1, len)?)?;
+            ensure!(sender.wait_released(Duration::from_secs(30)), "message 0 not released within 30 s");
+            for index in 1..number(&args, "--count", 100)? {
+                sender.send(&item(index, every, len)?)?;
+            }
+            ensure!(sender.wait_written(Duration::from_secs(30)), "not written within 30 s");
+            say("sent");
+            die()
+        }
+        Some("marker") => {
+            let sender = Sender::<Item>::connect(&to)?;
+            sender.send(&(0, Vec::new()))?;
+            sender.send(&item(1, 1, len)?)?;
+            bail!("still alive after the marker")
+        }
+        Some("senders") => {
+            let (threads, count) = (number(&args, "--threads", 4)?, number(&args, "--count", 100)?);
+            let threads: Vec<_> = (0..threads)
+                .map(|thread| {
+                    let to = to.clone();
+                    std::thread::spawn(move || -> Result<()> {
+                        let sender = Sender::<Item>::connect(&to)?;
+                        for i in 0..count {
+                            sender.send(&item(1_000_000 * thread + i, every, len)?)?;
+                        }
+                        ensure!(sender.wait_released(Duration::from_secs(30)), "not released within 30 s");
+                        Ok(())
+                    })
+                })
+                .collect();
+            for thread in threads {
+                thread.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
+            }
+            say("done");
+            Ok(())
+        }
+        Some("scribble") => scribble(&to),
+        other => bail!("unknown role {other:?}"),
+    }
+}
+
+/// Message `index`, with a fresh tensor of `len` bytes if `every` divides it.
+pub fn item(index: u64, every: u64, len: usize) -> Result<Item> {
+    let tensors = match every != 0 && index.is_multiple_of(every) {
+        true => vec![Tensor::from_slice(&reference::pattern(len, index), DType::U8, &[len as u64])?],
+        false => Vec::new(),
+    };
+    Ok((index, tensors))
+}
+
+fn die() -> ! {
+    let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    std::process::abort()
+}
+
+/// A sender that lies in the memory it shares: see the module.
+fn scribble(to: &str) -> Result<()> {
+    let connection = Connection::connect(std::path::Path::new(to))?;
+    connection.set_recv_timeout(Some(Duration::from_secs(30)))?;
+    let hello = Hello {
+        pid: std::process::id(),
+        host: ipc_core::HostId::current()?.0,
+        capacity: 0,
+        instance: 11,
+        reach: Default::default(),
+        routing: Default::default(),
+    };
+    connection.send(&hello.encode(), &[])?;
+    let mut buf = vec![0u8; 1 << 20];
+    let rings: Vec<OwnedFd> = loop {
+        let (n, fds) = connection.recv(&mut buf)?;
+        ensure!(n > 0, "the receiver hung up");
+        if LinkFrame::decode(&buf[..n]) == Ok(LinkFrame::Rings) {
+            break fds;
+        }
+    };
+    ensure!(rings.len() == 4, "{} descriptors with the rings", rings.len());
+    connection.send(&LinkFrame::RingsOn.encode(), &[])?;
+    // The ring we write: its first page is the header; `head` is the word at 128.
+    let len = rustix::fs::fstat(&rings[0])?.st_size as usize;
+    ensure!(len > 4096, "a ring of {len} bytes");
+    let memory = ipc_core::SharedMemory::from_fd(rings[0].try_clone()?, len)?;
+    // Not 8-aligned, and far past anything published: the receiver's check must refuse it.
+    memory.store_u64(128, 0x1234_5677)?;
+    // And wake it, as a writer would.
+    rustix::io::write(&rings[2], &1u64.to_ne_bytes())?;
+    say("scribbled");
+    for line in std::io::stdin().lock().lines() {
+        if line.is_err() {
+            break;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,170 @@
+//! The per-message path through shared-memory rings (issue 26), as an outsider sees it: real
+//! processes (`tq-rings`), host tensors, no GPU. Nothing here can tell which path a frame took
+//! except what must hold either way: order, nothing lost, a typed end.
+
+use std::os::unix::process::ExitStatusExt as _;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use integration_tests::{bin_path, socket_path, stdout_lines};
+use kernels::reference;
+use tensor_queue::{Error, Receiver, Tensor, Violation};
+
+type Item = (u64, Vec<Tensor>);
+
+fn helper(
+    role: &str,
+    to: &std::path::Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Child, std::sync::mpsc::Receiver<String>) {
+    let mut command = Command::new(bin_path("tq-rings").unwrap());
+    command.arg(role).arg("--to").arg(to).args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().unwrap();
+    let lines = stdout_lines(&mut child, Some(format!("tq-rings {role}")));
+    (child, lines)
+}
+
+fn expect_line(lines: &std::sync::mpsc::Receiver<String>, want: &str) {
+    let line = lines.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("no `{want}` from the helper"));
+    assert_eq!(line, want);
+}
+
+/// Checks message `index`'s tensor (if it has one) against the pattern the helper filled it with.
+fn check(item: &Item, every: u64, len: usize) {
+    let (index, tensors) = item;
+    let expected = every != 0 && index.is_multiple_of(every);
+    assert_eq!(tensors.len(), usize::from(expected), "message {index}");
+    if let Some(tensor) = tensors.first() {
+        assert_eq!(tensor.to_bytes().unwrap(), reference::pattern(len, *index), "message {index}'s bytes");
+    }
+}
+
+fn bind(tag: &str, capacity: u32) -> (Receiver<Item>, std::path::PathBuf) {
+    let path = socket_path(tag);
+    (Receiver::builder().capacity(capacity).bind(&path).unwrap(), path)
+}
+
+/// The end of the stream, and not a wait for ever: a typed `Disconnected`.
+fn expect_end(receiver: &mut Receiver<Item>) {
+    match receiver.recv_timeout(Duration::from_secs(30)) {
+        Err(Error::Disconnected) => {}
+        other => panic!("expected the end of the stream, got {:?}", other.map(|(index, _)| index)),
+    }
+}
+
+#[test]
+fn a_producer_killed_after_pushing_has_every_message_delivered_then_the_end() {
+    let (mut receiver, path) = bind("rings-burst", 512);
+    let (mut child, lines) = helper("burst", &path, &["--count", "400", "--every", "7", "--len", "4096"], &[]);
+    let first = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(first.0, 0);
+    check(&first, 1, 4096);
+    drop(first); // released: the producer sends the rest
+    expect_line(&lines, "sent");
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "the producer kills itself: {status:?}");
+    // Only now does the receiver read: what the dead producer pushed is all there, in order.
+    for index in 1..400 {
+        let item = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+        assert_eq!(item.0, index);
+        check(&item, 7, 4096);
+    }
+    expect_end(&mut receiver);
+}
+
+#[test]
+fn a_producer_killed_between_a_marker_and_its_frame_ends_the_stream() {
+    // Capacity 1: the second send waits for a credit, which comes after the rings are on, so
+    // its announcement is a marker on the ring and a frame on the socket; it dies in between.
+    let (mut receiver, path) = bind("rings-marker", 1);
+    let (mut child, _lines) = helper("marker", &path, &[], &[("TENSOR_QUEUE_TEST_DIE_AFTER_MARKER", "1")]);
+    let first = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(first.0, 0);
+    expect_end(&mut receiver);
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(9), "the producer died at its marker (rings on): {status:?}");
+}
+
+#[test]
+fn a_peer_scribbling_on_its_ring_gets_a_typed_error_and_the_others_go_on() {
+    let (mut receiver, path) = bind("rings-scribble", 64);
+    let (mut scribbler, scribbled) = helper("scribble", &path, &[], &[]);
+    // The receiver reads the scribbler's switch and ring while it waits for the others' messages.
+    let (mut senders, done) =
+        helper("senders", &path, &["--threads", "2", "--count", "100", "--every", "5", "--len", "1000"], &[]);
+    expect_line(&scribbled, "scribbled");
+    let mut next = [0u64; 2];
+    let mut count = 0;
+    while count < 200 {
+        let item = match receiver.recv_timeout(Duration::from_secs(30)) {
+            Ok(item) => item,
+            // A bound receiver between the scribbler's end and the others' start: nobody there.
+            Err(Error::Disconnected) => {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            Err(other) => panic!("{other}"),
+        };
+        let (thread, i) = ((item.0 / 1_000_000) as usize, item.0 % 1_000_000);
+        assert_eq!(i, next[thread], "sender {thread}'s order");
+        next[thread] += 1;
+        check(&item, 5, 1000);
+        count += 1;
+    }
+    expect_line(&done, "done");
+    assert!(senders.wait().unwrap().success());
+    let until = Instant::now() + Duration::from_secs(30);
+    let error = loop {
+        let errors = receiver.take_errors();
+        // Typed, to match on: which connection, and why.
+        if let Some(Error::ConnectionClosed { cause, .. }) = errors
+            .into_iter()
+            .find(|e| matches!(e, Error::ConnectionClosed { cause, .. } if matches!(**cause, Error::Violation(Violation::CorruptRing { .. }))))
+        {
+            break *cause;
+        }
+        assert!(Instant::now() < until, "no typed error for the scribbler's connection");
+        let _ = receiver.recv_timeout(Duration::from_millis(20));
+    };
+    assert!(error.to_string().contains("ring"), "{error}");
+    drop(scribbler.stdin.take());
+    let _ = scribbler.wait();
+}
+
+#[test]
+fn several_senders_in_one_process_keep_their_order_with_announcements_between_messages() {
+    for (env, tag) in [(&[][..], "on"), (&[("TQ_RINGS", "0")][..], "refused by the senders")] {
+        let (mut receiver, path) = bind("rings-senders", 32);
+        let (mut child, done) =
+            helper("senders", &path, &["--threads", "4", "--count", "300", "--every", "3", "--len", "70000"], env);
+        let mut next = [0u64; 4];
+        for _ in 0..1200 {
+            let item = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+            let (thread, i) = ((item.0 / 1_000_000) as usize, item.0 % 1_000_000);
+            assert_eq!(i, next[thread], "sender {thread}'s order ({tag})");
+            next[thread] += 1;
+            check(&item, 3, 70000);
+        }
+        expect_line(&done, "done");
+        assert!(child.wait().unwrap().success(), "{tag}");
+        expect_end(&mut receiver);
+    }
+}
+
+#[test]
+fn a_receiver_holding_many_messages_releases_them_all_at_the_end() {
+    let (mut receiver, path) = bind("rings-hold", 64);
+    let (mut child, done) =
+        helper("senders", &path, &["--threads", "2", "--count", "1500", "--every", "1", "--len", "64"], &[]);
+    let held: Vec<Item> = (0..3000).map(|_| receiver.recv_timeout(Duration::from_secs(30)).unwrap()).collect();
+    assert!(held.iter().all(|(_, tensors)| tensors.len() == 1));
+    // The senders wait until everything is released: it is, once we let go.
+    drop(held);
+    expect_line(&done, "done");
+    assert!(child.wait().unwrap().success());
+    expect_end(&mut receiver);
+}
