@@ -22,14 +22,17 @@ use std::time::{Duration, Instant};
 
 use ipc_core::ring::{self, RingError, RingReader, RingWriter};
 
-use crate::wire::LinkFrame;
+use crate::wire::{LinkFrame, MAX_PACKET};
 
-/// Each ring's data bytes: every one-packet frame fits a record (half of it), and a receiver's
-/// credits of small messages fit many times over. Pages are touched as records go round: a
-/// busy connection holds 2 MiB of shared memory (one ring each way), and 5 descriptors at the
-/// receiver (the socket, the link's poll set, two rings, a doorbell) and 6 at the sender (the
-/// receiver's doorbell too) where the socket alone took 1.
-pub(crate) const RING_CAPACITY: usize = 1 << 20;
+/// Each ring's data bytes: the least that lets every one-packet frame fit a record (half of it,
+/// so `MAX_PACKET` plus the record's words), and a receiver's credits of small messages fit
+/// many times over (a writer that finds its ring full queues behind it, as on a full socket).
+/// Pages are touched as records go round: a busy connection holds 512 KiB of shared memory (one
+/// ring each way; 1 MiB rings measured the same on the development machine), and 5 descriptors
+/// at the receiver (the socket, the link's poll set, two rings, a doorbell) and 6 at the sender
+/// (the receiver's doorbell too) where the socket alone took 1.
+pub(crate) const RING_CAPACITY: usize = 256 << 10;
+const _: () = assert!(RING_CAPACITY / 2 >= MAX_PACKET + 64, "every one-packet frame fits a record");
 
 /// The environment variable that keeps local links on the socket when `0` (for measurements
 /// and tests: the frames are the same, only their path differs). Read at each connection's
