@@ -54,3 +54,18 @@ pub(crate) fn die_after_marker() -> bool {
     #[cfg(not(feature = "test-switches"))]
     false
 }
+
+/// When `1`, a receiver waits 300 ms between its `Hello` and its offer of rings (tests only):
+/// a sender has sent its messages on the socket and gone by the time the offer is made.
+pub const LATE_RING_OFFER_ENV: &str = "TENSOR_QUEUE_TEST_LATE_RING_OFFER";
+
+/// How long a receiver waits before its offer of rings (tests only; see [`LATE_RING_OFFER_ENV`]).
+pub(crate) fn ring_offer_delay() -> Option<std::time::Duration> {
+    #[cfg(feature = "test-switches")]
+    {
+        static LATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        switch(LATE_RING_OFFER_ENV, &LATE).then_some(std::time::Duration::from_millis(300))
+    }
+    #[cfg(not(feature = "test-switches"))]
+    None
+}

@@ -76,6 +76,24 @@ fn a_producer_killed_after_pushing_has_every_message_delivered_then_the_end() {
     expect_end(&mut receiver);
 }
 
+/// A sender that sent its messages (on the socket: no rings yet) and exited before the
+/// receiver's offer of rings keeps every message: the offer finding it gone does not drop the
+/// connection (it did: the messages were lost and the receiver waited for ever for its sender).
+#[test]
+fn a_sender_gone_before_the_offer_of_rings_has_every_message_delivered() {
+    let path = socket_path("late-offer");
+    let (mut receiver, lines) = helper("receive", &path, &[], &[("TENSOR_QUEUE_TEST_LATE_RING_OFFER", "1")]);
+    expect_line(&lines, "bound");
+    let (mut sender, sent) = helper("quick", &path, &["--count", "4"], &[]);
+    expect_line(&sent, "sent");
+    assert!(sender.wait().unwrap().success(), "the sender exited cleanly");
+    for index in 0..4 {
+        expect_line(&lines, &format!("got {index}"));
+    }
+    expect_line(&lines, "end");
+    assert!(receiver.wait().unwrap().success());
+}
+
 #[test]
 fn a_producer_killed_between_a_marker_and_its_frame_ends_the_stream() {
     // Capacity 1: the second send waits for a credit, which comes after the rings are on, so

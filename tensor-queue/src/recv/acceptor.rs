@@ -38,9 +38,19 @@ pub(crate) struct Greeting {
 impl Greeting {
     /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing; then,
     /// on a local link, the offer of the rings (`links/rings.rs`).
+    ///
+    /// Once the `Hello` is out the connection is the receiver's, whatever becomes of the offer:
+    /// the sender may already have sent its messages (on the socket) and exited, and the offer
+    /// then finds it gone. Those messages are read, then the hang-up, as on any link.
     pub(crate) fn greet(&self, link: &Link) -> Result<()> {
         link.hello(self.capacity, Reach::local(), &self.routing)?;
-        link.offer_rings()
+        if let Some(delay) = crate::switches::ring_offer_delay() {
+            std::thread::sleep(delay);
+        }
+        if let Err(error) = link.offer_rings() {
+            tracing::debug!(%error, "no rings for this connection; it stays on the socket");
+        }
+        Ok(())
     }
 }
 

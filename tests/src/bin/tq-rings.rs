@@ -14,6 +14,12 @@
 //!   after the rings are on), and dies between that tensor's marker and its announcement.
 //! - `senders --to P --threads T --count N [--every E --len L]`: `T` threads, each with its own
 //!   `Sender`, send `N` messages each, index `1_000_000 * thread + i`; prints `done`.
+//! - `quick --to P --count N`: sends `N` messages without tensors (no more than the receiver's
+//!   capacity: none waits for a credit), waits until the link wrote them, prints `sent`, and
+//!   exits.
+//! - `receive --to P`: binds `P` for one sender, prints `bound`, then `got I` per message and
+//!   `end` once the sender has gone (with `TENSOR_QUEUE_TEST_LATE_RING_OFFER=1`, its offer of
+//!   rings comes 300 ms after its `Hello`).
 //! - `scribble --to P`: speaks the wire by hand: greets, takes the receiver's rings, switches to
 //!   them, writes garbage into the head of the ring it writes, prints `scribbled`, and waits
 //!   until stdin closes.
@@ -94,6 +100,25 @@ fn run() -> Result<()> {
                 thread.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
             }
             say("done");
+            Ok(())
+        }
+        Some("quick") => {
+            let sender = Sender::<Item>::connect(&to)?;
+            for index in 0..number(&args, "--count", 4)? {
+                sender.send(&(index, Vec::new()))?;
+            }
+            ensure!(sender.wait_written(Duration::from_secs(30)), "not written within 30 s");
+            say("sent");
+            Ok(())
+        }
+        Some("receive") => {
+            let mut receiver = tensor_queue::Receiver::<Item>::bind(&to)?;
+            receiver.expect_senders(1);
+            say("bound");
+            for item in &mut receiver {
+                say(&format!("got {}", item?.0));
+            }
+            say("end");
             Ok(())
         }
         Some("scribble") => scribble(&to),
