@@ -9,7 +9,7 @@
 //! Every bound here is a generous "does not hang" bound, never a speed assertion.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -70,16 +70,7 @@ impl Peer {
         let mut command = Command::new(integration_tests::bin_path("outside4-peer").expect("outside4-peer's path"));
         command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).env("TQ_SECRET", KEY);
         let mut child = command.spawn().expect("start outside4-peer");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let lines = integration_tests::stdout_lines(&mut child, None);
         Peer { child, lines }
     }
 

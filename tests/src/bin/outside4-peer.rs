@@ -32,6 +32,13 @@ fn pattern(len: usize, n: u8) -> Vec<u8> {
     (0..len).map(|i| ((i * 31 + n as usize) % 251) as u8).collect()
 }
 
+/// Lowers this process's soft RLIMIT_NOFILE to `limit` (the hard limit stays).
+fn lower_fd_limit(limit: u64) -> Result<()> {
+    let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
+    let lowered = rustix::process::Rlimit { current: Some(limit), maximum: hard };
+    Ok(rustix::process::setrlimit(rustix::process::Resource::Nofile, lowered)?)
+}
+
 fn kill_myself() -> Result<()> {
     rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL)?;
     bail!("still alive after SIGKILL")
@@ -77,11 +84,7 @@ fn main() -> Result<()> {
         // sender it holds and says "sent N". Exits 0 when the failure was a typed error.
         "fd-limit" => {
             let limit: u64 = args[2].parse()?;
-            let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
-            rustix::process::setrlimit(
-                rustix::process::Resource::Nofile,
-                rustix::process::Rlimit { current: Some(limit), maximum: hard },
-            )?;
+            lower_fd_limit(limit)?;
             let mut senders = Vec::new();
             let mut failure = None;
             for _ in 0..limit * 2 {
@@ -143,11 +146,7 @@ fn main() -> Result<()> {
         // without a message), then "errors N" (how many take_errors reported).
         "recv-limited" => {
             let limit: u64 = args[2].parse()?;
-            let hard = rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum;
-            rustix::process::setrlimit(
-                rustix::process::Resource::Nofile,
-                rustix::process::Rlimit { current: Some(limit), maximum: hard },
-            )?;
+            lower_fd_limit(limit)?;
             let mut receiver = Receiver::<u64>::bind(args[1].as_str())?;
             say(&format!("bound {}", receiver.local_addr().map(|a| a.port()).unwrap_or(0)));
             loop {
