@@ -11,8 +11,14 @@ use crate::{Error, Result};
 /// Initialises the driver once per process.
 pub(crate) fn init() -> Result<()> {
     static INIT: OnceLock<Result<(), cuda_sys::Error>> = OnceLock::new();
-    // SAFETY: cuInit has no pointer arguments.
-    INIT.get_or_init(|| unsafe { driver!(cuInit(0)) }).clone().map_err(Error::from)
+    INIT.get_or_init(|| {
+        // Before the driver's descriptors and threads (see the function).
+        crate::fd_passing::reserve_table();
+        // SAFETY: cuInit has no pointer arguments.
+        unsafe { driver!(cuInit(0)) }
+    })
+    .clone()
+    .map_err(Error::from)
 }
 
 /// A GPU's UUID: how a device is named between processes, whose ordinals may differ

@@ -20,6 +20,47 @@ use crate::{Error, Result};
 /// The most descriptors one message carries.
 pub const MAX_FDS: usize = 32;
 
+/// How many descriptors [`reserve_table`] makes this process's descriptor table hold (or the
+/// soft `RLIMIT_NOFILE`, if that is lower).
+pub const RESERVED_TABLE: u32 = 1024;
+
+/// Grows this process's descriptor table, once, to hold [`RESERVED_TABLE`] descriptors, so that
+/// no descriptor opened or received later has to grow it.
+///
+/// Why: Linux grows the table of a process that has more than one thread under
+/// `synchronize_rcu()` (`expand_fdtable`), and whichever call needs the next slot waits for it:
+/// 5-20 ms on the GPU machine. A CUDA process holds dozens of descriptors, so the few that a
+/// channel's first connection adds (rings, doorbells, a chunk) pushed the table past 64 and 128
+/// slots in the middle of the first message: one `memfd_create` took 5.4 ms and one `recvmsg`
+/// of four descriptors 15-20 ms (`tq-bench` set-up with `TQ_LOG=debug`, BENCHMARKS.md). Called
+/// before the driver starts its threads (`cuInit`) and before a channel binds or connects,
+/// while the process may still have one thread (then growing costs nothing); later calls
+/// return at once. A table never shrinks; 1,024 slots cost 8 KiB and two bitmaps.
+///
+/// ```
+/// ipc_core::fd_passing::reserve_table();
+/// let status = std::fs::read_to_string("/proc/self/status").unwrap();
+/// let slots: u32 = status.lines().find_map(|l| l.strip_prefix("FDSize:")).unwrap().trim().parse().unwrap();
+/// let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(u64::MAX);
+/// assert!(u64::from(slots) >= u64::from(ipc_core::fd_passing::RESERVED_TABLE).min(limit));
+/// ```
+pub fn reserve_table() {
+    static RESERVED: std::sync::Once = std::sync::Once::new();
+    RESERVED.call_once(|| {
+        let limit = rustix::process::getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX);
+        let highest = u64::from(RESERVED_TABLE).min(limit).saturating_sub(1) as RawFd;
+        // The lowest free descriptor at or above `highest`: the table grows to hold it, and
+        // stays grown when both are closed (at once). A failure (no descriptor left, a
+        // sandbox without `/`) leaves the table to grow when needed, as before.
+        let Ok(root) =
+            rustix::fs::open("/", rustix::fs::OFlags::PATH | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty())
+        else {
+            return;
+        };
+        let _ = rustix::io::fcntl_dupfd_cloexec(&root, highest);
+    });
+}
+
 /// Sends all of `bytes` (at least one) with `fds` attached to the first byte.
 ///
 /// A peer that closed the connection is [`Error::PeerGone`].

@@ -22,6 +22,27 @@ use ipc_core::seqpacket::{Connection, Listener};
 /// Environment variable naming the folder that holds `ipc-helper` (the GPU bundle sets it).
 pub const BIN_DIR_ENV: &str = "IPC_TESTS_BIN_DIR";
 
+/// The environment variable that turns on the library's `tracing` events on stderr, at the level
+/// it names (`error`, `warn`, `info`, `debug`, `trace`), with a wall-clock time to the microsecond
+/// and the thread, so the lines of two processes can be merged. Read by [`init_logging`].
+pub const LOG_ENV: &str = "TQ_LOG";
+
+/// Prints the library's `tracing` events on stderr if [`LOG_ENV`] names a level; a helper program
+/// calls it first thing. An unknown level is said once and ignored.
+pub fn init_logging() {
+    let Some(level) = std::env::var_os(LOG_ENV) else { return };
+    let Ok(level) = level.to_string_lossy().parse::<tracing_subscriber::filter::LevelFilter>() else {
+        eprintln!("{LOG_ENV}={level:?}: not a level (error, warn, info, debug, trace)");
+        return;
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_thread_names(true)
+        .try_init();
+}
+
 /// Why GPU tests cannot run here, or `None` when a GPU is usable.
 pub fn gpu_skip_reason() -> Option<String> {
     if cuda_sys::is_available() {

@@ -186,3 +186,28 @@ fn a_receiver_holding_many_messages_releases_them_all_at_the_end() {
     assert!(child.wait().unwrap().success());
     expect_end(&mut receiver);
 }
+
+/// This process's descriptor slots, as the kernel says (`FDSize` in `/proc/self/status`).
+fn descriptor_slots() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    status.lines().find_map(|line| line.strip_prefix("FDSize:")).unwrap().trim().parse().unwrap()
+}
+
+/// The bug this fixed: a channel's first connection (its rings, doorbells, a chunk) grew a
+/// CUDA process's descriptor table past 64 and 128 slots in the middle of the first message,
+/// and Linux grows the table of a process with threads under `synchronize_rcu()`: 6-21 ms on
+/// the GPU machine, in one `memfd_create` and one `recvmsg` (`tq-bench` set-up). A receiver and
+/// a sender now grow it before their threads, so no message pays for it.
+#[test]
+fn a_channel_makes_room_for_its_descriptors_before_its_first_message() {
+    let (mut receiver, path) = bind("fd-room", 4);
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(u64::MAX);
+    let want = u64::from(ipc_core::fd_passing::RESERVED_TABLE).min(limit);
+    assert!(descriptor_slots() >= want, "{} slots after bind, want {want}", descriptor_slots());
+    let sender = tensor_queue::Sender::<Item>::connect(&path).unwrap();
+    let tensor = Tensor::from_slice(&[1u8, 2, 3], tensor_queue::DType::U8, &[3]).unwrap();
+    sender.send(&(0, vec![tensor])).unwrap();
+    let (index, tensors) = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!((index, tensors[0].to_bytes().unwrap()), (0, vec![1, 2, 3]));
+    assert!(descriptor_slots() >= want);
+}

@@ -177,12 +177,14 @@ impl Link {
         let mut inbound = lock(&local.inbound);
         let fds = [offer.reader.fd(), offer.writer.fd(), offer.doorbell.as_fd(), theirs.as_fd()];
         self.send(&LinkFrame::Rings, &fds)?;
+        tracing::debug!(pid = self.peer_pid(), "rings offered");
         inbound.offered = Some(offer);
         Ok(())
     }
 
     /// Handles a link frame read from the socket before the switch (see `links/rings.rs`).
     fn on_link_frame(&self, local: &Local, inbound: &mut Inbound, frame: LinkFrame, fds: Vec<OwnedFd>) -> Result<()> {
+        tracing::debug!(pid = self.peer_pid(), ?frame, fds = fds.len(), "link frame");
         let unexpected =
             |what: &str| -> Result<()> { Err(Violation::LinkFrameOutOfPlace { what: what.into() }.into()) };
         match frame {
@@ -283,8 +285,10 @@ impl Link {
         }
         if out.rings_on {
             if fds.is_empty() && wire::ring_eligible(&bytes) && bytes.len() <= MAX_PACKET {
+                tracing::trace!(pid = self.peer_pid(), len = bytes.len(), "send: ring record");
                 return self.put_record(&mut out, bytes);
             }
+            tracing::trace!(pid = self.peer_pid(), len = bytes.len(), fds = fds.len(), "send: marker, then the socket");
             // The marker first: a reader reads the socket only once it popped it.
             self.put_record(&mut out, LinkFrame::OnSocket.encode())?;
             if crate::switches::die_after_marker() {
@@ -455,6 +459,7 @@ impl Link {
                     None => match self.read_packet(buf)? {
                         Some((n, fds, lost)) => (self.owed(assembler, &buf[..n], fds)?, lost),
                         None => {
+                            tracing::trace!(pid = self.peer_pid(), "recv: the marker's frame is not on the socket yet");
                             inbound.wait_for_socket();
                             return Ok((Read::Nothing, None));
                         }
@@ -469,10 +474,12 @@ impl Link {
             }
             match inbound.pop().map_err(|error| self.corrupt(error))? {
                 Popped::Marker => {
+                    tracing::trace!(pid = self.peer_pid(), "recv: marker");
                     inbound.owes = true;
                     continue;
                 }
                 Popped::Record => {
+                    tracing::trace!(pid = self.peer_pid(), len = inbound.record.len(), "recv: ring record");
                     let frame =
                         F::decode(&inbound.record).map_err(|source| Error::Frame { pid: self.peer_pid(), source })?;
                     return Ok((Read::Frame(frame, Vec::new()), None));
@@ -557,7 +564,9 @@ impl Link {
             if !matches!(read, Read::Nothing) || self.has_buffered() {
                 return Ok(read);
             }
-            if set.wait(&mut tokens, None)? == Waited::Ready {
+            let waited = set.wait(&mut tokens, None)?;
+            tracing::trace!(?waited, ?tokens, "link recv: woke");
+            if waited == Waited::Ready {
                 return Ok(Read::Nothing);
             }
         }

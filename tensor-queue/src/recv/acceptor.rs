@@ -268,6 +268,7 @@ fn hand_over(outcome: Result<Link>, options: &Greeting, handed: &Mutex<Handed>, 
     let ring: &[u8] = match outcome {
         Ok(link) => match options.greet(&link) {
             Ok(()) => {
+                tracing::debug!(pid = link.peer_pid(), "greeted a new connection; handing it to recv");
                 lock(handed).links.push(link);
                 b"c"
             }

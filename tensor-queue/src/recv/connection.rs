@@ -278,6 +278,7 @@ impl Connected {
             Err(progress) => return Ok(progress),
         };
         let arrived_ns = monotonic_ns();
+        tracing::trace!(pid = self.pid(), frame = %format!("{frame:?}").chars().take(60).collect::<String>(), fds = fds.len(), "recv: frame");
         let frame = match self.protocol.on_frame(frame, capacity)? {
             Incoming::Act(frame) => frame,
             Incoming::Retired(chunk) => {

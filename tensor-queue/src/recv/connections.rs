@@ -62,6 +62,8 @@ pub(crate) struct Connections {
 impl Connections {
     /// No connection yet; each sender may have `capacity` messages not yet received.
     pub fn new(capacity: u32, routing: Routing) -> Result<Connections> {
+        // Before this receiver's threads and descriptors (`ipc_core::fd_passing`).
+        ipc_core::fd_passing::reserve_table();
         let devices = Devices::new(routing)?;
         let readiness = Readiness::new()?;
         readiness.watch(devices.nccl_wake.fd(), WAKE)?;
@@ -313,6 +315,7 @@ impl Connections {
         let capped = until_give_up.filter(|&left| wait.is_none_or(|wait| left < wait));
         let mut tokens = std::mem::take(&mut self.tokens);
         let waited = self.readiness.wait(&mut tokens, capped.or(wait));
+        tracing::trace!(?waited, ?tokens, "recv: woke");
         let found = waited.map(|waited| self.ready(waited, &tokens));
         self.tokens = tokens;
         let (listener_ready, readable) = match found? {

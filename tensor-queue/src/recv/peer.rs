@@ -104,8 +104,14 @@ impl Peer {
         out.deferred = false;
         while let Some(frame) = out.owed.next() {
             match self.link.try_send(&frame) {
-                Ok(true) => out.owed.written(&frame),
-                Ok(false) => return false,
+                Ok(true) => {
+                    tracing::trace!(pid = self.link.peer_pid(), ?frame, "to the sender");
+                    out.owed.written(&frame)
+                }
+                Ok(false) => {
+                    tracing::trace!(pid = self.link.peer_pid(), "to the sender: no room, stalled");
+                    return false;
+                }
                 // The sender is gone, and with it what we owed it.
                 Err(_) => {
                     out.owed.forget();

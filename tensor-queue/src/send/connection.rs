@@ -90,6 +90,8 @@ impl RetireListener for SenderInner {
 impl SenderInner {
     /// Starts the connection's reader thread on `link`, whose `Hello` was sent.
     pub(crate) fn start(link: Link) -> Result<Arc<SenderInner>> {
+        // Before this process's first channel starts threads (`ipc_core::fd_passing`).
+        ipc_core::fd_passing::reserve_table();
         let flavor = if link.remote { Flavor::Remote(Mutex::new(SendComms::default())) } else { Flavor::Local };
         // What the reader thread waits on: the socket, registered once.
         let answers = PollSet::new()?;
@@ -345,6 +347,7 @@ impl SenderInner {
             tensors: prepared.table,
             payload: outgoing.payload.clone(),
         };
+        tracing::trace!(pid, seq, "send: the message");
         match self.link.send(&frame, &[]) {
             Ok(()) => Ok(event),
             Err(error) => Err(give_back(error, event)),

@@ -35,6 +35,7 @@ use tensor_queue::{
 };
 
 fn main() {
+    integration_tests::init_logging();
     if let Err(error) = run() {
         eprintln!("tq-peer: {error:#}");
         std::process::exit(1);

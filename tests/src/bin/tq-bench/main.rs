@@ -204,6 +204,7 @@ struct Bench {
 }
 
 fn main() -> Result<()> {
+    integration_tests::init_logging();
     // A consumer process of the cross-device section, or its driver-copy anchor.
     if let Some(result) = cross::child_role() {
         return result;
