@@ -20,6 +20,7 @@
 //! | 0 | magic `b"ipcring1"`, then the version (`u32`) and the capacity (`u32`) | the creator, once |
 //! | 128 | `head`: bytes ever published (`u64`) | the writer |
 //! | 136 | the writer's notices ([`RingWriter::notify`], `u32`) | the writer |
+//! | 144 | the writer's tally ([`Tally`], `u64`) | the writer |
 //! | 256 | `tail`: bytes ever consumed (`u64`) | the reader |
 //! | 264 | the reader's notices ([`RingReader::notify`], `u32`) | the reader |
 //! | 384 | the reader sleeps (futex word, `u32`) | the reader (1), the writer (0) |
@@ -117,6 +118,7 @@
 //! ```
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant};
 
@@ -137,12 +139,30 @@ pub const MAX_CAPACITY: usize = 1 << 30;
 pub const WATCH_SLICE: Duration = Duration::from_millis(10);
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ipcring1");
+
+/// A number the writer's user publishes beside a ring's records ([`RingWriter::tally`]): what a
+/// reader can still learn of the writer after its process died. tensor-queue publishes how
+/// many messages `send` accepted, so that a receiver can tell how many a killed sender never
+/// wrote.
+#[derive(Clone, Debug)]
+pub struct Tally {
+    memory: Arc<SharedMemory>,
+}
+
+impl Tally {
+    /// Publishes `value` (release ordering: records pushed before it are visible with it).
+    pub fn publish(&self, value: u64) {
+        // The mapping is the writer's own, read-write (checked when it was made or opened).
+        let _ = self.memory.store_u64(WRITER_TALLY_AT, value);
+    }
+}
 const VERSION: u32 = 1;
 const HEADER_LEN: usize = 4096;
 const VERSION_AT: usize = 8;
 const CAPACITY_AT: usize = 12;
 const HEAD_AT: usize = 128;
 const WRITER_NOTICES_AT: usize = 136;
+const WRITER_TALLY_AT: usize = 144;
 const TAIL_AT: usize = 256;
 const READER_NOTICES_AT: usize = 264;
 const READER_SLEEPS_AT: usize = 384;
@@ -214,7 +234,7 @@ pub enum Wakeup {
 /// The mapping, the capacity as this process read it once, and the header's words.
 #[derive(Debug)]
 struct Shared {
-    memory: SharedMemory,
+    memory: Arc<SharedMemory>,
     capacity: usize,
 }
 
@@ -225,7 +245,7 @@ impl Shared {
                 "a ring's capacity must be a power of two from {MIN_CAPACITY} to {MAX_CAPACITY} bytes, not {capacity}"
             )));
         }
-        let memory = SharedMemory::create(name, HEADER_LEN + capacity)?;
+        let memory = Arc::new(SharedMemory::create(name, HEADER_LEN + capacity)?);
         let shared = Shared { memory, capacity };
         shared.word64(0).store(MAGIC, Ordering::Relaxed);
         shared.word32(VERSION_AT).store(VERSION, Ordering::Relaxed);
@@ -243,7 +263,7 @@ impl Shared {
             return Err(RingError::Corrupt { what: "file size", value: size }.into());
         }
         let capacity = capacity as usize;
-        let memory = SharedMemory::from_fd(fd, HEADER_LEN + capacity)?;
+        let memory = Arc::new(SharedMemory::from_fd(fd, HEADER_LEN + capacity)?);
         if !memory.is_writable() {
             return Err(Error::ReadOnlyMemory);
         }
@@ -538,6 +558,13 @@ impl RingWriter {
         self.shared.memory.fd()
     }
 
+    /// The writer's tally: a number its user publishes beside the records, which the reader
+    /// reads ([`RingReader::tally`]) even after the writer's process died. It lives as long as
+    /// the mapping, which it keeps, so another thread may publish while this one waits.
+    pub fn tally(&self) -> Tally {
+        Tally { memory: self.shared.memory.clone() }
+    }
+
     /// The data area's size in bytes.
     pub fn capacity(&self) -> usize {
         self.shared.capacity
@@ -737,6 +764,12 @@ impl RingReader {
     /// The shared-memory file, to send to the writer's process.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.shared.memory.fd()
+    }
+
+    /// What the writer last published as its [`Tally`] (0 if nothing): a claim of the peer's,
+    /// any value a hostile one likes, for reports only.
+    pub fn tally(&self) -> u64 {
+        self.shared.word64(WRITER_TALLY_AT).load(Ordering::Acquire)
     }
 
     /// The data area's size in bytes.
@@ -974,6 +1007,20 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// The writer's tally is read by the reader, also once the writer is gone.
+    #[test]
+    fn the_tally_outlives_the_writer() {
+        let writer = RingWriter::create("tally", MIN_CAPACITY).unwrap();
+        let reader = RingReader::open(writer.fd().try_clone_to_owned().unwrap()).unwrap();
+        assert_eq!(reader.tally(), 0, "nothing published");
+        let tally = writer.tally();
+        tally.publish(41);
+        drop(writer);
+        tally.publish(42);
+        drop(tally);
+        assert_eq!(reader.tally(), 42);
+    }
 
     /// A writer and a reader of one ring in this process (two mappings of one file, as two
     /// processes would have).

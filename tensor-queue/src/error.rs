@@ -121,6 +121,18 @@ pub enum Error {
         /// What happened.
         why: String,
     },
+    /// A sender on this machine was gone (killed, or exited without waiting: its `Drop` gave up
+    /// after a minute) with messages its `send` had accepted but its process never wrote: they
+    /// are lost. The cause of an [`Error::ConnectionClosed`] in `Receiver::take_errors`, after
+    /// every message it did write. The count is the sender's own (published in the shared
+    /// memory of its ring; a sender over TCP, or with `TQ_RINGS=0`, cannot tell it).
+    #[error("{count} message(s) the sender had accepted were never written ({why}): they are lost")]
+    Unsent {
+        /// How many.
+        count: u64,
+        /// What happened.
+        why: String,
+    },
     /// A peer was refused at the handshake (by us, or by the peer: see [`Refusal`]).
     #[error("peer refused: {0}")]
     PeerRefused(Refusal),

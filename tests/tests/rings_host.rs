@@ -76,6 +76,44 @@ fn a_producer_killed_after_pushing_has_every_message_delivered_then_the_end() {
     expect_end(&mut receiver);
 }
 
+/// The outside tester's bug (round 5, B1): a producer SIGKILLed with messages its `send` had
+/// accepted still in its own queue (its ring full, the receiver not reading) lost them, and the
+/// receiver took the end for a clean goodbye. Now the sender publishes what it accepted in its
+/// ring's shared memory: every message it wrote is delivered, in order, and the rest are
+/// reported, counted (`Error::Unsent`), as the cause of the connection's closing.
+#[test]
+fn a_producer_killed_with_messages_still_queued_has_them_reported_as_lost() {
+    const COUNT: u64 = 20_000;
+    let (mut receiver, path) = bind("rings-overflow", COUNT as u32);
+    let (mut child, lines) = helper("overflow", &path, &["--count", &COUNT.to_string(), "--len", "64"], &[]);
+    let first = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(first.0, 0);
+    drop(first); // released: the producer sends the rest
+    expect_line(&lines, "queued");
+    assert_eq!(child.wait().unwrap().signal(), Some(9), "the producer kills itself");
+    let mut delivered = 0;
+    loop {
+        match receiver.recv_timeout(Duration::from_secs(30)) {
+            Ok((index, tensors)) => {
+                delivered += 1;
+                assert_eq!((index, tensors.len()), (delivered, 0), "in order, whole");
+            }
+            Err(Error::Disconnected) => break,
+            Err(other) => panic!("after {delivered} messages: {other}"),
+        }
+    }
+    assert!(delivered < COUNT - 1, "the producer died with none queued: the test proves nothing");
+    let errors = receiver.take_errors();
+    let unsent = errors.iter().find_map(|error| match error {
+        Error::ConnectionClosed { cause, .. } => match cause.as_ref() {
+            Error::Unsent { count, .. } => Some(*count),
+            _ => None,
+        },
+        _ => None,
+    });
+    assert_eq!(unsent, Some(COUNT - 1 - delivered), "{delivered} delivered; errors {errors:?}");
+}
+
 /// A sender that sent its messages (on the socket: no rings yet) and exited before the
 /// receiver's offer of rings keeps every message: the offer finding it gone does not drop the
 /// connection (it did: the messages were lost and the receiver waited for ever for its sender).

@@ -149,7 +149,11 @@ impl<T: Serialize> Sender<T> {
     /// [`Sender::try_send`] and [`Sender::send_timeout`] return within their promise whatever the
     /// message's size, and two processes that each send a large message to the other before
     /// receiving do not wait for each other. (What is queued so is bounded by the credits: the
-    /// receiver's capacity in messages.)
+    /// receiver's capacity in messages.) Queued messages live in this process until written
+    /// ([`Sender::wait_written`] says when): a process killed before that loses them. A receiver
+    /// on this machine is told how many (`Error::Unsent`, the cause of an
+    /// `Error::ConnectionClosed` from `take_errors`, after every message that was written); one
+    /// over TCP, or with `TQ_RINGS=0`, sees only the end of the stream.
     ///
     /// # Limits and errors
     /// A message has any number of tensors, but its encoded descriptors and payload (about 100

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use ipc_core::ring::{RingError, RingWriter, Wakeup};
+use ipc_core::ring::{RingError, RingReader, RingWriter, Tally, Wakeup};
 use ipc_core::tcp::Bulk;
 use ipc_core::transport::{Packets, Peer};
 use ipc_core::{HostId, SharedMemory};
@@ -77,6 +77,9 @@ pub(crate) struct Link {
 struct Local {
     ready: PollSet,
     inbound: Mutex<Inbound>,
+    /// What our side has accepted to send (see [`Link::accepted`]), and the tally of our ring
+    /// it is published in once there is one.
+    accepted: Mutex<(u64, Option<Tally>)>,
 }
 
 /// A packet read into the caller's buffer: its length, its descriptors, and the error of those
@@ -143,7 +146,7 @@ impl Link {
             false => PollSet::new()
                 .and_then(|ready| ready.add(connection.as_fd(), SOCKET).map(|()| ready))
                 .ok()
-                .map(|ready| Local { ready, inbound: Mutex::default() }),
+                .map(|ready| Local { ready, inbound: Mutex::default(), accepted: Mutex::default() }),
         };
         Ok(Link {
             connection,
@@ -236,9 +239,37 @@ impl Link {
         }
     }
 
+    /// For a sender, after `send` took message `seq` (written, or queued for the link's writer
+    /// thread): published in the shared memory of the ring to the peer, where a receiver finds
+    /// it after this process died. So a SIGKILLed sender's messages that never left its queue
+    /// are counted, not taken for a clean goodbye ([`Link::peer_accepted`]). A link without
+    /// rings (over TCP, before the switch, `TQ_RINGS=0`) keeps the count for the switch.
+    pub fn accepted(&self, seq: u64) {
+        if let Some(local) = &self.local {
+            let mut accepted = lock(&local.accepted);
+            accepted.0 = seq;
+            if let Some(tally) = &accepted.1 {
+                tally.publish(seq);
+            }
+        }
+    }
+
+    /// What the peer last published with [`Link::accepted`], if its ring is mapped here: a
+    /// claim of the peer's (a liar can only misreport its own losses).
+    pub fn peer_accepted(&self) -> Option<u64> {
+        let local = self.local.as_ref()?;
+        lock(&local.inbound).reader.as_ref().map(RingReader::tally)
+    }
+
     /// Sends `RingsOn` on the socket, after which our frames go to `writer`: under the send
     /// lock, so every frame is on one side of it.
     fn rings_out(&self, writer: RingWriter) -> Result<()> {
+        if let Some(local) = &self.local {
+            let mut accepted = lock(&local.accepted);
+            let tally = writer.tally();
+            tally.publish(accepted.0);
+            accepted.1 = Some(tally);
+        }
         let bytes = LinkFrame::RingsOn.encode();
         let mut out = lock(&self.outbox);
         if out.broken {

@@ -183,13 +183,19 @@ impl Connected {
         (self.unfinished() > 0).then(|| self.last_packet + UNFINISHED_IDLE)
     }
 
-    /// Why the connection ends with a message lost, if one was under way.
+    /// Why the connection ends with messages lost: one under way, or (a sender on this machine)
+    /// messages its `send` accepted that it never wrote ([`Error::Unsent`]).
     pub fn lost(&self, why: &str) -> Option<Error> {
         // Over TCP the link also holds the piece of a packet still arriving: a sender killed
         // with part of one written lost a message too (issue 21). (Not counted for the idle
         // deadline: a piece read just now after a long quiet is no message idling.)
         let received = (self.unfinished() + self.peer.link.partial()) as u64;
-        (received > 0).then(|| Error::Unfinished { received, why: why.into() })
+        if received > 0 {
+            return Some(Error::Unfinished { received, why: why.into() });
+        }
+        let accepted = self.peer.link.peer_accepted()?;
+        let count = accepted.checked_sub(self.protocol.read_up_to()).filter(|&count| count > 0)?;
+        Some(Error::Unsent { count, why: why.into() })
     }
 
     /// The receiver is being dropped: the NCCL workers of a sender on another host give up now

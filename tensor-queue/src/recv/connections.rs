@@ -402,11 +402,12 @@ impl Connections {
                     self.arrivals.push_back(arrival);
                 }
                 Ok(Progress::HungUp) => {
-                    // A sender that left in the middle of a message lost it: say so, so that a
-                    // death is not taken for a clean goodbye.
+                    // A sender that left in the middle of a message, or with messages it had
+                    // accepted and not written, lost them: say so, so that a death is not taken
+                    // for a clean goodbye.
                     // Why, as its liveness says (the hang-up, or its process found dead).
                     let gone = connected.peer.link.gone().unwrap_or(Gone::HungUp);
-                    if let Some(lost) = connected.lost(&format!("the sender {gone} in the middle of it")) {
+                    if let Some(lost) = connected.lost(&format!("the sender {gone}")) {
                         self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
                     }
                     closed.push(index);

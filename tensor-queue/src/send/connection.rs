@@ -244,6 +244,7 @@ impl SenderInner {
         match result {
             Ok(event) => {
                 writer.seq = seq;
+                self.link.accepted(seq);
                 lock(&self.state).protocol.written(event);
                 Ok(())
             }

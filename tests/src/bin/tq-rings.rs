@@ -9,6 +9,9 @@
 //! - `burst --to P --count N [--every E --len L]`: sends message 0 (always with a tensor) and
 //!   waits until it is released, then sends messages 1 to `N - 1`, waits until the link wrote
 //!   them all, prints `sent`, and SIGKILLs itself (its receiver has not read them yet).
+//! - `overflow --to P --count N`: as `burst`, then sends messages 1 to `N - 1` without tensors,
+//!   more than its ring takes while the receiver does not read: checks that some wait in its
+//!   queue (`wait_written` false), prints `queued`, and SIGKILLs itself.
 //! - `marker --to P`: with `TENSOR_QUEUE_TEST_DIE_AFTER_MARKER=1`: sends message 0 without
 //!   tensors, then message 1 with a tensor (its second send waits for a credit, which comes
 //!   after the rings are on), and dies between that tensor's marker and its announcement.
@@ -73,6 +76,17 @@ fn run() -> Result<()> {
             }
             ensure!(sender.wait_written(Duration::from_secs(30)), "not written within 30 s");
             say("sent");
+            die()
+        }
+        Some("overflow") => {
+            let sender = Sender::<Item>::connect(&to)?;
+            sender.send(&item(0, 1, len)?)?;
+            ensure!(sender.wait_released(Duration::from_secs(30)), "message 0 not released within 30 s");
+            for index in 1..number(&args, "--count", 20_000)? {
+                sender.send(&(index, Vec::new()))?;
+            }
+            ensure!(!sender.wait_written(Duration::from_millis(200)), "all written: nothing queued to lose");
+            say("queued");
             die()
         }
         Some("marker") => {
