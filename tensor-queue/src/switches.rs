@@ -57,6 +57,7 @@ pub(crate) fn die_after_marker() -> bool {
 
 /// When `1`, a receiver waits 300 ms between its `Hello` and its offer of rings (tests only):
 /// a sender has sent its messages on the socket and gone by the time the offer is made.
+#[cfg_attr(not(feature = "test-switches"), allow(dead_code))]
 pub const LATE_RING_OFFER_ENV: &str = "TENSOR_QUEUE_TEST_LATE_RING_OFFER";
 
 /// How long a receiver waits before its offer of rings (tests only; see [`LATE_RING_OFFER_ENV`]).

@@ -318,12 +318,22 @@ fn in_slices<T: Send>(
 
 #[pymethods]
 impl Sender {
-    /// Connects to the receiver at `address`, waiting up to `timeout` seconds (TCP).
+    /// Connects to the receiver at `address` and waits for its greeting (the credits of its
+    /// queue), up to `timeout` seconds in all: so a `try_send` right after says `Full` only when
+    /// the receiver's queue is full, not because its greeting is still on the way.
     #[staticmethod]
     #[pyo3(signature = (address, timeout = 10.0))]
     fn connect(py: Python<'_>, address: String, timeout: f64) -> PyResult<Sender> {
-        let builder = tensor_queue::Sender::<Value>::builder().timeout(duration(timeout, "timeout")?);
-        let sender = py.detach(|| builder.connect(address.as_str())).map_err(to_py)?;
+        let timeout = duration(timeout, "timeout")?;
+        let builder = tensor_queue::Sender::<Value>::builder().timeout(timeout);
+        let sender = py
+            .detach(|| {
+                let started = Instant::now();
+                let sender = builder.connect(address.as_str())?;
+                sender.wait_ready(timeout.saturating_sub(started.elapsed()))?;
+                Ok(sender)
+            })
+            .map_err(to_py)?;
         Ok(Sender { end: Mutex::new(Owned::new(sender)), address })
     }
 
