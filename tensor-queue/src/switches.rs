@@ -60,6 +60,22 @@ pub(crate) fn die_after_marker() -> bool {
 #[cfg_attr(not(feature = "test-switches"), allow(dead_code))]
 pub const LATE_RING_OFFER_ENV: &str = "TENSOR_QUEUE_TEST_LATE_RING_OFFER";
 
+/// When `1`, a receiver waits 300 ms after accepting a connection before its `Hello` (tests
+/// only): a sender that connected, sent its own `Hello` and died is gone by the greeting.
+#[cfg_attr(not(feature = "test-switches"), allow(dead_code))]
+pub const LATE_GREETING_ENV: &str = "TENSOR_QUEUE_TEST_LATE_GREETING";
+
+/// How long a receiver waits before its `Hello` (tests only; see [`LATE_GREETING_ENV`]).
+pub(crate) fn greeting_delay() -> Option<std::time::Duration> {
+    #[cfg(feature = "test-switches")]
+    {
+        static LATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        switch(LATE_GREETING_ENV, &LATE).then_some(std::time::Duration::from_millis(300))
+    }
+    #[cfg(not(feature = "test-switches"))]
+    None
+}
+
 /// How long a receiver waits before its offer of rings (tests only; see [`LATE_RING_OFFER_ENV`]).
 pub(crate) fn ring_offer_delay() -> Option<std::time::Duration> {
     #[cfg(feature = "test-switches")]

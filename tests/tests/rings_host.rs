@@ -114,6 +114,31 @@ fn a_producer_killed_with_messages_still_queued_has_them_reported_as_lost() {
     assert_eq!(unsent, Some(COUNT - 1 - delivered), "{delivered} delivered; errors {errors:?}");
 }
 
+/// The outside tester's bug (round 5, B4): a sender that connected (its `Hello` sent) and died
+/// before the receiver's greeting was dropped by the accept thread when the greeting failed, so
+/// a receiver waiting for its senders (`expect_senders`) never ended. Its `Hello` is read now: it
+/// counts as a sender that joined and left.
+#[test]
+fn a_sender_gone_before_its_greeting_counts_as_joined_and_left() {
+    let path = socket_path("late-greeting");
+    let (mut receiver, lines) = helper("receive", &path, &[], &[("TENSOR_QUEUE_TEST_LATE_GREETING", "1")]);
+    expect_line(&lines, "bound");
+    // A sender's opening, by hand, then gone before the receiver greets (300 ms later).
+    let connection = ipc_core::seqpacket::Connection::connect(&path).unwrap();
+    let hello = tensor_queue::testing::wire::Hello {
+        pid: std::process::id(),
+        host: ipc_core::HostId::current().unwrap().0,
+        capacity: 0,
+        instance: 7,
+        reach: Default::default(),
+        routing: Default::default(),
+    };
+    connection.send(&tensor_queue::testing::wire::Frame::encode(&hello), &[]).unwrap();
+    drop(connection);
+    expect_line(&lines, "end");
+    assert!(receiver.wait().unwrap().success());
+}
+
 /// A sender that sent its messages (on the socket: no rings yet) and exited before the
 /// receiver's offer of rings keeps every message: the offer finding it gone does not drop the
 /// connection (it did: the messages were lost and the receiver waited for ever for its sender).
