@@ -6,7 +6,7 @@
 //! it, straight from its row of the descriptor table ([`Received`]): no tensor is made, moved or
 //! kept in a vector of its own before the message holds it.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::Arc;
 
 use ipc_core::Stream;
@@ -21,6 +21,10 @@ use crate::wire::Descriptors;
 thread_local! {
     static OUTGOING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
     static INCOMING: RefCell<Option<Incoming>> = const { RefCell::new(None) };
+    /// How many tensors this thread's last encoded message held (see [`encode`]).
+    static LAST_COUNT: Cell<usize> = const { Cell::new(0) };
+    /// A sent message's table, emptied, for the next message this thread encodes ([`recycle`]).
+    static SPARE: RefCell<Vec<Tensor>> = const { RefCell::new(Vec::new()) };
     /// The text of the tensor table's own refusal, which postcard's error cannot carry.
     static REFUSAL: RefCell<Option<String>> = const { RefCell::new(None) };
 }
@@ -58,14 +62,24 @@ impl Drop for Reset {
     }
 }
 
+/// The most tensors [`encode`] makes room for before it meets them, and that a recycled table
+/// keeps room for (about 450 KiB).
+const MAX_ROOM: usize = 4096;
+
 /// The serde bytes of `message` and the tensors it holds, in the order the bytes refer to them.
 pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)> {
-    OUTGOING.with(|table| *table.borrow_mut() = Some(Vec::new()));
+    // Room for as many tensors as this thread's last message had: messages of one type
+    // repeat, and a table grown tensor by tensor copies itself ten times for 1,024 tensors.
+    let room = LAST_COUNT.with(Cell::get);
+    let mut table = SPARE.with(|spare| std::mem::take(&mut *spare.borrow_mut()));
+    table.reserve(room);
+    OUTGOING.with(|outgoing| *outgoing.borrow_mut() = Some(table));
     let _reset = Reset(&OUTGOING);
     REFUSAL.with(|refusal| refusal.borrow_mut().take());
     // The frame's size is checked when it is sent.
     let bytes = postcard::to_stdvec(message).map_err(|e| Error::Encode(refusal_text(e, "Serialize")))?;
     let tensors = OUTGOING.with(|table| table.borrow_mut().take()).unwrap_or_default();
+    LAST_COUNT.with(|last| last.set(tensors.len().min(MAX_ROOM)));
     Ok((bytes, tensors))
 }
 
@@ -130,6 +144,9 @@ pub(crate) enum Incoming {
     Made(Vec<Option<Tensor>>),
     /// A received message's table, and which of its tensors were taken (a bit each).
     Received(Received, Vec<u64>),
+    /// The in-process floor's ([`serde_floor`]): tensors made again as views of `storages`
+    /// (tensor `i` of `storages[which[i]]`, with `of[i]`'s layout), and which were taken.
+    Views { of: Vec<Tensor>, storages: Vec<Arc<Storage>>, which: Vec<u32>, taken: Vec<u64> },
 }
 
 impl From<Vec<Tensor>> for Incoming {
@@ -148,21 +165,67 @@ impl From<Received> for Incoming {
 impl Incoming {
     /// Tensor `index`, which the message names once at most.
     fn take(&mut self, index: usize) -> std::result::Result<Tensor, String> {
-        let missing = || format!("the message names tensor {index}, which it does not carry");
-        let twice = || format!("the message names tensor {index} twice");
         match self {
-            Incoming::Made(tensors) => tensors.get_mut(index).ok_or_else(missing)?.take().ok_or_else(twice),
+            Incoming::Made(tensors) => match tensors.get_mut(index) {
+                None => Err(not_carried(index)),
+                Some(slot) => slot.take().ok_or_else(|| named_twice(index)),
+            },
             Incoming::Received(received, taken) => {
-                let word = taken.get_mut(index / 64).ok_or_else(missing)?;
-                let bit = 1u64 << (index % 64);
-                if *word & bit != 0 {
-                    return Err(twice());
-                }
-                let tensor = received.tensor(index).ok_or_else(missing)?;
-                *word |= bit;
-                Ok(tensor)
+                claim(taken, index, received.table.len())?;
+                received.tensor(index).ok_or_else(|| not_carried(index))
+            }
+            Incoming::Views { of, storages, which, taken } => {
+                claim(taken, index, of.len())?;
+                let tensor = &of[index]; // claimed: below `of.len()`
+                let storage = &storages[which[index] as usize]; // one per tensor, made by `serde_floor`
+                Ok(Tensor::from_parts(
+                    storage.clone(),
+                    tensor.dtype(),
+                    tensor.shape(),
+                    tensor.strides(),
+                    tensor.storage.offset + tensor.offset(),
+                    TransferPath::Local,
+                    None,
+                ))
             }
         }
+    }
+}
+
+fn not_carried(index: usize) -> String {
+    format!("the message names tensor {index}, which it does not carry")
+}
+
+fn named_twice(index: usize) -> String {
+    format!("the message names tensor {index} twice")
+}
+
+/// Claims tensor `index` of `len`, whose bits of `taken` say which were claimed already.
+fn claim(taken: &mut [u64], index: usize, len: usize) -> std::result::Result<(), String> {
+    let word = taken.get_mut(index / 64).filter(|_| index < len).ok_or_else(|| not_carried(index))?;
+    let bit = 1u64 << (index % 64);
+    if *word & bit != 0 {
+        return Err(named_twice(index));
+    }
+    *word |= bit;
+    Ok(())
+}
+
+/// Keeps `table`, a sent message's tensors, emptied, for this thread's next [`encode`]: a big
+/// message's table is allocated once, not per message (freeing 100 KiB per message makes the
+/// allocator give memory back to the kernel and fault it in again). Tables of more than
+/// [`MAX_ROOM`] tensors are freed.
+pub(crate) fn recycle(mut table: Vec<Tensor>) {
+    table.clear();
+    if table.capacity() > 0 && table.capacity() <= MAX_ROOM {
+        // A thread gone (its locals dropped) frees the table instead.
+        let _ = SPARE.try_with(|spare| {
+            if let Ok(mut spare) = spare.try_borrow_mut()
+                && spare.capacity() < table.capacity()
+            {
+                *spare = table;
+            }
+        });
     }
 }
 
@@ -197,26 +260,17 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: impl Into<Incom
 /// ```
 pub fn serde_floor<T: Serialize + DeserializeOwned>(message: &T) -> Result<T> {
     let (payload, tensors) = encode(message)?;
-    let mut storage: Option<Arc<Storage>> = None;
-    let mut made = Vec::with_capacity(tensors.len());
+    let mut storages: Vec<Arc<Storage>> = Vec::new();
+    let mut which = Vec::with_capacity(tensors.len());
     for tensor in &tensors {
         let chunk = &tensor.storage.chunk;
-        let shared = match &storage {
-            Some(storage) if Arc::ptr_eq(&storage.chunk, chunk) => storage,
-            _ => storage.insert(Arc::new(Storage::whole_chunk(chunk.clone()))),
-        };
-        let offset = tensor.storage.offset + tensor.offset();
-        made.push(Tensor::from_parts(
-            shared.clone(),
-            tensor.dtype(),
-            tensor.shape(),
-            tensor.strides(),
-            offset,
-            TransferPath::Local,
-            None,
-        ));
+        if !storages.last().is_some_and(|storage| Arc::ptr_eq(&storage.chunk, chunk)) {
+            storages.push(Arc::new(Storage::whole_chunk(chunk.clone())));
+        }
+        which.push(storages.len() as u32 - 1);
     }
-    decode(&payload, made)
+    let taken = vec![0; tensors.len().div_ceil(64)];
+    decode(&payload, Incoming::Views { of: tensors, storages, which, taken })
 }
 
 impl Serialize for Tensor {
@@ -291,6 +345,21 @@ mod tests {
         assert_eq!(back.inner.weights[1].to_vec::<f32>().unwrap(), [3.0]);
         assert_eq!(back.by_name["b"].to_vec::<f32>().unwrap(), [5.0]);
         assert_eq!((back.step, back.inner.name.as_str()), (9, "w"));
+    }
+
+    #[test]
+    fn a_recycled_table_holds_no_tensor_and_the_floor_gives_views_of_the_same_bytes() {
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], DType::F32, &[2, 2]).unwrap();
+        let message = vec![t.clone(), t.transpose(0, 1).unwrap()];
+        let (_, tensors) = encode(&message).unwrap();
+        assert_eq!(Arc::strong_count(&t.storage), 5);
+        recycle(tensors);
+        assert_eq!(Arc::strong_count(&t.storage), 3, "the recycled table let go of its tensors");
+        let (_, again) = encode(&message).unwrap(); // made in the recycled table
+        assert_eq!(again.len(), 2);
+        let back = serde_floor(&message).unwrap();
+        assert_eq!(back[1].to_vec::<f32>().unwrap(), [1.0, 3.0, 2.0, 4.0]);
+        assert_eq!((back[1].shape(), back[1].strides()), (t.shape(), &[1i64, 2][..]));
     }
 
     #[test]
