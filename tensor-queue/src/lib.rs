@@ -127,6 +127,7 @@ pub mod testing {
     pub use crate::route::choose::{choose, choose_remote};
     pub use crate::route::reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
     pub use crate::route::staging::staging_piece;
+    pub use crate::side_table::serde_floor;
     pub use crate::tensor::layout::check_layout;
 
     /// The frame format, for tests and tools that speak the wire by hand (hostile and

@@ -1,19 +1,30 @@
 //! Tensors anywhere inside a serde message: while a message is encoded, each `Tensor` it meets is
 //! set aside in a table and written as its index; while decoding, the index is replaced by the
 //! received tensor. This is how ipc-channel carries operating-system handles.
+//!
+//! A received message's tensors are made only here, each when the message's serde code names
+//! it, straight from its row of the descriptor table ([`Received`]): no tensor is made, moved or
+//! kept in a vector of its own before the message holds it.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::sync::Arc;
 
+use ipc_core::Stream;
 use serde::de::{DeserializeOwned, Error as _};
 use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Storage, Tensor, TransferPath};
+use crate::wire::Descriptors;
 
 thread_local! {
     static OUTGOING: RefCell<Option<Vec<Tensor>>> = const { RefCell::new(None) };
-    static INCOMING: RefCell<Option<Vec<Option<Tensor>>>> = const { RefCell::new(None) };
+    static INCOMING: RefCell<Option<Incoming>> = const { RefCell::new(None) };
+    /// How many tensors this thread's last encoded message held (see [`encode`]).
+    static LAST_COUNT: Cell<usize> = const { Cell::new(0) };
+    /// A sent message's table, emptied, for the next message this thread encodes ([`recycle`]).
+    static SPARE: RefCell<Vec<Tensor>> = const { RefCell::new(Vec::new()) };
     /// The text of the tensor table's own refusal, which postcard's error cannot carry.
     static REFUSAL: RefCell<Option<String>> = const { RefCell::new(None) };
 }
@@ -51,21 +62,178 @@ impl Drop for Reset {
     }
 }
 
+/// The most tensors [`encode`] makes room for before it meets them, and that a recycled table
+/// keeps room for (about 450 KiB).
+const MAX_ROOM: usize = 4096;
+
 /// The serde bytes of `message` and the tensors it holds, in the order the bytes refer to them.
 pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)> {
-    OUTGOING.with(|table| *table.borrow_mut() = Some(Vec::new()));
+    // Room for as many tensors as this thread's last message had: messages of one type
+    // repeat, and a table grown tensor by tensor copies itself ten times for 1,024 tensors.
+    let room = LAST_COUNT.with(Cell::get);
+    let mut table = SPARE.with(|spare| std::mem::take(&mut *spare.borrow_mut()));
+    table.reserve(room);
+    OUTGOING.with(|outgoing| *outgoing.borrow_mut() = Some(table));
     let _reset = Reset(&OUTGOING);
     REFUSAL.with(|refusal| refusal.borrow_mut().take());
     // The frame's size is checked when it is sent.
     let bytes = postcard::to_stdvec(message).map_err(|e| Error::Encode(refusal_text(e, "Serialize")))?;
     let tensors = OUTGOING.with(|table| table.borrow_mut().take()).unwrap_or_default();
+    LAST_COUNT.with(|last| last.set(tensors.len().min(MAX_ROOM)));
     Ok((bytes, tensors))
 }
 
+/// Where a received message's storage record's tensors are: the storage the receiver made for
+/// the record, where their view offsets count from in it, the path it came by and the stream
+/// their first use is ordered on.
+pub(crate) struct Record {
+    pub storage: Arc<Storage>,
+    pub base: usize,
+    pub path: TransferPath,
+    pub stream: Option<Arc<Stream>>,
+}
+
+/// A received message's tensors, not made yet: its checked descriptor table and one placed
+/// [`Record`] per storage record. Tensor `i` is made when the message's serde code names it, a
+/// view of its record's storage: what it costs is what the tensor holds (its storage's and
+/// stream's counts, its inline shape and strides), and nothing else per tensor.
+#[derive(Default)]
+pub(crate) struct Received {
+    table: Descriptors,
+    records: Vec<Record>,
+}
+
+impl Received {
+    /// The tensors of `table`, a view of `records[r]` each for the `r` its row names (the frame's
+    /// decoder checked that every row names a record of the table; each record is placed here).
+    pub fn new(table: Descriptors, records: Vec<Record>) -> Result<Received> {
+        if records.len() != table.storages().len() {
+            return Err(Error::internal(format_args!(
+                "{} storages placed for {} storage records",
+                records.len(),
+                table.storages().len()
+            )));
+        }
+        Ok(Received { table, records })
+    }
+
+    /// A storage of the message, whose holder holds the message's lease on the sender's memory.
+    pub fn hold(&self) -> Option<Arc<Storage>> {
+        self.records.first().map(|record| record.storage.clone())
+    }
+
+    /// Tensor `index`, made now.
+    fn tensor(&self, index: usize) -> Option<Tensor> {
+        let desc = self.table.tensors().get(index)?;
+        let record = self.records.get(desc.storage as usize)?;
+        Some(Tensor::from_parts(
+            record.storage.clone(),
+            desc.dtype,
+            self.table.shape(index),
+            self.table.strides(index),
+            record.base + desc.view_offset as usize,
+            record.path,
+            record.stream.clone(),
+        ))
+    }
+}
+
+/// What a decoding message's tensors are taken from.
+pub(crate) enum Incoming {
+    /// Tensors made already (tests, the in-process floor of `testing::serde_floor`).
+    Made(Vec<Option<Tensor>>),
+    /// A received message's table, and which of its tensors were taken (a bit each).
+    Received(Received, Vec<u64>),
+    /// The in-process floor's ([`serde_floor`]): tensors made again as views of `storages`
+    /// (tensor `i` of `storages[which[i]]`, with `of[i]`'s layout), and which were taken.
+    Views { of: Vec<Tensor>, storages: Vec<Arc<Storage>>, which: Vec<u32>, taken: Vec<u64> },
+}
+
+impl From<Vec<Tensor>> for Incoming {
+    fn from(tensors: Vec<Tensor>) -> Incoming {
+        Incoming::Made(tensors.into_iter().map(Some).collect())
+    }
+}
+
+impl From<Received> for Incoming {
+    fn from(received: Received) -> Incoming {
+        let words = received.table.len().div_ceil(64);
+        Incoming::Received(received, vec![0; words])
+    }
+}
+
+impl Incoming {
+    /// Tensor `index`, which the message names once at most.
+    fn take(&mut self, index: usize) -> std::result::Result<Tensor, String> {
+        match self {
+            Incoming::Made(tensors) => match tensors.get_mut(index) {
+                None => Err(not_carried(index)),
+                Some(slot) => slot.take().ok_or_else(|| named_twice(index)),
+            },
+            Incoming::Received(received, taken) => {
+                claim(taken, index, received.table.len())?;
+                received.tensor(index).ok_or_else(|| not_carried(index))
+            }
+            Incoming::Views { of, storages, which, taken } => {
+                claim(taken, index, of.len())?;
+                let tensor = &of[index]; // claimed: below `of.len()`
+                let storage = &storages[which[index] as usize]; // one per tensor, made by `serde_floor`
+                Ok(Tensor::from_parts(
+                    storage.clone(),
+                    tensor.dtype(),
+                    tensor.shape(),
+                    tensor.strides(),
+                    tensor.storage.offset + tensor.offset(),
+                    TransferPath::Local,
+                    None,
+                ))
+            }
+        }
+    }
+}
+
+fn not_carried(index: usize) -> String {
+    format!("the message names tensor {index}, which it does not carry")
+}
+
+fn named_twice(index: usize) -> String {
+    format!("the message names tensor {index} twice")
+}
+
+/// Claims tensor `index` of `len`, whose bits of `taken` say which were claimed already.
+fn claim(taken: &mut [u64], index: usize, len: usize) -> std::result::Result<(), String> {
+    let word = taken.get_mut(index / 64).filter(|_| index < len).ok_or_else(|| not_carried(index))?;
+    let bit = 1u64 << (index % 64);
+    if *word & bit != 0 {
+        return Err(named_twice(index));
+    }
+    *word |= bit;
+    Ok(())
+}
+
+/// Keeps `table`, a sent message's tensors, emptied, for this thread's next [`encode`]: a big
+/// message's table is allocated once, not per message (freeing 100 KiB per message makes the
+/// allocator give memory back to the kernel and fault it in again). Tables of more than
+/// [`MAX_ROOM`] tensors are freed.
+pub(crate) fn recycle(mut table: Vec<Tensor>) {
+    table.clear();
+    if table.capacity() > 0 && table.capacity() <= MAX_ROOM {
+        // A thread gone (its locals dropped) frees the table instead.
+        let _ = SPARE.try_with(|spare| {
+            if let Ok(mut spare) = spare.try_borrow_mut()
+                && spare.capacity() < table.capacity()
+            {
+                *spare = table;
+            }
+        });
+    }
+}
+
 /// The message in `bytes`, with `tensors` put back in place. Tensors the message does not claim
-/// are dropped (and so released).
-pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: Vec<Tensor>) -> Result<T> {
-    INCOMING.with(|table| *table.borrow_mut() = Some(tensors.into_iter().map(Some).collect()));
+/// are dropped, or never made (and so released).
+pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: impl Into<Incoming>) -> Result<T> {
+    let tensors = tensors.into();
+    INCOMING.with(|table| *table.borrow_mut() = Some(tensors));
     REFUSAL.with(|refusal| refusal.borrow_mut().take());
     let result = match postcard::take_from_bytes(bytes) {
         Ok((message, [])) => Ok(message),
@@ -74,6 +242,35 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: Vec<Tensor>) ->
     };
     INCOMING.with(|table| table.borrow_mut().take());
     result
+}
+
+/// The least a message's tensors can cost in one process with no channel: `message` encoded
+/// (its tensors set aside), its tensors made again as views of one storage per chunk (as a
+/// receiver makes one storage per record), and the message decoded with them. What a channel
+/// costs above this is the channel's own.
+///
+/// ```
+/// # fn main() -> tensor_queue::Result<()> {
+/// use tensor_queue::{DType, Tensor, testing::serde_floor};
+/// let tensors: Vec<Tensor> = (0..4u8).map(|i| Tensor::new(&[i; 8], &[8])).collect::<Result<_, _>>()?;
+/// let again = serde_floor(&tensors)?;
+/// assert_eq!(again[3].to_vec::<u8>()?, [3; 8]);
+/// # let _ = DType::U8;
+/// # Ok(()) }
+/// ```
+pub fn serde_floor<T: Serialize + DeserializeOwned>(message: &T) -> Result<T> {
+    let (payload, tensors) = encode(message)?;
+    let mut storages: Vec<Arc<Storage>> = Vec::new();
+    let mut which = Vec::with_capacity(tensors.len());
+    for tensor in &tensors {
+        let chunk = &tensor.storage.chunk;
+        if !storages.last().is_some_and(|storage| Arc::ptr_eq(&storage.chunk, chunk)) {
+            storages.push(Arc::new(Storage::whole_chunk(chunk.clone())));
+        }
+        which.push(storages.len() as u32 - 1);
+    }
+    let taken = vec![0; tensors.len().div_ceil(64)];
+    decode(&payload, Incoming::Views { of: tensors, storages, which, taken })
 }
 
 impl Serialize for Tensor {
@@ -99,10 +296,7 @@ impl<'de> Deserialize<'de> for Tensor {
             let Some(table) = table.as_mut() else {
                 return Err("a Tensor can only be deserialized by a tensor-queue Receiver".to_string());
             };
-            match table.get_mut(index) {
-                None => Err(format!("the message names tensor {index}, which it does not carry")),
-                Some(slot) => slot.take().ok_or_else(|| format!("the message names tensor {index} twice")),
-            }
+            table.take(index)
         });
         match taken {
             Ok(tensor) => Ok(tensor),
@@ -154,6 +348,21 @@ mod tests {
     }
 
     #[test]
+    fn a_recycled_table_holds_no_tensor_and_the_floor_gives_views_of_the_same_bytes() {
+        let t = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], DType::F32, &[2, 2]).unwrap();
+        let message = vec![t.clone(), t.transpose(0, 1).unwrap()];
+        let (_, tensors) = encode(&message).unwrap();
+        assert_eq!(Arc::strong_count(&t.storage), 5);
+        recycle(tensors);
+        assert_eq!(Arc::strong_count(&t.storage), 3, "the recycled table let go of its tensors");
+        let (_, again) = encode(&message).unwrap(); // made in the recycled table
+        assert_eq!(again.len(), 2);
+        let back = serde_floor(&message).unwrap();
+        assert_eq!(back[1].to_vec::<f32>().unwrap(), [1.0, 3.0, 2.0, 4.0]);
+        assert_eq!((back[1].shape(), back[1].strides()), (t.shape(), &[1i64, 2][..]));
+    }
+
+    #[test]
     fn bad_references_are_errors_not_panics() {
         let (bytes, mut tensors) = encode(&(Tensor::zeros(DType::U8, &[1]).unwrap(), 1u8)).unwrap();
         tensors.clear();
@@ -162,6 +371,76 @@ mod tests {
         assert!(postcard::to_stdvec(&t).is_err(), "a tensor outside a Sender has no table to go to");
         let twice = encode(&(0u32, 0u32)).unwrap().0;
         assert!(matches!(decode::<(Tensor, Tensor)>(&twice, vec![t]), Err(Error::Decode(m)) if m.contains("twice")));
+    }
+}
+
+#[cfg(test)]
+mod received {
+    use super::*;
+    use crate::tensor::dtype::DType;
+    use crate::wire::{Fence, Source, StorageDesc};
+
+    /// A received message of `rows` (storage record, view offset, shape, strides) over two
+    /// records, each a whole chunk of a local tensor's.
+    fn received(base: &[Tensor; 2], rows: &[(u32, u64, &[u64], &[i64])]) -> Received {
+        let mut table = Descriptors::default();
+        let mut records = Vec::new();
+        for tensor in base {
+            let chunk = tensor.storage.chunk.clone();
+            let len = chunk.len() as u64;
+            table.push_storage(StorageDesc {
+                source: Source::SameDevice { chunk: chunk.id, offset: 0 },
+                len,
+                fence: Fence::None,
+            });
+            let storage = Arc::new(Storage::whole_chunk(chunk));
+            records.push(Record { storage, base: 0, path: TransferPath::HostSharedMemory, stream: None });
+        }
+        for &(record, view_offset, shape, strides) in rows {
+            table.push_tensor(record, view_offset, DType::I32, shape, strides);
+        }
+        Received::new(table, records).unwrap()
+    }
+
+    #[test]
+    fn tensors_are_made_from_their_rows_once_each() {
+        let a = Tensor::from_slice(&[1i32, 2, 3, 4, 5, 6], DType::I32, &[2, 3]).unwrap();
+        let b = Tensor::from_slice(&[7i32, 8], DType::I32, &[2]).unwrap();
+        let (at_a, at_b) = (a.storage.offset as u64, b.storage.offset as u64);
+        let rows: [(u32, u64, &[u64], &[i64]); 3] =
+            [(0, at_a, &[3, 2], &[1, 3]), (1, at_b + 4, &[1], &[1]), (0, at_a + 8, &[2], &[3])];
+        let base = [a, b];
+        let (bytes, _) = encode(&(0u32, 1u32, 2u32)).unwrap();
+        let (t, u, v): (Tensor, Tensor, Tensor) = decode(&bytes, received(&base, &rows)).unwrap();
+        assert_eq!((t.shape(), t.strides()), (&[3u64, 2][..], &[1i64, 3][..]));
+        assert_eq!(t.to_vec::<i32>().unwrap(), [1, 4, 2, 5, 3, 6], "the transposed view of record 0");
+        assert_eq!(u.to_vec::<i32>().unwrap(), [8]);
+        assert_eq!(v.to_vec::<i32>().unwrap(), [3, 6]);
+        assert_eq!(t.path(), TransferPath::HostSharedMemory);
+        assert!(Arc::ptr_eq(&t.storage, &v.storage), "one storage per record");
+
+        // Named twice, or not carried: refused, never a panic.
+        let (twice, _) = encode(&(2u32, 2u32)).unwrap();
+        let refused = decode::<(Tensor, Tensor)>(&twice, received(&base, &rows));
+        assert!(matches!(refused, Err(Error::Decode(m)) if m.contains("tensor 2 twice")));
+        let (beyond, _) = encode(&(3u32,)).unwrap();
+        let refused = decode::<(Tensor,)>(&beyond, received(&base, &rows));
+        assert!(matches!(refused, Err(Error::Decode(m)) if m.contains("tensor 3, which it does not carry")));
+        let (far, _) = encode(&(1u32 << 20,)).unwrap();
+        assert!(decode::<(Tensor,)>(&far, received(&base, &rows)).is_err());
+
+        // Tensors the message does not name are never made; their storage goes with the table.
+        let (one, _) = encode(&(1u32,)).unwrap();
+        let (u,): (Tensor,) = decode(&one, received(&base, &rows)).unwrap();
+        assert_eq!(u.to_vec::<i32>().unwrap(), [8]);
+        assert_eq!(Arc::strong_count(&u.storage), 1, "only the tensor made holds its record's storage");
+    }
+
+    #[test]
+    fn records_must_match_the_table() {
+        let mut table = Descriptors::default();
+        table.push_storage(StorageDesc { source: Source::Bytes { offset: 0 }, len: 4, fence: Fence::None });
+        assert!(Received::new(table, Vec::new()).is_err());
     }
 }
 

@@ -146,6 +146,50 @@ pub fn check_shared_storage(id: u64, got: &[Tensor]) -> Result<()> {
     Ok(())
 }
 
+/// How many tensors [`mixed_storages`] makes (issue 26's many-tensor message).
+pub const MIXED: usize = 1024;
+
+/// Message `id` of [`MIXED`] host tensors: 300 views of one `i32` storage (rows, single
+/// elements, a transposed block), 300 views of another (`f64`, strided slices and columns) and
+/// 424 tensors of their own storage (dtypes in turn, 1 to 3 dimensions), interleaved so that
+/// neighbours in the message name different storages.
+pub fn mixed_storages(id: u64) -> Result<Vec<Tensor>> {
+    let a = patterned(id * 3, DType::I32, &[64, 64], None)?;
+    let b = patterned(id * 3 + 1, DType::F64, &[32, 96], None)?;
+    let mut tensors = Vec::with_capacity(MIXED);
+    for i in 0..MIXED as u64 {
+        tensors.push(match i % 4 {
+            0 => match i % 3 {
+                0 => a.narrow(0, i % 64, 1)?,
+                1 => a.select(0, i % 64)?.select(0, 63 - i % 64)?,
+                _ => a.transpose(0, 1)?.narrow(0, i % 60, 4)?,
+            },
+            1 => match i % 3 {
+                0 => b.slice(1, i % 5, 96, 3)?,
+                1 => b.select(1, i % 96)?,
+                _ => b.narrow(0, i % 30, 2)?.transpose(0, 1)?,
+            },
+            _ => small(id * 10_000 + i, i as usize, None)?,
+        });
+    }
+    // 256 + 256 + 512 so far: trade 88 own-storage tensors for views, for 300 / 300 / 424.
+    for k in 0..88u64 {
+        let at = (2 + 4 * k) as usize; // an own-storage tensor's place
+        tensors[at] = if k % 2 == 0 { a.narrow(1, k % 64, 1)? } else { b.narrow(1, k % 96, 1)? };
+    }
+    Ok(tensors)
+}
+
+/// Checks tensors received as [`mixed_storages`]`(id)`: every dtype, shape, stride and byte.
+pub fn check_mixed_storages(id: u64, got: &[Tensor]) -> Result<()> {
+    let expected = mixed_storages(id)?;
+    ensure!(got.len() == expected.len(), "{} tensors, expected {}", got.len(), expected.len());
+    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+        check_tensor(&format!("message {id} tensor {i}"), g, e, true)?;
+    }
+    Ok(())
+}
+
 /// Message `id` of [`Many`], on `stream`'s GPU or on the host.
 pub fn many(id: u64, stream: Option<&Stream>) -> Result<Many> {
     let small = (0..SMALL).map(|i| small(id, i, stream)).collect::<Result<_>>()?;

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
 use integration_tests::outside_messages::{
-    Held, Many, OverTcp, Tagged, check_many, check_over_tcp, check_tagged, held, many, shared_storage, tagged,
+    Held, MIXED, Many, OverTcp, Tagged, check_many, check_mixed_storages, check_over_tcp, check_shared_storage,
+    check_tagged, held, many, mixed_storages, shared_storage, tagged,
 };
 use integration_tests::{bin_path, gpu_skip_reason, note_gpu_skips, socket_path, stdout_lines};
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
@@ -36,6 +37,7 @@ fn main() {
         ("many_tensors_from_a_separate_process_arrive_exactly_with_their_layouts", many_tensors_from_a_peer),
         ("views_of_one_writable_storage_are_one_memory_in_the_receiver", views_alias_in_the_receiver),
         ("a_storage_shared_by_a_thousand_tensors_is_held_until_the_last_is_dropped", shared_storage_held_until_last),
+        ("messages_of_1024_views_of_one_and_of_several_storages_arrive_exactly", mixed_storages_arrive_exactly),
         ("malformed_views_and_shapes_are_typed_errors_never_panics", malformed_views_are_typed_errors),
         ("typed_errors_for_bad_input_and_a_closed_receiver", typed_errors_for_bad_input),
         ("consumer_holding_hundreds_then_dropping_in_random_order_gives_everything_back", consumer_holds_hundreds),
@@ -308,6 +310,38 @@ fn views_alias_in_the_receiver() -> Result<()> {
     peer.expect("b sees 4242")?;
     ensure!(base.get::<i32>(&[5, 3])? == 4242, "the sender does not see the receiver's write");
     ensure!(base.get::<i32>(&[5, 4])? == 0 && base.get::<i32>(&[3, 3])? == 0, "the write landed elsewhere too");
+    peer.write("")?;
+    peer.finish()
+}
+
+/// Issue 26's many-tensor message, both ways: 1,024 tensors of one storage (views) and of
+/// several (views of two storages and tensors of their own, interleaved) reach a separate
+/// process exactly, message after message, and come back from it exactly.
+fn mixed_storages_arrive_exactly() -> Result<()> {
+    let _memory = shared_memory_use();
+    let (peer, sender) = Peer::spawn::<(u64, Vec<Tensor>)>("recv-mixed", &[])?;
+    for id in 0..4 {
+        sender.send(&(id, mixed_storages(id)?))?;
+        peer.expect(&format!("ok {id} {MIXED}"))?;
+    }
+    drop(sender);
+    peer.expect("done")?;
+    peer.finish()?;
+    // And into this process, from a sender of its own (a receiver here, the peer's tensors).
+    let path = socket_path("mixed-1024");
+    let mut receiver = Receiver::<(u64, Vec<Tensor>)>::bind(&path)?;
+    let to = path.to_string_lossy();
+    let mut peer = Peer::start("send-mixed", &["--to", &to, "--count", "3"], &[])?;
+    for n in 0..3 {
+        let (id, tensors) = receiver.recv_timeout(BOUND)?;
+        ensure!(id == n, "message {id} came as number {n}");
+        check_mixed_storages(id, &tensors)?;
+        ensure!(tensors.iter().all(|t| t.path() == TransferPath::HostSharedMemory), "a tensor came another way");
+    }
+    let (id, views) = receiver.recv_timeout(BOUND)?; // 1,024 views of one storage
+    ensure!(id == 99, "the views of one storage came as message {id}");
+    check_shared_storage(5, &views)?;
+    peer.expect("sent")?;
     peer.write("")?;
     peer.finish()
 }

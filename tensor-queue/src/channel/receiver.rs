@@ -393,7 +393,7 @@ impl<T: DeserializeOwned> Receiver<T> {
         // Holds the message's lease (its tensors share it) until the sender has been told, so
         // that the refusal reaches it before the release does: `wait_released` then implies
         // `take_rejected` knows.
-        let hold = tensors.first().cloned();
+        let hold = tensors.hold();
         let message = side_table::decode(&payload, tensors).map_err(|error| {
             let cause = match error {
                 Error::Decode(cause) => cause,

@@ -24,7 +24,7 @@ use crate::fences::{Fences, Producer, producer};
 use crate::links::link::{self, Link, Read};
 use crate::memory::arena::Chunk;
 use crate::route::Route;
-use crate::tensor::Tensor;
+use crate::side_table::Received;
 use crate::wire::{Assembler, Frame, FrameError, Hello, ToReceiver};
 
 /// How long a receiver keeps a sender's unfinished message (the parts of a frame, the host bytes
@@ -78,6 +78,10 @@ pub struct MessageInfo {
 }
 
 /// What reading a connection found.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "a message's table travels in `Ready` by value: moved once per read, not boxed per message"
+)]
 pub(crate) enum Progress {
     /// Nothing whole was waiting.
     Idle,
@@ -102,7 +106,8 @@ pub(crate) enum Arrival {
 /// A validated message waiting for `recv`.
 pub(crate) struct Ready {
     pub peer: Arc<Peer>,
-    pub tensors: Vec<Tensor>,
+    /// Its tensors, made when `recv` decodes the payload.
+    pub tensors: Received,
     pub payload: Vec<u8>,
     pub info: MessageInfo,
     /// The producer's fences the message waits for: whether its producer failed.
@@ -353,17 +358,18 @@ impl Connected {
                     imported_ns: 0,
                     decoded_ns: 0,
                 };
-                let placed = self.place(devices, &tensors, payload, info);
+                let (nccl, leased) = (tensors.uses(Route::Nccl), !remote && !tensors.is_empty());
+                let placed = self.place(devices, tensors, payload, info);
                 return Ok(Progress::Arrived(match placed {
                     Ok(ready) => Arrival::Ready(ready),
                     // Its sender has queued the message's NCCL sends already: refused alone, they
                     // would pair with the receives of the next message on those communicators
                     // (its bytes would be another message's, or the transfer would hang). Closing
                     // the connection aborts them on both sides.
-                    Err(error) if tensors.uses(Route::Nccl) => {
+                    Err(error) if nccl => {
                         return Err(Error::NcclMessageLost { seq, cause: Box::new(error) });
                     }
-                    Err(error) => self.reject(seq, error.to_string(), !remote && !tensors.is_empty(), capacity),
+                    Err(error) => self.reject(seq, error.to_string(), leased, capacity),
                 }));
             }
         }

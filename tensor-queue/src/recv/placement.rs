@@ -18,7 +18,8 @@ use crate::error::{Error, Result};
 use crate::fences::{FenceWait, Fences};
 use crate::memory::arena::{Allocation, Arena, Chunk, ChunkMemory};
 use crate::route::{self, Reach, Route};
-use crate::tensor::{Storage, Tensor, TransferPath};
+use crate::side_table::{Received, Record};
+use crate::tensor::{Storage, TransferPath};
 use crate::wire::{Descriptors, Fence, FrameError, Source, StorageDesc};
 
 /// Where a storage record of a message was put, the path it came by, and the stream its
@@ -54,10 +55,11 @@ enum Prepared {
     Landed(Allocation, Arc<Stream>, Event),
 }
 
-/// A message's tensors once placed: the producer's fences they wait for, and whether `recv`
-/// waits for some of those on the CPU before delivering (see [`Ready`]).
+/// A message's tensors once placed (made when `recv` decodes the message): the producer's fences
+/// they wait for, and whether `recv` waits for some of those on the CPU before delivering (see
+/// [`Ready`]).
 struct Placement {
-    tensors: Vec<Tensor>,
+    tensors: Received,
     fences: Fences,
     on_cpu: bool,
 }
@@ -171,7 +173,7 @@ impl Connected {
     pub(crate) fn place(
         &mut self,
         devices: &Devices,
-        table: &Descriptors,
+        table: Descriptors,
         payload: Vec<u8>,
         mut info: MessageInfo,
     ) -> Result<Ready> {
@@ -179,7 +181,7 @@ impl Connected {
         let Placement { tensors, fences, on_cpu } = if !remote && table.tensors().is_empty() {
             // Nothing to place, and no lease: the sender recorded none, and no release is owed.
             // (From another host the message's run of bytes, if any, is taken even so.)
-            Placement { tensors: Vec::new(), fences: Arc::new(Vec::new()), on_cpu: false }
+            Placement { tensors: Received::default(), fences: Arc::new(Vec::new()), on_cpu: false }
         } else {
             for (index, record) in table.storages().iter().enumerate() {
                 self.check_route(devices, index, record.source.route())?;
@@ -194,7 +196,7 @@ impl Connected {
     /// connection's chunks and events, and orders the first use of its tensors after the
     /// producer's work: mapped in place, or copied here (the staged route) after each piece's
     /// fence. One storage per record, which the record's tensors share.
-    fn map_local(&mut self, devices: &Devices, table: &Descriptors, seq: u64) -> Result<Placement> {
+    fn map_local(&mut self, devices: &Devices, table: Descriptors, seq: u64) -> Result<Placement> {
         let mut waits: Vec<(Fence, Arc<Stream>)> = Vec::new(); // one wait per fence and stream
         let mut fences: Vec<FenceWait> = Vec::new();
         let mut placed = Vec::with_capacity(table.storages().len());
@@ -251,44 +253,45 @@ impl Connected {
         // Made after the last step that can fail: a message refused here is released by the
         // refusal (see `Connected::reject`), never twice.
         let lease = Arc::new(ReceivedLease { peer: self.peer.clone(), seq, streams, fences: fences.clone() });
-        let mut storages = Vec::with_capacity(prepared.len());
-        let mut ways = Vec::with_capacity(prepared.len());
+        let mut records = Vec::with_capacity(prepared.len());
         for (memory, path, stream) in prepared {
-            storages.push(Arc::new(match memory {
+            let storage = Arc::new(match memory {
                 Prepared::Mapped(chunk, offset, len) => Storage::received(chunk, offset, len, lease.clone()),
                 Prepared::Landed(allocation, on, done) => Storage::landed(allocation, fences.clone(), &on, done),
-            }));
-            ways.push((path, stream));
+            });
+            records.push(Record { storage, base: 0, path, stream });
         }
-        let tensors = tensors(table, &storages, |record| (0, ways[record].0, ways[record].1.as_ref()))?;
-        Ok(Placement { tensors, fences, on_cpu })
+        Ok(Placement { tensors: Received::new(table, records)?, fences, on_cpu })
     }
 
     /// Lands the tensors of a message from a sender on another host (see `remote.rs`).
-    fn land_remote(&mut self, devices: &Devices, table: &Descriptors) -> Result<Placement> {
+    fn land_remote(&mut self, devices: &Devices, table: Descriptors) -> Result<Placement> {
         let pid = self.pid();
         let bad = move |index, reason| Error::Frame { pid, source: FrameError::Storage { index, reason } };
         // Taken out for the call, which needs the connection's streams; put back after.
         let Flavor::Remote(mut remote) = std::mem::replace(&mut self.flavor, Flavor::Local) else {
             return Err(Error::internal("a local sender's message on the remote path"));
         };
-        let received = remote.receive(table, devices, |uuid| self.stream(devices, uuid), bad);
+        let received = remote.receive(&table, devices, |uuid| self.stream(devices, uuid), bad);
         self.flavor = Flavor::Remote(remote);
         let received = received?;
-        let storages: Vec<Arc<Storage>> = received.records.iter().map(|(storage, _, _)| storage.clone()).collect();
         // A record's storage may start inside memory it shares with others (the message's host
         // bytes): its tensors' offsets count from there.
-        let tensors = tensors(table, &storages, |record| {
-            let path = match table.storages()[record].source {
-                Source::Nccl { .. } => TransferPath::Nccl,
-                _ => TransferPath::Tcp,
-            };
-            let (_, base, stream) = &received.records[record];
-            (*base, path, stream.as_ref())
-        })?;
+        let records = received
+            .records
+            .into_iter()
+            .zip(table.storages())
+            .map(|((storage, base, stream), desc)| {
+                let path = match desc.source {
+                    Source::Nccl { .. } => TransferPath::Nccl,
+                    _ => TransferPath::Tcp,
+                };
+                Record { storage, base, path, stream }
+            })
+            .collect();
         // A message with NCCL receives waits on the CPU until its worker has queued them.
         let on_cpu = !received.fences.is_empty();
-        Ok(Placement { tensors, fences: Arc::new(received.fences), on_cpu })
+        Ok(Placement { tensors: Received::new(table, records)?, fences: Arc::new(received.fences), on_cpu })
     }
 
     /// The chunk a mapped or copied record names, checked, with where the storage starts in it,
@@ -404,28 +407,4 @@ impl Connected {
             }
         }
     }
-}
-
-/// The tensors of `table`, each a view of its record's storage (`storages[record]`); `way` gives
-/// per record where its tensors' view offsets count from in that storage, the path it came by
-/// and the stream its first use is ordered on. What each tensor costs here is what the tensor
-/// itself holds: its storage's and stream's counts, and its shape and strides.
-fn tensors<'a>(
-    table: &Descriptors,
-    storages: &[Arc<Storage>],
-    way: impl Fn(usize) -> (usize, TransferPath, Option<&'a Arc<Stream>>),
-) -> Result<Vec<Tensor>> {
-    let mut tensors = Vec::with_capacity(table.len());
-    for (index, desc) in table.tensors().iter().enumerate() {
-        let record = desc.storage as usize;
-        // Checked by Frame::decode: every tensor names a record of its message.
-        let storage = storages.get(record).ok_or_else(|| {
-            Error::internal(format_args!("tensor {index} names storage record {record}, which is not placed"))
-        })?;
-        let (base, path, stream) = way(record);
-        let (shape, strides) = (table.shape(index), table.strides(index));
-        let offset = base + desc.view_offset as usize;
-        tensors.push(Tensor::from_parts(storage.clone(), desc.dtype, shape, strides, offset, path, stream.cloned()));
-    }
-    Ok(tensors)
 }

@@ -22,6 +22,14 @@ pub(crate) struct Outgoing<'a> {
     pub stream: Option<&'a Stream>,
 }
 
+/// The message's table of tensors goes back to this thread's encoder once sent, emptied: the
+/// next message's table is made in it, not allocated (and freed) again.
+impl Drop for Outgoing<'_> {
+    fn drop(&mut self) {
+        side_table::recycle(std::mem::take(&mut self.tensors));
+    }
+}
+
 /// How the receivers' first use of the GPU tensors is ordered after the producer's work.
 pub(crate) enum Fencing<'a> {
     /// Nothing to wait for: no GPU tensors, or their devices were synchronised.

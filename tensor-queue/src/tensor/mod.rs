@@ -175,6 +175,14 @@ impl Storage {
         Storage::new(chunk, offset, len, Origin::Received(lease))
     }
 
+    /// Storage over all of `chunk` that gives nothing back when it dies (the chunk goes with its
+    /// last holder): views of memory that other storages own, for the in-process floor of
+    /// `testing::serde_floor`.
+    pub fn whole_chunk(chunk: Arc<Chunk>) -> Storage {
+        let len = chunk.len();
+        Storage::new(chunk, 0, len, Origin::User)
+    }
+
     fn new(chunk: Arc<Chunk>, offset: usize, len: usize, origin: Origin) -> Storage {
         Storage { chunk, offset, len, origin, uses: std::sync::Mutex::new(Vec::new()) }
     }
@@ -195,7 +203,6 @@ type Dims<T> = smallvec::SmallVec<[T; 4]>;
 /// assert_eq!(t.expand(&[4, 2, 3])?.numel(), 24); // broadcast with stride 0
 /// # Ok(()) }
 /// ```
-#[derive(Clone)]
 pub struct Tensor {
     pub(crate) storage: Arc<Storage>,
     dtype: DType,
@@ -205,6 +212,22 @@ pub struct Tensor {
     offset: usize,
     path: TransferPath,
     stream: Option<Arc<Stream>>,
+}
+
+/// A copy of the view: the storage's count and the inline dimensions copied as bytes (a
+/// derived clone copies them element by element; sending clones every tensor of a message).
+impl Clone for Tensor {
+    fn clone(&self) -> Tensor {
+        Tensor {
+            storage: self.storage.clone(),
+            dtype: self.dtype,
+            shape: Dims::from_slice(&self.shape),
+            strides: Dims::from_slice(&self.strides),
+            offset: self.offset,
+            path: self.path,
+            stream: self.stream.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Tensor {

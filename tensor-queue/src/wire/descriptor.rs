@@ -263,7 +263,11 @@ impl Descriptors {
     ) {
         let dims = self.shapes.len() as u32;
         self.shapes.extend_from_slice(shape);
-        self.strides.extend(strides.iter().copied().chain(std::iter::repeat(0)).take(shape.len()));
+        if strides.len() == shape.len() {
+            self.strides.extend_from_slice(strides); // a tensor's own: one copy
+        } else {
+            self.strides.extend(strides.iter().copied().chain(std::iter::repeat(0)).take(shape.len()));
+        }
         self.tensors[index] = TensorDesc { storage, view_offset, dtype, ndim: shape.len() as u8, dims };
     }
 

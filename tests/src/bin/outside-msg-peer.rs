@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
 use integration_tests::outside_messages::{
-    Held, Many, OverTcp, Shuffle, Tagged, check_held, check_many, check_shared_storage, check_tensor, many, odd,
-    shared_storage, tagged,
+    Held, Many, OverTcp, Shuffle, Tagged, check_held, check_many, check_mixed_storages, check_shared_storage,
+    check_tensor, many, mixed_storages, odd, shared_storage, tagged,
 };
 use integration_tests::{arg, number};
 use tensor_queue::{Context, Error, Receiver, Sender, Stream, Tensor};
@@ -67,6 +67,39 @@ fn run(args: &[String]) -> Result<()> {
                 }
             }
             say(&format!("done {n}"));
+        }
+        // Receives `(id, mixed_storages(id))` messages from the parent until it goes, checking
+        // every tensor's layout and bytes (and holding each message until the next is checked).
+        "recv-mixed" => {
+            let mut receiver = tensor_queue::from_parent::<(u64, Vec<Tensor>)>()?;
+            let mut held = None;
+            loop {
+                match receiver.recv_timeout(BOUND) {
+                    Ok((id, tensors)) => {
+                        check_mixed_storages(id, &tensors)?;
+                        say(&format!("ok {id} {}", tensors.len()));
+                        held = Some(tensors);
+                    }
+                    Err(Error::Disconnected) => break,
+                    Err(other) => return Err(other.into()),
+                }
+            }
+            drop(held);
+            say("done");
+        }
+        // Connects to `--to` and sends `(id, mixed_storages(id))` for ids 0..count, then
+        // `(99, shared_storage(5))`; says `sent` once all are written and waits for stdin to close.
+        "send-mixed" => {
+            let sender = Sender::<(u64, Vec<Tensor>)>::connect(to()?.as_str())?;
+            for id in 0..count {
+                sender.send(&(id, mixed_storages(id)?))?;
+            }
+            sender.send(&(99, shared_storage(5)?))?;
+            if !sender.wait_written(BOUND) {
+                bail!("the messages were not written within {BOUND:?}");
+            }
+            say("sent");
+            wait_for_eof();
         }
         // Receives `shared_storage(3)`, checks it, then drops all but its last tensor and the
         // last when told.

@@ -466,6 +466,8 @@ struct Anchors {
     ring: Option<Curve>,
     d2h: Option<Curve>,
     python: Value,
+    /// The 1,024 x 4 KiB message encoded and decoded in this process with no channel, p50 us.
+    many_floor: Option<f64>,
     errors: Vec<String>,
 }
 
@@ -1017,7 +1019,7 @@ fn rows(runs: &mut [(Way, Option<RouteRun>)], anchors: &Anchors) -> Vec<CrossRow
                 bytes: Some(4 * MIB),
                 p50_us: p50_of(&mut run.many),
                 anchor: Some((anchor.0.into(), anchor.1)),
-                others: Vec::new(),
+                others: vec![("in-process floor (serde + 1,024 tensors made, no channel)".into(), anchors.many_floor)],
                 // Issue 26: on every cross-device route.
                 target: Some((Target::MaxUs(40.0), "<= 40 us".into())),
             });
@@ -1093,6 +1095,9 @@ impl Bench {
         // The producer's tensors: allocated once (the 1 GiB one too), then sent again and again.
         // The 1,024 small ones first and one after another, so that they lie together.
         let many = (0..MANY).map(|i| self.tensor(4 * KIB, i as u64)).collect::<Result<Vec<_>>>()?;
+        let floor = super::host_many::floor(&many, (MANY_WARMUP * 10, MANY_TRIPS * 10));
+        anchors.many_floor =
+            anchors.note("the 1,024-tensor message's in-process floor", floor).map(|mut t| p50_us(&mut t));
         let sized = SIZES.iter().map(|&(bytes, _, _)| self.tensor(bytes, bytes)).collect::<Result<Vec<_>>>()?;
         self.synchronize()?;
         let gpu = self.gpu.as_ref().context("no GPU")?;

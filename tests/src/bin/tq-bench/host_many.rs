@@ -6,6 +6,11 @@
 //! the sender's pages. The receiver is this binary again ([`RECEIVER_FLAG`]) over a channel from
 //! [`tensor_queue::spawn`]; each message is sent once the previous one was released, so no
 //! message waits behind another. Times are `CLOCK_MONOTONIC` of both processes (one clock).
+//!
+//! The floor, in the same run: the same message encoded and decoded in this process with no
+//! channel ([`tensor_queue::testing::serde_floor`]: the serde of the message and its 1,024
+//! tensors made again from one storage), so that what the channel adds is told apart from what
+//! any message of 1,024 `Tensor`s costs.
 
 use std::io::Read as _;
 use std::process::{Command, Stdio};
@@ -14,6 +19,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, ensure};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use tensor_queue::testing::serde_floor;
 use tensor_queue::{DType, Error, Tensor, from_parent, monotonic_ns, spawn};
 
 use super::{Bench, Row, summary};
@@ -79,13 +85,7 @@ fn run(count: usize) -> Result<Report> {
     let mut command = Command::new(std::env::current_exe()?);
     command.arg(RECEIVER_FLAG).stdout(Stdio::piped());
     let (mut child, sender) = spawn::<Many>(&mut command)?;
-    let mut tensors = Vec::with_capacity(count);
-    for i in 0..count {
-        let tensor = Tensor::zeros(DType::U8, &[TENSOR_BYTES])?;
-        tensor.set::<u8>(&[0], i as u8)?;
-        tensors.push(tensor);
-    }
-    let message = Many { tensors };
+    let message = Many { tensors: tensors(count)? };
     for _ in 0..WARMUP + MESSAGES {
         sender.send(&message)?;
         ensure!(sender.wait_released(Duration::from_secs(30)), "the receiver held a message for 30 s");
@@ -100,6 +100,37 @@ fn run(count: usize) -> Result<Report> {
         stage.drain(..WARMUP);
     }
     Ok(report)
+}
+
+/// `count` host tensors of 4 KiB, each holding its index in its first byte.
+fn tensors(count: usize) -> Result<Vec<Tensor>> {
+    let mut tensors = Vec::with_capacity(count);
+    for i in 0..count {
+        let tensor = Tensor::zeros(DType::U8, &[TENSOR_BYTES])?;
+        tensor.set::<u8>(&[0], i as u8)?;
+        tensors.push(tensor);
+    }
+    Ok(tensors)
+}
+
+/// The in-process floor of a message of `tensors` (host or GPU: no byte is touched), `rounds`
+/// (warm-up, measured) times: per measured round, the ns from the message's encoding to its
+/// decoding with the tensors made again (the decoded message is dropped after the clock stops,
+/// as a receiver's is after `recv`).
+pub(super) fn floor(tensors: &[Tensor], (warmup, measured): (usize, usize)) -> Result<Vec<u64>> {
+    let message = tensors.to_vec();
+    let mut times = Vec::with_capacity(measured);
+    for round in 0..warmup + measured {
+        let start = monotonic_ns();
+        let again = serde_floor(&message)?;
+        let took = monotonic_ns() - start;
+        ensure!(again.len() == message.len(), "{} tensors came back of {}", again.len(), message.len());
+        drop(again);
+        if round >= warmup {
+            times.push(took);
+        }
+    }
+    Ok(times)
 }
 
 /// The stages' summaries (p50 and more, in us).
@@ -121,14 +152,16 @@ impl Bench {
         ));
         let one = stages(&mut run(1)?);
         let many = stages(&mut run(MANY)?);
+        let floor = summary(&mut floor(&tensors(MANY)?, (WARMUP, MESSAGES))?);
         let p50 = |v: &Value| v["one_way"]["p50_us"].as_f64().unwrap_or(0.0);
         let (one_us, many_us) = (p50(&one), p50(&many));
+        let floor_us = floor["p50_us"].as_f64().unwrap_or(0.0);
         let per_tensor = many_us / MANY as f64;
         let marginal = (many_us - one_us) / (MANY - 1) as f64;
         self.progress.done(&format!(
             "{MANY} tensors: p50 {many_us:.1} us ({per_tensor:.3} us per tensor, {marginal:.3} above one tensor's \
-             message); 1 tensor: p50 {one_us:.1} us; stages p50 (us) of the {MANY}: encode {}, socket {}, import {}, \
-             decode {}",
+             message); 1 tensor: p50 {one_us:.1} us; in-process floor (no channel) p50 {floor_us:.1} us; stages p50 \
+             (us) of the {MANY}: encode {}, socket {}, import {}, decode {}",
             many["encode"]["p50_us"], many["socket"]["p50_us"], many["import"]["p50_us"], many["decode"]["p50_us"]
         ));
         self.rows.push(
@@ -136,10 +169,18 @@ impl Bench {
                 .against("1 x 4 KiB host tensor, one message, p50", Some(one_us)),
         );
         self.rows.push(Row::new(format!("{MANY} x 4 KiB host tensors in one message, per tensor"), per_tensor, "us"));
+        self.rows.push(
+            Row::new(
+                format!("{MANY} x 4 KiB host tensors, in-process floor (serde + {MANY} tensors made, no channel) p50"),
+                floor_us,
+                "us",
+            )
+            .against("the channel's one-way p50", Some(many_us)),
+        );
         self.json.insert(
             "host_many".into(),
             json!({ "tensors": MANY, "tensor_bytes": TENSOR_BYTES, "messages": MESSAGES, "many": many, "one": one,
-                    "per_tensor_us": per_tensor, "marginal_per_tensor_us": marginal }),
+                    "floor": floor, "per_tensor_us": per_tensor, "marginal_per_tensor_us": marginal }),
         );
         Ok(())
     }
