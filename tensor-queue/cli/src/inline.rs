@@ -2,10 +2,10 @@
 //! tensors should travel inline over TCP rather than through NCCL on this machine
 //! (`tensor_queue::route::inlines`, `SenderBuilder::inline_gpu_up_to`).
 //!
-//! Inline, a message pays a device-to-host copy at the sender (into pageable memory, a CPU wait,
-//! as the sender makes it), its bytes through a TCP socket, and a host-to-device copy from
-//! pinned memory at the receiver (as the receiver makes it): each is timed here at sizes from
-//! 4 KiB to 4 MiB, on GPU 0 and a loopback TCP stream. Through NCCL it pays a fixed cost per
+//! Inline, a message pays a device-to-host copy into pinned memory at the sender (waited for),
+//! its bytes through a TCP socket, and a host-to-device copy from pinned memory at the receiver,
+//! as the channels make them: each is timed here at sizes from 4 KiB to 4 MiB, on GPU 0 and a
+//! loopback TCP stream. Through NCCL it pays a fixed cost per
 //! message (a send/receive pair of two processes, about 75 us a side) and its bytes on the
 //! network, which the inline path pays too. A 2-rank communicator needs two processes, which the
 //! doctor does not start: NCCL's cost is the documented estimate ([`NCCL_ESTIMATE_US`]), and the
@@ -33,7 +33,7 @@ pub const NCCL_ESTIMATE_US: f64 = 150.0;
 pub struct InlineSize {
     /// The message's GPU bytes.
     pub bytes: usize,
-    /// The sender's copy to the host (pageable, waited for).
+    /// The sender's copy to the host (into pinned memory, waited for).
     pub d2h_us: f64,
     /// The bytes through a loopback TCP stream.
     pub tcp_us: f64,
@@ -155,20 +155,18 @@ fn measure_sizes() -> Result<Vec<InlineSize>, Failure> {
     let stream = Stream::new(&context)?;
     let largest = SIZES[SIZES.len() - 1];
     let device = DeviceBuffer::alloc(&context, largest)?;
-    let pinned = PinnedHostBuffer::alloc(&context, largest)?;
+    let (staging, landing) = (PinnedHostBuffer::alloc(&context, largest)?, PinnedHostBuffer::alloc(&context, largest)?);
     let (mut writer, mut reader) = loopback()?;
     let mut out = Vec::new();
     for bytes in SIZES {
         let (mut d2h, mut tcp, mut h2d) = (Vec::new(), Vec::new(), Vec::new());
-        let mut staged = vec![0u8; bytes];
+        let staged = vec![0u8; bytes];
         let mut landed = vec![0u8; bytes];
         for round in 0..=REPEATS {
-            // The sender: a fresh pageable buffer each time, as it makes one per tensor.
             let start = Instant::now();
-            let mut fresh = vec![0u8; bytes];
-            stream.copy_to_host(&device, 0, &mut fresh)?;
+            stream.copy_async(&staging, 0, &device, 0, bytes)?;
+            stream.synchronize()?;
             let d2h_us = start.elapsed().as_secs_f64() * 1e6;
-            staged.copy_from_slice(&fresh);
             let start = Instant::now();
             std::thread::scope(|scope| {
                 let sending = scope.spawn(|| writer.write_all(&staged));
@@ -178,7 +176,7 @@ fn measure_sizes() -> Result<Vec<InlineSize>, Failure> {
             })?;
             let tcp_us = start.elapsed().as_secs_f64() * 1e6;
             let start = Instant::now();
-            stream.copy_async(&device, 0, &pinned, 0, bytes)?;
+            stream.copy_async(&device, 0, &landing, 0, bytes)?;
             stream.synchronize()?;
             let h2d_us = start.elapsed().as_secs_f64() * 1e6;
             if round > 0 {

@@ -7,7 +7,11 @@
 //! its new communicators' frames and before the message's: pieces of the tensors' own storage
 //! (none copied in this process; a GPU tensor's bytes are copied to the host first), at
 //! [`ALIGN`]ed offsets. The run holds the storages and the message's lease until its last byte
-//! is in the socket, so `wait_released` still means the data has left this process.
+//! is in the socket, so `wait_released` still means the data has left this process. A GPU
+//! tensor bound for the receiver's host memory is copied into pageable memory (a CPU wait each);
+//! a small message's GPU tensors bound for the receiver's GPU (below) into pinned host memory
+//! (the host arena's chunks, registered once and reused), queued on the producer's stream, all
+//! of the message's before one wait for them. (Large tensors would register large chunks.)
 //!
 //! # Small messages inline
 //! A message whose GPU tensors (all bound for NCCL) total at most the sender's threshold
@@ -42,10 +46,11 @@ use ipc_core::nccl::{Communicator, UniqueId};
 use ipc_core::tcp::{Bulk, Piece, SharedBytes};
 use ipc_core::{Context, Device, Event, Stream, Uuid};
 
-use super::routes::{describe, group, spans, stream_after};
+use super::routes::{CopyStream, describe, group, spans, stream_after};
 use crate::error::{Error, Result};
 use crate::fences::liveness::{Gone, Liveness};
 use crate::links::nccl::{Next, WorkQueue, Workers};
+use crate::memory::arena::Arena;
 use crate::route::Reach;
 use crate::route::Routing;
 use crate::route::{choose_remote, inlines};
@@ -297,11 +302,11 @@ pub(crate) fn prepare(
     let bulk = match inlined.is_empty() {
         true => None,
         false => {
-            let mut run = Run { pieces: Vec::with_capacity(2 * inlined.len()), len: 0 };
+            let mut run = Run { pieces: Vec::with_capacity(2 * inlined.len()), len: 0, copying: Vec::new() };
             for (index, target) in inlined {
                 run.inline(&tensors[index], index, target, stream, &mut descriptors)?;
             }
-            Some(Bulk::new(run.pieces, Box::new(lease.clone()))?)
+            Some(Bulk::new(run.finish()?, Box::new(lease.clone()))?)
         }
     };
     for ((source, target), members) in groups {
@@ -358,24 +363,34 @@ fn inline_len(tensor: &Tensor) -> Result<usize> {
 
 /// A message's host bytes as one bulk run being laid out: pieces of the tensors' own memory
 /// (none copied), padding between them, and GPU tensors' bytes copied to the host.
-#[derive(Default)]
-struct Run {
+struct Run<'a> {
     pieces: Vec<Piece>,
     /// Bytes laid out so far.
     len: usize,
+    /// The streams GPU tensors' copies to the host were queued on, each once: [`Run::finish`]
+    /// waits for them.
+    copying: Vec<CopyStream<'a>>,
 }
 
-impl Run {
+/// A run given up halfway (an error) still waits for the copies it queued: the pinned memory
+/// they write goes back to the arena when its pieces drop.
+impl Drop for Run<'_> {
+    fn drop(&mut self) {
+        let _ = self.wait();
+    }
+}
+
+impl<'a> Run<'a> {
     /// Appends the bytes `tensor`'s view touches (from an aligned start; a GPU tensor's are
-    /// copied to the host first, after the producer's work: a CPU wait) and describes where
-    /// they lie in the run, as tensor `index` landing in host memory or on the receiver's GPU
-    /// `target`.
+    /// copied to the host first, after the producer's work: see the module docs) and describes
+    /// where they lie in the run, as tensor `index` landing in host memory or on the receiver's
+    /// GPU `target`.
     fn inline(
         &mut self,
         tensor: &Tensor,
         index: usize,
         target: Option<Uuid>,
-        stream: Option<&Stream>,
+        stream: Option<&'a Stream>,
         descriptors: &mut Descriptors,
     ) -> Result<()> {
         let (start, end) = tensor.touched_bytes()?;
@@ -394,11 +409,23 @@ impl Run {
                 let memory: Arc<dyn SharedBytes> = storage.clone();
                 self.pieces.push(Piece::Shared { memory, offset: storage.offset + start, len: have });
             }
-            (None, Some(memory)) => {
+            (None, Some(memory)) if target.is_none() => {
                 let stream = stream_after(stream, memory.context())?;
                 let mut staged = vec![0u8; have];
                 stream.copy_to_host(memory, storage.offset + start, &mut staged)?;
                 self.pieces.push(Piece::Owned(staged));
+            }
+            (None, Some(memory)) => {
+                let copy = stream_after(stream, memory.context())?;
+                let staged = Arc::new(Storage::from_allocation(Arena::host().allocate(have.max(1))?));
+                let host = staged.chunk.host().ok_or_else(|| Error::internal("a host arena on a device"))?;
+                let pinned = host.registered(copy.context())?;
+                copy.copy_async(&pinned, staged.offset, memory, storage.offset + start, have)?;
+                if !self.copying.iter().any(|queued| queued.raw() == copy.raw()) {
+                    self.copying.push(copy);
+                }
+                let offset = staged.offset;
+                self.pieces.push(Piece::Shared { memory: staged, offset, len: have });
             }
             (None, None) => return Err(Error::internal("a tensor in neither host nor device memory")),
         }
@@ -412,6 +439,25 @@ impl Run {
         let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
         describe(descriptors, tensor, index, record, view_offset);
         Ok(())
+    }
+
+    /// The run's pieces, once the copies of GPU tensors' bytes are done (a CPU wait: after the
+    /// producer's work).
+    fn finish(mut self) -> Result<Vec<Piece>> {
+        let waited = self.wait();
+        waited.map(|()| std::mem::take(&mut self.pieces))
+    }
+
+    /// Waits for every copy queued, each stream's even after one failed (a wait that fails
+    /// means the device failed: no copy still runs then); the first failure.
+    fn wait(&mut self) -> Result<()> {
+        let mut first = Ok(());
+        for stream in std::mem::take(&mut self.copying) {
+            if let Err(error) = stream.synchronize() {
+                first = first.and(Err(error.into()));
+            }
+        }
+        first
     }
 
     /// Appends `n` (< [`ALIGN`]) zeros.
