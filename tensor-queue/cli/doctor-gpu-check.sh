@@ -3,7 +3,8 @@
 # `nvidia-smi topo -m`, prints both, then one PASS/FAIL line per check:
 #   1. the command exits 0;
 #   2. every handle kind crossed between two processes (verdict "ok");
-#   3. the GPU0 -> GPU1 link is "nvlink" in the JSON exactly when nvidia-smi shows NV# for it.
+#   3. the GPU0 -> GPU1 link is "nvlink" in the JSON exactly when nvidia-smi shows NV# for it;
+#   4. the small-message section was measured and suggests a threshold (`inline.suggested_up_to`).
 # Usage: tensor-queue/cli/doctor-gpu-check.sh   (TQ=/path/to/tq to skip the build; JSON via jq if present, else python3)
 set -u
 cd "$(dirname "$0")/../.."
@@ -29,17 +30,20 @@ echo "$topo"
 if command -v jq >/dev/null; then
     handles_ok=$(jq -r 'if (.handles | length) > 0 and all(.handles[]; .verdict == "ok") then "yes" else "no" end' "$json_file" 2>/dev/null)
     link01=$(jq -r '[.pairs[] | select(.source == 0 and .target == 1) | .link][0] // "none"' "$json_file" 2>/dev/null)
+    inline_ok=$(jq -r 'if .inline.measured == true and (.inline.suggested_up_to | type) == "number" then "yes" else "no" end' "$json_file" 2>/dev/null)
 else
-    read -r handles_ok link01 < <(python3 - "$json_file" <<'PY'
+    read -r handles_ok link01 inline_ok < <(python3 - "$json_file" <<'PY'
 import json, sys
 try:
     report = json.load(open(sys.argv[1]))
 except Exception:
-    print("no none"); sys.exit()
+    print("no none no"); sys.exit()
 handles = report.get("handles", [])
 ok = "yes" if handles and all(h.get("verdict") == "ok" for h in handles) else "no"
 links = [p["link"] for p in report.get("pairs", []) if p.get("source") == 0 and p.get("target") == 1]
-print(ok, links[0] if links else "none")
+inline = report.get("inline", {})
+inline_ok = "yes" if inline.get("measured") is True and isinstance(inline.get("suggested_up_to"), int) else "no"
+print(ok, links[0] if links else "none", inline_ok)
 PY
 )
 fi
@@ -54,6 +58,7 @@ failures=0
 verdict() { if [ "$1" = yes ]; then echo "PASS: $2"; else echo "FAIL: $2"; failures=$((failures + 1)); fi; }
 verdict "$([ "$status" -eq 0 ] && echo yes || echo no)" "tq doctor --measure --json exits 0 (got $status)"
 verdict "$handles_ok" "every handle kind crosses between two processes"
+verdict "${inline_ok:-no}" "tq doctor --measure suggests a small-message inline threshold"
 smi_nvlink=$([[ "${cell01:-}" =~ ^NV[0-9]+$ ]] && echo yes || echo no)
 tq_nvlink=$([ "${link01:-}" = nvlink ] && echo yes || echo no)
 verdict "$([ -n "${cell01:-}" ] && [ "$smi_nvlink" = "$tq_nvlink" ] && echo yes || echo no)" \

@@ -26,7 +26,7 @@ import time
 PART_TIMEOUT_S = float(os.environ.get("CROSS_PART_TIMEOUT_S", "90"))
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 # (bytes, warm-up, measured) one-shot transfers.
-NCCL_SIZES = [(MIB, 5, 50), (64 * MIB, 2, 20), (GIB, 1, 5)]
+NCCL_SIZES = [(4 * KIB, 20, 200), (MIB, 5, 50), (64 * MIB, 2, 20), (GIB, 1, 5)]
 PINGPONG = (4 * KIB, 100, 1000)
 MP_SIZES = [(MIB, 3, 30), (64 * MIB, 2, 15)]
 

@@ -55,6 +55,11 @@ fn main() {
         CrossTest { name: "across_hosts_ten_thousand_messages_leak_nothing", gpus: 2, run: many_nccl },
         CrossTest { name: "across_hosts_both_ways_then_a_clean_exit", gpus: 2, run: both_ways_clean_exit },
         CrossTest { name: "across_hosts_broadcast_to_two_receivers", gpus: 2, run: broadcast_nccl },
+        CrossTest { name: "small_messages_inline_without_nccl_onto_the_receivers_gpu", gpus: 2, run: inline_sizes },
+        CrossTest { name: "small_messages_inline_up_to_the_threshold_and_nccl_above", gpus: 2, run: inline_threshold },
+        CrossTest { name: "small_messages_inline_a_mixed_message", gpus: 2, run: inline_mixed },
+        CrossTest { name: "small_messages_inline_sender_killed_right_after_send", gpus: 2, run: inline_killed_sender },
+        CrossTest { name: "small_messages_inline_from_many_senders_leak_nothing", gpus: 2, run: inline_many_senders },
     ];
     let found = gpus_here();
     static SKIPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -828,12 +833,17 @@ fn over_tcp_onto(g: &Gpus) -> Vec<String> {
     strings(&[OVER_TCP, "--land", &g.uuid(1).to_string()])
 }
 
+/// The producers' environment that keeps every GPU tensor on NCCL, small messages too
+/// (`TQ_INLINE_GPU_UP_TO=0`): the NCCL tests' messages of 1 B and 4095 B, warm-ups and 4 KiB
+/// streams would otherwise travel inline (see the `small_messages_inline_*` tests).
+const ALWAYS_NCCL: (&str, &str) = (tensor_queue::route::INLINE_GPU_ENV, "0");
+
 fn nccl_default(g: &Gpus) -> Result<()> {
-    nccl_cases(g, "nccl-default", &[])
+    nccl_cases(g, "nccl-default", &[ALWAYS_NCCL])
 }
 
 fn nccl_network(g: &Gpus) -> Result<()> {
-    nccl_cases(g, "nccl-network", &NCCL_NET)
+    nccl_cases(g, "nccl-network", &[NCCL_NET[0], NCCL_NET[1], ALWAYS_NCCL])
 }
 
 fn tcp_host_landing(g: &Gpus) -> Result<()> {
@@ -848,7 +858,7 @@ fn seed_nccl(g: &Gpus) -> Result<()> {
     let gpu1 = g.uuid(1).to_string();
     let expect = Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 };
     let options = over_tcp_onto(g);
-    let ok = seed_run(g, "seed-nccl", &options, None, None, &[], &expect, Route::Nccl)?;
+    let ok = seed_run(g, "seed-nccl", &options, None, None, &[ALWAYS_NCCL], &expect, Route::Nccl)?;
     ensure!(ok, "over NCCL the consumer saw x before the 50 matmuls were done");
     Ok(())
 }
@@ -857,7 +867,8 @@ fn seed_unordered_nccl(g: &Gpus) -> Result<()> {
     let gpu1 = g.uuid(1).to_string();
     let expect = Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 };
     let options = over_tcp_onto(g);
-    let ok = seed_run(g, "seed-unordered-nccl", &options, None, None, &[SKIP_ORDERING], &expect, Route::Nccl)?;
+    let env = [SKIP_ORDERING, ALWAYS_NCCL];
+    let ok = seed_run(g, "seed-unordered-nccl", &options, None, None, &env, &expect, Route::Nccl)?;
     ensure!(!ok, "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over NCCL");
     Ok(())
 }
@@ -976,12 +987,13 @@ fn both_ways_clean_exit(_: &Gpus) -> Result<()> {
 const NCCL_RAS_OFF: [(&str, &str); 1] = [("NCCL_RAS_ENABLE", "0")];
 
 fn many_nccl(g: &Gpus) -> Result<()> {
-    let (mut consumer, path) = consumer("many-nccl", &over_tcp_onto(g), None, &NCCL_RAS_OFF)?;
+    let env = [NCCL_RAS_OFF[0], ALWAYS_NCCL];
+    let (mut consumer, path) = consumer("many-nccl", &over_tcp_onto(g), None, &env)?;
     // Round 0 pays NCCL's one-time set-up in this process; the baseline is taken after it, so
     // what rounds 1 and 2 (four more connections, four more communicators) leave is a leak.
     for (round, count) in [(0, "1000"), (1, "2000"), (2, "2000")] {
         let options = [on_gpu(g.uuid(0)), strings(&["--threads", "2", "--count", count, "--len", "4096"])].concat();
-        let mut sender = producer(&format!("many-{round}"), "stream", &path, &options, None, &NCCL_RAS_OFF)?;
+        let mut sender = producer(&format!("many-{round}"), "stream", &path, &options, None, &env)?;
         sender.expect("done", Duration::from_secs(300))?;
         sender.finish(Duration::from_secs(30))?;
         if round == 0 {
@@ -1000,5 +1012,147 @@ fn many_nccl(g: &Gpus) -> Result<()> {
     consumer.say("mem")?;
     let mem = consumer.expect("mem ", Duration::from_secs(30))?;
     ensure!(mem.starts_with("mem ok"), "after 10,000 messages over 6 connections: {mem}");
+    consumer.finish(Duration::from_secs(30))
+}
+
+// ---------------------------------------------------------------- 6. small messages inline (issue 26)
+//
+// Across hosts (a TCP channel), a message whose GPU tensors total at most the sender's threshold
+// (`TQ_INLINE_GPU_UP_TO`, 64 KiB by default) sends them inline in its TCP frame: the consumer
+// sees them on its landing GPU with `TransferPath::Tcp` (never `Nccl`) and a stream there, and
+// every byte is checked on the GPU as for NCCL.
+
+/// The default threshold, set explicitly: the lead's environment must not change what is tested.
+const INLINE_64K: (&str, &str) = (tensor_queue::route::INLINE_GPU_ENV, "65536");
+
+/// What an inline GPU tensor shows at the consumer: bytes and stream on GPU 1, path `Tcp`.
+fn inline_on(gpu1: &str) -> Expect<'static> {
+    Expect { path: "Tcp", device: gpu1.to_string(), stream_device: gpu1.to_string() }
+}
+
+/// The producer's `route-4k` line: the route `Sender::route_for` gives a 4 KiB message.
+fn route_4k(producer: &mut Proc) -> Result<String> {
+    producer.value("route-4k ", Duration::from_secs(60))
+}
+
+/// One message per size (1 B, 4095 B, 1 MiB + 3, 64 MiB, 256 MiB): the two small ones inline
+/// (path `Tcp` on GPU 1, bytes checked on the GPU), the others through NCCL, in order on one
+/// channel; `Sender::route_for` reports the inline route beforehand.
+fn inline_sizes(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let (mut consumer, path) = consumer("inline-sizes", &over_tcp_onto(g), None, &[])?;
+    let mut producer = producer("inline-sizes", "sizes", &path, &on_gpu(g.uuid(0)), None, &[INLINE_64K])?;
+    let (said_route, said_target) = route_line(&mut producer)?;
+    ensure!(said_route == "Nccl" && said_target == gpu1, "Sender::route said {said_route} to {said_target}");
+    let small = route_4k(&mut producer)?;
+    ensure!(small == format!("Tcp target {gpu1} reason small message inline"), "route_for 4 KiB: {small}");
+    for id in 0..5u64 {
+        let report = consumer.report(Duration::from_secs(120))?;
+        ensure!(report.id == id, "message {} arrived where {id} was due", report.id);
+        let path = if id < 2 { "Tcp" } else { "Nccl" };
+        let expect = Expect { path, device: gpu1.clone(), stream_device: gpu1.clone() };
+        check_report(&report, &expect, &format!("sizes message {id} ({})", report.note))?;
+    }
+    producer.expect("released", Duration::from_secs(60))?;
+    producer.finish(Duration::from_secs(30))?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+/// With the threshold at 64 KiB: 64 KiB tensors travel inline, 64 KiB + 1 through NCCL, on one
+/// consumer; with the threshold at 0 a 4 KiB one goes through NCCL.
+fn inline_threshold(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let (mut consumer, path) = consumer("inline-threshold", &over_tcp_onto(g), None, &[])?;
+    let nccl = || Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1.clone() };
+    let cases: [(&str, usize, (&str, &str), Expect<'_>); 3] = [
+        ("at", 64 << 10, INLINE_64K, inline_on(&gpu1)),
+        ("above", (64 << 10) + 1, INLINE_64K, nccl()),
+        ("never", 4096, ALWAYS_NCCL, nccl()),
+    ];
+    for (name, len, env, expect) in cases {
+        let options = [on_gpu(g.uuid(0)), strings(&["--count", "3", "--len", &len.to_string()])].concat();
+        let mut producer = producer(&format!("threshold-{name}"), "stream", &path, &options, None, &[env])?;
+        for _ in 0..3 {
+            let report = consumer.report(Duration::from_secs(120))?;
+            check_report(&report, &expect, &format!("{name}: {len} B ({})", report.note))?;
+        }
+        producer.expect("released", Duration::from_secs(60))?;
+        producer.finish(Duration::from_secs(30))?;
+    }
+    consumer.finish(Duration::from_secs(30))
+}
+
+/// One small message of a GPU tensor, a host tensor and a transposed GPU view: all inline, the
+/// GPU ones landed on GPU 1 (a stream there), the host one in host memory, each as sent.
+fn inline_mixed(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let (mut consumer, path) = consumer("inline-mixed", &over_tcp_onto(g), None, &[])?;
+    let mut producer = producer("inline-mixed", "mixed", &path, &on_gpu(g.uuid(0)), None, &[INLINE_64K])?;
+    let report = consumer.report(Duration::from_secs(120))?;
+    ensure!(report.ok && !report.producer_failed, "the data differ: {report:?}");
+    ensure!(report.paths == ["Tcp", "Tcp", "Tcp"], "paths {:?}", report.paths);
+    ensure!(report.devices == [gpu1.as_str(), "host", gpu1.as_str()], "devices {:?}", report.devices);
+    ensure!(report.stream_devices == [gpu1.as_str(), "none", gpu1.as_str()], "streams {:?}", report.stream_devices);
+    ensure!(report.layouts[2].starts_with("[16, 64]/"), "the view arrived as {}", report.layouts[2]);
+    producer.expect("released", Duration::from_secs(60))?;
+    producer.finish(Duration::from_secs(30))?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+/// A producer whose 4 KiB tensor is filled after 2 s of GPU spinning sends it inline (its
+/// `send_on` waits for the fill on the CPU: the bytes must be final) and is killed right after
+/// `send_on` returned: the message had left the process, so it arrives whole, then the
+/// receiver serves the next sender as before.
+fn inline_killed_sender(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let (mut consumer, path) = consumer("inline-killed", &over_tcp_onto(g), None, &[])?;
+    let options = [on_gpu(g.uuid(0)), strings(&["--len", "4096", "--spin-ms", "2000"])].concat();
+    let mut doomed = producer("doomed", "spin-big", &path, &options, None, &[INLINE_64K])?;
+    doomed.expect("sent 0 0", Duration::from_secs(60))?;
+    let killed_at = Instant::now();
+    doomed.kill()?;
+    let outcome = killed_producer_outcome(&mut consumer, killed_at, Some(Duration::from_secs(10)))?;
+    println!("the receiver after the kill ({:?}): {}", killed_at.elapsed(), short(&outcome));
+    ensure!(outcome.starts_with("report "), "the message sent before the kill: {outcome}");
+    let report: MsgReport = serde_json::from_str(&outcome["report ".len()..])?;
+    ensure!(report.ok && report.seen == report.reference, "not whole: {report:?}");
+    check_report(&report, &inline_on(&gpu1), "the killed producer's inline message")?;
+    recovers(&mut consumer, &path, g, None, &Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 })?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+/// Two producer processes of four senders each (a connection and a stream per thread) send
+/// 4 KiB messages to one consumer at once: every message arrives inline, whole, and the
+/// consumer's memory and descriptors return to their baseline.
+fn inline_many_senders(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let (mut consumer, path) = consumer("inline-many", &over_tcp_onto(g), None, &[])?;
+    // A first sender pays the one-time set-up (the host arena's registration, the landing
+    // GPU's arena); the baseline is taken after it, so what the 8 senders leave is a leak.
+    let mut first = producer("inline-first", "mixed", &path, &on_gpu(g.uuid(0)), None, &[INLINE_64K])?;
+    consumer.report(Duration::from_secs(60))?;
+    first.expect("released", Duration::from_secs(60))?;
+    first.finish(Duration::from_secs(30))?;
+    std::thread::sleep(Duration::from_secs(2)); // its connection is retired
+    consumer.say("rebase")?;
+    consumer.expect("rebased", Duration::from_secs(30))?;
+    let options = [on_gpu(g.uuid(0)), strings(&["--threads", "4", "--count", "250", "--len", "4096"])].concat();
+    let mut producers = Vec::new();
+    for k in 0..2 {
+        producers.push(producer(&format!("inline-many-{k}"), "stream", &path, &options, None, &[INLINE_64K])?);
+    }
+    for sender in &mut producers {
+        sender.expect("done", Duration::from_secs(300))?;
+        sender.finish(Duration::from_secs(30))?;
+    }
+    let expect = inline_on(&gpu1);
+    for n in 0..2000 {
+        let report = consumer.report(Duration::from_secs(60)).with_context(|| format!("report {n} of 2,000"))?;
+        check_report(&report, &expect, &format!("message {n} ({})", report.note))?;
+    }
+    consumer.cursor = consumer.said.len();
+    consumer.say("mem")?;
+    let mem = consumer.expect("mem ", Duration::from_secs(30))?;
+    ensure!(mem.starts_with("mem ok"), "after 2,000 inline messages from 8 senders: {mem}");
     consumer.finish(Duration::from_secs(30))
 }

@@ -114,8 +114,14 @@ impl Peer {
     /// Starts `<program> <args>` (a helper of this crate) with `TQ_SECRET` set to `secret`, or
     /// unset.
     fn program(program: &str, args: &[&str], secret: Option<&str>) -> Peer {
+        Peer::program_env(program, args, secret, &[])
+    }
+
+    /// As [`Peer::program`], with `env` set too.
+    fn program_env(program: &str, args: &[&str], secret: Option<&str>, env: &[(&str, &str)]) -> Peer {
         let mut command = Command::new(bin_path(program).expect("the helper is built"));
         command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        command.envs(env.iter().copied());
         match secret {
             Some(secret) => command.env(SECRET_ENV, secret),
             None => command.env_remove(SECRET_ENV),
@@ -1874,5 +1880,157 @@ fn host_bytes_that_do_not_match_their_descriptors_are_refused_alone() {
     assert!(errors.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })), "{errors:?}");
     closed_within(&huge, Duration::from_secs(10)).unwrap();
     still_serving(&mut receiver, &endpoint);
+    drop(link);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small messages' GPU tensors inline (issue 26): what can be checked without a GPU. The GPU
+// side is in `cross_gpu.rs` (`small_messages_inline_*`).
+
+/// A raw listener that plays a receiver on another host with one GPU (`gpu`) and `routing`: it
+/// says its `Hello` to the first sender and holds the link until the returned sender is
+/// dropped. The endpoint, for real senders.
+fn fake_gpu_receiver(gpu: tensor_queue::Uuid, routing: tensor_queue::route::Routing) -> (String, mpsc::Sender<()>) {
+    use tensor_queue::testing::{DeviceReach, Reach};
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let (done, until) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let link = listener.accept(Some(Duration::from_secs(10)), &link_secret_of(KEY)).unwrap();
+        let mut buf = Vec::new();
+        link.recv(&mut buf, Some(Duration::from_secs(10))).unwrap();
+        assert!(Hello::decode(&buf).is_ok(), "a TCP sender begins with Hello");
+        let mut hello = integration_tests::raw::hello(4, 0x6a);
+        hello.reach = Reach { devices: vec![DeviceReach { uuid: gpu, stream_ops: true }], links: vec![] };
+        hello.routing = routing;
+        link.send(&hello.encode()).unwrap();
+        let _ = until.recv_timeout(Duration::from_secs(60));
+    });
+    (endpoint, done)
+}
+
+/// A sender to a receiver on another host with a GPU reports, per message size, the route its
+/// GPU tensors take: inline over TCP onto the receiver's GPU up to its threshold (the default,
+/// or the one it was built with; 0: never), NCCL above it or where the receiver refuses staging,
+/// and bytes into host memory where the receiver asked for host tensors.
+#[test]
+fn the_route_of_a_small_message_across_hosts_is_inline_up_to_the_threshold() {
+    use tensor_queue::route::{
+        DEFAULT_INLINE_GPU_UP_TO, INLINE_GPU_ENV, Landing, Route, Routing, SMALL_MESSAGE_INLINE, Strictness,
+    };
+    let (theirs, mine) = (tensor_queue::Uuid([5; 16]), tensor_queue::Uuid([9; 16]));
+    let wait = Duration::from_secs(10);
+    let default_up_to = match std::env::var(INLINE_GPU_ENV) {
+        Ok(value) => value.parse().expect("a number in the environment"),
+        Err(_) => DEFAULT_INLINE_GPU_UP_TO,
+    };
+
+    let (endpoint, _hold) = fake_gpu_receiver(theirs, Routing::default());
+    let sender = connect::<Probe>(&endpoint, KEY).unwrap();
+    assert_eq!(sender.inline_gpu_up_to(), default_up_to);
+    let large = sender.route(&mine, wait).unwrap();
+    assert_eq!((large.route, large.target, large.reason), (Route::Nccl, Some(theirs), None));
+    if default_up_to >= 4096 {
+        let small = sender.route_for(&mine, 4096, wait).unwrap();
+        assert_eq!((small.route, small.target), (Route::Tcp, Some(theirs)), "onto the GPU NCCL would use");
+        assert_eq!(small.reason.as_deref(), Some(SMALL_MESSAGE_INLINE));
+        assert_eq!(small.slower_because, None);
+        let at = sender.route_for(&mine, default_up_to, wait).unwrap();
+        assert_eq!(at.route, Route::Tcp, "at most the threshold");
+    }
+    let above = sender.route_for(&mine, default_up_to + 1, wait).unwrap();
+    assert_eq!((above.route, above.reason), (Route::Nccl, None), "just above the threshold");
+
+    let (endpoint, _hold) = fake_gpu_receiver(theirs, Routing::default());
+    let sender =
+        Sender::<Probe>::builder().secret(secret_of(KEY)).inline_gpu_up_to(1 << 20).connect(&endpoint).unwrap();
+    assert_eq!(sender.inline_gpu_up_to(), 1 << 20);
+    assert_eq!(sender.route_for(&mine, 1 << 20, wait).unwrap().route, Route::Tcp);
+    assert_eq!(sender.route_for(&mine, (1 << 20) + 1, wait).unwrap().route, Route::Nccl);
+
+    let (endpoint, _hold) = fake_gpu_receiver(theirs, Routing::default());
+    let never = Sender::<Probe>::builder().secret(secret_of(KEY)).inline_gpu_up_to(0).connect(&endpoint).unwrap();
+    assert_eq!(never.route_for(&mine, 1, wait).unwrap().route, Route::Nccl, "0: always NCCL");
+
+    let (endpoint, _hold) = fake_gpu_receiver(theirs, Routing::default().strict(Strictness::NoStaging));
+    let strict =
+        Sender::<Probe>::builder().secret(secret_of(KEY)).inline_gpu_up_to(1 << 20).connect(&endpoint).unwrap();
+    assert_eq!(strict.route_for(&mine, 16, wait).unwrap().route, Route::Nccl, "no staging through host memory");
+
+    let (endpoint, _hold) = fake_gpu_receiver(theirs, Routing::default().land(Landing::Host));
+    let host = connect::<Probe>(&endpoint, KEY).unwrap();
+    let choice = host.route_for(&mine, 16, wait).unwrap();
+    assert_eq!((choice.route, choice.target, choice.reason), (Route::Tcp, None, None), "host tensors, asked for");
+}
+
+/// A threshold a message's bytes could never hold, given in code or in the environment (or not
+/// a number there), is refused at `connect` with `Error::Invalid`, before any connection.
+#[test]
+fn an_inline_threshold_out_of_range_or_not_a_number_is_refused_at_connect() {
+    use tensor_queue::route::{INLINE_GPU_ENV, MAX_INLINE_GPU_UP_TO};
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let refused =
+        Sender::<Probe>::builder().secret(secret_of(KEY)).inline_gpu_up_to(MAX_INLINE_GPU_UP_TO + 1).connect(&endpoint);
+    assert!(matches!(&refused, Err(Error::Invalid(why)) if why.contains("inline_gpu_up_to")), "{:?}", refused.err());
+    for value in ["lots", "-1", &(MAX_INLINE_GPU_UP_TO + 1).to_string()] {
+        let args = ["send", "--to", &endpoint, "--count", "1"];
+        let mut peer = Peer::program_env("tcp-peer", &args, Some(KEY), &[(INLINE_GPU_ENV, value)]);
+        let line = peer.expect("error", Duration::from_secs(20));
+        assert!(line.starts_with("error Invalid") && line.contains(INLINE_GPU_ENV), "{INLINE_GPU_ENV}={value}: {line}");
+        assert!(peer.exit_within(Duration::from_secs(10)).is_some_and(|s| !s.success()));
+    }
+    // A number in range is taken; the receiver saw nothing of the refused ones.
+    let mut fine = Peer::program_env(
+        "tcp-peer",
+        &["send", "--to", &endpoint, "--count", "1"],
+        Some(KEY),
+        &[(INLINE_GPU_ENV, "0")],
+    );
+    fine.expect("sent 1", Duration::from_secs(20));
+    let probe = receiver.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(probe_ok(&probe));
+    assert!(receiver.take_errors().is_empty());
+}
+
+/// A sender that names a GPU this receiver lacks for a small message's inline bytes (this one
+/// has none) gets that message refused, typed, and nothing else lost: its next message arrives.
+#[test]
+fn inline_bytes_for_a_gpu_the_receiver_lacks_are_refused_alone() {
+    let (mut receiver, endpoint) = bind::<Probe>(4);
+    let addr = addr_of(&endpoint);
+    let probe = |id: u64, note: &str| {
+        payload_of(Probe {
+            id,
+            tensors: vec![Tensor::zeros(DType::U8, &[64]).unwrap()],
+            expected: vec![0],
+            note: note.into(),
+        })
+    };
+    let (lying, honest) = (probe(600, "raw-absent-gpu"), probe(601, "raw-after-absent-gpu"));
+    let (link, _) = raw_link(addr, true);
+    let mut to_gpu = Descriptors::default();
+    let source = Source::BytesToGpu { offset: 0, target: tensor_queue::Uuid([0xee; 16]) };
+    let storage = to_gpu.push_storage(StorageDesc { source, len: 64, fence: Fence::None });
+    to_gpu.push_tensor(storage, 0, DType::U8, &[64], &[1]);
+    send_run(&link, run_of(&[7; 64]));
+    link.send(&message(1, to_gpu, &lying)).unwrap();
+    let mine: Vec<u8> = (0..64).collect();
+    send_run(&link, run_of(&mine));
+    link.send(&message(2, tcp_desc(0, 64), &honest)).unwrap();
+    let mut rejected = Vec::new();
+    let mut delivered = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while delivered.is_empty() && Instant::now() < deadline {
+        match receiver.recv_timeout(Duration::from_millis(200)) {
+            Ok(probe) => delivered.push(probe),
+            Err(Error::Rejected { reason, .. }) => rejected.push(reason),
+            Err(Error::Timeout) => {}
+            Err(other) => panic!("recv: {other:?}; errors {:?}", receiver.take_errors()),
+        }
+    }
+    assert_eq!(rejected.len(), 1, "{rejected:?}");
+    assert!(rejected[0].contains("not one of this process's"), "{rejected:?}");
+    assert_eq!(delivered.len(), 1);
+    assert_eq!(delivered[0].tensors[0].to_bytes().unwrap(), mine, "its own bytes");
     drop(link);
 }

@@ -6,10 +6,11 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tensor_queue::testing::Reach;
 
+use crate::inline::InlineReport;
 use crate::output::{print, warn};
 use crate::report::{Measurement, Report};
 use crate::verdict::Summary;
-use crate::{engines, gpus, handles, host, pairs, text};
+use crate::{engines, gpus, handles, host, inline, pairs, text};
 
 /// `tq doctor`'s options.
 #[derive(Debug, Args)]
@@ -17,7 +18,8 @@ pub struct DoctorArgs {
     /// Print the report as JSON, for scripts.
     #[arg(long)]
     pub json: bool,
-    /// Also measure copy bandwidth between GPUs and the cost of each handle kind (seconds).
+    /// Also measure copy bandwidth between GPUs, the cost of each handle kind, and the
+    /// threshold of small messages' inline GPU tensors across hosts (seconds).
     #[arg(long)]
     pub measure: bool,
     /// Exit 1 when any pair would take a slower route than its link allows or any check is
@@ -82,6 +84,17 @@ pub fn gather(measure: bool) -> Report {
     } else {
         handles::skipped("no GPU here")
     };
+    let inline = match (measure, gpu.available) {
+        (true, true) => {
+            let spinner = ProgressBar::new_spinner().with_message("timing small messages' inline copies");
+            spinner.enable_steady_tick(std::time::Duration::from_millis(100));
+            let measured = inline::measure();
+            spinner.finish_and_clear();
+            measured
+        }
+        (true, false) => InlineReport::not_measured("no GPU here: nothing measured"),
+        (false, _) => InlineReport::not_measured("not measured (tq doctor --measure times it)"),
+    };
     let measurement = match (measure, gpu.available) {
         (false, _) => Measurement::NotAsked,
         (true, false) => Measurement::NothingMeasured,
@@ -96,6 +109,7 @@ pub fn gather(measure: bool) -> Report {
         handles: handle_rows,
         host: host::checks(),
         engines: engines::checks(),
+        inline,
         summary: Summary::default(),
     };
     report.summary = report.summarize();

@@ -8,14 +8,16 @@
 //! check, or 2 for a usage error or output that could not be written.
 //!
 //! The modules, from the top: `doctor` runs the command; `report` puts the sections together
-//! and prints them; the sections (`gpus`, `pairs`, `handles`, `host`, `engines`) each check one
-//! thing; `verdict`, `text` and `output` are the vocabulary, layout and writing they share.
+//! and prints them; the sections (`gpus`, `pairs`, `handles`, `host`, `engines`, `inline`) each
+//! check one thing; `verdict`, `text` and `output` are the vocabulary, layout and writing they
+//! share.
 
 mod doctor;
 mod engines;
 mod gpus;
 mod handles;
 mod host;
+mod inline;
 mod output;
 mod pairs;
 mod report;

@@ -7,6 +7,7 @@ use serde::Serialize;
 use crate::engines::EngineRow;
 use crate::gpus::GpuFacts;
 use crate::handles::{HandleRow, handles_table};
+use crate::inline::InlineReport;
 use crate::pairs::{PairRow, pairs_table};
 use crate::text::{checks_table, gib, paragraph, table};
 use crate::verdict::{Check, Summary, Verdict};
@@ -42,6 +43,8 @@ pub struct Report {
     pub host: Vec<Check>,
     /// Engines for crossing machines.
     pub engines: Vec<EngineRow>,
+    /// Small messages across hosts: the inline threshold this machine suggests (`--measure`).
+    pub inline: InlineReport,
     /// The verdicts counted.
     pub summary: Summary,
 }
@@ -103,6 +106,7 @@ impl Report {
         out += "\nEngines for crossing machines\n";
         let engines: Vec<Check> = self.engines.iter().map(|e| e.check.clone()).collect();
         out += &checks_table(&engines, width);
+        out += &self.inline.to_text(width);
         out += &fixes(self, width);
         let s = &self.summary;
         let summary = format!(

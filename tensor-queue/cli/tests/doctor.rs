@@ -75,9 +75,18 @@ fn the_json_has_every_section_and_nccls_version_and_path() {
     let output = run(&["doctor", "--json"]);
     assert_eq!(output.status.code(), Some(0));
     let json = json_of(&output);
-    for key in
-        ["tq_version", "cuda_visible_devices", "measurement", "gpu", "pairs", "handles", "host", "engines", "summary"]
-    {
+    for key in [
+        "tq_version",
+        "cuda_visible_devices",
+        "measurement",
+        "gpu",
+        "pairs",
+        "handles",
+        "host",
+        "engines",
+        "inline",
+        "summary",
+    ] {
         assert!(json.get(key).is_some(), "{key} is missing: {json:#}");
     }
     assert_eq!(json["gpu"]["available"], false);
@@ -224,6 +233,14 @@ fn measure_without_a_gpu_says_nothing_was_measured() {
     assert_eq!(json_of(&output)["measurement"], "nothing_measured");
     assert!(text(&output.stderr).contains("nothing was measured"), "{}", text(&output.stderr));
     assert!(!text(&run(&["doctor"]).stdout).contains("nothing was measured"), "only when --measure asked");
+    // The small-message section says why it measured nothing, and the default that applies.
+    let inline = &json_of(&output)["inline"];
+    assert_eq!((&inline["measured"], &inline["suggested_up_to"]), (&Value::Bool(false), &Value::Null), "{inline}");
+    assert_eq!(inline["default_up_to"], tensor_queue::route::DEFAULT_INLINE_GPU_UP_TO);
+    assert_eq!(inline["env"], tensor_queue::route::INLINE_GPU_ENV);
+    assert!(inline["note"].as_str().unwrap().contains("no GPU here"), "{inline}");
+    let section = stdout.split("Small messages across hosts").nth(1).unwrap_or_default();
+    assert!(section.contains("no GPU here") && section.contains("65536 bytes"), "{stdout}");
 }
 
 #[test]

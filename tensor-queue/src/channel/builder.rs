@@ -140,6 +140,36 @@ impl<T: Serialize> SenderBuilder<T> {
         self
     }
 
+    /// Across hosts (a TCP channel to a receiver with GPUs): a message whose GPU tensors total
+    /// at most `bytes` (each counted by the bytes its view touches) sends them inline in its TCP
+    /// frame, copied to the host after the producer's work and onto the receiver's GPU there,
+    /// rather than through an NCCL transfer, whose fixed cost (about 75 us a side) a small
+    /// tensor's copies undercut. `0`: always NCCL. Default: the value of
+    /// [`INLINE_GPU_ENV`](crate::route::INLINE_GPU_ENV), else
+    /// [`DEFAULT_INLINE_GPU_UP_TO`](crate::route::DEFAULT_INLINE_GPU_UP_TO) (64 KiB); `tq doctor
+    /// --measure` suggests one for a machine. The receiver gets the same tensors either way
+    /// (device, dtype, shape, strides, data), with [`TransferPath::Tcp`](crate::TransferPath::Tcp).
+    /// A receiver that refuses staging ([`Strictness::NoStaging`](crate::route::Strictness::NoStaging))
+    /// always gets NCCL. Above [`MAX_INLINE_GPU_UP_TO`](crate::route::MAX_INLINE_GPU_UP_TO),
+    /// `connect` fails with [`Error::Invalid`](crate::Error::Invalid).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Error, Receiver, Secret, Sender};
+    /// let secret = Secret::from_bytes(*b"a secret of at least 16 bytes")?;
+    /// let _receiver = Receiver::<u32>::builder().secret(secret.clone()).bind("tcp://127.0.0.1:0")?;
+    /// # let endpoint = format!("tcp://{}", _receiver.local_addr().expect("TCP"));
+    /// let sender = Sender::<u32>::builder().secret(secret.clone()).inline_gpu_up_to(256 << 10).connect(&endpoint)?;
+    /// assert_eq!(sender.inline_gpu_up_to(), 256 << 10);
+    /// let too_much = Sender::<u32>::builder().secret(secret).inline_gpu_up_to(u64::MAX).connect(&endpoint);
+    /// assert!(matches!(too_much, Err(Error::Invalid(_))));
+    /// # Ok(()) }
+    /// ```
+    pub fn inline_gpu_up_to(mut self, bytes: u64) -> Self {
+        self.options.inline_gpu_up_to = Some(bytes);
+        self
+    }
+
     /// Connects to the receiver at `endpoint`: a socket path, or `tcp://host:port`.
     pub fn connect(self, endpoint: impl Into<Endpoint>) -> Result<Sender<T>> {
         Sender::connect_options(&endpoint.into(), &self.options)
@@ -157,6 +187,7 @@ impl<T> std::fmt::Debug for SenderBuilder<T> {
         f.debug_struct("SenderBuilder")
             .field("secret", &self.options.secret)
             .field("timeout", &self.options.timeout)
+            .field("inline_gpu_up_to", &self.options.inline_gpu_up_to)
             .finish()
     }
 }

@@ -121,7 +121,11 @@ impl<T: Serialize> Sender<T> {
 
     /// Connects to `endpoint` with `options` (what the builder and the deprecated `connect_with` do).
     pub(super) fn connect_options(endpoint: &Endpoint, options: &ConnectOptions) -> Result<Sender<T>> {
-        Sender::from_link(Link::new(endpoint::connect(endpoint, options)?)?)
+        // Checked before connecting: a bad value costs no connection.
+        let inline_up_to = crate::route::inline_threshold(options.inline_gpu_up_to)?;
+        let sender = Sender::from_link(Link::new(endpoint::connect(endpoint, options)?)?)?;
+        sender.inner().set_inline_up_to(inline_up_to);
+        Ok(sender)
     }
 
     /// A sender over an already connected socket (see [`spawn`](super::spawn)).
@@ -447,7 +451,48 @@ impl<T> Sender<T> {
     /// ```
     pub fn route(&self, source: &Uuid, timeout: Duration) -> Result<Choice> {
         self.wait_ready(timeout)?;
-        self.inner().route(source)
+        self.inner().route(source, None)
+    }
+
+    /// The route a tensor on the GPU `source` takes to this receiver in a message whose GPU
+    /// tensors total `gpu_bytes` (each tensor counted by the bytes its view touches). Across hosts
+    /// a small message's GPU tensors travel inline over TCP rather than through NCCL: then the
+    /// route is [`Route::Tcp`](crate::route::Route::Tcp) onto the GPU NCCL would have used, with
+    /// the reason [`SMALL_MESSAGE_INLINE`](crate::route::SMALL_MESSAGE_INLINE) (see
+    /// [`SenderBuilder::inline_gpu_up_to`](crate::SenderBuilder::inline_gpu_up_to)). Otherwise
+    /// as [`Sender::route`].
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Receiver, Sender, Uuid};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-route-for.sock", std::process::id()));
+    /// # let _receiver = Receiver::<u32>::bind(&path)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// let choice = sender.route_for(&Uuid([7; 16]), 4096, Duration::from_secs(10))?;
+    /// println!("{} ({:?})", choice.route, choice.reason); // on one host: as `route` says
+    /// # Ok(()) }
+    /// ```
+    pub fn route_for(&self, source: &Uuid, gpu_bytes: u64, timeout: Duration) -> Result<Choice> {
+        self.wait_ready(timeout)?;
+        self.inner().route(source, Some(gpu_bytes))
+    }
+
+    /// The threshold of this sender's small messages across hosts: a message whose GPU tensors
+    /// total at most this many bytes sends them inline over TCP, without NCCL (0: never). See
+    /// [`SenderBuilder::inline_gpu_up_to`](crate::SenderBuilder::inline_gpu_up_to).
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-inline-up-to.sock", std::process::id()));
+    /// # let _receiver = Receiver::<u32>::bind(&path)?;
+    /// let sender = Sender::<u32>::builder().inline_gpu_up_to(0).connect(&path)?;
+    /// assert_eq!(sender.inline_gpu_up_to(), 0); // always NCCL across hosts
+    /// # Ok(()) }
+    /// ```
+    pub fn inline_gpu_up_to(&self) -> u64 {
+        self.inner().inline_up_to()
     }
 
     /// The receiver's process id.

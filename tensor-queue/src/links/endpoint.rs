@@ -168,11 +168,15 @@ pub struct ConnectOptions {
     pub secret: Option<Secret>,
     /// How long connecting and authenticating over TCP may take together.
     pub timeout: Duration,
+    /// Across hosts: a message whose GPU tensors total at most this many bytes sends them
+    /// inline over TCP, without NCCL (0: always NCCL); `None`: [`INLINE_GPU_ENV`](crate::route::INLINE_GPU_ENV)'s
+    /// value, else [`DEFAULT_INLINE_GPU_UP_TO`](crate::route::DEFAULT_INLINE_GPU_UP_TO).
+    pub inline_gpu_up_to: Option<u64>,
 }
 
 impl Default for ConnectOptions {
     fn default() -> ConnectOptions {
-        ConnectOptions { secret: None, timeout: Duration::from_secs(10) }
+        ConnectOptions { secret: None, timeout: Duration::from_secs(10), inline_gpu_up_to: None }
     }
 }
 

@@ -5,6 +5,12 @@
 //! memory they land in is allocated from the host arena when the run's header is read, and the
 //! bytes are read from the socket straight into it as they come.
 //!
+//! A small message's GPU tensors come in the same run ([`Source::BytesToGpu`]): once the run
+//! has landed, each is copied from there onto its GPU on the connection's stream for that GPU,
+//! the stream an NCCL-delivered tensor is ordered on, so the tensor is the same to its user
+//! either way. The copy is queued (from pinned memory: the host arena's chunk, registered once),
+//! never waited for on the CPU; the host bytes are held until it is done.
+//!
 //! A communicator joins (rank 1) when its `Communicator` frame is read, on a worker thread of
 //! its own that owns it (`route/worker.rs`): `recv` never calls NCCL, so a sender that stalls in
 //! the set-up, or never takes part, holds up nothing but its own messages. A message's receives
@@ -200,20 +206,32 @@ impl Remote {
         let records = table.storages();
         let mut landed: Vec<Option<Landed>> = vec![None; records.len()];
         let mut fences = Vec::new();
-        // Host tensors: where the message's bytes landed, which every bytes record shares.
+        // Host tensors: where the message's bytes landed, which every bytes record shares; a
+        // small message's GPU tensors are copied from there onto their GPUs.
         if table.uses(Route::Tcp) {
-            let first = records.iter().position(|r| matches!(r.source, Source::Bytes { .. })).unwrap_or(0);
+            let first = records.iter().position(|r| r.source.route() == Route::Tcp).unwrap_or(0);
             let Some(HostLanding { allocation, len, .. }) = landing else {
                 return Err(bad(first, "host bytes, of a message that brought none".into()));
             };
             let storage = Arc::new(Storage::from_allocation(allocation));
             for (index, record) in records.iter().enumerate() {
-                let Source::Bytes { offset } = record.source else { continue };
+                let (Source::Bytes { offset } | Source::BytesToGpu { offset, .. }) = record.source else { continue };
                 let end = offset + record.len; // no overflow: checked by decoding
                 if end > len as u64 {
                     return Err(bad(index, format!("bytes {offset}..{end} of a message that brought {len}")));
                 }
-                landed[index] = Some((storage.clone(), offset as usize, None));
+                landed[index] = Some(match record.source {
+                    Source::BytesToGpu { target, .. } => {
+                        if !Reach::local().sees(&target) {
+                            let why = format!("bytes for GPU {target}, which is not one of this process's");
+                            return Err(bad(index, why));
+                        }
+                        let stream = stream(&target)?;
+                        let copy = onto_gpu(&storage, offset as usize, record.len as usize, &stream)?;
+                        (Arc::new(copy), 0, Some(stream))
+                    }
+                    _ => (storage.clone(), offset as usize, None),
+                });
             }
         }
         // GPU tensors: per communicator, its records in order are its transfers, received as one
@@ -277,6 +295,22 @@ impl Remote {
             joined.comm.queue.stop(false);
         }
     }
+}
+
+/// A copy onto `stream`'s GPU of `len` bytes at `offset` of `host` (a message's landed run),
+/// queued on `stream`; `host` is held until the copy is done, and the copy's memory is not
+/// reused before it is.
+fn onto_gpu(host: &Arc<Storage>, offset: usize, len: usize, stream: &Stream) -> Result<Storage> {
+    let allocation = Arena::device(stream.context()).allocate(len.max(1))?;
+    let destination = allocation.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
+    let memory = host.chunk.host().ok_or_else(|| Error::internal("a host arena on a device"))?;
+    let source = memory.registered(stream.context())?;
+    stream.copy_async(destination, allocation.offset, &source, host.offset + offset, len)?;
+    let [read, copied] = [Event::new(stream.context())?, Event::new(stream.context())?];
+    read.record(stream)?;
+    host.hold_until(stream, read);
+    copied.record(stream)?;
+    Ok(Storage::landed(allocation, Arc::new(Vec::new()), stream, copied))
 }
 
 impl RecvComm {

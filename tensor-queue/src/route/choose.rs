@@ -91,6 +91,10 @@ pub struct Choice {
     pub target: Option<Uuid>,
     /// Why a faster route was not taken, when one exists.
     pub slower_because: Option<String>,
+    /// Why this route rather than the one the pair of GPUs usually takes, where it is decided
+    /// per message: across hosts, a small message's GPU tensors travel inline over TCP
+    /// ([`SMALL_MESSAGE_INLINE`](super::SMALL_MESSAGE_INLINE), see [`Sender::route_for`](crate::Sender::route_for)).
+    pub reason: Option<String>,
 }
 
 /// Why no route is allowed: the receiver's strictness refuses the only one there is.
@@ -133,19 +137,19 @@ pub fn choose(source: &Uuid, routing: &Routing, receiver: &Reach, sender: &Reach
     let (target, fallback) = target(source, routing, receiver);
     let Some(target) = target else {
         let why = if fallback { "the receiver has no GPU" } else { "the receiver asked for host memory" };
-        let choice = Choice { route: Route::Host, target: None, slower_because: Some(why.into()) };
+        let choice = Choice { route: Route::Host, target: None, slower_because: Some(why.into()), reason: None };
         return check(choice, routing.strict, fallback);
     };
     if routing.peer == PeerMode::Stage {
         let why = "the receiver's policy asks for staging through host memory".to_string();
         return check(
-            Choice { route: Route::Staged, target: Some(target), slower_because: Some(why) },
+            Choice { route: Route::Staged, target: Some(target), slower_because: Some(why), reason: None },
             routing.strict,
             false,
         );
     }
     if target == *source {
-        return Ok(Choice { route: Route::SameDevice, target: Some(target), slower_because: None });
+        return Ok(Choice { route: Route::SameDevice, target: Some(target), slower_because: None, reason: None });
     }
     // Peer access as each process's driver reports it: only a process that sees both GPUs knows.
     let receiver_maps = receiver.peer_access(&target, source);
@@ -167,7 +171,7 @@ pub fn choose(source: &Uuid, routing: &Routing, receiver: &Reach, sender: &Reach
         _ if fallback => Some("the receiver cannot use the sender's GPU: the data is copied to one of its own".into()),
         _ => None,
     };
-    check(Choice { route, target: Some(target), slower_because }, routing.strict, fallback)
+    check(Choice { route, target: Some(target), slower_because, reason: None }, routing.strict, fallback)
 }
 
 /// The route of a tensor on the GPU `source` to a receiver on another host (a TCP channel) with
@@ -199,6 +203,7 @@ pub fn choose_remote(source: &Uuid, routing: &Routing, receiver: &Reach) -> Resu
             route: Route::Nccl,
             target: Some(target),
             slower_because: fallback.then(|| "the receiver's chosen GPU is not one of its own".to_string()),
+            reason: None,
         },
         None => {
             let why = if receiver.devices.is_empty() && routing.landing_for(source) != Landing::Host {
@@ -207,7 +212,7 @@ pub fn choose_remote(source: &Uuid, routing: &Routing, receiver: &Reach) -> Resu
                 "the receiver asked for host memory"
             };
             let no_gpu = why == "the receiver has no GPU";
-            let choice = Choice { route: Route::Tcp, target: None, slower_because: Some(why.into()) };
+            let choice = Choice { route: Route::Tcp, target: None, slower_because: Some(why.into()), reason: None };
             return check(choice, routing.strict, no_gpu);
         }
     };

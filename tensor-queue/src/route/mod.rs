@@ -27,6 +27,8 @@
 //!    landing GPU (for [`Landing::AsSent`], its first GPU). See [`crate::channel`]'s docs on TCP.
 //! 7. **[`Route::Tcp`]** (a receiver on another host that takes host tensors): the bytes travel
 //!    over the TCP link; a GPU tensor is first copied to host memory by the sender (a CPU wait).
+//!    A small message's GPU tensors bound for NCCL take this route too ("small message inline",
+//!    see [`inlines`]): the receiver then copies them onto the GPU NCCL would have landed them on.
 //!
 //! # How it is chosen
 //! The receiver's handshake lists its GPUs by UUID, what each can reach, and its [`Routing`]. The
@@ -41,11 +43,16 @@
 //! Every received tensor says how it came ([`Tensor::path`](crate::Tensor::path)).
 
 pub(crate) mod choose;
+mod inline;
 mod policy;
 pub(crate) mod reach;
 
 pub use choose::{Choice, Forbidden, Route};
 pub(crate) use choose::{allowed, choose, choose_remote, target};
+pub(crate) use inline::inline_choice;
+pub use inline::{
+    DEFAULT_INLINE_GPU_UP_TO, INLINE_GPU_ENV, MAX_INLINE_GPU_UP_TO, SMALL_MESSAGE_INLINE, inline_threshold, inlines,
+};
 pub use policy::{Landing, MAX_SOURCES, PeerMode, Routing, Strictness};
 pub(crate) use reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};
 

@@ -74,6 +74,9 @@ pub(crate) struct SenderInner {
     spin_ns: AtomicU64,
     /// The buffer a spinning send reads frames into.
     spin_buf: Mutex<Vec<u8>>,
+    /// To a receiver on another host: a message whose GPU tensors total at most this many bytes
+    /// sends them inline, without NCCL (`route/inline.rs`).
+    inline_up_to: AtomicU64,
 }
 
 impl RetireListener for SenderInner {
@@ -109,6 +112,7 @@ impl SenderInner {
             me: me.clone(),
             spin_ns: AtomicU64::new(0),
             spin_buf: Mutex::new(Vec::new()),
+            inline_up_to: AtomicU64::new(route::DEFAULT_INLINE_GPU_UP_TO),
         });
         let reader = inner.clone();
         std::thread::Builder::new()
@@ -163,6 +167,16 @@ impl SenderInner {
         self.spin_ns.store(spin.as_nanos().min(u64::MAX as u128) as u64, Atomic::Relaxed);
     }
 
+    /// Sets the threshold of small messages' inline GPU tensors (checked by the caller).
+    pub(crate) fn set_inline_up_to(&self, bytes: u64) {
+        self.inline_up_to.store(bytes, Atomic::Relaxed);
+    }
+
+    /// The threshold of small messages' inline GPU tensors.
+    pub(crate) fn inline_up_to(&self) -> u64 {
+        self.inline_up_to.load(Atomic::Relaxed)
+    }
+
     /// See [`Sender::is_connected`](crate::Sender::is_connected).
     pub(crate) fn is_connected(&self) -> bool {
         lock(&self.state).protocol.closed().is_none()
@@ -173,12 +187,18 @@ impl SenderInner {
         lock(&self.state).protocol.take_rejected()
     }
 
-    /// The route a tensor on `source` takes to the receiver, once its `Hello` came.
-    pub(crate) fn route(&self, source: &Uuid) -> Result<Choice> {
+    /// The route a tensor on `source` takes to the receiver, once its `Hello` came, in a message
+    /// whose GPU tensors total `gpu_bytes` (`None`: more than any threshold).
+    pub(crate) fn route(&self, source: &Uuid, gpu_bytes: Option<u64>) -> Result<Choice> {
         let receiver = lock(&self.state).receiver.clone();
         let receiver = receiver.ok_or(Error::Disconnected)?;
         if matches!(self.flavor, Flavor::Remote(_)) {
-            return Ok(route::choose_remote(source, &receiver.1, &receiver.0)?);
+            let choice = route::choose_remote(source, &receiver.1, &receiver.0)?;
+            let small = gpu_bytes.is_some_and(|bytes| route::inlines(bytes, self.inline_up_to(), receiver.1.strict));
+            return Ok(match choice.route {
+                route::Route::Nccl if small => route::inline_choice(choice),
+                _ => choice,
+            });
         }
         Ok(choose(source, &receiver.1, &receiver.0, Reach::local())?)
     }
@@ -372,6 +392,7 @@ impl SenderInner {
                 &outgoing.tensors,
                 outgoing.stream,
                 &receiver,
+                self.inline_up_to(),
                 &mut lock(comms),
                 lease,
                 &alive,

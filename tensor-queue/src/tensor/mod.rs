@@ -80,7 +80,9 @@ pub enum TransferPath {
     /// ([`crate::route::Route::Nccl`]).
     Nccl,
     /// Bytes sent over the TCP link by a sender on another host, into this process's host
-    /// memory ([`crate::route::Route::Tcp`]).
+    /// memory ([`crate::route::Route::Tcp`]); for a GPU tensor of a small message (see
+    /// [`SenderBuilder::inline_gpu_up_to`](crate::SenderBuilder::inline_gpu_up_to)), then copied
+    /// onto this process's GPU on the tensor's stream.
     Tcp,
 }
 

@@ -103,7 +103,20 @@ pub enum Source {
         /// Where the storage starts in the message's bytes.
         offset: u64,
     },
+    /// Bytes of a GPU tensor of a small message that came over TCP with the host tensors' (as
+    /// [`Source::Bytes`], [`Route::Tcp`]) rather than through NCCL: the receiver copies them onto
+    /// its GPU `target` (the sender chose it from the receiver's policy, as for NCCL).
+    BytesToGpu {
+        /// Where the storage starts in the message's bytes.
+        offset: u64,
+        /// The receiver's GPU it lands on.
+        target: Uuid,
+    },
 }
+
+/// The wire code of a [`Source::BytesToGpu`] record: the codes below it are the routes' own
+/// (`Route::code`), one per route; this one shares [`Route::Tcp`] with [`Source::Bytes`].
+const BYTES_TO_GPU: u8 = 7;
 
 impl Source {
     /// The route this source travels by.
@@ -115,7 +128,7 @@ impl Source {
             Source::Host { .. } => Route::Host,
             Source::Staged { .. } => Route::Staged,
             Source::Nccl { .. } => Route::Nccl,
-            Source::Bytes { .. } => Route::Tcp,
+            Source::Bytes { .. } | Source::BytesToGpu { .. } => Route::Tcp,
         }
     }
 
@@ -127,7 +140,7 @@ impl Source {
             | Source::PeerCopy { chunk, offset }
             | Source::Host { chunk, offset }
             | Source::Staged { chunk, offset, .. } => Some((chunk, offset)),
-            Source::Nccl { .. } | Source::Bytes { .. } => None,
+            Source::Nccl { .. } | Source::Bytes { .. } | Source::BytesToGpu { .. } => None,
         }
     }
 
@@ -136,7 +149,7 @@ impl Source {
     pub fn offset(&self) -> u64 {
         match *self {
             Source::Nccl { .. } => 0,
-            Source::Bytes { offset } => offset,
+            Source::Bytes { offset } | Source::BytesToGpu { offset, .. } => offset,
             _ => self.chunk_range().map_or(0, |(_, offset)| offset),
         }
     }
@@ -342,7 +355,10 @@ pub(super) fn encode_table(w: &mut Writer, table: &Descriptors) {
 }
 
 fn encode_storage(w: &mut Writer, record: &StorageDesc) {
-    w.u8(record.source.route().code());
+    w.u8(match record.source {
+        Source::BytesToGpu { .. } => BYTES_TO_GPU,
+        source => source.route().code(),
+    });
     w.u64(record.len);
     match record.source {
         Source::SameDevice { chunk, offset }
@@ -359,6 +375,10 @@ fn encode_storage(w: &mut Writer, record: &StorageDesc) {
         }
         Source::Nccl { communicator } => w.u32(communicator),
         Source::Bytes { offset } => w.u64(offset),
+        Source::BytesToGpu { offset, target } => {
+            w.u64(offset);
+            w.bytes(&target.0);
+        }
     }
     match record.fence {
         Fence::None => w.u8(FENCE_NONE),
@@ -408,6 +428,11 @@ pub(super) fn decode_table(r: &mut Reader<'_>, body: usize) -> Result<Descriptor
 fn decode_storage(r: &mut Reader<'_>, index: usize) -> Result<StorageDesc, FrameError> {
     let bad = |reason: String| FrameError::Storage { index, reason };
     let code = r.u8()?;
+    if code == BYTES_TO_GPU {
+        let len = r.u64()?;
+        let source = Source::BytesToGpu { offset: r.u64()?, target: Uuid(r.array()?) };
+        return finish_storage(r, index, source, len);
+    }
     let route = Route::from_code(code).ok_or_else(|| bad(format!("unknown route {code}")))?;
     let len = r.u64()?;
     let source = match route {
@@ -419,6 +444,13 @@ fn decode_storage(r: &mut Reader<'_>, index: usize) -> Result<StorageDesc, Frame
         Route::Nccl => Source::Nccl { communicator: r.u32()? },
         Route::Tcp => Source::Bytes { offset: r.u64()? },
     };
+    finish_storage(r, index, source, len)
+}
+
+/// The rest of a record after its source (its fence), and the checks of the whole record.
+fn finish_storage(r: &mut Reader<'_>, index: usize, source: Source, len: u64) -> Result<StorageDesc, FrameError> {
+    let bad = |reason: String| FrameError::Storage { index, reason };
+    let route = source.route();
     let fence = match r.u8()? {
         FENCE_NONE => Fence::None,
         FENCE_EVENT => Fence::Event(r.u32()?),
@@ -431,7 +463,8 @@ fn decode_storage(r: &mut Reader<'_>, index: usize) -> Result<StorageDesc, Frame
     // Bytes that came over TCP or through NCCL have no fence the sender could name. (A copy
     // through host memory needs a host word: the receiver checks that against the chunk it
     // names, and refuses the message alone.)
-    if matches!(source, Source::Nccl { .. } | Source::Bytes { .. }) && fence != Fence::None {
+    if matches!(source, Source::Nccl { .. } | Source::Bytes { .. } | Source::BytesToGpu { .. }) && fence != Fence::None
+    {
         return Err(bad(format!("a fence on a {route} storage")));
     }
     Ok(StorageDesc { source, len, fence })
@@ -452,7 +485,7 @@ fn check_disjoint(storages: &[StorageDesc]) -> Result<(), FrameError> {
             let end = s.source.offset() + s.len; // no overflow: checked by decode_storage
             match s.source {
                 Source::Nccl { .. } => None,
-                Source::Bytes { offset } => Some((1, 0, offset, end, index)),
+                Source::Bytes { offset } | Source::BytesToGpu { offset, .. } => Some((1, 0, offset, end, index)),
                 _ => s.source.chunk_range().map(|(chunk, offset)| (0, chunk, offset, end, index)),
             }
         })
@@ -565,6 +598,7 @@ mod tests {
             (Source::Staged { chunk: 5, offset: 0, target: Uuid([6; 16]) }, signal),
             (Source::Nccl { communicator: 6 }, Fence::None),
             (Source::Bytes { offset: 32 }, Fence::None),
+            (Source::BytesToGpu { offset: 4096, target: Uuid([8; 16]) }, Fence::None),
         ];
         let mut table = Descriptors::default();
         for (source, fence) in sources {
@@ -575,8 +609,18 @@ mod tests {
         assert_eq!(tensors, table);
         assert_eq!(
             tensors.storages().iter().map(|s| s.source.route()).collect::<Vec<_>>(),
-            [Route::SameDevice, Route::PeerMap, Route::PeerCopy, Route::Host, Route::Staged, Route::Nccl, Route::Tcp]
+            [
+                Route::SameDevice,
+                Route::PeerMap,
+                Route::PeerCopy,
+                Route::Host,
+                Route::Staged,
+                Route::Nccl,
+                Route::Tcp,
+                Route::Tcp
+            ]
         );
+        assert_eq!(tensors.storages()[7].source, Source::BytesToGpu { offset: 4096, target: Uuid([8; 16]) });
         assert_eq!((tensors.shape(6), tensors.strides(6)), (&[2, 2][..], &[1, 2][..]));
     }
 
@@ -619,6 +663,14 @@ mod tests {
         let bytes = |offset, len| StorageDesc { source: Source::Bytes { offset }, len, fence: Fence::None };
         assert!(table(&[bytes(0, 16), bytes(16, 16), mapped(0, 0, 64)]).is_ok(), "bytes are not a chunk's");
         assert!(matches!(table(&[bytes(0, 17), bytes(16, 16)]), Err(FrameError::Storage { index: 1, .. })));
+        // Bytes bound for a GPU lie in the same run as host bytes.
+        let to_gpu = StorageDesc {
+            source: Source::BytesToGpu { offset: 8, target: Uuid([1; 16]) },
+            len: 16,
+            fence: Fence::None,
+        };
+        assert!(matches!(table(&[bytes(0, 16), to_gpu]), Err(FrameError::Storage { index: 1, .. })));
+        assert!(table(&[bytes(0, 8), to_gpu]).is_ok());
         let nccl = StorageDesc { source: Source::Nccl { communicator: 1 }, len: 64, fence: Fence::None };
         assert!(table(&[nccl, nccl]).is_ok(), "two transfers have no range to overlap");
     }
@@ -636,6 +688,11 @@ mod tests {
         assert!(record(staged, 8, Fence::None).is_ok(), "refused by the receiver, which knows the chunks");
         assert!(matches!(record(Source::Nccl { communicator: 1 }, 8, signal), Err(FrameError::Storage { .. })));
         assert!(matches!(record(Source::Bytes { offset: 0 }, 8, Fence::Event(2)), Err(FrameError::Storage { .. })));
+        let to_gpu = Source::BytesToGpu { offset: 0, target: Uuid([1; 16]) };
+        assert!(matches!(record(to_gpu, 8, signal), Err(FrameError::Storage { .. })));
+        assert!(record(to_gpu, 8, Fence::None).is_ok());
+        let overflowing = record(Source::BytesToGpu { offset: u64::MAX, target: Uuid([1; 16]) }, 8, Fence::None);
+        assert!(matches!(overflowing, Err(FrameError::Storage { reason, .. }) if reason.contains("overflows")));
         let overflowing = record(Source::PeerMap { chunk: 1, offset: u64::MAX - 4 }, 8, Fence::None);
         assert!(matches!(overflowing, Err(FrameError::Storage { reason, .. }) if reason.contains("overflows")));
         // An unknown route code: the byte after the record count.
@@ -681,6 +738,8 @@ mod tests {
                 .prop_map(|((chunk, offset), t, f)| (Source::Staged { chunk, offset, target: Uuid(t) }, f)),
             any::<u32>().prop_map(|communicator| (Source::Nccl { communicator }, Fence::None)),
             (0u64..64).prop_map(|k| (Source::Bytes { offset: k * 4096 }, Fence::None)),
+            ((0u64..64), any::<[u8; 16]>())
+                .prop_map(|(k, t)| (Source::BytesToGpu { offset: k * 4096, target: Uuid(t) }, Fence::None)),
         ]
     }
 

@@ -10,13 +10,16 @@
 //! - `produce --to P --case C [--gpu UUID] [--threads T] [--count N] [--len L] [--seed S]
 //!   [--spin-ms M] [--steps K] [--n N]`: prints `visible <uuids>` and `gpu <uuid>`, connects,
 //!   asks `Sender::route` for its GPU and prints `route <Route> target <uuid|host>` (or
-//!   `route-error <Error>`), then runs case `C`:
+//!   `route-error <Error>`), and `Sender::route_for` a 4 KiB message (`route-4k <Route> target
+//!   <uuid|host> reason <why|->`), then runs case `C`:
 //!   - `views`: one message with a `[256, 1024]` i32 pattern tensor and its strided views
 //!     ([`views_of`]), each with the producer's GPU checksum and the CPU reference; with
 //!     `--also P2,P3,..`, the same message broadcast to those receivers too (`released` per
 //!     receiver).
 //!   - `many`: one message of `--count` (1024) separate 4 KiB tensors (`--len`), each its own seed.
 //!   - `sizes`: one message per size of 1 B, 4095 B, 1 MiB + 3, 64 MiB and 256 MiB.
+//!   - `mixed`: one message of a 4 KiB GPU tensor, a 4 KiB host tensor and a transposed
+//!     `[64, 16]` u8 view of a GPU tensor (small: across hosts its GPU tensors travel inline).
 //!   - `seed`: the seed scenario: `--steps` (50) matmuls of `--n` (4096) x `--n` f32 on `x` queued
 //!     on the stream and `x` sent with `send_on` at once; then a read of `x` on another stream
 //!     that does not wait (`early <checksum>`: what a consumer without ordering may see), a
@@ -208,6 +211,33 @@ fn produce(args: &[String]) -> Result<()> {
                 println!("sent 0 {id}");
             }
         }
+        "mixed" => {
+            let seed = number(args, "--seed", 21)?;
+            let gpu = Tensor::empty_cuda(&context, DType::U8, &[4096])?;
+            kernels.fill(&gpu.cuda_view()?, 0, 4096, seed, &stream)?;
+            let host = Tensor::from_slice(&reference::pattern(4096, seed + 1), DType::U8, &[4096])?;
+            let base = Tensor::empty_cuda(&context, DType::U8, &[64, 16])?;
+            kernels.fill(&base.cuda_view()?, 0, 1024, seed + 2, &stream)?;
+            let transposed = base.transpose(0, 1)?;
+            let pattern = reference::pattern(1024, seed + 2);
+            let packed: Vec<u8> =
+                (0..16).flat_map(|j| (0..64).map(move |i| (i, j))).map(|(i, j)| pattern[i * 16 + j]).collect();
+            let reference = vec![
+                reference::checksum(&reference::pattern(4096, seed)),
+                reference::checksum(&reference::pattern(4096, seed + 1)),
+                reference::checksum(&packed),
+            ];
+            let checksums = vec![
+                gpu_checksum(&gpu, &stream)?,
+                reference::checksum(&host.to_bytes()?),
+                gpu_checksum(&transposed, &stream)?,
+            ];
+            ensure!(checksums == reference, "the producer's checksums {checksums:?} != the CPU's {reference:?}");
+            let tensors = vec![gpu, host, transposed];
+            let note = "gpu 4 KiB, host 4 KiB, gpu [64, 16] transposed".to_string();
+            sender.send_on(&CrossItem { id: 0, kind: "data".into(), tensors, checksums, reference, note }, &stream)?;
+            println!("sent 0 0");
+        }
         "seed" => produce_seed(args, &sender, &context, &stream, &kernels)?,
         "spin-big" => {
             let len = number(args, "--len", 1 << 30)? as usize;
@@ -284,6 +314,15 @@ fn print_route(sender: &Sender<CrossItem>, uuid: &Uuid) {
             println!("route-error RouteRefused {:?} {:?} {}", forbidden.route, forbidden.strict, forbidden.why)
         }
         Err(error) => println!("route-error {error:?}"),
+    }
+    match sender.route_for(uuid, 4096, Duration::from_secs(30)) {
+        Ok(choice) => println!(
+            "route-4k {:?} target {} reason {}",
+            choice.route,
+            choice.target.map_or("host".to_string(), |t| t.to_string()),
+            choice.reason.as_deref().unwrap_or("-")
+        ),
+        Err(error) => println!("route-4k-error {error:?}"),
     }
 }
 

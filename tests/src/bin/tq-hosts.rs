@@ -13,7 +13,12 @@
 //!   channel;
 //! - a 4 KiB round trip: the consumer sends the received tensor back with `send_on` on its
 //!   stream, over NCCL, as the anchor's ping-pong does; the producer synchronises it;
-//! - one message of 1,024 x 4 KiB tensors, one-way, against one 4 MiB tensor.
+//! - one message of 1,024 x 4 KiB tensors, one-way, against one 4 MiB tensor;
+//! - small messages inline (issue 26): the 4 KiB round trip and a 1 x 4 KiB one-way message as
+//!   above travel inline in their TCP frames by default (the senders' default threshold,
+//!   `SenderBuilder::inline_gpu_up_to`); the same again through a second pair of senders built
+//!   with the threshold at 0 (NCCL, as before), in the same run. Each checks the path its
+//!   tensors came by (`Tcp` and `Nccl`).
 //!
 //! `--quick` takes a few samples of each, up to 64 MiB, without anchors: the GPU tests run it to
 //! check that both directions work and that both processes exit cleanly (a program that returns
@@ -45,6 +50,8 @@ const GIB: u64 = 1 << 30;
 const SIZES: [(u64, usize, usize); 4] = [(MIB, 5, 50), (4 * MIB, 5, 50), (64 * MIB, 2, 20), (GIB, 1, 5)];
 const RTT: (usize, usize) = (100, 1000);
 const MANY: (usize, usize) = (5, 30);
+/// 1 x 4 KiB one-way: (warm-up, measured).
+const SMALL: (usize, usize) = (20, 200);
 const SECRET: &str = "tq-hosts benchmark secret (local)";
 /// Set in a producer's environment: host tensors even where there are GPUs.
 const HOST_TENSORS_ENV: &str = "TQ_HOSTS_HOST_TENSORS";
@@ -57,6 +64,8 @@ struct Item {
     sent_ns: u64,
     /// Send the first tensor back (the round trip) instead of a host answer.
     echo: bool,
+    /// Send it back through the consumer's sender whose threshold is 0 (NCCL).
+    nccl: bool,
     tensors: Vec<Tensor>,
 }
 
@@ -237,15 +246,31 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>) -> Stri
                 fmt2(ratio)
             );
         }
-        let (ours, theirs) = (run["rtt_4k_us"].as_f64(), anchor["pingpong_4k_p50_us"].as_f64());
-        let verdict = ours.zip(theirs).map_or("n/a", |(a, b)| if a <= b { "met" } else { "MISSED" });
-        let ratio = ours.zip(theirs).map(|(a, b)| a / b);
-        out += &format!(
-            "| {name} | 4 KiB round trip | {} | | {} | | {} | <= anchor {verdict} |\n",
-            fmt(ours),
-            fmt(theirs),
-            fmt2(ratio)
-        );
+        let against = |ours: Option<f64>, theirs: Option<f64>, target: bool| {
+            let ratio = ours.zip(theirs).map(|(a, b)| a / b);
+            let verdict = ratio.map_or("n/a", |r| if r <= 1.0 { "met" } else { "MISSED" });
+            let target = if target { format!("<= anchor {verdict}") } else { "(before: NCCL)".into() };
+            (ratio, target)
+        };
+        let pingpong = anchor["pingpong_4k_p50_us"].as_f64();
+        for (key, what, target) in [
+            ("rtt_4k_us", "4 KiB round trip, small message inline (default)", true),
+            ("rtt_4k_nccl_us", "4 KiB round trip through NCCL (inline_gpu_up_to 0)", false),
+        ] {
+            let ours = run[key].as_f64();
+            let (ratio, target) = against(ours, pingpong, target);
+            out +=
+                &format!("| {name} | {what} | {} | | {} | | {} | {target} |\n", fmt(ours), fmt(pingpong), fmt2(ratio));
+        }
+        let one_4k = anchor["one_way_p50_us"][(4 * KIB).to_string()].as_f64();
+        for (key, what, target) in [
+            ("one_way_4k_us", "1 x 4 KiB one-way, small message inline (default)", true),
+            ("one_way_4k_nccl_us", "1 x 4 KiB one-way through NCCL (inline_gpu_up_to 0)", false),
+        ] {
+            let ours = run[key].as_f64();
+            let (ratio, target) = against(ours, one_4k, target);
+            out += &format!("| {name} | {what} | {} | | {} | | {} | {target} |\n", fmt(ours), fmt(one_4k), fmt2(ratio));
+        }
         let (many, one) = (run["many_us"].as_f64(), run["one_way_us"][(4 * MIB).to_string()].as_f64());
         let ratio = many.zip(one).map(|(a, b)| a / b);
         let verdict = ratio.map_or("n/a", |r| if r <= 2.0 { "met" } else { "MISSED" });
@@ -305,6 +330,12 @@ fn producer(quick: bool) -> Result<()> {
         .secret(Secret::from_env()?)
         .timeout(Duration::from_secs(30))
         .connect(endpoint.as_str())?;
+    // The same channel's receiver, from a sender whose small messages still go through NCCL.
+    let items_nccl = Sender::<Item>::builder()
+        .secret(Secret::from_env()?)
+        .timeout(Duration::from_secs(30))
+        .inline_gpu_up_to(0)
+        .connect(endpoint.as_str())?;
     let stream = match &context {
         Some(context) => Some(Stream::new(context)?),
         None => None,
@@ -320,28 +351,37 @@ fn producer(quick: bool) -> Result<()> {
         }
     };
     let send = |item: &Item| -> Result<()> {
+        let sender = if item.nccl { &items_nccl } else { &items };
         match &stream {
-            Some(stream) => items.send_on(item, stream)?,
-            None => items.send(item)?,
+            Some(stream) => sender.send_on(item, stream)?,
+            None => sender.send(item)?,
         }
         Ok(())
     };
     let mut id = 0u64;
-    let mut one_way = |tensors: Vec<Tensor>, (warmup, trips): (usize, usize), answers: &mut Receiver<Answer>| {
-        let mut times = Vec::with_capacity(trips);
-        for i in 0..warmup + trips {
-            id += 1;
-            let sent_ns = monotonic_ns();
-            send(&Item { id, sent_ns, echo: false, tensors: tensors.clone() })?;
-            let answer = answers.recv_timeout(Duration::from_secs(60))?;
-            if answer.id != id {
-                bail!("answer {} for message {id}", answer.id);
+    // One-way messages of `tensors` (through `items_nccl` with `nccl`); the p50 in us, and the
+    // path the first tensor came by.
+    let mut one_way_by =
+        |tensors: Vec<Tensor>, (warmup, trips): (usize, usize), nccl: bool, answers: &mut Receiver<Answer>| {
+            let mut times = Vec::with_capacity(trips);
+            let mut path = String::new();
+            for i in 0..warmup + trips {
+                id += 1;
+                let sent_ns = monotonic_ns();
+                send(&Item { id, sent_ns, echo: false, nccl, tensors: tensors.clone() })?;
+                let answer = answers.recv_timeout(Duration::from_secs(60))?;
+                if answer.id != id {
+                    bail!("answer {} for message {id}", answer.id);
+                }
+                if i >= warmup {
+                    times.push(answer.usable_ns - sent_ns);
+                }
+                path = answer.path;
             }
-            if i >= warmup {
-                times.push(answer.usable_ns - sent_ns);
-            }
-        }
-        Ok::<f64, anyhow::Error>(percentile(&mut times, 50.0) as f64 / 1e3)
+            Ok::<(f64, String), anyhow::Error>((percentile(&mut times, 50.0) as f64 / 1e3, path))
+        };
+    let mut one_way = |tensors: Vec<Tensor>, counts: (usize, usize), answers: &mut Receiver<Answer>| {
+        one_way_by(tensors, counts, false, answers).map(|(us, _)| us)
     };
     let mut result = json!({ "gpu": gpu, "one_way_us": {} });
     for (bytes, warmup, trips) in SIZES {
@@ -361,24 +401,43 @@ fn producer(quick: bool) -> Result<()> {
     }
     let many = (0..1024).map(|_| make(4 * KIB)).collect::<Result<Vec<_>>>()?;
     result["many_us"] = json!(one_way(many, if quick { (0, 1) } else { MANY }, &mut answers)?);
-    // Round trips: the consumer sends the 4 KiB tensor back over NCCL.
-    let x = make(4 * KIB)?;
-    let mut trips = Vec::new();
-    let (warmup, measured) = if quick { (1, 3) } else { RTT };
-    for i in 0..warmup + measured {
-        id += 1;
-        let start = Instant::now();
-        send(&Item { id, sent_ns: monotonic_ns(), echo: true, tensors: vec![x.clone()] })?;
-        let answer = answers.recv_timeout(Duration::from_secs(60))?;
-        if let Some(stream) = answer.tensors.first().and_then(Tensor::stream) {
-            stream.synchronize()?;
+    // 1 x 4 KiB one-way: inline (the default threshold), then through NCCL (threshold 0).
+    let small = make(4 * KIB)?;
+    let counts = if quick { (1, 3) } else { SMALL };
+    for (key, nccl, wanted) in [("one_way_4k_us", false, "Tcp"), ("one_way_4k_nccl_us", true, "Nccl")] {
+        let (us, path) = one_way_by(vec![small.clone()], counts, nccl, &mut answers)?;
+        if gpu && path != wanted {
+            bail!("1 x 4 KiB one-way ({key}) came by {path}, not {wanted}");
         }
-        if i >= warmup {
-            trips.push(start.elapsed().as_nanos() as u64);
-        }
+        result[key] = json!(us);
     }
-    result["rtt_4k_us"] = json!(percentile(&mut trips, 50.0) as f64 / 1e3);
-    drop(items);
+    // Round trips: the consumer sends the 4 KiB tensor back on its stream: inline both ways
+    // (the default threshold), then through NCCL both ways (threshold 0 on both senders).
+    let x = make(4 * KIB)?;
+    for (key, nccl, wanted) in [("rtt_4k_us", false, "Tcp"), ("rtt_4k_nccl_us", true, "Nccl")] {
+        let mut trips = Vec::new();
+        let (warmup, measured) = if quick { (1, 3) } else { RTT };
+        for i in 0..warmup + measured {
+            id += 1;
+            let start = Instant::now();
+            send(&Item { id, sent_ns: monotonic_ns(), echo: true, nccl, tensors: vec![x.clone()] })?;
+            let answer = answers.recv_timeout(Duration::from_secs(60))?;
+            if let Some(back) = answer.tensors.first() {
+                if let Some(stream) = back.stream() {
+                    stream.synchronize()?;
+                }
+                let (there, back) = (answer.path.as_str(), format!("{:?}", back.path()));
+                if gpu && (there != wanted || back != wanted) {
+                    bail!("a 4 KiB round trip ({key}) went by {there} and came back by {back}, not {wanted}");
+                }
+            }
+            if i >= warmup {
+                trips.push(start.elapsed().as_nanos() as u64);
+            }
+        }
+        result[key] = json!(percentile(&mut trips, 50.0) as f64 / 1e3);
+    }
+    drop((items, items_nccl));
     let _ = child.wait();
     println!("result {result}");
     std::io::stdout().flush()?;
@@ -398,6 +457,7 @@ fn consumer(args: &[String]) -> Result<()> {
     println!("listening tcp://{}", items.local_addr().context("bound to TCP")?);
     std::io::stdout().flush()?;
     let answers = Sender::<Answer>::connect(reply.as_str())?;
+    let answers_nccl = Sender::<Answer>::builder().inline_gpu_up_to(0).connect(reply.as_str())?;
     loop {
         let item = match items.recv() {
             Ok(item) => item,
@@ -407,9 +467,10 @@ fn consumer(args: &[String]) -> Result<()> {
         let path = item.tensors.first().map(|t| format!("{:?}", t.path())).unwrap_or_default();
         if item.echo {
             let back = item.tensors;
+            let sender = if item.nccl { &answers_nccl } else { &answers };
             match back.first().and_then(Tensor::stream).cloned() {
-                Some(stream) => answers.send_on(&Answer { id: item.id, usable_ns: 0, path, tensors: back }, &stream)?,
-                None => answers.send(&Answer { id: item.id, usable_ns: 0, path, tensors: back })?,
+                Some(stream) => sender.send_on(&Answer { id: item.id, usable_ns: 0, path, tensors: back }, &stream)?,
+                None => sender.send(&Answer { id: item.id, usable_ns: 0, path, tensors: back })?,
             }
             continue;
         }
