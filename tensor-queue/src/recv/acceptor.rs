@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ipc_core::seqpacket::{Connection, Listener};
-use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener, TurnAway};
+use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener, TurnAway, Unverified};
 
 use crate::error::{Error, Result};
 use crate::links::link::Link;
@@ -153,8 +153,7 @@ impl Acceptor {
                                 Err(ipc_core::Error::Os { source, .. })
                                     if source.raw_os_error().is_some_and(is_table_full) =>
                                 {
-                                    unverified.turn_away(TurnAway::OutOfDescriptors);
-                                    tracing::warn!("{}", TurnAway::OutOfDescriptors);
+                                    turn_away(Some(Unwanted::Tcp(unverified)));
                                     return None;
                                 }
                                 Err(error) => return Some(Err(error.into())),
@@ -194,7 +193,7 @@ impl Acceptor {
                             if source.raw_os_error().is_some_and(is_table_full) && spare.is_some() =>
                         {
                             drop(spare.take());
-                            turn_away(&listener);
+                            turn_away(accept_unwanted(&listener));
                             spare = std::fs::File::open("/dev/null").ok();
                         }
                         Err(error) => {
@@ -241,23 +240,32 @@ fn is_table_full(errno: i32) -> bool {
     errno == rustix::io::Errno::MFILE.raw_os_error() || errno == rustix::io::Errno::NFILE.raw_os_error()
 }
 
-/// Accepts the next connector with the descriptor just freed and tells it that this process is
-/// out of descriptors (a Unix sender hears it as `Error::PeerRefused`); a TCP connector is
-/// closed before its handshake. Either way it does not wait in the backlog.
-fn turn_away(listening: &Listening) {
-    let why = TurnAway::OutOfDescriptors;
+/// A connector accepted only to be turned away: this process is out of descriptors.
+enum Unwanted {
+    Unix(Connection),
+    Tcp(Unverified),
+}
+
+/// Accepts the next connector with the descriptor just freed, to turn it away.
+fn accept_unwanted(listening: &Listening) -> Option<Unwanted> {
     match listening {
-        Listening::Unix(unix) => {
-            if let Ok(connection) = unix.accept(Some(Duration::ZERO)) {
-                let close = ToSender::Close { read_up_to: 0, reason: why.to_string() };
-                let _ = connection.try_send(&close.encode(), &[]);
-            }
+        Listening::Unix(unix) => unix.accept(Some(Duration::ZERO)).ok().map(Unwanted::Unix),
+        Listening::Tcp(tcp, _) => tcp.accept_unverified(Some(Duration::ZERO)).ok().map(Unwanted::Tcp),
+    }
+}
+
+/// Tells `unwanted` (if one could be accepted) that this process is out of descriptors (a Unix
+/// sender hears it as `Error::PeerRefused`); a TCP connector is closed before its handshake.
+/// Either way it does not wait in the backlog. The one place that says so in the log.
+fn turn_away(unwanted: Option<Unwanted>) {
+    let why = TurnAway::OutOfDescriptors;
+    match unwanted {
+        Some(Unwanted::Unix(connection)) => {
+            let close = ToSender::Close { read_up_to: 0, reason: why.to_string() };
+            let _ = connection.try_send(&close.encode(), &[]);
         }
-        Listening::Tcp(tcp, _) => {
-            if let Ok(unverified) = tcp.accept_unverified(Some(Duration::ZERO)) {
-                unverified.turn_away(why);
-            }
-        }
+        Some(Unwanted::Tcp(unverified)) => unverified.turn_away(why),
+        None => {}
     }
     tracing::warn!("{why}");
 }
