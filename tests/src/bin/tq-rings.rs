@@ -24,11 +24,12 @@
 //!   them, writes garbage into the head of the ring it writes, prints `scribbled`, and waits
 //!   until stdin closes.
 
-use std::io::{BufRead as _, Write as _};
+use std::io::BufRead as _;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::program::{join_senders, say};
 use integration_tests::{arg, number};
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
@@ -37,12 +38,6 @@ use tensor_queue::{DType, Sender, Tensor};
 
 /// What the ring tests send.
 pub type Item = (u64, Vec<Tensor>);
-
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
 
 fn main() {
     std::thread::spawn(|| {
@@ -96,9 +91,7 @@ fn run() -> Result<()> {
                     })
                 })
                 .collect();
-            for thread in threads {
-                thread.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
-            }
+            join_senders(threads)?;
             say("done");
             Ok(())
         }
