@@ -108,6 +108,9 @@ pub(crate) struct Handed {
     pub links: Vec<Link>,
     /// Connections refused, for `take_errors`.
     pub refused: Vec<Error>,
+    /// Connections being greeted: their senders may send as soon as the `Hello` is out, before
+    /// they are handed over, so `recv` must not take the end of the stream for final meanwhile.
+    pub greeting: usize,
 }
 
 /// A bound receiver's accept thread (see the module docs).
@@ -215,6 +218,13 @@ impl Acceptor {
         }
     }
 
+    /// Whether a connection is being greeted or waits at the doorbell: a sender that `recv`
+    /// has not adopted yet may have sent already.
+    pub(crate) fn handing_over(&self) -> bool {
+        let handed = lock(&self.handed);
+        handed.greeting > 0 || !handed.links.is_empty()
+    }
+
     /// The address, for a receiver bound to TCP.
     pub(crate) fn local_addr(&self) -> Option<SocketAddr> {
         match &*self.listening {
@@ -271,20 +281,27 @@ fn turn_away(unwanted: Option<Unwanted>) {
 }
 
 /// Greets a checked connection and hands it to `recv`, or records why it was refused; rings
-/// the doorbell either way. Whether the receiver is still there.
+/// the doorbell either way (also for a greeting that failed: `recv` may wait for it, see
+/// [`Handed::greeting`]). Whether the receiver is still there.
 fn hand_over(outcome: Result<Link>, options: &Greeting, handed: &Mutex<Handed>, bell: &Connection) -> bool {
     let ring: &[u8] = match outcome {
-        Ok(link) => match options.greet(&link) {
-            Ok(()) => {
-                lock(handed).links.push(link);
-                b"c"
+        Ok(link) => {
+            lock(handed).greeting += 1;
+            let greeted = options.greet(&link);
+            let mut handed = lock(handed);
+            handed.greeting -= 1;
+            match greeted {
+                Ok(()) => {
+                    handed.links.push(link);
+                    b"c"
+                }
+                Err(error) => {
+                    // It hung up already: nothing to report.
+                    tracing::warn!(%error, "a new connection failed");
+                    b"f"
+                }
             }
-            Err(error) => {
-                // It hung up already: nothing to report.
-                tracing::warn!(%error, "a new connection failed");
-                return true;
-            }
-        },
+        }
         Err(error) => {
             tracing::warn!(%error, "refused a connection");
             lock(handed).refused.push(error);
