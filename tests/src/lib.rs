@@ -2,10 +2,11 @@
 //! connected socket, small message encodings, and the GPU skip rule; [`queue`] holds the messages
 //! of the tensor-queue tests, [`outside_messages`] those of the outside tests of what users send;
 //! [`talk`] is a helper program a test talks to by lines, [`raw`] a peer that speaks the wire by
-//! hand.
+//! hand, and [`program`] holds what those helper programs share.
 
 pub mod cross;
 pub mod outside_messages;
+pub mod program;
 pub mod queue;
 pub mod raw;
 pub mod talk;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use integration_tests::{bin_path, socket_path, stdout_lines};
 use kernels::reference;
-use tensor_queue::{Error, Receiver, Tensor, Violation};
+use tensor_queue::{Error, Receiver, Sender, Tensor, Violation};
 
 type Item = (u64, Vec<Tensor>);
 
@@ -154,6 +154,29 @@ fn a_sender_gone_before_the_offer_of_rings_has_every_message_delivered() {
         expect_line(&lines, &format!("got {index}"));
     }
     expect_line(&lines, "end");
+    assert!(receiver.wait().unwrap().success());
+}
+
+/// A sender whose `send` returned is connected: a receiver whose earlier senders had all gone
+/// takes its message, not the end of the stream, while the accept thread still greets it (here
+/// the offer of rings comes 300 ms after the `Hello` that let the sender send). `recv` said
+/// `Disconnected` in that window: the thread handed the connection over only after greeting it.
+#[test]
+fn a_sender_greeted_but_not_yet_handed_over_is_not_the_end_of_the_stream() {
+    use std::io::Write as _;
+    let path = socket_path("rejoin");
+    let (mut receiver, lines) = helper("rejoin", &path, &[], &[("TENSOR_QUEUE_TEST_LATE_RING_OFFER", "1")]);
+    expect_line(&lines, "bound");
+    let first = Sender::<Item>::connect(&path).unwrap();
+    first.send(&(0, Vec::new())).unwrap();
+    drop(first);
+    expect_line(&lines, "got 0");
+    expect_line(&lines, "ended");
+    let second = Sender::<Item>::connect(&path).unwrap();
+    second.send(&(1, Vec::new())).unwrap(); // greeted: the offer of rings is 300 ms away
+    writeln!(receiver.stdin.as_mut().unwrap(), "recv").unwrap();
+    expect_line(&lines, "got 1");
+    drop(second);
     assert!(receiver.wait().unwrap().success());
 }
 

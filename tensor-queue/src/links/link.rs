@@ -315,7 +315,7 @@ impl Link {
             return Err(Error::Disconnected);
         }
         if out.rings_on {
-            if fds.is_empty() && wire::ring_eligible(&bytes) && bytes.len() <= MAX_PACKET {
+            if takes_a_record(&bytes, fds) {
                 tracing::trace!(pid = self.peer_pid(), len = bytes.len(), "send: ring record");
                 return self.put_record(&mut out, bytes);
             }
@@ -424,7 +424,7 @@ impl Link {
             return Ok(false);
         }
         if out.rings_on {
-            let eligible = wire::ring_eligible(&bytes);
+            let eligible = takes_a_record(&bytes, &[]);
             let ring = out.ring.as_mut().ok_or(Error::Disconnected)?;
             let pushed = match eligible {
                 true => ring.push(&bytes),
@@ -686,15 +686,39 @@ impl Link {
     }
 }
 
+/// Whether a frame, once the rings are on, goes in a ring record of its own; if not, it goes on
+/// the socket behind a marker record (a frame with descriptors, or too long for one record).
+/// [`Link::send`] and [`Link::try_send`] both ask here.
+fn takes_a_record(bytes: &[u8], fds: &[BorrowedFd<'_>]) -> bool {
+    fds.is_empty() && wire::ring_eligible(bytes) && bytes.len() <= MAX_PACKET
+}
+
+// Two probes of the socket's end, for two questions. `closed` is the reading side's: will
+// anything more come? A peer that shut only its writing direction (`RDHUP`) has said all, but
+// only once we read what it sent. `hung_up` is the writing side's: will the peer read what we
+// write? A peer that shut its writing direction still reads, and what it sent that we have not
+// read yet does not matter.
+
 /// The liveness probe of a link: whether the peer has closed the connection (or its process is
 /// gone) and nothing it sent is left to read, without reading.
 fn closed(connection: &dyn Packets) -> bool {
-    let mut fds = [PollFd::from_borrowed_fd(connection.as_fd(), PollFlags::RDHUP)];
-    let closed = match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
-        Ok(_) => fds[0].revents().intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR),
-        Err(_) => false,
-    };
-    closed && !connection.has_buffered() && rustix::io::ioctl_fionread(connection.as_fd()).is_ok_and(|n| n == 0)
+    let ended = poll_now(connection, PollFlags::RDHUP).intersects(PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR);
+    ended && !connection.has_buffered() && rustix::io::ioctl_fionread(connection.as_fd()).is_ok_and(|n| n == 0)
+}
+
+/// Whether the peer hung up the socket (its process is gone, or it shut both directions).
+fn hung_up(connection: &dyn Packets) -> bool {
+    poll_now(connection, PollFlags::empty()).intersects(PollFlags::HUP | PollFlags::ERR)
+}
+
+/// The socket's events of `asked` (and those always reported) now, without waiting; none if
+/// `poll` failed.
+fn poll_now(connection: &dyn Packets, asked: PollFlags) -> PollFlags {
+    let mut fds = [PollFd::from_borrowed_fd(connection.as_fd(), asked)];
+    match poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
+        Ok(_) => fds[0].revents(),
+        Err(_) => PollFlags::empty(),
+    }
 }
 
 /// What a peer's `Hello` said.
@@ -792,13 +816,6 @@ fn write_queued(connection: &dyn Packets, outbox: &Mutex<Outbox>, drained: &Cond
 
 /// How long the writer thread waits for room in a full ring before it looks again.
 const RING_WAIT: Duration = Duration::from_millis(100);
-
-/// Whether the peer hung up the socket (its process is gone, or it shut both directions).
-fn hung_up(connection: &dyn Packets) -> bool {
-    let mut fds = [PollFd::from_borrowed_fd(connection.as_fd(), PollFlags::empty())];
-    poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).is_ok()
-        && fds[0].revents().intersects(PollFlags::HUP | PollFlags::ERR)
-}
 
 /// A write to a ring the peer broke: the connection's sending side ends.
 fn broken_ring(error: RingError) -> Error {

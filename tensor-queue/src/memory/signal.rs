@@ -19,7 +19,7 @@
 //! the stream was destroyed keeps the word and its count, which stays correct unless the old
 //! stream's last write is still pending when the new one writes.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use ipc_core::{Context, DeviceAttribute, DeviceMemory, Stream, VmmAllocation};
 
@@ -122,15 +122,52 @@ fn new_block(context: &Arc<Context>, zeroing: &mut Option<Stream>) -> Result<Arc
 /// export costs as much as an arena chunk's (0.7 ms on an H200), and is paid here, with the
 /// process's first device tensor made for sending, instead of by the first message of its first
 /// channel. A failure is left for that send to meet and report.
+///
+/// Called for every device tensor made to be sent (the Python package makes one per array it
+/// sends), so only a device's first call takes [`SIGNALS`]'s lock: the others return at once.
 pub(crate) fn prepare(context: &Arc<Context>) {
+    static PREPARED: FirstTime = FirstTime::new();
+    PREPARED.once(context.device().ordinal(), || {
+        if let Err(error) = make_first_block(context) {
+            tracing::debug!(%error, "no signal words made ahead; the first send makes them");
+        }
+    });
+}
+
+/// The work of [`prepare`]: the first block of `context`'s device, unless it has one or the
+/// device lacks 64-bit stream memory operations.
+fn make_first_block(context: &Arc<Context>) -> Result<()> {
     let mut all = lock(&SIGNALS);
-    let Ok(device) = device_signals(&mut all, context) else { return };
-    if device.supported
-        && !crate::switches::force_events()
-        && device.words.blocks.is_empty()
-        && let Ok(block) = new_block(context, &mut device.zeroing)
-    {
+    let device = device_signals(&mut all, context)?;
+    if device.supported && !crate::switches::force_events() && device.words.blocks.is_empty() {
+        let block = new_block(context, &mut device.zeroing)?;
         device.words.blocks.push(block);
+    }
+    Ok(())
+}
+
+/// Device ordinals that have a flag in [`FirstTime`]; a device beyond them does its work every
+/// time, as if it were the first (correct, only slower).
+const FLAGGED_DEVICES: usize = 64;
+
+/// A flag per device ordinal, read without a lock: whether its first-time work was done.
+struct FirstTime([OnceLock<()>; FLAGGED_DEVICES]);
+
+impl FirstTime {
+    const fn new() -> FirstTime {
+        FirstTime([const { OnceLock::new() }; FLAGGED_DEVICES])
+    }
+
+    /// Runs `work` on the first call for `ordinal` only; a call meanwhile on another thread
+    /// waits for it, and later calls return at once. Done once tried: what `work` could not do
+    /// is left to whoever needs it.
+    fn once(&self, ordinal: i32, work: impl FnOnce()) {
+        match usize::try_from(ordinal).ok().and_then(|at| self.0.get(at)) {
+            Some(flag) => {
+                flag.get_or_init(work);
+            }
+            None => work(),
+        }
     }
 }
 
@@ -214,6 +251,36 @@ mod tests {
         assert!(block.id != ahead && offset == 0, "the 513th word starts a second block");
         assert_eq!(words.word(3, || panic!("stream 3 has its word")).unwrap().0.id, ahead);
         assert_eq!(words.blocks.len(), 2);
+    }
+
+    /// [`prepare`]'s flags: a device's work runs on its first call only, even when threads race
+    /// for it; other devices have their own first time; an ordinal beyond the flags works every
+    /// time. (The no-GPU path: there is no `Context` to call `prepare` with on this machine.)
+    #[test]
+    fn a_device_is_prepared_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let prepared = FirstTime::new();
+        let runs: [AtomicUsize; 3] = Default::default();
+        std::thread::scope(|scope| {
+            for _ in 0..8 {
+                scope.spawn(|| {
+                    for _ in 0..100 {
+                        prepared.once(1, || {
+                            runs[0].fetch_add(1, Ordering::Relaxed);
+                        });
+                    }
+                });
+            }
+        });
+        prepared.once(0, || {
+            runs[1].fetch_add(1, Ordering::Relaxed);
+        });
+        for ordinal in [FLAGGED_DEVICES as i32, FLAGGED_DEVICES as i32, -1] {
+            prepared.once(ordinal, || {
+                runs[2].fetch_add(1, Ordering::Relaxed);
+            });
+        }
+        assert_eq!(runs.map(|r| r.into_inner()), [1, 1, 3]);
     }
 
     /// Without a block made ahead, the first word makes one.

@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use ipc_core::seqpacket::{Connection, Listener};
-use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener, TurnAway};
+use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener, TurnAway, Unverified};
 
 use crate::error::{Error, Result};
 use crate::links::link::Link;
@@ -111,6 +111,9 @@ pub(crate) struct Handed {
     pub links: Vec<Link>,
     /// Connections refused, for `take_errors`.
     pub refused: Vec<Error>,
+    /// Connections being greeted: their senders may send as soon as the `Hello` is out, before
+    /// they are handed over, so `recv` must not take the end of the stream for final meanwhile.
+    pub greeting: usize,
 }
 
 /// A bound receiver's accept thread (see the module docs).
@@ -156,8 +159,7 @@ impl Acceptor {
                                 Err(ipc_core::Error::Os { source, .. })
                                     if source.raw_os_error().is_some_and(is_table_full) =>
                                 {
-                                    unverified.turn_away(TurnAway::OutOfDescriptors);
-                                    tracing::warn!("{}", TurnAway::OutOfDescriptors);
+                                    turn_away(Some(Unwanted::Tcp(unverified)));
                                     return None;
                                 }
                                 Err(error) => return Some(Err(error.into())),
@@ -197,7 +199,7 @@ impl Acceptor {
                             if source.raw_os_error().is_some_and(is_table_full) && spare.is_some() =>
                         {
                             drop(spare.take());
-                            turn_away(&listener);
+                            turn_away(accept_unwanted(&listener));
                             spare = std::fs::File::open("/dev/null").ok();
                         }
                         Err(error) => {
@@ -217,6 +219,13 @@ impl Acceptor {
             Listening::Unix(listener) => Some(listener.path()),
             Listening::Tcp(..) => None,
         }
+    }
+
+    /// Whether a connection is being greeted or waits at the doorbell: a sender that `recv`
+    /// has not adopted yet may have sent already.
+    pub(crate) fn handing_over(&self) -> bool {
+        let handed = lock(&self.handed);
+        handed.greeting > 0 || !handed.links.is_empty()
     }
 
     /// The address, for a receiver bound to TCP.
@@ -244,41 +253,55 @@ fn is_table_full(errno: i32) -> bool {
     errno == rustix::io::Errno::MFILE.raw_os_error() || errno == rustix::io::Errno::NFILE.raw_os_error()
 }
 
-/// Accepts the next connector with the descriptor just freed and tells it that this process is
-/// out of descriptors (a Unix sender hears it as `Error::PeerRefused`); a TCP connector is
-/// closed before its handshake. Either way it does not wait in the backlog.
-fn turn_away(listening: &Listening) {
-    let why = TurnAway::OutOfDescriptors;
+/// A connector accepted only to be turned away: this process is out of descriptors.
+enum Unwanted {
+    Unix(Connection),
+    Tcp(Unverified),
+}
+
+/// Accepts the next connector with the descriptor just freed, to turn it away.
+fn accept_unwanted(listening: &Listening) -> Option<Unwanted> {
     match listening {
-        Listening::Unix(unix) => {
-            if let Ok(connection) = unix.accept(Some(Duration::ZERO)) {
-                let close = ToSender::Close { read_up_to: 0, reason: why.to_string() };
-                let _ = connection.try_send(&close.encode(), &[]);
-            }
+        Listening::Unix(unix) => unix.accept(Some(Duration::ZERO)).ok().map(Unwanted::Unix),
+        Listening::Tcp(tcp, _) => tcp.accept_unverified(Some(Duration::ZERO)).ok().map(Unwanted::Tcp),
+    }
+}
+
+/// Tells `unwanted` (if one could be accepted) that this process is out of descriptors (a Unix
+/// sender hears it as `Error::PeerRefused`); a TCP connector is closed before its handshake.
+/// Either way it does not wait in the backlog. The one place that says so in the log.
+fn turn_away(unwanted: Option<Unwanted>) {
+    let why = TurnAway::OutOfDescriptors;
+    match unwanted {
+        Some(Unwanted::Unix(connection)) => {
+            let close = ToSender::Close { read_up_to: 0, reason: why.to_string() };
+            let _ = connection.try_send(&close.encode(), &[]);
         }
-        Listening::Tcp(tcp, _) => {
-            if let Ok(unverified) = tcp.accept_unverified(Some(Duration::ZERO)) {
-                unverified.turn_away(why);
-            }
-        }
+        Some(Unwanted::Tcp(unverified)) => unverified.turn_away(why),
+        None => {}
     }
     tracing::warn!("{why}");
 }
 
-/// Greets a checked connection and hands it to `recv`, or records why it was refused; rings
-/// the doorbell either way. Whether the receiver is still there.
+/// Greets a checked connection and hands it to `recv` (also when the greeting failed: see
+/// below), or records why it was refused; rings the doorbell either way (`recv` may wait for it,
+/// see [`Handed::greeting`]). Whether the receiver is still there.
 fn hand_over(outcome: Result<Link>, options: &Greeting, handed: &Mutex<Handed>, bell: &Connection) -> bool {
     let ring: &[u8] = match outcome {
         Ok(link) => {
+            lock(handed).greeting += 1;
+            let greeted = options.greet(&link);
             // A greeting that fails found the sender gone, but what it sent before it went (its
             // `Hello`, messages) is ours to read: `recv` counts it as a sender that joined and
             // left (`expect_senders` ends), or reads its hang-up. Dropping it here made a
             // receiver waiting for its senders wait for ever.
-            match options.greet(&link) {
+            match greeted {
                 Ok(()) => tracing::debug!(pid = link.peer_pid(), "greeted a new connection; handing it to recv"),
                 Err(error) => tracing::debug!(pid = link.peer_pid(), %error, "the greeting failed: the sender is gone"),
             }
-            lock(handed).links.push(link);
+            let mut handed = lock(handed);
+            handed.greeting -= 1;
+            handed.links.push(link);
             b"c"
         }
         Err(error) => {

@@ -155,10 +155,15 @@ impl Connections {
         self.readiness.set_pending(pending);
     }
 
-    /// Whether `recv` returns [`Error::Disconnected`] now, with nothing left to read.
+    /// Whether `recv` returns [`Error::Disconnected`] now, with nothing left to read. Not while
+    /// the accept thread holds a connection it greeted (or is greeting): its sender may have
+    /// sent, and is connected.
     fn at_end(&self) -> bool {
         let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
-        self.connected.is_empty() && self.parked.is_empty() && (all_joined || self.acceptor.is_none())
+        self.connected.is_empty()
+            && self.parked.is_empty()
+            && (all_joined || self.acceptor.is_none())
+            && !self.acceptor.as_ref().is_some_and(Acceptor::handing_over)
     }
 
     /// The next message ready to decode, waiting up to `timeout` (forever with `None`), counted
@@ -438,9 +443,13 @@ impl Connections {
     fn accept_waiting(&mut self) -> Result<bool> {
         let Some(acceptor) = &self.acceptor else { return Ok(false) };
         let Some((n, _)) = acceptor.doorbell.try_recv(&mut [0u8; 1])? else { return Ok(false) };
-        let handed = std::mem::take(&mut *lock(&acceptor.handed));
-        self.errors.extend(handed.refused);
-        for link in handed.links {
+        // The links and the refusals only: the count of those being greeted stays the thread's.
+        let (links, refused) = {
+            let mut handed = lock(&acceptor.handed);
+            (std::mem::take(&mut handed.links), std::mem::take(&mut handed.refused))
+        };
+        self.errors.extend(refused);
+        for link in links {
             self.adopt(link)?;
         }
         // 0: the accept thread has ended (`stop_accepting`): nothing more comes.

@@ -3,7 +3,7 @@
 //! a step (`error <Debug>` and exit status 1 when something went wrong), and reads commands from
 //! stdin where its role waits for the test.
 
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
@@ -11,19 +11,13 @@ use integration_tests::outside_messages::{
     Held, Many, OverTcp, Shuffle, Tagged, check_held, check_many, check_mixed_storages, check_shared_storage,
     check_tensor, many, mixed_storages, odd, shared_storage, tagged,
 };
+use integration_tests::program::say;
 use integration_tests::{arg, number};
 use tensor_queue::{Context, Error, Receiver, Sender, Stream, Tensor};
 
 /// How long any wait of this program may take before it gives up (the test's own bounds are
 /// what fail it; this only keeps an orphan from lingering).
 const BOUND: Duration = Duration::from_secs(60);
-
-/// Prints one line and flushes it, so the test sees each step as it happens.
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
 
 /// The next line on stdin (`None` at its end).
 fn command() -> Option<String> {

@@ -1,35 +1,12 @@
 //! The second process of `tests/tests/outside_rust.rs`: an outside user's program that uses only
 //! the public API of tensor-queue. Each mode is one role; it reports on stdout, one line a step.
 
-use std::io::{BufRead, Write};
-use std::time::{Duration, Instant};
+use std::io::BufRead;
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
-use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
-
-/// Prints one line and flushes it, so the test sees each step as it happens.
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
-
-/// Connects, retrying while the other side is not bound yet.
-fn connect<T: serde::Serialize>(endpoint: &str) -> Result<Sender<T>> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match Sender::<T>::connect(endpoint) {
-            Ok(sender) => return Ok(sender),
-            Err(e) if Instant::now() > deadline => return Err(e).context("connect"),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-}
-
-/// The byte pattern of message `n`: element `i` is `(i * 31 + n) % 251`.
-fn pattern(len: usize, n: u8) -> Vec<u8> {
-    (0..len).map(|i| ((i * 31 + n as usize) % 251) as u8).collect()
-}
+use integration_tests::program::{connect, pattern, say};
+use tensor_queue::{DType, Error, Receiver, Tensor};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();

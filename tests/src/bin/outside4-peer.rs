@@ -2,35 +2,12 @@
 //! the public API of tensor-queue. Each mode is one role; it reports on stdout, one line a step.
 //! TCP modes read the secret from `TQ_SECRET`, as the README says a user's program does.
 
-use std::io::{BufRead, Write};
-use std::time::{Duration, Instant};
+use std::io::BufRead;
+use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
+use integration_tests::program::{connect, pattern, say};
 use tensor_queue::{Receiver, Sender, Tensor};
-
-/// Prints one line and flushes it, so the test sees each step as it happens.
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
-
-/// Connects, retrying while the other side is not bound yet.
-fn connect<T: serde::Serialize>(endpoint: &str) -> Result<Sender<T>> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        match Sender::<T>::connect(endpoint) {
-            Ok(sender) => return Ok(sender),
-            Err(e) if Instant::now() > deadline => return Err(e).context("connect"),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-}
-
-/// The byte pattern of message `n`: element `i` is `(i * 31 + n) % 251`.
-fn pattern(len: usize, n: u8) -> Vec<u8> {
-    (0..len).map(|i| ((i * 31 + n as usize) % 251) as u8).collect()
-}
 
 /// Lowers this process's soft RLIMIT_NOFILE to `limit` (the hard limit stays).
 fn lower_fd_limit(limit: u64) -> Result<()> {

@@ -17,10 +17,11 @@
 //! `InvalidArgument`, `HandshakeTimeout`, or the `tensor_queue::Error` variant's name).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead as _, Write as _};
+use std::io::BufRead as _;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
+use integration_tests::program::say;
 use integration_tests::queue::Probe;
 use integration_tests::{arg, number};
 use kernels::reference;
@@ -184,12 +185,6 @@ pub fn make_probe(id: u64, seed: u64, len: usize) -> Result<Probe> {
 pub fn probe_ok(probe: &Probe) -> bool {
     probe.tensors.len() == probe.expected.len()
         && probe.tensors.iter().zip(&probe.expected).all(|(t, &e)| t.to_bytes().is_ok_and(|b| digest(&b) == e))
-}
-
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
 }
 
 /// The error's class, as the tests match it.

@@ -50,6 +50,7 @@ use std::os::fd::AsFd as _;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
+use integration_tests::program::{join_senders, say};
 use ipc_core::tcp::{Secret, TcpLink};
 use tensor_queue::testing::wire::{Frame, Hello, MAX_PACKET, ToReceiver, packets};
 use tensor_queue::{DEFAULT_CAPACITY, DType, Sender, Tensor};
@@ -59,12 +60,6 @@ fn main() {
         say(&format!("error {error:?}"));
         std::process::exit(1);
     }
-}
-
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
 }
 
 /// Waits until stdin closes (the test's way of ending a role).
@@ -218,9 +213,7 @@ fn senders(path: &str, count: u64, messages: u64) -> Result<()> {
             })
         })
         .collect();
-    for thread in threads {
-        thread.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
-    }
+    join_senders(threads)?;
     say("done");
     Ok(())
 }

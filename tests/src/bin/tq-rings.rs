@@ -23,15 +23,19 @@
 //! - `receive --to P`: binds `P` for one sender, prints `bound`, then `got I` per message and
 //!   `end` once the sender has gone (with `TENSOR_QUEUE_TEST_LATE_RING_OFFER=1`, its offer of
 //!   rings comes 300 ms after its `Hello`).
+//! - `rejoin --to P`: binds `P` (for any number of senders), prints `bound`, `got I` per
+//!   message and `ended` at the first end of the stream; then, after a line on stdin, one more
+//!   `recv` (30 s at most): `got I`, or `error E`.
 //! - `scribble --to P`: speaks the wire by hand: greets, takes the receiver's rings, switches to
 //!   them, writes garbage into the head of the ring it writes, prints `scribbled`, and waits
 //!   until stdin closes.
 
-use std::io::{BufRead as _, Write as _};
+use std::io::BufRead as _;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::program::{join_senders, say};
 use integration_tests::{arg, number};
 use ipc_core::seqpacket::Connection;
 use kernels::reference;
@@ -40,12 +44,6 @@ use tensor_queue::{DType, Sender, Tensor};
 
 /// What the ring tests send.
 pub type Item = (u64, Vec<Tensor>);
-
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
 
 fn main() {
     std::thread::spawn(|| {
@@ -110,9 +108,7 @@ fn run() -> Result<()> {
                     })
                 })
                 .collect();
-            for thread in threads {
-                thread.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
-            }
+            join_senders(threads)?;
             say("done");
             Ok(())
         }
@@ -133,6 +129,25 @@ fn run() -> Result<()> {
                 say(&format!("got {}", item?.0));
             }
             say("end");
+            Ok(())
+        }
+        Some("rejoin") => {
+            // No `expect_senders`: the stream ends for the moment whenever every sender has gone.
+            let mut receiver = tensor_queue::Receiver::<Item>::bind(&to)?;
+            say("bound");
+            loop {
+                match receiver.recv() {
+                    Ok(item) => say(&format!("got {}", item.0)),
+                    Err(tensor_queue::Error::Disconnected) => break,
+                    Err(error) => return Err(error.into()),
+                }
+            }
+            say("ended");
+            std::io::stdin().lines().next().context("stdin closed")??;
+            match receiver.recv_timeout(Duration::from_secs(30)) {
+                Ok(item) => say(&format!("got {}", item.0)),
+                Err(error) => say(&format!("error {error:?}")),
+            }
             Ok(())
         }
         Some("scribble") => scribble(&to),

@@ -34,12 +34,13 @@
 //!   `memory <baseline> <while held> <after trim>` (host bytes).
 
 use std::collections::HashSet;
-use std::io::{BufRead as _, Write as _};
+use std::io::BufRead as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail, ensure};
+use integration_tests::program::say;
 use integration_tests::queue::{Probe, checksum, probe};
 use integration_tests::{arg, number};
 use ipc_core::seqpacket::Listener;
@@ -55,13 +56,6 @@ fn main() {
         say(&format!("failed: {error:#}"));
         std::process::exit(1);
     }
-}
-
-/// One line to the test, flushed at once.
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
 }
 
 fn run() -> Result<()> {
