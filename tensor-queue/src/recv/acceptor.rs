@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use ipc_core::seqpacket::{Connection, Listener};
 use ipc_core::tcp::{HandshakeAbort, Secret, TcpListener, TurnAway, Unverified};
+use ipc_core::transport::Packets;
 
 use crate::error::{Error, Result};
 use crate::links::link::Link;
@@ -136,11 +137,15 @@ impl Acceptor {
         let handshakes = Arc::new(Mutex::new(Handshakes::default()));
         // One descriptor held in reserve: when the table is full, it makes room to accept a
         // connector and tell it why, instead of leaving it to wait in the backlog.
-        let mut spare = std::fs::File::open("/dev/null").ok();
+        let mut spare = Reserve::open();
         let thread = std::thread::Builder::new()
             .name("tq-accept".into())
             .spawn(move || {
                 while !stop.load(Ordering::Acquire) {
+                    if spare.is_none() {
+                        // Taken by another thread when it was last freed: as soon as one is free.
+                        spare = Reserve::open();
+                    }
                     let wait = Some(Duration::from_millis(100));
                     let accepted = match &*listener {
                         Listening::Unix(unix) => unix.accept(wait).map(|connection| {
@@ -199,8 +204,11 @@ impl Acceptor {
                             if source.raw_os_error().is_some_and(is_table_full) && spare.is_some() =>
                         {
                             drop(spare.take());
-                            turn_away(accept_unwanted(&listener));
-                            spare = std::fs::File::open("/dev/null").ok();
+                            // The turned-away socket stays open (shut down) as the next reserve:
+                            // its slot is never free for another thread to take meanwhile, which
+                            // left the next connector waiting in the backlog (outside tester,
+                            // round 5, B5).
+                            spare = turn_away(accept_unwanted(&listener)).map(Reserve::Socket).or_else(Reserve::open);
                         }
                         Err(error) => {
                             tracing::warn!(%error, "accept failed");
@@ -269,18 +277,38 @@ fn accept_unwanted(listening: &Listening) -> Option<Unwanted> {
 
 /// Tells `unwanted` (if one could be accepted) that this process is out of descriptors (a Unix
 /// sender hears it as `Error::PeerRefused`); a TCP connector is closed before its handshake.
-/// Either way it does not wait in the backlog. The one place that says so in the log.
-fn turn_away(unwanted: Option<Unwanted>) {
+/// Either way it does not wait in the backlog. The one place that says so in the log. A Unix
+/// connection comes back shut down, its descriptor still open, to serve as the next reserve.
+fn turn_away(unwanted: Option<Unwanted>) -> Option<Connection> {
     let why = TurnAway::OutOfDescriptors;
+    tracing::warn!("{why}");
     match unwanted {
         Some(Unwanted::Unix(connection)) => {
             let close = ToSender::Close { read_up_to: 0, reason: why.to_string() };
             let _ = connection.try_send(&close.encode(), &[]);
+            Packets::shutdown(&connection, rustix::net::Shutdown::Both);
+            Some(connection)
         }
-        Some(Unwanted::Tcp(unverified)) => unverified.turn_away(why),
-        None => {}
+        Some(Unwanted::Tcp(unverified)) => {
+            unverified.turn_away(why);
+            None
+        }
+        None => None,
     }
-    tracing::warn!("{why}");
+}
+
+/// The descriptor an accept thread holds in reserve (see [`Acceptor::start`]): held for its
+/// slot in the descriptor table only, never read.
+#[allow(dead_code)]
+enum Reserve {
+    File(std::fs::File),
+    Socket(Connection),
+}
+
+impl Reserve {
+    fn open() -> Option<Reserve> {
+        std::fs::File::open("/dev/null").ok().map(Reserve::File)
+    }
 }
 
 /// Greets a checked connection and hands it to `recv` (also when the greeting failed: see
