@@ -1,0 +1,278 @@
+//! The second process of `tests/tests/outside_round5.rs`: an outside user's program that uses only
+//! the public API of tensor-queue over local (Unix socket) channels, which carry their
+//! per-message traffic through shared-memory rings unless `TQ_RINGS=0`. Each mode is one role;
+//! it reports on stdout, one line a step, and checks what it receives itself.
+//!
+//! Messages are `(sender, index, tensors)`: a tensor of message `index` holds
+//! `kernels::reference::pattern(len, index)`.
+
+use std::io::{BufRead, Write};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use integration_tests::{arg, number};
+use kernels::reference::pattern;
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
+
+/// One message: which sender (of the process or test), its index, its tensors.
+type Msg = (u32, u64, Vec<Tensor>);
+
+/// Prints one line and flushes it, so the test sees each step as it happens.
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Connects, retrying while the other side is not bound yet, and waits for its greeting.
+fn connect(path: &str) -> Result<Sender<Msg>> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match Sender::<Msg>::connect(path) {
+            Ok(sender) => {
+                sender.wait_ready(Duration::from_secs(60)).context("wait_ready")?;
+                return Ok(sender);
+            }
+            Err(e) if Instant::now() > deadline => return Err(e).context("connect"),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// Message `index` of sender `id`: a tensor of `len` pattern bytes when `index % every == 0`.
+fn message(id: u32, index: u64, len: usize, every: u64) -> Result<Msg> {
+    let tensors = if every != 0 && index.is_multiple_of(every) {
+        vec![Tensor::from_bytes(&pattern(len, index), DType::U8, &[len as u64])?]
+    } else {
+        vec![]
+    };
+    Ok((id, index, tensors))
+}
+
+/// The size of message `index` in the mixed stream: tiny, 100 KB, 10 MB in turn.
+fn mixed_len(index: u64) -> usize {
+    [16, 100_000, 10_000_000][(index % 3) as usize]
+}
+
+/// Whether `msg`'s tensors are exactly what its sender put in it.
+fn intact(msg: &Msg, len: impl Fn(u64) -> usize, every: u64) -> Result<bool> {
+    let (_, index, tensors) = msg;
+    let expected = every != 0 && index.is_multiple_of(every);
+    if tensors.len() != usize::from(expected) {
+        return Ok(false);
+    }
+    for tensor in tensors {
+        if tensor.to_bytes()? != pattern(len(*index), *index) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+fn kill_myself() -> Result<()> {
+    rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL)?;
+    bail!("still alive after SIGKILL")
+}
+
+/// Waits until the test closes our stdin (or kills us).
+fn wait_for_stdin() {
+    let mut line = String::new();
+    while std::io::stdin().lock().read_line(&mut line).is_ok_and(|n| n > 0) {
+        line.clear();
+    }
+}
+
+/// Open descriptors of this process.
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Mappings of this process.
+fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0)
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().map(String::as_str).unwrap_or("");
+    let to = || arg(&args, "--to").context("--to PATH");
+    match mode {
+        // Sends `--count` messages as sender `--id` (a `--len`-byte tensor every `--every`), saying "sent I" after
+        // each send returned. With `--kill-after K` it SIGKILLs itself right after send K
+        // returned; else it says "done" and waits for stdin to close (the test may kill it).
+        "burst" => {
+            let sender = connect(&to()?)?;
+            let (count, len, every) =
+                (number(&args, "--count", 1000)?, number(&args, "--len", 64)? as usize, number(&args, "--every", 1)?);
+            let kill_after = arg(&args, "--kill-after").map(|k| k.parse::<u64>()).transpose()?;
+            let (quiet, id) = (args.iter().any(|a| a == "--quiet"), number(&args, "--id", 0)? as u32);
+            say("ready");
+            for index in 0..count {
+                sender.send(&message(id, index, len, every)?)?;
+                if kill_after == Some(index) {
+                    kill_myself()?;
+                }
+                if !quiet {
+                    say(&format!("sent {index}"));
+                }
+            }
+            say("done");
+            wait_for_stdin();
+        }
+        // `--threads` senders of this process, one per thread, each its own connection, each
+        // sending `--count` messages; says "done" once every thread finished.
+        "threads" => {
+            let path = to()?;
+            let (threads, count, len, every) = (
+                number(&args, "--threads", 4)? as u32,
+                number(&args, "--count", 1000)?,
+                number(&args, "--len", 64)? as usize,
+                number(&args, "--every", 1)?,
+            );
+            let workers: Vec<_> = (0..threads)
+                .map(|id| {
+                    let path = path.clone();
+                    std::thread::spawn(move || -> Result<()> {
+                        let sender = connect(&path)?;
+                        for index in 0..count {
+                            sender.send(&message(id, index, len, every)?)?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for worker in workers {
+                worker.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
+            }
+            say("done");
+        }
+        // Tiny, 100 KB and 10 MB tensors interleaved on one channel, `--count` messages.
+        "mixed" => {
+            let sender = connect(&to()?)?;
+            for index in 0..number(&args, "--count", 30)? {
+                let len = mixed_len(index);
+                let tensor = Tensor::from_bytes(&pattern(len, index), DType::U8, &[len as u64])?;
+                sender.send(&(0, index, vec![tensor]))?;
+            }
+            say("done");
+            wait_for_stdin();
+        }
+        // A sender that meets a full queue: `try_send`, then `send_timeout` (50 ms) while the
+        // receiver does not read, until each of its `--count` messages is in. Says how often each
+        // answered "no room", typed (`Full`, `Timeout`); any other error ends it.
+        "credits" => {
+            let sender = connect(&to()?)?;
+            let (id, count) = (number(&args, "--id", 0)? as u32, number(&args, "--count", 500)?);
+            let (mut full, mut timeouts) = (0u64, 0u64);
+            say("ready");
+            for index in 0..count {
+                let msg = message(id, index, 32, 2)?;
+                loop {
+                    match sender.try_send(&msg) {
+                        Ok(()) => break,
+                        Err(Error::Full) => full += 1,
+                        Err(other) => bail!("try_send {index}: {other:?}"),
+                    }
+                    match sender.send_timeout(&msg, Duration::from_millis(50)) {
+                        Ok(()) => break,
+                        Err(Error::Timeout) => timeouts += 1,
+                        Err(other) => bail!("send_timeout {index}: {other:?}"),
+                    }
+                }
+            }
+            say(&format!("full {full} timeout {timeouts}"));
+            say("done");
+        }
+        // Binds `--to` (capacity `--capacity`), says "bound", receives and checks each message
+        // ("got SENDER INDEX" or "bad SENDER INDEX"; `--mixed` for the mixed stream's sizes),
+        // with `--stop-after N` stops reading after N messages ("stopped") until killed,
+        // and "end" at the end of the stream (after `--senders` senders left), then "error E"
+        // for each of `take_errors`. With `--quiet` only "count N" at the end, not each message.
+        "receive" => {
+            let path = to()?;
+            let mut receiver =
+                Receiver::<Msg>::builder().capacity(number(&args, "--capacity", 64)? as u32).bind(&path)?;
+            receiver.expect_senders(number(&args, "--senders", 1)? as usize);
+            let (mixed, quiet) = (args.iter().any(|a| a == "--mixed"), args.iter().any(|a| a == "--quiet"));
+            let (len, every) = (number(&args, "--len", 64)? as usize, number(&args, "--every", 1)?);
+            let stop_after = arg(&args, "--stop-after").map(|k| k.parse::<u64>()).transpose()?;
+            say("bound");
+            let mut held = Vec::new();
+            let mut count = 0u64;
+            loop {
+                match receiver.recv_timeout(Duration::from_secs(60)) {
+                    Ok(msg) => {
+                        // `--mixed`: sender 0's messages are the mixed stream.
+                        let ok = if mixed && msg.0 == 0 {
+                            intact(&msg, mixed_len, 1)?
+                        } else {
+                            intact(&msg, |_| len, every)?
+                        };
+                        count += 1;
+                        if !ok {
+                            say(&format!("bad {} {}", msg.0, msg.1));
+                        } else if !quiet {
+                            say(&format!("got {} {}", msg.0, msg.1));
+                        }
+                        held.push(msg);
+                        held.truncate(16); // holds its first few, as a consumer that keeps some does
+                        if stop_after == Some(count) {
+                            say("stopped");
+                            wait_for_stdin(); // stops reading, holding what it has, until killed
+                            return Ok(());
+                        }
+                    }
+                    Err(Error::Disconnected) => break,
+                    Err(other) => {
+                        say(&format!("recv error {other:?}"));
+                        break;
+                    }
+                }
+            }
+            say(&format!("count {count}"));
+            say("end");
+            for error in receiver.take_errors() {
+                say(&format!("error {error:?}"));
+            }
+            wait_for_stdin();
+        }
+        // Opens and closes `--rounds` channels (bind, connect, one message with a tensor both
+        // ways of use, drop both) and says the open descriptors and mappings before and after.
+        "churn" => {
+            let rounds = number(&args, "--rounds", 300)?;
+            let dir = std::env::temp_dir();
+            let warm_up = |i: u64| -> Result<()> {
+                let path = dir.join(format!("outside5-churn-{}-{i}.sock", std::process::id()));
+                let mut receiver = Receiver::<Msg>::bind(&path)?;
+                let sender = Sender::<Msg>::connect(&path)?;
+                sender.send(&message(0, i, 4096, 1)?)?;
+                let msg = receiver.recv_timeout(Duration::from_secs(30))?;
+                if !intact(&msg, |_| 4096, 1)? {
+                    bail!("round {i}: wrong data");
+                }
+                drop(msg);
+                sender.wait_released(Duration::from_secs(30)).then_some(()).context("not released")?;
+                drop(sender);
+                drop(receiver);
+                Ok(())
+            };
+            // One round first, so that what the library keeps for the process's life is there.
+            warm_up(u64::MAX / 2)?;
+            let (fds, maps) = (open_fds(), mappings());
+            for i in 0..rounds {
+                warm_up(i)?;
+            }
+            // Threads of dropped connections may still be closing: settle, within a bound.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while (open_fds() > fds || mappings() > maps) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            say(&format!("fds {fds} {}", open_fds()));
+            say(&format!("maps {maps} {}", mappings()));
+            say("done");
+            wait_for_stdin();
+        }
+        other => bail!("unknown mode {other:?}"),
+    }
+    Ok(())
+}
