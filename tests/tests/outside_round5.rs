@@ -904,3 +904,271 @@ fn a_broadcast_blocked_on_a_stalled_receiver_process_that_is_killed_goes_on_to_t
         assert!(!lines.iter().any(|l| l.starts_with("bad")), "receiver {i}: {lines:?}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// More lifetimes: blocked waits, stopped (SIGSTOP) peers, cancelled futures
+
+fn signal(peer: &Peer, signal: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(peer.child.id() as i32).unwrap();
+    rustix::process::kill_process(pid, signal).unwrap();
+}
+
+#[test]
+fn a_recv_blocked_on_a_quiet_producer_wakes_with_the_end_when_it_is_killed() {
+    for env in [&[][..], &[("TQ_RINGS", "0")][..]] {
+        let path = socket_path("o5-blocked");
+        let mut receiver = Receiver::<Msg>::builder().capacity(64).bind(&path).unwrap();
+        receiver.expect_senders(1);
+        let mut peer =
+            Peer::start(&["burst", "--to", path_str(&path), "--count", "10", "--every", "2", "--quiet"], env, true);
+        peer.until("done"); // it holds its connection open, quiet
+        let (tx, rx) = mpsc::channel();
+        let reader = thread::spawn(move || {
+            for index in 0..10 {
+                let msg = receiver.recv_timeout(LONG).unwrap();
+                assert_eq!(msg.1, index);
+                check(&msg, 64, 2);
+            }
+            tx.send(()).unwrap();
+            // Now blocked: the producer sends nothing more.
+            let end = receiver.recv_timeout(LONG);
+            (end.map(|m| m.1), Instant::now())
+        });
+        rx.recv_timeout(LONG).unwrap();
+        thread::sleep(Duration::from_millis(200));
+        peer.kill();
+        let killed = Instant::now();
+        let (end, at) = within(Duration::from_secs(30), "the blocked recv", move || reader.join().unwrap());
+        assert!(matches!(end, Err(Error::Disconnected)), "{env:?}: {end:?}");
+        eprintln!("{env:?}: the blocked recv woke {:?} after the kill", at.saturating_duration_since(killed));
+    }
+}
+
+/// Takes one message of sender 0 or 1 and checks its order and data.
+fn take_from_two(receiver: &mut Receiver<Msg>, next: &mut [u64; 2]) {
+    let msg = receiver.recv_timeout(LONG).unwrap();
+    let id = msg.0 as usize;
+    assert_eq!(msg.1, next[id], "sender {id}'s order");
+    check(&msg, 64, 2);
+    next[id] += 1;
+}
+
+#[test]
+fn a_stopped_producer_process_holds_up_nobody_else_and_its_stream_resumes() {
+    use rustix::process::Signal;
+    let path = socket_path("o5-sigstop-producer");
+    let mut receiver = Receiver::<Msg>::builder().capacity(256).bind(&path).unwrap();
+    receiver.expect_senders(2);
+    let stopped = Peer::start(
+        &[
+            "burst",
+            "--to",
+            path_str(&path),
+            "--id",
+            "0",
+            "--count",
+            "1000000",
+            "--every",
+            "2",
+            "--len",
+            "64",
+            "--quiet",
+        ],
+        &[],
+        false,
+    );
+    let mut next = [0u64; 2];
+    while next[0] < 500 {
+        take_from_two(&mut receiver, &mut next);
+    }
+    signal(&stopped, Signal::STOP);
+    // While it is stopped (with whatever it had pushed), another producer streams all of its.
+    let mut other = Peer::start(
+        &["burst", "--to", path_str(&path), "--id", "1", "--count", "3000", "--every", "2", "--len", "64", "--quiet"],
+        &[],
+        true,
+    );
+    let (next_after, receiver) = within(LONG, "the other producer's messages", move || {
+        while next[1] < 3000 {
+            take_from_two(&mut receiver, &mut next);
+        }
+        (next, receiver)
+    });
+    let mut next = next_after;
+    let mut receiver = receiver;
+    other.until("done");
+    assert!(other.finish().success());
+    // It resumes where it was.
+    signal(&stopped, Signal::CONT);
+    let resumed_from = next[0];
+    within(LONG, "the resumed producer's messages", move || {
+        while next[0] < resumed_from + 1000 {
+            let msg = receiver.recv_timeout(LONG).unwrap();
+            assert_eq!(msg.0, 0, "the other producer is done");
+            assert_eq!(msg.1, next[0]);
+            check(&msg, 64, 2);
+            next[0] += 1;
+        }
+    });
+    drop(stopped);
+}
+
+#[test]
+fn a_stopped_receiver_process_gives_streaming_senders_timeouts_and_loses_nothing_once_resumed() {
+    use rustix::process::Signal;
+    let path = socket_path("o5-sigstop-receiver");
+    let mut peer = Peer::start(
+        &[
+            "receive",
+            "--to",
+            path_str(&path),
+            "--senders",
+            "2",
+            "--capacity",
+            "16",
+            "--len",
+            "200",
+            "--every",
+            "3",
+            "--quiet",
+        ],
+        &[],
+        true,
+    );
+    peer.until("bound");
+    let (progress_tx, progress) = mpsc::channel();
+    let senders: Vec<_> = (0..2u32)
+        .map(|id| {
+            let path = path.clone();
+            let progress_tx = progress_tx.clone();
+            thread::spawn(move || {
+                let sender = Sender::<Msg>::connect(&path).unwrap();
+                let mut timeouts = 0u64;
+                for index in 0..3000u64 {
+                    let msg = message(id, index, 200, 3);
+                    loop {
+                        match sender.send_timeout(&msg, Duration::from_millis(100)) {
+                            Ok(()) => break,
+                            Err(Error::Timeout) => timeouts += 1,
+                            Err(other) => panic!("sender {id} message {index}: {other:?}"),
+                        }
+                    }
+                    if index == 200 {
+                        let _ = progress_tx.send(());
+                    }
+                }
+                timeouts
+            })
+        })
+        .collect();
+    drop(progress_tx);
+    for _ in 0..2 {
+        progress.recv_timeout(LONG).unwrap();
+    }
+    signal(&peer, Signal::STOP);
+    thread::sleep(Duration::from_millis(1000));
+    signal(&peer, Signal::CONT);
+    let timeouts: u64 =
+        within(LONG, "the senders", move || senders.into_iter().map(|s| s.join().unwrap()).sum::<u64>());
+    assert!(timeouts > 0, "the stopped receiver was seen as Timeout");
+    let lines = peer.until("end");
+    assert!(!lines.iter().any(|l| l.starts_with("bad") || l.starts_with("recv error")), "{lines:?}");
+    assert!(lines.contains(&"count 6000".to_string()), "{lines:?}");
+    assert!(peer.finish().success());
+}
+
+#[test]
+fn a_broadcast_send_timeout_across_processes_sends_to_all_or_to_none() {
+    let paths: Vec<_> = (0..3).map(|i| socket_path(&format!("o5-bct{i}"))).collect();
+    let mut peers: Vec<Peer> = paths
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut args =
+                vec!["receive", "--to", path_str(p), "--capacity", "4", "--quiet", "--len", "500", "--every", "1"];
+            if i == 1 {
+                args.extend(["--stop-after", "10"]);
+            }
+            Peer::start(&args, &[], true)
+        })
+        .collect();
+    for peer in &peers {
+        peer.until("bound");
+    }
+    let broadcast = Broadcast::<Msg>::new(paths.iter().map(|p| Sender::connect(p).unwrap()).collect());
+    let (mut sent, mut timeouts) = (0u64, 0u64);
+    for index in 0..40u64 {
+        match broadcast.send_timeout(&message(0, sent, 500, 1), Duration::from_millis(100)) {
+            Ok(()) => sent += 1,
+            Err(Error::Timeout) => timeouts += 1,
+            Err(other) => panic!("message {index}: {other:?}"),
+        }
+    }
+    assert!(timeouts > 0, "the stalled receiver was seen");
+    peers[1].kill();
+    drop(broadcast);
+    for i in [0, 2] {
+        let lines = peers[i].until("end");
+        assert!(!lines.iter().any(|l| l.starts_with("bad")), "receiver {i}: {lines:?}");
+        assert!(lines.contains(&format!("count {sent}")), "receiver {i} got exactly the {sent} sent: {lines:?}");
+    }
+}
+
+#[test]
+fn recv_async_cancelled_over_and_over_loses_and_repeats_nothing() {
+    let path = socket_path("o5-cancel");
+    let mut receiver = Receiver::<Msg>::builder().capacity(64).bind(&path).unwrap();
+    receiver.expect_senders(1);
+    let mut peer = Peer::start(
+        &["burst", "--to", path_str(&path), "--count", "3000", "--every", "2", "--len", "64", "--quiet"],
+        &[],
+        true,
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (next, cancelled) = runtime.block_on(async {
+        tokio::time::timeout(LONG, async {
+            let (mut next, mut cancelled) = (0u64, 0u64);
+            // First polled once and dropped whenever it is not ready at once (a cancellation at
+            // every step of its wait), then raced against a timer.
+            while next < 1500 {
+                use futures_util::FutureExt as _;
+                match receiver.recv_async().now_or_never() {
+                    Some(Ok(msg)) => {
+                        assert_eq!(msg.1, next, "order, after {cancelled} cancelled waits");
+                        check(&msg, 64, 2);
+                        next += 1;
+                    }
+                    Some(Err(other)) => panic!("after {next}: {other:?}"),
+                    None => {
+                        cancelled += 1;
+                        tokio::task::yield_now().await;
+                    }
+                }
+            }
+            loop {
+                tokio::select! {
+                    msg = receiver.recv_async() => match msg {
+                        Ok(msg) => {
+                            assert_eq!(msg.1, next, "order, after {cancelled} cancelled waits");
+                            check(&msg, 64, 2);
+                            next += 1;
+                            if next == 3000 {
+                                break;
+                            }
+                        }
+                        Err(other) => panic!("after {next}: {other:?}"),
+                    },
+                    _ = tokio::time::sleep(Duration::from_micros(30)) => cancelled += 1,
+                }
+            }
+            (next, cancelled)
+        })
+        .await
+        .expect("the stream within the bound")
+    });
+    assert_eq!(next, 3000);
+    eprintln!("{cancelled} recv_async futures were cancelled");
+    peer.until("done");
+    assert!(peer.finish().success());
+    within(LONG, "the end", move || expect_end(&mut receiver));
+}
