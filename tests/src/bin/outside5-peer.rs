@@ -99,7 +99,8 @@ fn main() -> Result<()> {
     match mode {
         // Sends `--count` messages as sender `--id` (a `--len`-byte tensor every `--every`), saying "sent I" after
         // each send returned. With `--kill-after K` it SIGKILLs itself right after send K
-        // returned; else it says "done" and waits for stdin to close (the test may kill it).
+        // returned (after `wait_written`, saying "written true|false", with `--wait-written`);
+        // else it says "done" and, with `--exit`, exits, or waits for stdin to close.
         "burst" => {
             let sender = connect(&to()?)?;
             let (count, len, every) =
@@ -110,6 +111,9 @@ fn main() -> Result<()> {
             for index in 0..count {
                 sender.send(&message(id, index, len, every)?)?;
                 if kill_after == Some(index) {
+                    if args.iter().any(|a| a == "--wait-written") {
+                        say(&format!("written {}", sender.wait_written(Duration::from_secs(30))));
+                    }
                     kill_myself()?;
                 }
                 if !quiet {
@@ -117,6 +121,9 @@ fn main() -> Result<()> {
                 }
             }
             say("done");
+            if args.iter().any(|a| a == "--exit") {
+                return Ok(()); // drops the sender: the README says `main` may return right after a send
+            }
             wait_for_stdin();
         }
         // `--threads` senders of this process, one per thread, each its own connection, each
