@@ -1265,3 +1265,174 @@ fn a_producer_that_exits_right_after_a_burst_of_thousands_has_every_message_deli
         eprintln!("every {every} {env:?}: exited before the receiver read: {exited_before_reading}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Rings under descriptor pressure, and Select over many
+
+#[test]
+fn a_receiver_process_at_a_low_descriptor_limit_delivers_or_refuses_each_sender_typed() {
+    let path = socket_path("o5-rx-fds");
+    let mut peer = Peer::start(
+        &[
+            "receive",
+            "--to",
+            path_str(&path),
+            "--senders",
+            "0",
+            "--capacity",
+            "8",
+            "--len",
+            "100",
+            "--every",
+            "2",
+            "--quiet",
+            "--fd-limit",
+            "48",
+        ],
+        &[],
+        true,
+    );
+    peer.until("bound");
+    const SENDERS: u32 = 24;
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(SENDERS as usize));
+    let threads: Vec<_> = (0..SENDERS)
+        .map(|id| {
+            let (path, barrier) = (path.clone(), barrier.clone());
+            thread::spawn(move || {
+                let connected =
+                    Sender::<Msg>::connect(&path).and_then(|s| s.wait_ready(Duration::from_secs(30)).map(|()| s));
+                barrier.wait(); // every sender has joined (or been refused) before anyone sends
+                let sender = match connected {
+                    Ok(sender) => sender,
+                    Err(error) => return Err((None, error)),
+                };
+                for index in 0..300 {
+                    sender.send(&message(id, index, 100, 2)).map_err(|e| (Some(index), e))?;
+                }
+                // The refusals are told to the sender too, once the receiver is done with them.
+                assert!(sender.wait_released(Duration::from_secs(30)), "sender {id}: released");
+                Ok(sender.take_rejected().len() as u64)
+            })
+        })
+        .collect();
+    let outcomes: Vec<_> =
+        within(LONG, "the senders", move || threads.into_iter().map(|t| t.join().unwrap()).collect());
+    let accepted = outcomes.iter().filter(|o| o.is_ok()).count() as u64;
+    let lines = peer.until("end");
+    assert!(peer.finish().success());
+    let errors = peer.rest();
+    eprintln!("the receiver's lines: {lines:?}; its errors: {errors:?}");
+    for outcome in &outcomes {
+        match outcome {
+            Err((None, error)) => {
+                assert!(matches!(error, Error::PeerRefused(_)), "a refused sender is told why, typed: {error:?}")
+            }
+            Err((Some(index), error)) => panic!("an accepted sender was dropped at message {index}: {error:?}"),
+            Ok(_) => {}
+        }
+    }
+    let told: u64 = outcomes.iter().filter_map(|o| o.as_ref().ok()).sum();
+    assert!(accepted > 0, "nobody got in: {outcomes:?}");
+    // What it could not map it refused alone (README), the rest arrived intact.
+    let number = |prefix: &str| -> u64 {
+        lines.iter().find_map(|l| l.strip_prefix(prefix)?.parse().ok()).unwrap_or_else(|| panic!("{prefix}: {lines:?}"))
+    };
+    assert_eq!(number("count ") + number("rejected "), accepted * 300, "{lines:?}");
+    assert!(number("count ") > 0, "nothing arrived: {lines:?}");
+    assert_eq!(told, number("rejected "), "the senders heard of every refusal");
+    assert!(!lines.iter().any(|l| l.starts_with("bad") || l.starts_with("recv error")), "{lines:?}");
+}
+
+#[test]
+fn a_sender_process_at_a_low_descriptor_limit_delivers_everything_or_fails_typed() {
+    let path = socket_path("o5-tx-fds");
+    let mut receiver = Receiver::<Msg>::builder().capacity(8).bind(&path).unwrap();
+    let peer = Peer::start(
+        &[
+            "threads",
+            "--to",
+            path_str(&path),
+            "--threads",
+            "16",
+            "--count",
+            "300",
+            "--every",
+            "2",
+            "--len",
+            "100",
+            "--fd-limit",
+            "40",
+        ],
+        &[],
+        true,
+    );
+    let (next, errors) = within(LONG, "the messages", move || {
+        let mut next = [0u64; 16];
+        let deadline = Instant::now() + LONG;
+        // Until the peer is done: then every connection it made has ended.
+        loop {
+            match receiver.recv_timeout(Duration::from_millis(500)) {
+                Ok(msg) => {
+                    let id = msg.0 as usize;
+                    assert_eq!(msg.1, next[id], "sender {id}'s order");
+                    check(&msg, 100, 2);
+                    next[id] += 1;
+                }
+                Err(Error::Disconnected) if next.iter().all(|&n| n == 300) => break,
+                Err(Error::Timeout | Error::Disconnected) => assert!(Instant::now() < deadline, "{next:?}"),
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+        (next, receiver.take_errors())
+    });
+    let lines = peer.until("done");
+    eprintln!("{next:?}; the sender's threads: {lines:?}; the receiver's errors: {errors:?}");
+    assert!(lines.iter().all(|l| l.ends_with(" ok")), "{lines:?}");
+}
+
+#[test]
+fn select_over_sixty_four_receivers_fed_by_one_process_with_a_thread_each() {
+    let base = socket_path("o5-sel64");
+    let base = path_str(&base).to_string();
+    let mut receivers: Vec<Receiver<Msg>> = (0..64)
+        .map(|i| {
+            let mut r = Receiver::builder().capacity(4).bind(format!("{base}-{i}")).unwrap();
+            r.expect_senders(1);
+            r
+        })
+        .collect();
+    let mut peer = Peer::start(
+        &["threads", "--to", &base, "--spread", "--threads", "64", "--count", "200", "--every", "4", "--len", "256"],
+        &[],
+        false,
+    );
+    let next = within(LONG, "select over 64", move || {
+        let mut select = Select::new();
+        let indexes: Vec<usize> = receivers.iter().map(|r| select.add(r).unwrap()).collect();
+        let mut next = vec![0u64; 64];
+        let mut open = 64;
+        while open > 0 {
+            let ready = select.ready_timeout(Duration::from_secs(30)).expect("something is ready");
+            let which = indexes.iter().position(|&i| i == ready).expect("an index we were given");
+            match receivers[which].try_recv() {
+                Ok(msg) => {
+                    assert_eq!(msg.0 as usize, which, "a message of another receiver's sender");
+                    assert_eq!(msg.1, next[which]);
+                    check(&msg, 256, 4);
+                    next[which] += 1;
+                }
+                Err(Error::Empty) => {}
+                Err(Error::Disconnected) => {
+                    select.remove(ready);
+                    open -= 1;
+                }
+                Err(other) => panic!("{other:?}"),
+            }
+        }
+        next
+    });
+    assert!(next.iter().all(|&n| n == 200), "{next:?}");
+    let lines = peer.until("done");
+    assert_eq!(lines.len(), 64, "{lines:?}");
+    assert!(peer.finish().success());
+}

@@ -92,9 +92,20 @@ fn mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0)
 }
 
+/// Lowers this process's soft RLIMIT_NOFILE to `limit` (the hard limit stays).
+fn lower_fd_limit(limit: u64) -> Result<()> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let hard = getrlimit(Resource::Nofile).maximum;
+    Ok(setrlimit(Resource::Nofile, Rlimit { current: Some(limit), maximum: hard })?)
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mode = args.first().map(String::as_str).unwrap_or("");
+    // Any mode: `--fd-limit N` runs it with at most N descriptors.
+    if let Some(limit) = arg(&args, "--fd-limit") {
+        lower_fd_limit(limit.parse()?)?;
+    }
     let to = || arg(&args, "--to").context("--to PATH");
     match mode {
         // Sends `--count` messages as sender `--id` (a `--len`-byte tensor every `--every`), saying "sent I" after
@@ -136,22 +147,37 @@ fn main() -> Result<()> {
                 number(&args, "--len", 64)? as usize,
                 number(&args, "--every", 1)?,
             );
+            let spread = args.iter().any(|a| a == "--spread");
             let workers: Vec<_> = (0..threads)
                 .map(|id| {
-                    let path = path.clone();
+                    // `--spread`: thread I sends to `PATH-I` instead.
+                    let path = if spread { format!("{path}-{id}") } else { path.clone() };
                     std::thread::spawn(move || -> Result<()> {
                         let sender = connect(&path)?;
                         for index in 0..count {
-                            sender.send(&message(id, index, len, every)?)?;
+                            sender
+                                .send(&message(id, index, len, every)?)
+                                .with_context(|| format!("sender {id} message {index}"))?;
                         }
                         Ok(())
                     })
                 })
                 .collect();
-            for worker in workers {
-                worker.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))??;
+            let mut failed = false;
+            for (id, worker) in workers.into_iter().enumerate() {
+                match worker.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))? {
+                    Ok(()) => say(&format!("thread {id} ok")),
+                    Err(error) => {
+                        failed = true;
+                        say(&format!("thread {id} error {error:#}"));
+                        say(&format!("thread {id} typed {:?}", error.downcast_ref::<Error>()));
+                    }
+                }
             }
             say("done");
+            if failed {
+                bail!("a sender thread failed");
+            }
         }
         // Tiny, 100 KB and 10 MB tensors interleaved on one channel, `--count` messages.
         "mixed" => {
@@ -194,18 +220,23 @@ fn main() -> Result<()> {
         // ("got SENDER INDEX" or "bad SENDER INDEX"; `--mixed` for the mixed stream's sizes),
         // with `--stop-after N` stops reading after N messages ("stopped") until killed,
         // and "end" at the end of the stream (after `--senders` senders left), then "error E"
-        // for each of `take_errors`. With `--quiet` only "count N" at the end, not each message.
+        // for each of `take_errors`. A message refused alone is counted ("rejected N" at the end).
+        // With `--quiet` only "count N" and "rejected N" at the end, not each message.
         "receive" => {
             let path = to()?;
             let mut receiver =
                 Receiver::<Msg>::builder().capacity(number(&args, "--capacity", 64)? as u32).bind(&path)?;
-            receiver.expect_senders(number(&args, "--senders", 1)? as usize);
+            // `--senders 0`: no count; the stream ends when every sender that joined has left.
+            match number(&args, "--senders", 1)? {
+                0 => {}
+                senders => receiver.expect_senders(senders as usize),
+            }
             let (mixed, quiet) = (args.iter().any(|a| a == "--mixed"), args.iter().any(|a| a == "--quiet"));
             let (len, every) = (number(&args, "--len", 64)? as usize, number(&args, "--every", 1)?);
             let stop_after = arg(&args, "--stop-after").map(|k| k.parse::<u64>()).transpose()?;
             say("bound");
             let mut held = Vec::new();
-            let mut count = 0u64;
+            let (mut count, mut rejected) = (0u64, 0u64);
             loop {
                 match receiver.recv_timeout(Duration::from_secs(60)) {
                     Ok(msg) => {
@@ -230,6 +261,13 @@ fn main() -> Result<()> {
                         }
                     }
                     Err(Error::Disconnected) => break,
+                    // About one message only: the next `recv` goes on with the next.
+                    Err(error @ (Error::Rejected { .. } | Error::ProducerFailed { .. })) => {
+                        rejected += 1;
+                        if !quiet {
+                            say(&format!("rejected {error:?}"));
+                        }
+                    }
                     Err(other) => {
                         say(&format!("recv error {other:?}"));
                         break;
@@ -237,6 +275,7 @@ fn main() -> Result<()> {
                 }
             }
             say(&format!("count {count}"));
+            say(&format!("rejected {rejected}"));
             say("end");
             for error in receiver.take_errors() {
                 say(&format!("error {error:?}"));
