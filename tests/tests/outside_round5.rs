@@ -1436,3 +1436,126 @@ fn select_over_sixty_four_receivers_fed_by_one_process_with_a_thread_each() {
     assert_eq!(lines.len(), 64, "{lines:?}");
     assert!(peer.finish().success());
 }
+
+// ---------------------------------------------------------------------------------------------
+// What killed producers leave in a long-lived receiver; Broadcast with the socket on one side
+
+/// Asks a `serve` peer for its report: (messages, wrong ones, descriptors, mappings).
+fn report(peer: &mut Peer) -> (u64, u64, u64, u64) {
+    use std::io::Write as _;
+    let stdin = peer.child.stdin.as_mut().unwrap();
+    writeln!(stdin, "report").unwrap();
+    stdin.flush().unwrap();
+    let line = peer.until_prefix("report ");
+    let n: Vec<u64> = line.split(' ').skip(1).map(|w| w.parse().unwrap()).collect();
+    (n[0], n[1], n[2], n[3])
+}
+
+impl Peer {
+    /// The next line that starts with `prefix`, skipping others.
+    fn until_prefix(&self, prefix: &str) -> String {
+        loop {
+            let line = self.line();
+            if line.starts_with(prefix) {
+                return line;
+            }
+        }
+    }
+}
+
+#[test]
+fn forty_producers_killed_mid_burst_leave_a_long_lived_receiver_no_descriptors_or_mappings() {
+    let path = socket_path("o5-serve");
+    let mut server =
+        Peer::start(&["serve", "--to", path_str(&path), "--capacity", "512", "--len", "64", "--every", "2"], &[], true);
+    server.until("bound");
+    let mut expected = 0u64;
+    let mut round = |server: &mut Peer, k: u64| {
+        // Killed after 100 + k sends: within what reaches the receiver (see B1).
+        let kill_after = 100 + k;
+        let kill = kill_after.to_string();
+        let mut producer = Peer::start(
+            &[
+                "burst",
+                "--to",
+                path_str(&path),
+                "--count",
+                "5000",
+                "--every",
+                "2",
+                "--len",
+                "64",
+                "--kill-after",
+                &kill,
+                "--quiet",
+            ],
+            &[],
+            false,
+        );
+        assert_eq!(producer.child.wait().unwrap().signal(), Some(9));
+        producer.kill();
+        expected += kill_after + 1;
+        // Until the server has taken every message the dead producer sent.
+        let deadline = Instant::now() + LONG;
+        loop {
+            let (count, bad, fds, maps) = report(server);
+            assert_eq!(bad, 0);
+            if count == expected {
+                return (fds, maps);
+            }
+            assert!(count < expected && Instant::now() < deadline, "{count} messages, {expected} expected");
+            thread::sleep(Duration::from_millis(20));
+        }
+    };
+    for k in 0..5 {
+        round(&mut server, k);
+    }
+    thread::sleep(Duration::from_millis(1500)); // idle memory goes back after a second
+    let (_, _, fds_before, maps_before) = report(&mut server);
+    for k in 5..45 {
+        round(&mut server, k);
+    }
+    thread::sleep(Duration::from_millis(1500));
+    let (count, bad, fds_after, maps_after) = report(&mut server);
+    eprintln!("{count} messages: descriptors {fds_before} -> {fds_after}, mappings {maps_before} -> {maps_after}");
+    assert_eq!(bad, 0);
+    // One leaked per dead producer would be 40 more.
+    assert!(fds_after <= fds_before + 4, "descriptors: {fds_before} before 40 killed producers, {fds_after} after");
+    assert!(maps_after <= maps_before + 16, "mappings: {maps_before} before 40 killed producers, {maps_after} after");
+}
+
+#[test]
+fn a_broadcast_to_receiver_processes_with_rings_on_and_off_reaches_each_intact() {
+    let paths: Vec<_> = (0..3).map(|i| socket_path(&format!("o5-bcmix{i}"))).collect();
+    let mut peers: Vec<Peer> = paths
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let env: &[(&str, &str)] = if i == 1 { &[("TQ_RINGS", "0")] } else { &[] };
+            Peer::start(
+                &["receive", "--to", path_str(p), "--capacity", "8", "--quiet", "--len", "3000", "--every", "2"],
+                env,
+                true,
+            )
+        })
+        .collect();
+    for peer in &peers {
+        peer.until("bound");
+    }
+    let broadcast = Broadcast::<Msg>::new(paths.iter().map(|p| Sender::connect(p).unwrap()).collect());
+    let broadcast = within(LONG, "the broadcast", move || {
+        for index in 0..1000u64 {
+            broadcast.send(&message(0, index, 3000, 2)).unwrap();
+        }
+        broadcast
+    });
+    drop(broadcast); // (each receiver keeps its first 16 messages until it exits)
+    for (i, peer) in peers.iter_mut().enumerate() {
+        let lines = peer.until("end");
+        assert!(
+            lines.contains(&"count 1000".to_string()) && !lines.iter().any(|l| l.starts_with("bad")),
+            "{i}: {lines:?}"
+        );
+        assert!(peer.finish().success());
+    }
+}

@@ -282,6 +282,39 @@ fn main() -> Result<()> {
             }
             wait_for_stdin();
         }
+        // Binds `--to` and receives for ever from whoever connects (checking each message, a
+        // `--len`-byte tensor every `--every`); each line "report" on stdin is answered with
+        // "report COUNT BAD FDS MAPS" (messages so far, wrong ones, open descriptors, mappings).
+        "serve" => {
+            let mut receiver =
+                Receiver::<Msg>::builder().capacity(number(&args, "--capacity", 64)? as u32).bind(to()?)?;
+            let (len, every) = (number(&args, "--len", 64)? as usize, number(&args, "--every", 1)?);
+            let (asks, asked) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                for line in std::io::stdin().lock().lines().map_while(std::result::Result::ok) {
+                    if asks.send(line).is_err() {
+                        break;
+                    }
+                }
+            });
+            say("bound");
+            let (mut count, mut bad) = (0u64, 0u64);
+            loop {
+                match receiver.recv_timeout(Duration::from_millis(20)) {
+                    Ok(msg) => {
+                        count += 1;
+                        bad += u64::from(!intact(&msg, |_| len, every)?);
+                    }
+                    Err(Error::Timeout | Error::Disconnected) => {}
+                    Err(other) => say(&format!("recv error {other:?}")),
+                }
+                match asked.try_recv() {
+                    Ok(_) => say(&format!("report {count} {bad} {} {}", open_fds(), mappings())),
+                    Err(std::sync::mpsc::TryRecvError::Empty) => {}
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return Ok(()),
+                }
+            }
+        }
         // Opens and closes `--rounds` channels (bind, connect, one message with a tensor both
         // ways of use, drop both) and says the open descriptors and mappings before and after.
         "churn" => {
