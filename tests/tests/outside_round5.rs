@@ -1559,3 +1559,71 @@ fn a_broadcast_to_receiver_processes_with_rings_on_and_off_reaches_each_intact()
         assert!(peer.finish().success());
     }
 }
+
+#[test]
+fn a_killed_receivers_address_is_refused_typed_then_bound_again_and_works() {
+    let path = socket_path("o5-stale");
+    let mut peer = Peer::start(&["receive", "--to", path_str(&path), "--quiet"], &[], true);
+    peer.until("bound");
+    let sender = Sender::<Msg>::connect(&path).unwrap();
+    sender.send(&message(0, 0, 64, 1)).unwrap();
+    peer.kill();
+    // The socket file of the dead receiver may still be there: a connect must not hang, and
+    // says there is nobody (typed).
+    let refused = within(LONG, "connect to a dead receiver's address", {
+        let path = path.clone();
+        move || Sender::<Msg>::connect(&path).and_then(|s| s.wait_ready(Duration::from_secs(10)))
+    });
+    assert!(
+        matches!(refused, Err(Error::NoReceiver { .. } | Error::Disconnected)),
+        "connect to a dead receiver: {refused:?}"
+    );
+    let sent = sender.send(&message(0, 1, 64, 1));
+    assert!(matches!(sent, Err(Error::Disconnected)), "{sent:?}");
+    // A new receiver takes the address over, and a new sender reaches it.
+    let mut receiver = Receiver::<Msg>::bind(&path).expect("binding a dead receiver's address again");
+    let sender = Sender::<Msg>::connect(&path).unwrap();
+    sender.send(&message(0, 5, 64, 1)).unwrap();
+    let msg = receiver.recv_timeout(LONG).unwrap();
+    assert_eq!(msg.1, 5);
+    check(&msg, 64, 1);
+}
+
+#[test]
+fn try_iter_after_a_producer_was_killed_gives_what_is_there_then_the_end() {
+    let path = socket_path("o5-tryiter");
+    let mut receiver = Receiver::<Msg>::builder().capacity(1024).bind(&path).unwrap();
+    receiver.expect_senders(1);
+    let mut peer = Peer::start(
+        &["burst", "--to", path_str(&path), "--count", "1000", "--every", "4", "--len", "64", "--kill-after", "150", "--quiet"],
+        &[],
+        false,
+    );
+    assert_eq!(peer.child.wait().unwrap().signal(), Some(9));
+    let got = within(LONG, "try_iter", move || {
+        let mut next = 0u64;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // try_iter never blocks: call it until the end shows (the stream is over: `recv` says so).
+        loop {
+            for msg in receiver.try_iter() {
+                let msg = msg.unwrap();
+                assert_eq!(msg.1, next);
+                check(&msg, 64, 4);
+                next += 1;
+            }
+            match receiver.try_recv() {
+                Err(Error::Disconnected) => break,
+                Err(Error::Empty) => assert!(Instant::now() < deadline, "no end after {next}"),
+                Ok(msg) => {
+                    assert_eq!(msg.1, next);
+                    next += 1;
+                }
+                Err(other) => panic!("{other:?}"),
+            }
+            thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(receiver.try_iter().count(), 0, "the end stays the end");
+        next
+    });
+    assert_eq!(got, 151);
+}
