@@ -402,3 +402,57 @@ def test_broadcast_to_receiver_programs_one_killed_while_stalled(tmp_path):
             if c.poll() is None:
                 c.kill()
             c.communicate(timeout=30)
+
+
+QUEUE_BURST = r"""
+import os, signal, sys
+import numpy as np
+import tensor_queue as tq
+q = tq.Queue(address=sys.argv[1])
+kill_after = int(sys.argv[2])
+print("ready", flush=True)
+for i in range(kill_after + 1):
+    q.put({"i": i, "a": np.full(4, i, dtype=np.int32)} if i % 3 == 0 else {"i": i, "b": b"q" * (i % 9)})
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _queue_killed_after(tmp_path, kill_after):
+    q = tq.Queue(maxsize=10000, address=str(tmp_path / "q"))
+    with pytest.raises(tq.Empty):
+        q.get(timeout=0.1)  # this process is the consumer now
+    child = program(QUEUE_BURST, str(tmp_path / "q"), kill_after)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        child.wait(timeout=60)
+        assert child.returncode == -signal.SIGKILL
+        got = 0
+        while True:
+            try:
+                m = q.get(timeout=2)
+            except tq.Empty:
+                break
+            assert m["i"] == got, "in order, nothing lost before it"
+            if got % 3 == 0:
+                assert m["a"].tolist() == [got] * 4
+            else:
+                assert m["b"] == b"q" * (got % 9)
+            got += 1
+        assert got == kill_after + 1, f"puts 0..{kill_after} returned before the kill; {got} arrived"
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.communicate(timeout=30)
+
+
+def test_queue_producer_killed_right_after_its_50th_put_loses_nothing(tmp_path):
+    _queue_killed_after(tmp_path, 50)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a Queue producer SIGKILLed right after its 5,000th put returned: the consumer gets only part "
+    "of them, with nothing to tell it (outside5-bugs.md B1)",
+)
+def test_queue_producer_killed_right_after_its_5000th_put_loses_nothing(tmp_path):
+    _queue_killed_after(tmp_path, 4999)
