@@ -1366,28 +1366,43 @@ fn a_sender_process_at_a_low_descriptor_limit_delivers_everything_or_fails_typed
         &[],
         true,
     );
-    let (next, errors) = within(LONG, "the messages", move || {
-        let mut next = [0u64; 16];
-        let deadline = Instant::now() + LONG;
-        // Until the peer is done: then every connection it made has ended.
-        loop {
-            match receiver.recv_timeout(Duration::from_millis(500)) {
-                Ok(msg) => {
-                    let id = msg.0 as usize;
-                    assert_eq!(msg.1, next[id], "sender {id}'s order");
-                    check(&msg, 100, 2);
-                    next[id] += 1;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reading = {
+        let done = done.clone();
+        thread::spawn(move || {
+            let mut next = [0u64; 16];
+            let deadline = Instant::now() + LONG;
+            // Until the peer is done and every connection it made has ended.
+            loop {
+                match receiver.recv_timeout(Duration::from_millis(200)) {
+                    Ok(msg) => {
+                        let id = msg.0 as usize;
+                        assert_eq!(msg.1, next[id], "sender {id}'s order");
+                        check(&msg, 100, 2);
+                        next[id] += 1;
+                    }
+                    Err(Error::Disconnected) if done.load(std::sync::atomic::Ordering::SeqCst) => break,
+                    Err(Error::Timeout | Error::Disconnected) => assert!(Instant::now() < deadline, "{next:?}"),
+                    Err(other) => panic!("{other:?}"),
                 }
-                Err(Error::Disconnected) if next.iter().all(|&n| n == 300) => break,
-                Err(Error::Timeout | Error::Disconnected) => assert!(Instant::now() < deadline, "{next:?}"),
-                Err(other) => panic!("{other:?}"),
             }
-        }
-        (next, receiver.take_errors())
-    });
+            (next, receiver.take_errors())
+        })
+    };
     let lines = peer.until("done");
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (next, errors) = within(LONG, "the messages", move || reading.join().unwrap());
     eprintln!("{next:?}; the sender's threads: {lines:?}; the receiver's errors: {errors:?}");
-    assert!(lines.iter().all(|l| l.ends_with(" ok")), "{lines:?}");
+    for (id, &got) in next.iter().enumerate() {
+        if lines.contains(&format!("thread {id} ok")) {
+            assert_eq!(got, 300, "thread {id} said ok");
+        } else {
+            // It failed: typed (a tensor_queue::Error), and what it sent before arrived.
+            let typed = lines.iter().find(|l| l.starts_with(&format!("thread {id} typed "))).expect("its error");
+            assert!(typed.contains("Some("), "thread {id}'s error is a tensor_queue::Error: {typed}");
+        }
+    }
+    assert!(next.contains(&300), "nobody got through at 40 descriptors: {lines:?}");
 }
 
 #[test]
@@ -1595,7 +1610,20 @@ fn try_iter_after_a_producer_was_killed_gives_what_is_there_then_the_end() {
     let mut receiver = Receiver::<Msg>::builder().capacity(1024).bind(&path).unwrap();
     receiver.expect_senders(1);
     let mut peer = Peer::start(
-        &["burst", "--to", path_str(&path), "--count", "1000", "--every", "4", "--len", "64", "--kill-after", "150", "--quiet"],
+        &[
+            "burst",
+            "--to",
+            path_str(&path),
+            "--count",
+            "1000",
+            "--every",
+            "4",
+            "--len",
+            "64",
+            "--kill-after",
+            "150",
+            "--quiet",
+        ],
         &[],
         false,
     );
@@ -1626,4 +1654,81 @@ fn try_iter_after_a_producer_was_killed_gives_what_is_there_then_the_end() {
         next
     });
     assert_eq!(got, 151);
+}
+
+#[test]
+fn messages_of_thousands_of_tensors_around_the_rings_size_keep_their_order_and_data() {
+    let counts = [0usize, 1, 500, 2300, 2500, 2700, 3000, 10_000];
+    for env in [&[][..], &[("TQ_RINGS", "0")][..]] {
+        let path = socket_path("o5-wide");
+        let mut receiver = Receiver::<Msg>::builder().capacity(4).bind(&path).unwrap();
+        receiver.expect_senders(1);
+        let mut peer = Peer::start(&["wide", "--to", path_str(&path), "--count", "24"], env, true);
+        within(LONG, "the wide messages", move || {
+            for index in 0..24u64 {
+                let (_, got, tensors) = receiver.recv_timeout(LONG).unwrap();
+                assert_eq!(got, index, "{env:?}: order");
+                assert_eq!(tensors.len(), counts[(index % 8) as usize], "{env:?}: message {index}'s tensors");
+                let want = pattern(8, index);
+                assert!(tensors.iter().all(|t| t.to_bytes().unwrap() == want), "{env:?}: message {index}'s bytes");
+            }
+            peer.until("done");
+            assert!(peer.finish().success());
+            expect_end(&mut receiver);
+        });
+    }
+}
+
+#[test]
+fn send_async_from_many_tasks_on_clones_of_one_sender_to_a_receiver_process() {
+    let path = socket_path("o5-async-many");
+    let mut peer = Peer::start(
+        &[
+            "receive",
+            "--to",
+            path_str(&path),
+            "--senders",
+            "2",
+            "--capacity",
+            "4",
+            "--len",
+            "512",
+            "--every",
+            "2",
+            "--quiet",
+        ],
+        &[],
+        true,
+    );
+    peer.until("bound");
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let one = Sender::<Msg>::connect(&path).unwrap();
+        let other = Sender::<Msg>::connect(&path).unwrap();
+        let mut tasks = Vec::new();
+        // 8 tasks on clones of one connection (ids 0..8), 4 on another (ids 8..12).
+        for id in 0..12u32 {
+            let sender = if id < 8 { one.clone() } else { other.clone() };
+            tasks.push(tokio::spawn(async move {
+                for index in 0..400u64 {
+                    sender.send_async(&message(id, index, 512, 2)).await.unwrap();
+                    if index % 50 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            }));
+        }
+        drop((one, other));
+        tokio::time::timeout(LONG, async {
+            for task in tasks {
+                task.await.unwrap();
+            }
+        })
+        .await
+        .expect("the tasks finished");
+    });
+    let lines = peer.until("end");
+    assert!(!lines.iter().any(|l| l.starts_with("bad") || l.starts_with("recv error")), "{lines:?}");
+    assert!(lines.contains(&"count 4800".to_string()), "{lines:?}");
+    assert!(peer.finish().success());
 }

@@ -33,8 +33,9 @@ fn connect(path: &str) -> Result<Sender<Msg>> {
                 sender.wait_ready(Duration::from_secs(60)).context("wait_ready")?;
                 return Ok(sender);
             }
-            Err(e) if Instant::now() > deadline => return Err(e).context("connect"),
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            // Not bound yet: try again; anything else is the answer.
+            Err(Error::NoReceiver { .. }) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(e).context("connect"),
         }
     }
 }
@@ -52,6 +53,11 @@ fn message(id: u32, index: u64, len: usize, every: u64) -> Result<Msg> {
 /// The size of message `index` in the mixed stream: tiny, 100 KB, 10 MB in turn.
 fn mixed_len(index: u64) -> usize {
     [16, 100_000, 10_000_000][(index % 3) as usize]
+}
+
+/// How many tensors message `index` of the "wide" stream has: a cycle around the rings' size.
+fn wide_count(index: u64) -> usize {
+    [0, 1, 500, 2300, 2500, 2700, 3000, 10_000][(index % 8) as usize]
 }
 
 /// Whether `msg`'s tensors are exactly what its sender put in it.
@@ -190,6 +196,19 @@ fn main() -> Result<()> {
             say("done");
             wait_for_stdin();
         }
+        // Messages of many tiny tensors, so that their frames are around and beyond the rings'
+        // size: message I has `wide_count(I)` tensors of 8 pattern bytes each; `--count` of them.
+        "wide" => {
+            let sender = connect(&to()?)?;
+            for index in 0..number(&args, "--count", 14)? {
+                let tensors = (0..wide_count(index))
+                    .map(|_| Tensor::from_bytes(&pattern(8, index), DType::U8, &[8]))
+                    .collect::<tensor_queue::Result<Vec<_>>>()?;
+                sender.send(&(0, index, tensors))?;
+            }
+            say("done");
+            wait_for_stdin();
+        }
         // A sender that meets a full queue: `try_send`, then `send_timeout` (50 ms) while the
         // receiver does not read, until each of its `--count` messages is in. Says how often each
         // answered "no room", typed (`Full`, `Timeout`); any other error ends it.
@@ -217,7 +236,7 @@ fn main() -> Result<()> {
             say("done");
         }
         // Binds `--to` (capacity `--capacity`), says "bound", receives and checks each message
-        // ("got SENDER INDEX" or "bad SENDER INDEX"; `--mixed` for the mixed stream's sizes),
+        // ("got SENDER INDEX" or "bad SENDER INDEX", bad also out of its sender's order; `--mixed` for the mixed stream's sizes),
         // with `--stop-after N` stops reading after N messages ("stopped") until killed,
         // and "end" at the end of the stream (after `--senders` senders left), then "error E"
         // for each of `take_errors`. A message refused alone is counted ("rejected N" at the end).
@@ -237,6 +256,7 @@ fn main() -> Result<()> {
             say("bound");
             let mut held = Vec::new();
             let (mut count, mut rejected) = (0u64, 0u64);
+            let mut next = std::collections::BTreeMap::new();
             loop {
                 match receiver.recv_timeout(Duration::from_secs(60)) {
                     Ok(msg) => {
@@ -247,6 +267,11 @@ fn main() -> Result<()> {
                             intact(&msg, |_| len, every)?
                         };
                         count += 1;
+                        // Each sender's messages in order, none repeated (a gap is a loss, which
+                        // the count shows, or a message refused alone).
+                        let expected = next.entry(msg.0).or_insert(0u64);
+                        let ok = ok && msg.1 >= *expected;
+                        *expected = msg.1 + 1;
                         if !ok {
                             say(&format!("bad {} {}", msg.0, msg.1));
                         } else if !quiet {
