@@ -456,3 +456,74 @@ def test_queue_producer_killed_right_after_its_50th_put_loses_nothing(tmp_path):
 )
 def test_queue_producer_killed_right_after_its_5000th_put_loses_nothing(tmp_path):
     _queue_killed_after(tmp_path, 4999)
+
+
+SHORT_SENDER = r"""
+import os, signal, sys
+import numpy as np
+import tensor_queue as tq
+s = tq.Sender.connect(sys.argv[1], timeout=30)
+print("ready", flush=True)
+k, die = int(sys.argv[2]), sys.argv[3] == "kill"
+for i in range(50):
+    s.send({"who": k, "i": i, "n": 100, "a": np.full(100, i % 251, dtype=np.uint8)})
+if die:
+    os.kill(os.getpid(), signal.SIGKILL)
+s.close()
+"""
+
+
+def test_two_dozen_short_lived_sender_programs_half_killed_leave_the_receiver_no_descriptors(sock_path):
+    r = tq.Receiver.bind(sock_path, capacity=64)
+
+    def run(k):
+        child = program(SHORT_SENDER, sock_path, k, "kill" if k % 2 else "exit")
+        assert child.stdout.readline().strip() == "ready"  # connected: recv waits for it now
+        nxt = 0
+        while nxt < 50:
+            m = r.recv(timeout=30)
+            assert (m["who"], m["i"]) == (k, nxt)
+            assert int(m["a"][0]) == int(m["a"][-1]) == nxt % 251
+            nxt += 1
+        child.communicate(timeout=60)
+        assert child.returncode == (-signal.SIGKILL if k % 2 else 0)
+        with pytest.raises(EOFError):
+            r.recv(timeout=30)  # that sender is gone, and nobody else is connected
+
+    run(0)
+    run(1)
+    fds = _fds()
+    for k in range(2, 24):
+        run(k)
+    deadline = time.monotonic() + 10
+    while _fds() > fds and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _fds() <= fds + 2, f"{fds} descriptors after 2 senders, {_fds()} after 24"
+    r.close()
+
+
+def test_iteration_over_a_killed_and_a_finished_child_ends_after_their_messages(sock_path):
+    r = tq.Receiver.bind(sock_path, capacity=4096)
+    r.expect_senders(2)
+    killed = program(BURST, sock_path, 3000, 99, 3)
+    finished = program(BURST, sock_path, 2000, -1, 3, stdin=subprocess.PIPE)
+    try:
+        assert killed.stdout.readline().strip() == "ready"
+        killed.wait(timeout=60)
+        assert finished.stdout.readline().strip() == "ready"
+        assert finished.stdout.readline().strip() == "done"
+        finished.stdin.close()  # it exits
+        finished.wait(timeout=60)
+        got = []
+        t = threading.Thread(target=lambda: got.extend(m["i"] for m in r), daemon=True)
+        t.start()
+        t.join(timeout=60)
+        assert not t.is_alive(), "the iteration did not end"
+        # Both are sender 0..: the killed one's 0..99 and the other's 0..1999, interleaved.
+        assert sorted(got) == sorted(list(range(100)) + list(range(2000))), len(got)
+    finally:
+        for c in (killed, finished):
+            if c.poll() is None:
+                c.kill()
+            c.wait(timeout=30)
+        r.close()
