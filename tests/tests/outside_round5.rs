@@ -1732,3 +1732,91 @@ fn send_async_from_many_tasks_on_clones_of_one_sender_to_a_receiver_process() {
     assert!(lines.contains(&"count 4800".to_string()), "{lines:?}");
     assert!(peer.finish().success());
 }
+
+#[test]
+fn a_receiver_holding_twenty_thousand_messages_releases_them_all_at_once_and_the_sender_hears() {
+    let path = socket_path("o5-hold20k");
+    let mut receiver = Receiver::<Msg>::builder().capacity(32_768).bind(&path).unwrap();
+    receiver.expect_senders(1);
+    let mut peer = Peer::start(
+        &[
+            "burst",
+            "--to",
+            path_str(&path),
+            "--count",
+            "20000",
+            "--every",
+            "1",
+            "--len",
+            "64",
+            "--wait-released",
+            "--quiet",
+        ],
+        &[],
+        true,
+    );
+    peer.until("ready");
+    let (held, mut receiver) = within(LONG, "receiving 20,000", move || {
+        let held: Vec<Msg> = (0..20_000).map(|_| receiver.recv_timeout(LONG).unwrap()).collect();
+        (held, receiver)
+    });
+    for (index, msg) in held.iter().enumerate() {
+        assert_eq!(msg.1, index as u64);
+    }
+    check(&held[19_999], 64, 1);
+    peer.until("done");
+    drop(held); // 20,000 releases at once
+    assert_eq!(peer.line(), "released true", "the sender heard every release");
+    assert!(peer.finish().success());
+    within(LONG, "the end", move || expect_end(&mut receiver));
+}
+
+#[test]
+fn a_receiver_dropped_under_blocked_senders_gives_them_the_end_and_keeps_what_it_holds() {
+    let path = socket_path("o5-dropped");
+    let peer = Peer::start(
+        &[
+            "receive",
+            "--to",
+            path_str(&path),
+            "--senders",
+            "3",
+            "--capacity",
+            "4",
+            "--len",
+            "5000",
+            "--every",
+            "1",
+            "--quiet",
+            "--drop-after",
+            "12",
+        ],
+        &[],
+        true,
+    );
+    peer.until("bound");
+    let senders: Vec<_> = (0..3u32)
+        .map(|id| {
+            let path = path.clone();
+            thread::spawn(move || {
+                let sender = Sender::<Msg>::connect(&path).unwrap();
+                let mut index = 0;
+                loop {
+                    if let Err(error) = sender.send(&message(id, index, 5000, 1)) {
+                        return (index, error, sender.is_connected());
+                    }
+                    index += 1;
+                }
+            })
+        })
+        .collect();
+    peer.until("dropped");
+    let outcomes = within(Duration::from_secs(30), "senders after the receiver was dropped", move || {
+        senders.into_iter().map(|s| s.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (id, (index, error, connected)) in outcomes.iter().enumerate() {
+        assert!(matches!(error, Error::Disconnected), "sender {id} after {index}: {error:?}");
+        assert!(!connected);
+    }
+    assert_eq!(peer.line(), "held 12 whole true", "what the dropped receiver's process holds stays whole");
+}

@@ -117,7 +117,8 @@ fn main() -> Result<()> {
         // Sends `--count` messages as sender `--id` (a `--len`-byte tensor every `--every`), saying "sent I" after
         // each send returned. With `--kill-after K` it SIGKILLs itself right after send K
         // returned (after `wait_written`, saying "written true|false", with `--wait-written`);
-        // else it says "done" and, with `--exit`, exits, or waits for stdin to close.
+        // else it says "done" (then "released true|false" after `wait_released(60 s)` with
+        // `--wait-released`) and, with `--exit`, exits, or waits for stdin to close.
         "burst" => {
             let sender = connect(&to()?)?;
             let (count, len, every) =
@@ -138,6 +139,9 @@ fn main() -> Result<()> {
                 }
             }
             say("done");
+            if args.iter().any(|a| a == "--wait-released") {
+                say(&format!("released {}", sender.wait_released(Duration::from_secs(60))));
+            }
             if args.iter().any(|a| a == "--exit") {
                 return Ok(()); // drops the sender: the README says `main` may return right after a send
             }
@@ -237,7 +241,8 @@ fn main() -> Result<()> {
         }
         // Binds `--to` (capacity `--capacity`), says "bound", receives and checks each message
         // ("got SENDER INDEX" or "bad SENDER INDEX", bad also out of its sender's order; `--mixed` for the mixed stream's sizes),
-        // with `--stop-after N` stops reading after N messages ("stopped") until killed,
+        // with `--stop-after N` stops reading after N messages ("stopped") until killed, with
+        // `--drop-after N` drops the receiver after N ("dropped", then "held N whole true|false"),
         // and "end" at the end of the stream (after `--senders` senders left), then "error E"
         // for each of `take_errors`. A message refused alone is counted ("rejected N" at the end).
         // With `--quiet` only "count N" and "rejected N" at the end, not each message.
@@ -253,6 +258,7 @@ fn main() -> Result<()> {
             let (mixed, quiet) = (args.iter().any(|a| a == "--mixed"), args.iter().any(|a| a == "--quiet"));
             let (len, every) = (number(&args, "--len", 64)? as usize, number(&args, "--every", 1)?);
             let stop_after = arg(&args, "--stop-after").map(|k| k.parse::<u64>()).transpose()?;
+            let drop_after = arg(&args, "--drop-after").map(|k| k.parse::<u64>()).transpose()?;
             say("bound");
             let mut held = Vec::new();
             let (mut count, mut rejected) = (0u64, 0u64);
@@ -279,6 +285,16 @@ fn main() -> Result<()> {
                         }
                         held.push(msg);
                         held.truncate(16); // holds its first few, as a consumer that keeps some does
+                        if drop_after == Some(count) {
+                            // Drops the receiver but keeps its process and what it holds.
+                            drop(receiver);
+                            say("dropped");
+                            std::thread::sleep(Duration::from_millis(500));
+                            let whole = held.iter().all(|m| intact(m, |_| len, every).unwrap_or(false));
+                            say(&format!("held {} whole {whole}", held.len()));
+                            wait_for_stdin();
+                            return Ok(());
+                        }
                         if stop_after == Some(count) {
                             say("stopped");
                             wait_for_stdin(); // stops reading, holding what it has, until killed
