@@ -1820,3 +1820,46 @@ fn a_receiver_dropped_under_blocked_senders_gives_them_the_end_and_keeps_what_it
     }
     assert_eq!(peer.line(), "held 12 whole true", "what the dropped receiver's process holds stays whole");
 }
+
+#[test]
+fn spinning_ends_hear_of_a_killed_peer() {
+    // A spinning receiver blocked on a quiet producer that is killed.
+    let path = socket_path("o5-spin-rx");
+    let mut receiver = Receiver::<Msg>::builder().capacity(64).bind(&path).unwrap();
+    receiver.expect_senders(1);
+    receiver.set_spin(Duration::from_millis(200));
+    let mut peer = Peer::start(&["burst", "--to", path_str(&path), "--count", "10", "--every", "2", "--quiet"], &[], true);
+    peer.until("done");
+    let reader = thread::spawn(move || {
+        for index in 0..10 {
+            assert_eq!(receiver.recv_timeout(LONG).unwrap().1, index);
+        }
+        receiver.recv_timeout(LONG).map(|m| m.1)
+    });
+    thread::sleep(Duration::from_millis(300));
+    peer.kill();
+    let end = within(Duration::from_secs(30), "the spinning recv", move || reader.join().unwrap());
+    assert!(matches!(end, Err(Error::Disconnected)), "{end:?}");
+
+    // A spinning sender blocked on credits of a receiver process that stopped reading and is killed.
+    let path = socket_path("o5-spin-tx");
+    let mut peer =
+        Peer::start(&["receive", "--to", path_str(&path), "--capacity", "2", "--stop-after", "3", "--quiet"], &[], true);
+    peer.until("bound");
+    let sender = Sender::<Msg>::connect(&path).unwrap();
+    sender.set_spin(Duration::from_millis(200));
+    let blocked = thread::spawn(move || {
+        let mut index = 0;
+        loop {
+            if let Err(error) = sender.send(&message(0, index, 64, 1)) {
+                return (index, error);
+            }
+            index += 1;
+        }
+    });
+    peer.until("stopped");
+    thread::sleep(Duration::from_millis(300));
+    peer.kill();
+    let (index, error) = within(Duration::from_secs(30), "the spinning send", move || blocked.join().unwrap());
+    assert!(matches!(error, Error::Disconnected), "after {index}: {error:?}");
+}
