@@ -1828,7 +1828,8 @@ fn spinning_ends_hear_of_a_killed_peer() {
     let mut receiver = Receiver::<Msg>::builder().capacity(64).bind(&path).unwrap();
     receiver.expect_senders(1);
     receiver.set_spin(Duration::from_millis(200));
-    let mut peer = Peer::start(&["burst", "--to", path_str(&path), "--count", "10", "--every", "2", "--quiet"], &[], true);
+    let mut peer =
+        Peer::start(&["burst", "--to", path_str(&path), "--count", "10", "--every", "2", "--quiet"], &[], true);
     peer.until("done");
     let reader = thread::spawn(move || {
         for index in 0..10 {
@@ -1843,8 +1844,11 @@ fn spinning_ends_hear_of_a_killed_peer() {
 
     // A spinning sender blocked on credits of a receiver process that stopped reading and is killed.
     let path = socket_path("o5-spin-tx");
-    let mut peer =
-        Peer::start(&["receive", "--to", path_str(&path), "--capacity", "2", "--stop-after", "3", "--quiet"], &[], true);
+    let mut peer = Peer::start(
+        &["receive", "--to", path_str(&path), "--capacity", "2", "--stop-after", "3", "--quiet"],
+        &[],
+        true,
+    );
     peer.until("bound");
     let sender = Sender::<Msg>::connect(&path).unwrap();
     sender.set_spin(Duration::from_millis(200));
