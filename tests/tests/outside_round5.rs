@@ -1457,13 +1457,19 @@ fn select_over_sixty_four_receivers_fed_by_one_process_with_a_thread_each() {
 
 /// Asks a `serve` peer for its report: (messages, wrong ones, descriptors, mappings).
 fn report(peer: &mut Peer) -> (u64, u64, u64, u64) {
+    let (count, bad, fds, maps, _) = report_rss(peer);
+    (count, bad, fds, maps)
+}
+
+/// [`report`] and the resident KiB.
+fn report_rss(peer: &mut Peer) -> (u64, u64, u64, u64, u64) {
     use std::io::Write as _;
     let stdin = peer.child.stdin.as_mut().unwrap();
     writeln!(stdin, "report").unwrap();
     stdin.flush().unwrap();
     let line = peer.until_prefix("report ");
     let n: Vec<u64> = line.split(' ').skip(1).map(|w| w.parse().unwrap()).collect();
-    (n[0], n[1], n[2], n[3])
+    (n[0], n[1], n[2], n[3], n[4])
 }
 
 impl Peer {
@@ -1866,4 +1872,58 @@ fn spinning_ends_hear_of_a_killed_peer() {
     peer.kill();
     let (index, error) = within(Duration::from_secs(30), "the spinning send", move || blocked.join().unwrap());
     assert!(matches!(error, Error::Disconnected), "after {index}: {error:?}");
+}
+
+#[test]
+fn a_long_lived_receiver_streaming_hundreds_of_thousands_of_messages_keeps_its_memory_and_descriptors() {
+    let path = socket_path("o5-long");
+    let mut server = Peer::start(
+        &["serve", "--to", path_str(&path), "--capacity", "256", "--len", "200", "--every", "10"],
+        &[],
+        true,
+    );
+    server.until("bound");
+    let stream = |server: &mut Peer, count: u64, total: u64| {
+        let count_arg = count.to_string();
+        let mut producer = Peer::start(
+            &[
+                "burst",
+                "--to",
+                path_str(&path),
+                "--count",
+                &count_arg,
+                "--every",
+                "10",
+                "--len",
+                "200",
+                "--exit",
+                "--quiet",
+            ],
+            &[],
+            false,
+        );
+        producer.until("done");
+        assert!(producer.finish().success());
+        let deadline = Instant::now() + LONG;
+        loop {
+            let got = report_rss(server);
+            assert_eq!(got.1, 0, "wrong messages");
+            if got.0 == total {
+                return got;
+            }
+            assert!(Instant::now() < deadline, "{} of {total}", got.0);
+            thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let (_, _, fds, maps, rss) = stream(&mut server, 30_000, 30_000);
+    let (count, _, fds_after, maps_after, rss_after) = stream(&mut server, 150_000, 180_000);
+    eprintln!(
+        "{count} messages: RSS {rss} -> {rss_after} KiB, descriptors {fds} -> {fds_after}, mappings {maps} -> {maps_after}"
+    );
+    assert!(
+        fds_after <= fds + 4 && maps_after <= maps + 16,
+        "descriptors {fds} -> {fds_after}, mappings {maps} -> {maps_after}"
+    );
+    // 150,000 more messages (15,000 tensors): a leak of even 100 bytes each would show.
+    assert!(rss_after <= rss + 16 * 1024, "resident memory {rss} KiB -> {rss_after} KiB over 150,000 messages");
 }

@@ -93,6 +93,14 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
 
+/// This process's resident memory in KiB.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok()))
+        .unwrap_or(0)
+}
+
 /// Mappings of this process.
 fn mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps").map(|m| m.lines().count()).unwrap_or(0)
@@ -325,7 +333,8 @@ fn main() -> Result<()> {
         }
         // Binds `--to` and receives for ever from whoever connects (checking each message, a
         // `--len`-byte tensor every `--every`); each line "report" on stdin is answered with
-        // "report COUNT BAD FDS MAPS" (messages so far, wrong ones, open descriptors, mappings).
+        // "report COUNT BAD FDS MAPS RSS" (messages so far, wrong ones, open descriptors,
+        // mappings, resident KiB).
         "serve" => {
             let mut receiver =
                 Receiver::<Msg>::builder().capacity(number(&args, "--capacity", 64)? as u32).bind(to()?)?;
@@ -350,7 +359,7 @@ fn main() -> Result<()> {
                     Err(other) => say(&format!("recv error {other:?}")),
                 }
                 match asked.try_recv() {
-                    Ok(_) => say(&format!("report {count} {bad} {} {}", open_fds(), mappings())),
+                    Ok(_) => say(&format!("report {count} {bad} {} {} {}", open_fds(), mappings(), rss_kib())),
                     Err(std::sync::mpsc::TryRecvError::Empty) => {}
                     Err(std::sync::mpsc::TryRecvError::Disconnected) => return Ok(()),
                 }
