@@ -1927,3 +1927,56 @@ fn a_long_lived_receiver_streaming_hundreds_of_thousands_of_messages_keeps_its_m
     // 150,000 more messages (15,000 tensors): a leak of even 100 bytes each would show.
     assert!(rss_after <= rss + 16 * 1024, "resident memory {rss} KiB -> {rss_after} KiB over 150,000 messages");
 }
+
+#[test]
+fn select_and_recv_async_waiting_on_a_quiet_producer_wake_with_the_end_when_it_is_killed() {
+    for env in [&[][..], &[("TQ_RINGS", "0")][..]] {
+        // Select: waits with nothing there, then the producer dies.
+        let path = socket_path("o5-sel-quiet");
+        let mut receiver = Receiver::<Msg>::builder().capacity(64).bind(&path).unwrap();
+        receiver.expect_senders(1);
+        let mut peer =
+            Peer::start(&["burst", "--to", path_str(&path), "--count", "5", "--every", "1", "--quiet"], env, true);
+        peer.until("done");
+        for index in 0..5 {
+            assert_eq!(receiver.recv_timeout(LONG).unwrap().1, index);
+        }
+        let waiting = thread::spawn(move || {
+            let mut select = Select::new();
+            let i = select.add(&receiver).unwrap();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                assert_eq!(select.ready_timeout(Duration::from_secs(30)).expect("woken"), i);
+                match receiver.try_recv() {
+                    Err(Error::Empty) => assert!(Instant::now() < deadline, "readable, but never the end"),
+                    other => return other.map(|m| m.1),
+                }
+            }
+        });
+        thread::sleep(Duration::from_millis(200));
+        peer.kill();
+        let end = within(Duration::from_secs(40), "Select on a killed producer", move || waiting.join().unwrap());
+        assert!(matches!(end, Err(Error::Disconnected)), "{env:?}: {end:?}");
+
+        // recv_async: the same.
+        let path = socket_path("o5-async-quiet");
+        let mut receiver = Receiver::<Msg>::builder().capacity(64).bind(&path).unwrap();
+        receiver.expect_senders(1);
+        let mut peer =
+            Peer::start(&["burst", "--to", path_str(&path), "--count", "5", "--every", "1", "--quiet"], env, true);
+        peer.until("done");
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let waiting = thread::spawn(move || {
+            runtime.block_on(async move {
+                for index in 0..5 {
+                    assert_eq!(receiver.recv_async().await.unwrap().1, index);
+                }
+                tokio::time::timeout(Duration::from_secs(30), receiver.recv_async()).await.map(|r| r.map(|m| m.1))
+            })
+        });
+        thread::sleep(Duration::from_millis(300));
+        peer.kill();
+        let end = within(Duration::from_secs(40), "recv_async on a killed producer", move || waiting.join().unwrap());
+        assert!(matches!(end, Ok(Err(Error::Disconnected))), "{env:?}: {end:?}");
+    }
+}
