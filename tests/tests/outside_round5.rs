@@ -1980,3 +1980,29 @@ fn select_and_recv_async_waiting_on_a_quiet_producer_wake_with_the_end_when_it_i
         assert!(matches!(end, Ok(Err(Error::Disconnected))), "{env:?}: {end:?}");
     }
 }
+
+#[test]
+fn a_sender_with_thousands_of_messages_unwritten_returns_at_once_when_its_receiver_is_killed() {
+    let path = socket_path("o5-unwritten");
+    let mut peer = Peer::start(
+        &["receive", "--to", path_str(&path), "--capacity", "8192", "--stop-after", "1", "--quiet"],
+        &[],
+        true,
+    );
+    peer.until("bound");
+    let sender = Sender::<Msg>::connect(&path).unwrap();
+    sender.wait_ready(LONG).unwrap();
+    for index in 0..5000 {
+        sender.send(&message(0, index, 64, 3)).unwrap(); // within the credits: returns at once
+    }
+    peer.until("stopped");
+    // (Today most of them wait in this process: B2.)
+    peer.kill();
+    // The receiver is gone: nothing is left to wait for.
+    let sender = within(Duration::from_secs(20), "wait_written after the receiver died", move || {
+        assert!(sender.wait_written(Duration::from_secs(15)), "wait_written: true once the receiver is gone");
+        sender
+    });
+    assert!(matches!(sender.send(&message(0, 5000, 64, 3)), Err(Error::Disconnected)));
+    within(Duration::from_secs(20), "dropping the sender", move || drop(sender));
+}
