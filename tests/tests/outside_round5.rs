@@ -2006,3 +2006,39 @@ fn a_sender_with_thousands_of_messages_unwritten_returns_at_once_when_its_receiv
     assert!(matches!(sender.send(&message(0, 5000, 64, 3)), Err(Error::Disconnected)));
     within(Duration::from_secs(20), "dropping the sender", move || drop(sender));
 }
+
+#[test]
+fn expect_senders_counts_a_sender_that_connected_and_was_killed_before_sending() {
+    for ready in [true, false] {
+        let path = socket_path("o5-expect");
+        let mut receiver = Receiver::<Msg>::builder().capacity(64).bind(&path).unwrap();
+        receiver.expect_senders(2);
+        let mut args = vec!["connect-die", "--to", path_str(&path)];
+        if ready {
+            args.push("--ready");
+        }
+        let mut dying = Peer::start(&args, &[], true);
+        assert_eq!(within(LONG, "the dying sender", move || dying.child.wait().unwrap()).signal(), Some(9));
+        let mut other = Peer::start(
+            &["burst", "--to", path_str(&path), "--count", "10", "--every", "2", "--exit", "--quiet"],
+            &[],
+            true,
+        );
+        let got = within(Duration::from_secs(40), "the end after both senders", move || {
+            let mut got = 0u64;
+            loop {
+                match receiver.recv_timeout(Duration::from_secs(30)) {
+                    Ok(msg) => {
+                        assert_eq!(msg.1, got);
+                        got += 1;
+                    }
+                    Err(Error::Disconnected) => return Ok(got),
+                    Err(other) => return Err((got, other)),
+                }
+            }
+        });
+        other.until("done");
+        assert!(other.finish().success());
+        assert!(matches!(got, Ok(10)), "killed after connect (ready: {ready}), then a sender of 10: {got:?}");
+    }
+}

@@ -208,6 +208,15 @@ fn main() -> Result<()> {
             say("done");
             wait_for_stdin();
         }
+        // Connects (without waiting for the greeting, or after it with `--ready`) and SIGKILLs
+        // itself at once: a sender that joined and died before sending anything.
+        "connect-die" => {
+            let sender = Sender::<Msg>::connect(to()?)?;
+            if args.iter().any(|a| a == "--ready") {
+                sender.wait_ready(Duration::from_secs(30))?;
+            }
+            kill_myself()?;
+        }
         // Messages of many tiny tensors, so that their frames are around and beyond the rings'
         // size: message I has `wide_count(I)` tensors of 8 pattern bytes each; `--count` of them.
         "wide" => {
