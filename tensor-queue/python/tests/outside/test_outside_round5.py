@@ -579,3 +579,21 @@ def test_queue_put_nowait_first_put_to_an_empty_queue_is_not_full(tmp_path):
             assert q.get(timeout=10) == {"first": True}
         q.close()
     assert answers == ["ok"] * 8, answers
+
+
+def test_a_closed_receiver_holding_thousands_of_arrays_keeps_them_whole_and_releases_them_later(sock_path):
+    import gc
+
+    r = tq.Receiver.bind(sock_path, capacity=4096)
+    s = tq.Sender.connect(sock_path, timeout=10)
+    for i in range(3000):
+        s.send({"i": i, "a": np.full(10, i % 251, dtype=np.uint8)})
+    held = [r.recv(timeout=10) for _ in range(3000)]
+    r.close()
+    assert s.outstanding() == 3000, "closing the receiver does not release what it holds"
+    assert not s.is_connected()
+    assert all(m["i"] == i and int(m["a"].min()) == int(m["a"].max()) == i % 251 for i, m in enumerate(held))
+    del held
+    gc.collect()
+    assert s.wait_released(10), f"still outstanding: {s.outstanding()}"
+    s.close()
