@@ -597,3 +597,75 @@ def test_a_closed_receiver_holding_thousands_of_arrays_keeps_them_whole_and_rele
     gc.collect()
     assert s.wait_released(10), f"still outstanding: {s.outstanding()}"
     s.close()
+
+
+def test_one_sender_shared_by_threads_with_mixed_sizes_keeps_each_threads_order(sock_path):
+    r = tq.Receiver.bind(sock_path, capacity=8)
+    s = tq.Sender.connect(sock_path, timeout=10)
+    sizes = [0, 16, 100_000, 3, 10_000_000, 7]
+    per_thread = 30
+
+    def stream(who):
+        for i in range(per_thread):
+            s.send(_msg(who, i, sizes[(i + who) % len(sizes)]), timeout=60)
+
+    threads = [threading.Thread(target=stream, args=(w,), daemon=True) for w in range(4)]
+    for t in threads:
+        t.start()
+    nxt = [0, 0, 0, 0]
+    for _ in range(4 * per_thread):
+        m = r.recv(timeout=60)
+        w, i = m["who"], m["i"]
+        assert i == nxt[w], f"thread {w}'s order"
+        nxt[w] += 1
+        n = sizes[(i + w) % len(sizes)]
+        assert m["a"].shape == (n,)
+        if n:
+            assert int(m["a"].min()) == int(m["a"].max()) == i % 251
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    s.close()
+    with pytest.raises(EOFError):
+        r.recv(timeout=30)
+    r.close()
+
+
+QUEUE_THREADS = r"""
+import sys, threading
+import numpy as np
+import tensor_queue as tq
+q, prog = tq.Queue(address=sys.argv[1]), int(sys.argv[2])
+def put(who):
+    for i in range(500):
+        q.put({"who": (prog, who), "i": i, "a": np.full(8, i, dtype=np.int16)})
+ts = [threading.Thread(target=put, args=(w,)) for w in range(4)]
+for t in ts: t.start()
+for t in ts: t.join()
+print("done", flush=True)
+"""
+
+
+def test_queue_puts_from_threads_of_two_producer_programs_keep_each_threads_order(tmp_path):
+    q = tq.Queue(maxsize=16, address=str(tmp_path / "q"))
+    with pytest.raises(tq.Empty):
+        q.get(timeout=0.01)  # this process is the consumer
+    children = [program(QUEUE_THREADS, q.address, prog) for prog in range(2)]
+    try:
+        nxt = {}
+        for _ in range(2 * 4 * 500):
+            m = q.get(timeout=60)
+            who = m["who"]
+            assert m["i"] == nxt.get(who, 0), f"producer thread {who}'s order"
+            nxt[who] = m["i"] + 1
+            assert m["a"].tolist() == [m["i"]] * 8
+        assert nxt == {(p, w): 500 for p in range(2) for w in range(4)}
+        for c in children:
+            out, err = c.communicate(timeout=60)
+            assert out.strip() == "done", err
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.communicate(timeout=30)
+        q.close()
