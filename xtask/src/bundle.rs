@@ -35,6 +35,7 @@ const BINARIES: &[&str] = &[
     "outside-peer",
     "outside-msg-peer",
     "outside4-peer",
+    "outside5-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",
