@@ -478,10 +478,18 @@ def test_two_dozen_short_lived_sender_programs_half_killed_leave_the_receiver_no
 
     def run(k):
         child = program(SHORT_SENDER, sock_path, k, "kill" if k % 2 else "exit")
-        assert child.stdout.readline().strip() == "ready"  # connected: recv waits for it now
+        assert child.stdout.readline().strip() == "ready"
         nxt = 0
+        deadline = time.monotonic() + 30
         while nxt < 50:
-            m = r.recv(timeout=30)
+            try:
+                m = r.recv(timeout=30)
+            except EOFError:
+                # A moment with no sender (the last one left, this one not taken in yet): a bound
+                # receiver's end is only a moment (README); wait for this sender.
+                assert nxt == 0 and time.monotonic() < deadline, f"sender {k} lost after {nxt}"
+                time.sleep(0.005)
+                continue
             assert (m["who"], m["i"]) == (k, nxt)
             assert int(m["a"][0]) == int(m["a"][-1]) == nxt % 251
             nxt += 1
