@@ -36,6 +36,7 @@ const BINARIES: &[&str] = &[
     "outside-msg-peer",
     "outside4-peer",
     "outside-inline-peer",
+    "outside5-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",
