@@ -255,10 +255,13 @@ impl Link {
     }
 
     /// What the peer last published with [`Link::accepted`], if its ring is mapped here: a
-    /// claim of the peer's (a liar can only misreport its own losses).
+    /// claim of the peer's (a liar can only misreport its own losses). A receiver reads it in
+    /// the ring it offered too: a sender that switched and died before its `RingsOn` left its
+    /// queue published its count there all the same.
     pub fn peer_accepted(&self) -> Option<u64> {
         let local = self.local.as_ref()?;
-        lock(&local.inbound).reader.as_ref().map(RingReader::tally)
+        let inbound = lock(&local.inbound);
+        inbound.reader.as_ref().or(inbound.offered.as_ref().map(|offer| &offer.reader)).map(RingReader::tally)
     }
 
     /// Sends `RingsOn` on the socket, after which our frames go to `writer`: under the send
