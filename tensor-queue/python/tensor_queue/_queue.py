@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -57,6 +58,9 @@ class Queue:
         self._pid = os.getpid()
         self._sender: _native.Sender | None = None
         self._receiver: _native.Receiver | None = None
+        # Opens this process's ends once, whatever the number of threads that first put or get
+        # at the same time: two senders of one process would not keep a thread's order.
+        self._opening = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -73,6 +77,7 @@ class Queue:
             self._pid = os.getpid()
             self._sender = None
             self._receiver = None
+            self._opening = threading.Lock()  # a parent's thread may have held it at the fork
 
     def _claim(self) -> _native.Receiver:
         lock = self._address + ".consumer"
@@ -107,7 +112,9 @@ class Queue:
         work queued on ``stream`` (default: torch's current stream)."""
         self._own_process()
         if self._sender is None:
-            self._sender = self._connect()
+            with self._opening:
+                if self._sender is None:
+                    self._sender = self._connect()
         try:
             if not block:
                 self._sender.try_send(obj)
@@ -140,7 +147,9 @@ class Queue:
         ``timeout`` seconds (at once when ``block`` is false). Makes this process the consumer."""
         self._own_process()
         if self._receiver is None:
-            self._receiver = self._claim()
+            with self._opening:
+                if self._receiver is None:
+                    self._receiver = self._claim()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         while True:
             try:
