@@ -122,7 +122,8 @@ impl<T: Serialize> Sender<T> {
     /// Connects to `endpoint` with `options` (what the builder and the deprecated `connect_with` do).
     pub(super) fn connect_options(endpoint: &Endpoint, options: &ConnectOptions) -> Result<Sender<T>> {
         // Checked before connecting: a bad value costs no connection.
-        let inline_up_to = crate::route::inline_threshold(options.inline_gpu_up_to)?;
+        let inline_up_to =
+            crate::route::inline_threshold(options.inline_gpu_up_to).map_err(|bad| Error::Invalid(bad.0))?;
         let sender = Sender::from_link(Link::new(endpoint::connect(endpoint, options)?)?)?;
         sender.inner().set_inline_up_to(inline_up_to);
         Ok(sender)

@@ -19,8 +19,6 @@
 use super::Route;
 use super::choose::Choice;
 use super::policy::Strictness;
-use crate::error::{Error, Result};
-use crate::wire::MAX_INLINE_BYTES;
 
 /// A message whose GPU tensors' bytes total at most this travels without NCCL by default.
 ///
@@ -35,14 +33,20 @@ pub const DEFAULT_INLINE_GPU_UP_TO: u64 = 64 << 10;
 /// bytes within [`MAX_INLINE_GPU_UP_TO`] makes `connect` fail with [`Error::Invalid`].
 pub const INLINE_GPU_ENV: &str = "TQ_INLINE_GPU_UP_TO";
 
-/// The largest threshold accepted: a message's inline bytes must fit one bulk run of its frame.
-pub const MAX_INLINE_GPU_UP_TO: u64 = MAX_INLINE_BYTES;
+/// The largest threshold accepted: a message's inline bytes must fit one bulk run of its frame
+/// (`wire::MAX_INLINE_BYTES`, which the wire checks is the same).
+pub const MAX_INLINE_GPU_UP_TO: u64 = 4 << 30;
+
+/// A threshold refused by [`inline_threshold`] (`connect` reports it as `Error::Invalid`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadThreshold(pub String);
 
 /// What a receiver reports as the reason of a message's GPU tensors that travelled inline.
 pub const SMALL_MESSAGE_INLINE: &str = "small message inline";
 
 /// The threshold a sender uses: `given` (a builder's), else [`INLINE_GPU_ENV`]'s value, else
-/// [`DEFAULT_INLINE_GPU_UP_TO`]; refused with [`Error::Invalid`] above [`MAX_INLINE_GPU_UP_TO`]
+/// [`DEFAULT_INLINE_GPU_UP_TO`]; refused ([`BadThreshold`]) above [`MAX_INLINE_GPU_UP_TO`]
 /// or where the variable is not a number.
 ///
 /// ```
@@ -53,12 +57,12 @@ pub const SMALL_MESSAGE_INLINE: &str = "small message inline";
 /// assert_eq!(inline_threshold(None).unwrap(), DEFAULT_INLINE_GPU_UP_TO);
 /// # }
 /// ```
-pub fn inline_threshold(given: Option<u64>) -> Result<u64> {
-    let from_env = || -> Result<Option<u64>> {
+pub fn inline_threshold(given: Option<u64>) -> Result<u64, BadThreshold> {
+    let from_env = || -> Result<Option<u64>, BadThreshold> {
         let Some(value) = std::env::var_os(INLINE_GPU_ENV) else { return Ok(None) };
         let text = value.to_string_lossy();
         text.trim().parse::<u64>().map(Some).map_err(|_| {
-            Error::Invalid(format!("{INLINE_GPU_ENV}={text:?}: expected a number of bytes (0: always NCCL)"))
+            BadThreshold(format!("{INLINE_GPU_ENV}={text:?}: expected a number of bytes (0: always NCCL)"))
         })
     };
     let (threshold, origin) = match given {
@@ -69,7 +73,7 @@ pub fn inline_threshold(given: Option<u64>) -> Result<u64> {
         },
     };
     if threshold > MAX_INLINE_GPU_UP_TO {
-        return Err(Error::Invalid(format!(
+        return Err(BadThreshold(format!(
             "{origin}: {threshold} bytes; at most {MAX_INLINE_GPU_UP_TO} (the most a message's bytes may hold)"
         )));
     }
@@ -107,7 +111,7 @@ mod tests {
         assert_eq!(inline_threshold(Some(12345)).unwrap(), 12345);
         assert_eq!(inline_threshold(Some(MAX_INLINE_GPU_UP_TO)).unwrap(), MAX_INLINE_GPU_UP_TO);
         let error = inline_threshold(Some(MAX_INLINE_GPU_UP_TO + 1)).unwrap_err();
-        assert!(matches!(&error, Error::Invalid(why) if why.contains("inline_gpu_up_to")), "{error}");
+        assert!(error.0.contains("inline_gpu_up_to"), "{error}");
     }
 
     #[test]

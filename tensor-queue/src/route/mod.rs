@@ -51,7 +51,8 @@ pub use choose::{Choice, Forbidden, Route};
 pub(crate) use choose::{allowed, choose, choose_remote, target};
 pub(crate) use inline::inline_choice;
 pub use inline::{
-    DEFAULT_INLINE_GPU_UP_TO, INLINE_GPU_ENV, MAX_INLINE_GPU_UP_TO, SMALL_MESSAGE_INLINE, inline_threshold, inlines,
+    BadThreshold, DEFAULT_INLINE_GPU_UP_TO, INLINE_GPU_ENV, MAX_INLINE_GPU_UP_TO, SMALL_MESSAGE_INLINE,
+    inline_threshold, inlines,
 };
 pub use policy::{Landing, MAX_SOURCES, PeerMode, Routing, Strictness};
 pub(crate) use reach::{DeviceReach, LinkReach, MAX_DEVICES, Reach};

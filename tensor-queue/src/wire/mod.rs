@@ -212,6 +212,7 @@ pub trait Frame: Sized {
 
 /// The most bytes of host tensors one message may carry over TCP (as [`ToReceiver::Bytes`]).
 pub const MAX_INLINE_BYTES: u64 = 4 << 30;
+const _: () = assert!(MAX_INLINE_BYTES == crate::route::MAX_INLINE_GPU_UP_TO, "an inline threshold fits a bulk run");
 
 /// The largest [`ToReceiver::Bytes`] a sender writes: the receiver joins its packets in memory.
 pub const BYTES_FRAME: usize = 4 << 20;
