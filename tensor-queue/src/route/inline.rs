@@ -30,7 +30,7 @@ pub const DEFAULT_INLINE_GPU_UP_TO: u64 = 64 << 10;
 /// The environment variable that sets, in bytes, the default of
 /// [`SenderBuilder::inline_gpu_up_to`](crate::SenderBuilder::inline_gpu_up_to) for the senders of
 /// this process (`0`: always NCCL). Read when a sender connects; a value that is not a number of
-/// bytes within [`MAX_INLINE_GPU_UP_TO`] makes `connect` fail with [`Error::Invalid`].
+/// bytes within [`MAX_INLINE_GPU_UP_TO`] makes `connect` fail with `Error::Invalid`.
 pub const INLINE_GPU_ENV: &str = "TQ_INLINE_GPU_UP_TO";
 
 /// The largest threshold accepted: a message's inline bytes must fit one bulk run of its frame
