@@ -4,8 +4,8 @@
 //! `tq-bench [--out DIR] [--floor BIN] [--primitives FILE] [--mps FILE] [--torch SCRIPT] [--python PYTHON] [--only a,b]
 //! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--messages N] [--no-fill] [--no-read]`; on the GPU
 //! machine, `bash target/gpu-bundle/bench.sh` (which `cargo xtask bench` runs). Sections:
-//! `setup`, `floor`, `torch`, `rtt`, `breakdown`, `stream`, `broadcast`, `cross` (GPU0 -> GPU1 by each
-//! route, with its own table printed last; `--cross-anchors SCRIPT` names `cross_anchors.py`, which is
+//! `setup`, `floor` (the C socket floor, and on a GPU the hand-off floor of `handoff_floor.rs`),
+//! `torch`, `rtt`, `breakdown`, `stream`, `broadcast`, `cross` (GPU0 -> GPU1 by each route, with its own table printed last; `--cross-anchors SCRIPT` names `cross_anchors.py`, which is
 //! otherwise looked for beside `--torch`; see `cross.rs`), `host-msgs` (`--messages N` small host
 //! messages to a receiver process, no GPU needed; see `host_msgs.rs`), `host-many` (one message of
 //! 1,024 x 4 KiB host tensors, one-way; no GPU needed; see `host_many.rs`).
@@ -15,6 +15,7 @@
 //! tensors (shared memory), and the GPU-only parts say that they were skipped.
 
 mod cross;
+mod handoff_floor;
 mod host_many;
 mod host_msgs;
 mod plot;
@@ -208,6 +209,9 @@ fn main() -> Result<()> {
     // A consumer process of the cross-device section, or its driver-copy anchor.
     if let Some(result) = cross::child_role() {
         return result;
+    }
+    if std::env::args().nth(1).as_deref() == Some(handoff_floor::PEER_FLAG) {
+        return handoff_floor::peer();
     }
     if std::env::args().nth(1).as_deref() == Some(host_msgs::RECEIVER_FLAG) {
         return host_msgs::receiver();
@@ -468,9 +472,24 @@ impl Bench {
             self.progress.done("skipped: no --floor");
             return Ok(None);
         };
-        let value = run_json(Command::new(floor))?;
-        self.progress.done(&format!("p50 {} us, spinning p50 {} us", value["p50_us"], value["spin_p50_us"]));
+        let mut value = run_json(Command::new(floor))?;
         self.json.insert("socket_floor".into(), value.clone());
+        let mut done = format!("p50 {} us, spinning p50 {} us", value["p50_us"], value["spin_p50_us"]);
+        // A failed hand-off floor costs its rows, not the run's other sections.
+        match self.gpu.as_ref().map(|gpu| handoff_floor::measure(&gpu.context)) {
+            None => {}
+            Some(Err(error)) => done += &format!("; the hand-off floor failed: {error:#}"),
+            Some(Ok(handoff)) => {
+                done += &format!(
+                    "; with the hand-off's GPU work (stream write, wait, release write): p50 {:.2} us, spinning p50 {:.2} us",
+                    handoff["p50_us"].as_f64().unwrap_or(0.0),
+                    handoff["spin_p50_us"].as_f64().unwrap_or(0.0)
+                );
+                self.json.insert("handoff_floor".into(), handoff.clone());
+                value["handoff"] = handoff;
+            }
+        }
+        self.progress.done(&done);
         Ok(Some(value))
     }
 
@@ -554,6 +573,15 @@ impl Bench {
             self.rows.push(
                 Row::new(format!("round trip 1 x 4 KB, {mode}, p50"), p50, "us")
                     .against(format!("C socket floor, same wait ({floor_key})"), field(floor, floor_key))
+                    .target(if spin { 8.0 } else { 20.0 }),
+            );
+            // The same with the GPU work a stream-ordered hand-off cannot skip (`handoff_floor.rs`).
+            self.rows.push(
+                Row::new(format!("round trip 1 x 4 KB, {mode}, p50"), p50, "us")
+                    .against(
+                        format!("GPU hand-off floor: socket + stream write, wait, release write ({floor_key})"),
+                        field(floor.map(|f| &f["handoff"]), floor_key),
+                    )
                     .target(if spin { 8.0 } else { 20.0 }),
             );
             self.rows.push(
