@@ -23,7 +23,9 @@
 //! Anchors: the raw copy engine in one process (`cuMemcpyPeerAsync` + `cuStreamSynchronize`,
 //! peer access enabled), the driver's staged peer copy (peer access not enabled, in a fresh
 //! process: [`DRIVER_COPY_FLAG`]), a pinned host round (D2H on GPU0, H2D on GPU1, 2 streams,
-//! 4 MiB x 4 slots), pinned D2H alone, and `cross_anchors.py` (NCCL send/recv, NCCL without P2P,
+//! 4 MiB x 4 slots), pinned D2H alone, the hand-off floor with a pull copy (`handoff_floor.rs`:
+//! a stream signal, a socket packet, the copy and a sync between two processes, no channel), and
+//! `cross_anchors.py` (NCCL send/recv, NCCL without P2P,
 //! torch.multiprocessing with `.to('cuda:1')`).
 
 use std::io::{BufRead as _, BufReader, Read as _};
@@ -56,6 +58,8 @@ const SIZES: [(u64, usize, usize); 4] = [(4 * KIB, 20, 200), (MIB, 5, 50), (64 *
 /// The anchors' sizes: the one-way sizes, and 4 MiB (the bytes of 1,024 x 4 KiB, contiguous).
 const ANCHOR_SIZES: [(u64, usize, usize); 5] =
     [(4 * KIB, 50, 500), (MIB, 5, 50), (4 * MIB, 5, 50), (64 * MIB, 2, 20), (GIB, 1, 5)];
+/// The cross-GPU hand-off floor's sizes: (bytes, warm-up trips, measured trips).
+const HANDOFF_FLOOR_SIZES: [(u64, usize, usize); 3] = [(4 * KIB, 200, 2000), (MIB, 50, 500), (64 * MIB, 5, 50)];
 /// 4 KiB round trips.
 const RTT_WARMUP: usize = 200;
 const RTT_TRIPS: usize = 2000;
@@ -468,6 +472,8 @@ struct Anchors {
     python: Value,
     /// The 1,024 x 4 KiB message encoded and decoded in this process with no channel, p50 us.
     many_floor: Option<f64>,
+    /// The hand-off floor with a pull copy (`handoff_floor::cross_one_way`): (bytes, p50 us).
+    handoff: Vec<(u64, Option<f64>)>,
     errors: Vec<String>,
 }
 
@@ -491,6 +497,12 @@ impl Anchors {
             let peer =
                 peer.map_err(anyhow::Error::from).and_then(|()| peer_copy_curve(&floors.src, &floors.dst, &floors.s0));
             anchors.peer = anchors.note("raw cuMemcpyPeerAsync (peer access enabled)", peer);
+            for (bytes, warmup, trips) in HANDOFF_FLOOR_SIZES {
+                let floor = super::handoff_floor::cross_one_way(ctx0, bytes as usize, warmup, trips);
+                let p50 =
+                    anchors.note(&format!("hand-off floor, {}", size_name(bytes)), floor).map(|mut t| p50_us(&mut t));
+                anchors.handoff.push((bytes, p50));
+            }
             anchors.ring = anchors.note("pinned host round", floors.ring_curve(true));
             anchors.d2h = anchors.note("pinned D2H", floors.ring_curve(false));
         }
@@ -953,6 +965,9 @@ fn rows(runs: &mut [(Way, Option<RouteRun>)], anchors: &Anchors) -> Vec<CrossRow
             match way {
                 Way::Copy | Way::Map => {
                     row.anchor = Some(("cuMemcpyPeerAsync + sync".into(), peer(bytes)));
+                    if let Some(&(_, floor)) = anchors.handoff.iter().find(|(b, _)| *b == bytes) {
+                        row.others.push(("hand-off floor: stream signal + socket + pull copy + sync".into(), floor));
+                    }
                     python_others(&mut row);
                 }
                 Way::Stage => {

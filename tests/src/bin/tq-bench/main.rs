@@ -476,7 +476,7 @@ impl Bench {
         self.json.insert("socket_floor".into(), value.clone());
         let mut done = format!("p50 {} us, spinning p50 {} us", value["p50_us"], value["spin_p50_us"]);
         // A failed hand-off floor costs its rows, not the run's other sections.
-        match self.gpu.as_ref().map(|gpu| handoff_floor::measure(&gpu.context)) {
+        match self.gpu.as_ref().map(|gpu| handoff_floor::round_trips(&gpu.context)) {
             None => {}
             Some(Err(error)) => done += &format!("; the hand-off floor failed: {error:#}"),
             Some(Ok(handoff)) => {
