@@ -20,6 +20,11 @@
 //!   with the threshold at 0 (NCCL, as before), in the same run. Each checks the path its
 //!   tensors came by (`Tcp` and `Nccl`).
 //!
+//! - the floor of a small message inline, measured by this driver with no channel: a pinned
+//!   4 KiB device-to-host copy and its wait, a 64-byte loopback TCP ping-pong, and a pinned
+//!   host-to-device copy and its wait (both copies on GPU 0, like GPU 1 in kind); the inline rows
+//!   are printed against it too, which says how much of their time is the channel's own.
+//!
 //! `--quick` takes a few samples of each, up to 64 MiB, without anchors: the GPU tests run it to
 //! check that both directions work and that both processes exit cleanly (a program that returns
 //! from `main` right after its last message must not crash under NCCL's teardown). The driver
@@ -140,11 +145,20 @@ fn driver(args: &[String]) -> Result<()> {
             None
         }
     };
-    let table = table(&runs, &anchors, tcp_gbps);
+    let floor = match (gpu && !quick).then(inline_floor) {
+        Some(Ok(floor)) => Some(floor),
+        Some(Err(error)) => {
+            eprintln!("tq-hosts: the inline floor failed: {error:#}");
+            None
+        }
+        None => None,
+    };
+    let table = table(&runs, &anchors, tcp_gbps, floor.as_ref());
     println!("{table}");
     if let Some(out) = arg(args, "--out") {
         std::fs::create_dir_all(&out)?;
-        let all = json!({ "runs": runs.iter().map(|(n, v)| json!({ "name": n, "result": v })).collect::<Vec<_>>(), "anchors": anchors, "tcp_stream_gbps": tcp_gbps });
+        let inline_floor = floor.map(|f| json!({ "d2h_us": f.d2h_us, "h2d_us": f.h2d_us, "tcp_rtt_us": f.tcp_rtt_us }));
+        let all = json!({ "runs": runs.iter().map(|(n, v)| json!({ "name": n, "result": v })).collect::<Vec<_>>(), "anchors": anchors, "tcp_stream_gbps": tcp_gbps, "inline_floor": inline_floor });
         std::fs::write(format!("{out}/hosts.json"), serde_json::to_string_pretty(&all)?)?;
         std::fs::write(format!("{out}/hosts.md"), &table)?;
     }
@@ -185,6 +199,79 @@ fn tcp_stream_gbps() -> Result<f64> {
     Ok(total as f64 / seconds / 1e9)
 }
 
+/// The floor of a small message inline (`inline_floor`), p50 us: its parts, one way, and a round
+/// trip.
+struct InlineFloor {
+    d2h_us: f64,
+    h2d_us: f64,
+    tcp_rtt_us: f64,
+}
+
+impl InlineFloor {
+    /// A pinned device-to-host copy and wait, half a TCP round trip, a pinned host-to-device copy
+    /// and wait.
+    fn one_way(&self) -> f64 {
+        self.d2h_us + self.tcp_rtt_us / 2.0 + self.h2d_us
+    }
+
+    fn round_trip(&self) -> f64 {
+        2.0 * (self.d2h_us + self.h2d_us) + self.tcp_rtt_us
+    }
+}
+
+/// What a 4 KiB GPU tensor inline across hosts cannot avoid, measured here with no channel: its
+/// copy from GPU 0 into pinned host memory and the wait for it, a 64-byte ping-pong between two
+/// threads over loopback TCP (blocking reads, `TCP_NODELAY`), and the copy from pinned memory
+/// onto the GPU and the wait for it (p50 of each).
+fn inline_floor() -> Result<InlineFloor> {
+    use ipc_core::{DeviceBuffer, PinnedHostBuffer};
+    use std::io::Read as _;
+    const TRIPS: usize = 5000;
+    let context = Context::on_ordinal(0)?;
+    let stream = Stream::new(&context)?;
+    let (device, host) =
+        (DeviceBuffer::alloc(&context, 4 * KIB as usize)?, PinnedHostBuffer::alloc(&context, 4 * KIB as usize)?);
+    let copies = |to_host: bool| -> Result<f64> {
+        let mut times = Vec::with_capacity(TRIPS);
+        for _ in 0..TRIPS {
+            let start = monotonic_ns();
+            if to_host {
+                stream.copy_async(&host, 0, &device, 0, 4 * KIB as usize)?;
+            } else {
+                stream.copy_async(&device, 0, &host, 0, 4 * KIB as usize)?;
+            }
+            stream.synchronize()?;
+            times.push(monotonic_ns() - start);
+        }
+        Ok(percentile(&mut times, 50.0) as f64 / 1e3)
+    };
+    let (d2h_us, h2d_us) = (copies(true)?, copies(false)?);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let address = listener.local_addr()?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut stream = std::net::TcpStream::connect(address)?;
+        stream.set_nodelay(true)?;
+        let mut packet = [0u8; 64];
+        for _ in 0..TRIPS {
+            stream.read_exact(&mut packet)?;
+            stream.write_all(&packet)?;
+        }
+        Ok(())
+    });
+    let (mut socket, _) = listener.accept()?;
+    socket.set_nodelay(true)?;
+    let mut packet = [0u8; 64];
+    let mut times = Vec::with_capacity(TRIPS);
+    for _ in 0..TRIPS {
+        let start = monotonic_ns();
+        socket.write_all(&packet)?;
+        socket.read_exact(&mut packet)?;
+        times.push(monotonic_ns() - start);
+    }
+    echo.join().map_err(|_| anyhow::anyhow!("the echo thread panicked"))??;
+    Ok(InlineFloor { d2h_us, h2d_us, tcp_rtt_us: percentile(&mut times, 50.0) as f64 / 1e3 })
+}
+
 /// The rows of the host-tensor run: one-way GB/s against a plain TCP stream's (`tcp_gbps`).
 fn host_rows(run: &Value, tcp_gbps: Option<f64>) -> String {
     let mut out = String::new();
@@ -212,7 +299,7 @@ fn host_rows(run: &Value, tcp_gbps: Option<f64>) -> String {
 }
 
 /// The markdown table: ours against the anchor of the same transports, with the targets.
-fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>) -> String {
+fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: Option<&InlineFloor>) -> String {
     let mut out = String::from(
         "| transports | what | tensor-queue p50 | GB/s | torch.distributed NCCL p50 | GB/s | ratio | target |\n|---|---|---|---|---|---|---|---|\n",
     );
@@ -262,6 +349,19 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>) -> Stri
             out +=
                 &format!("| {name} | {what} | {} | | {} | | {} | {target} |\n", fmt(ours), fmt(pingpong), fmt2(ratio));
         }
+        if let Some(floor) = floor {
+            let ours = run["rtt_4k_us"].as_f64();
+            let ratio = ours.map(|ours| ours / floor.round_trip());
+            out += &format!(
+                "| {name} | 4 KiB round trip inline, against its floor: 2 x (pinned D2H {:.1} + pinned H2D {:.1}, each with its wait) + loopback TCP round trip {:.1} | {} | | {:.1} | | {} | |\n",
+                floor.d2h_us,
+                floor.h2d_us,
+                floor.tcp_rtt_us,
+                fmt(ours),
+                floor.round_trip(),
+                fmt2(ratio)
+            );
+        }
         let one_4k = anchor["one_way_p50_us"][(4 * KIB).to_string()].as_f64();
         for (key, what, target) in [
             ("one_way_4k_us", "1 x 4 KiB one-way, small message inline (default)", true),
@@ -270,6 +370,15 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>) -> Stri
             let ours = run[key].as_f64();
             let (ratio, target) = against(ours, one_4k, target);
             out += &format!("| {name} | {what} | {} | | {} | | {} | {target} |\n", fmt(ours), fmt(one_4k), fmt2(ratio));
+        }
+        if let Some(floor) = floor {
+            let ours = run["one_way_4k_us"].as_f64();
+            out += &format!(
+                "| {name} | 1 x 4 KiB one-way inline, against its floor (D2H + half the TCP round trip + H2D) | {} | | {:.1} | | {} | |\n",
+                fmt(ours),
+                floor.one_way(),
+                fmt2(ours.map(|ours| ours / floor.one_way()))
+            );
         }
         let (many, one) = (run["many_us"].as_f64(), run["one_way_us"][(4 * MIB).to_string()].as_f64());
         let ratio = many.zip(one).map(|(a, b)| a / b);
