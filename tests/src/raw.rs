@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use ipc_core::seqpacket::Connection;
-use tensor_queue::testing::wire::{Frame, Hello};
+use tensor_queue::testing::wire::{Frame, Hello, LinkFrame};
 
 /// A `Hello` of this process on this machine, granting (as a receiver) or announcing (as a
 /// sender) `capacity`, with the random `instance` a process gives its `Hello`s.
@@ -26,7 +26,14 @@ pub fn raw_client(path: &Path) -> Connection {
     let connection = Connection::connect(path).unwrap();
     connection.send(&hello(0, 0x7e57).encode(), &[]).unwrap();
     connection.set_recv_timeout(Some(Duration::from_secs(10))).unwrap();
+    // The receiver's `Hello`, after its offer of rings (a link frame, passed over: this client
+    // stays on the socket).
     let mut buf = [0u8; 256];
-    connection.recv(&mut buf).unwrap();
+    loop {
+        let (n, _) = connection.recv(&mut buf).unwrap();
+        if LinkFrame::decode(&buf[..n]).is_err() {
+            break;
+        }
+    }
     connection
 }

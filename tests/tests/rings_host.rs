@@ -139,6 +139,28 @@ fn a_sender_gone_before_its_greeting_counts_as_joined_and_left() {
     assert!(receiver.wait().unwrap().success());
 }
 
+/// A receiver offers its rings before its `Hello`, so a sender has switched to them before the
+/// `Hello` gives it credits, and a burst right after `connect` goes by the rings from its first
+/// message. The offer came after the `Hello`: a burst could fill the socket first, and what the
+/// socket could not take waited in the sender (outside round 5: a finished producer's exit then
+/// waited up to a minute for a receiver that read only after it;
+/// `test_iteration_over_a_killed_and_a_finished_child_ends_after_their_messages`).
+#[test]
+fn the_offer_of_rings_comes_before_the_receivers_hello() {
+    use tensor_queue::testing::wire::{Frame as _, Hello, LinkFrame};
+    let path = socket_path("offer-first");
+    let _receiver = Receiver::<u64>::bind(&path).unwrap();
+    let connection = ipc_core::seqpacket::Connection::connect(&path).unwrap();
+    connection.set_recv_timeout(Some(Duration::from_secs(10))).unwrap();
+    connection.send(&integration_tests::raw::hello(0, 9).encode(), &[]).unwrap();
+    let mut buf = vec![0u8; 1 << 16];
+    let (n, fds) = connection.recv(&mut buf).unwrap();
+    assert_eq!(LinkFrame::decode(&buf[..n]), Ok(LinkFrame::Rings), "the receiver's first frame is its offer");
+    assert_eq!(fds.len(), 4, "both rings and both doorbells");
+    let (n, _) = connection.recv(&mut buf).unwrap();
+    assert!(Hello::decode(&buf[..n]).is_ok(), "then its Hello");
+}
+
 /// A sender that sent its messages (on the socket: no rings yet) and exited before the
 /// receiver's offer of rings keeps every message: the offer finding it gone does not drop the
 /// connection (it did: the messages were lost and the receiver waited for ever for its sender).

@@ -321,11 +321,18 @@ impl Sender {
     /// Connects to the receiver at `address` and waits for its greeting (the credits of its
     /// queue), up to `timeout` seconds in all: so a `try_send` right after says `Full` only when
     /// the receiver's queue is full, not because its greeting is still on the way.
+    ///
+    /// `inline_gpu_up_to`: across hosts, a message whose GPU arrays total at most this many
+    /// bytes sends them inline over TCP instead of through NCCL (0: always NCCL; default:
+    /// `TQ_INLINE_GPU_UP_TO`, else 64 KiB). Too large a value raises `ValueError`.
     #[staticmethod]
-    #[pyo3(signature = (address, timeout = 10.0))]
-    fn connect(py: Python<'_>, address: String, timeout: f64) -> PyResult<Sender> {
+    #[pyo3(signature = (address, timeout = 10.0, *, inline_gpu_up_to = None))]
+    fn connect(py: Python<'_>, address: String, timeout: f64, inline_gpu_up_to: Option<u64>) -> PyResult<Sender> {
         let timeout = duration(timeout, "timeout")?;
-        let builder = tensor_queue::Sender::<Value>::builder().timeout(timeout);
+        let mut builder = tensor_queue::Sender::<Value>::builder().timeout(timeout);
+        if let Some(bytes) = inline_gpu_up_to {
+            builder = builder.inline_gpu_up_to(bytes);
+        }
         let sender = py
             .detach(|| {
                 let started = Instant::now();
@@ -341,6 +348,49 @@ impl Sender {
     #[getter]
     fn address(&self) -> &str {
         &self.address
+    }
+
+    /// The threshold of small messages across hosts (see `connect`'s `inline_gpu_up_to`).
+    #[getter]
+    fn inline_gpu_up_to(&self) -> PyResult<u64> {
+        Ok(self.inner()?.inline_gpu_up_to())
+    }
+
+    /// The route an array on CUDA device `device` (an ordinal of this process) takes to the
+    /// receiver, in a message whose GPU arrays total `gpu_bytes` (`None`: as the pair of GPUs
+    /// usually goes; across hosts a small message goes inline over TCP). Waits up to `timeout`
+    /// seconds for the receiver's greeting. A dict: `route` (its name: `SameDevice`, `PeerMap`,
+    /// `PeerCopy`, `Staged`, `Host`, `Nccl` or `Tcp`), `description` (in words), `target` (the
+    /// receiver's GPU UUID, `None` for host memory), `slower_because` and `reason` (`None` or
+    /// why). Without a CUDA device `device`, raises `InvalidArgument` (a `ValueError`).
+    #[pyo3(signature = (device, gpu_bytes = None, timeout = 10.0))]
+    fn route<'py>(
+        &self,
+        py: Python<'py>,
+        device: i32,
+        gpu_bytes: Option<u64>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let sender = self.inner()?;
+        let timeout = duration(timeout, "timeout")?;
+        let choice = py
+            .detach(|| {
+                let source = ipc_core::Device::get(device)
+                    .and_then(|d| d.uuid())
+                    .map_err(|e| Error::Invalid(format!("CUDA device {device}: {e}")))?;
+                match gpu_bytes {
+                    Some(bytes) => sender.route_for(&source, bytes, timeout),
+                    None => sender.route(&source, timeout),
+                }
+            })
+            .map_err(to_py)?;
+        let dict = pyo3::types::PyDict::new(py);
+        dict.set_item("route", format!("{:?}", choice.route))?;
+        dict.set_item("description", choice.route.to_string())?;
+        dict.set_item("target", choice.target.map(|uuid| uuid.to_string()))?;
+        dict.set_item("slower_because", choice.slower_because)?;
+        dict.set_item("reason", choice.reason)?;
+        Ok(dict)
     }
 
     /// Sends `message`, waiting (up to `timeout` seconds) while the receiver's queue is full.

@@ -378,3 +378,25 @@ def test_broadcast_send_timeout_sends_to_nobody():
     assert slow.recv(timeout=30) == "first"
     fast.close()
     slow.close()
+
+
+def test_the_small_message_threshold_is_set_at_connect_and_checked() -> None:
+    path = address()
+    with tq.Receiver.bind(path) as receiver:
+        default = tq.Sender.connect(path)
+        assert default.inline_gpu_up_to == int(os.environ.get("TQ_INLINE_GPU_UP_TO", 64 << 10))
+        never = tq.Sender.connect(path, inline_gpu_up_to=0)
+        assert never.inline_gpu_up_to == 0  # always NCCL across hosts
+        with pytest.raises(ValueError, match="inline"):
+            tq.Sender.connect(path, inline_gpu_up_to=1 << 40)
+        never.send({"i": 1})
+        assert receiver.recv(timeout=10) == {"i": 1}
+        default.close()
+        never.close()
+
+
+def test_route_of_a_device_this_process_does_not_have_is_a_value_error() -> None:
+    path = address()
+    with tq.Receiver.bind(path), tq.Sender.connect(path) as sender:
+        with pytest.raises(ValueError, match="CUDA device 4096"):
+            sender.route(4096)

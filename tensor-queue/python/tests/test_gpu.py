@@ -237,6 +237,21 @@ def test_two_gpus_tensor_lands_on_the_consumers_gpu() -> None:
     assert got["device"].startswith("cuda"), got
 
 
+def test_route_reports_the_same_gpu_and_across_hosts_the_small_message_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    path = address()
+    with tq.Receiver.bind(path), tq.Sender.connect(path) as sender:
+        choice = sender.route(0)
+        assert choice["route"] == "SameDevice", choice
+        assert choice["target"] is not None and choice["reason"] is None, choice
+    monkeypatch.setenv("TQ_SECRET", "a secret of at least 16 bytes for this test")
+    with tq.Receiver.bind("tcp://127.0.0.1:0") as receiver:
+        with tq.Sender.connect(receiver.address) as small, tq.Sender.connect(receiver.address, inline_gpu_up_to=0) as never:
+            inline = small.route(0, gpu_bytes=4096)
+            assert inline["route"] == "Tcp" and "inline" in (inline["reason"] or ""), inline
+            assert small.route(0, gpu_bytes=1 << 20)["route"] == "Nccl"
+            assert never.route(0, gpu_bytes=4096)["route"] == "Nccl"
+
+
 def test_100_000_messages_without_device_memory_growth() -> None:
     n = 100_000
     path, out = address(), tq.Queue()

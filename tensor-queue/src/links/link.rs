@@ -159,7 +159,7 @@ impl Link {
         })
     }
 
-    /// For a receiver, after its `Hello`: offers the sender a ring each way
+    /// For a receiver, before its `Hello`: offers the sender a ring each way
     /// ([`LinkFrame::Rings`], `links/rings.rs`). A link that cannot make them (no memfd, rings
     /// turned off with [`rings::RINGS_ENV`]) stays on the socket, as one over TCP does.
     pub fn offer_rings(&self) -> Result<()> {

@@ -37,24 +37,42 @@ pub(crate) struct Greeting {
 }
 
 impl Greeting {
-    /// Sends the receiver's `Hello`: the capacity, this process's GPUs, and the routing; then,
-    /// on a local link, the offer of the rings (`links/rings.rs`).
+    /// On a local link, offers the rings (`links/rings.rs`), then sends the receiver's `Hello`:
+    /// the capacity, this process's GPUs, and the routing.
     ///
-    /// Once the `Hello` is out the connection is the receiver's, whatever becomes of the offer:
-    /// the sender may already have sent its messages (on the socket) and exited, and the offer
-    /// then finds it gone. Those messages are read, then the hang-up, as on any link.
+    /// The offer comes first so that the sender has switched to the rings before the `Hello`
+    /// gives it credits: a burst right after `connect` goes by the rings from its first message,
+    /// instead of filling the socket while the sender's reader thread has yet to read an offer
+    /// that came behind the `Hello` (what the socket cannot take would then wait in the sender
+    /// until the receiver reads). A test switch ([`crate::switches::ring_offer_delay`]) sends the
+    /// offer late instead, after the `Hello`, as before, to keep the switch from the socket to
+    /// the rings in mid-stream tested.
+    ///
+    /// Once the `Hello` is out the connection is the receiver's, whatever becomes of a late
+    /// offer: the sender may already have sent its messages (on the socket) and exited, and the
+    /// offer then finds it gone. Those messages are read, then the hang-up, as on any link.
     pub(crate) fn greet(&self, link: &Link) -> Result<()> {
         if let Some(delay) = crate::switches::greeting_delay() {
             std::thread::sleep(delay);
         }
-        link.hello(self.capacity, Reach::local(), &self.routing)?;
-        if let Some(delay) = crate::switches::ring_offer_delay() {
-            std::thread::sleep(delay);
+        let late = crate::switches::ring_offer_delay();
+        if late.is_none() {
+            offer_rings(link);
         }
-        if let Err(error) = link.offer_rings() {
-            tracing::debug!(%error, "no rings for this connection; it stays on the socket");
+        link.hello(self.capacity, Reach::local(), &self.routing)?;
+        if let Some(delay) = late {
+            std::thread::sleep(delay);
+            offer_rings(link);
         }
         Ok(())
+    }
+}
+
+/// Offers the rings; a link that cannot have them stays on the socket, and a sender gone
+/// meanwhile is seen by what follows.
+fn offer_rings(link: &Link) {
+    if let Err(error) = link.offer_rings() {
+        tracing::debug!(%error, "no rings for this connection; it stays on the socket");
     }
 }
 

@@ -521,12 +521,9 @@ def test_two_dozen_short_lived_sender_programs_half_killed_leave_the_receiver_no
     r.close()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="KNOWN LIMITATION (B2, Sender::send): when the child's 2,000-message burst starts before its "
-    "rings are on, what the socket cannot take waits in the child, whose exit then waits (up to a minute) "
-    "for this receiver, which reads only after the exit; passes when the rings came first (a race)",
-)
+# Was a race (B2): the child's burst could start before its rings were on, and what the socket
+# could not take waited in the child, whose exit then waited for this receiver. The receiver now
+# offers its rings before its Hello, so the burst goes by the rings from its first message.
 def test_iteration_over_a_killed_and_a_finished_child_ends_after_their_messages(sock_path):
     r = tq.Receiver.bind(sock_path, capacity=4096)
     r.expect_senders(2)
