@@ -321,7 +321,9 @@ impl<T: DeserializeOwned> Receiver<T> {
         self.recv_with_info(None).map(|(message, _)| message)
     }
 
-    /// Waits up to `timeout` for the next message.
+    /// Waits up to `timeout` for the next message: [`Error::Timeout`] when none came, whatever
+    /// the timeout, zero included ([`try_recv`](Receiver::try_recv) is the look that does not
+    /// wait, and says [`Error::Empty`]).
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {
@@ -332,6 +334,7 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// let _sender = Sender::<u32>::connect(&path)?; // connected, but sends nothing
     /// let waited = receiver.recv_timeout(Duration::from_millis(10));
     /// assert!(matches!(waited, Err(Error::Timeout)));
+    /// assert!(matches!(receiver.recv_timeout(Duration::ZERO), Err(Error::Timeout)));
     /// # Ok(()) }
     /// ```
     pub fn recv_timeout(&mut self, timeout: Duration) -> Result<T> {
@@ -361,10 +364,17 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// # Ok(()) }
     /// ```
     pub fn try_recv(&mut self) -> Result<T> {
-        self.recv_with_info(Some(Duration::ZERO)).map(|(message, _)| message)
+        match self.recv_with_info(Some(Duration::ZERO)) {
+            Ok((message, _)) => Ok(message),
+            // Nothing waiting: for a look that does not wait, that is `Empty`.
+            Err(Error::Timeout) => Err(Error::Empty),
+            Err(other) => Err(other),
+        }
     }
 
-    /// The next message and when each stage of its hand-off happened.
+    /// The next message and when each stage of its hand-off happened, waiting up to `timeout`
+    /// (`None`: without end; [`Error::Timeout`] when none came, as for
+    /// [`recv_timeout`](Receiver::recv_timeout)).
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {

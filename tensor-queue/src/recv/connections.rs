@@ -168,8 +168,8 @@ impl Connections {
 
     /// The next message ready to decode, waiting up to `timeout` (forever with `None`), counted
     /// as taken; [`Error::Rejected`] and [`Error::ProducerFailed`] for a message that cannot be
-    /// used, [`Error::Disconnected`] at the end of the stream, [`Error::Empty`] (zero timeout) or
-    /// [`Error::Timeout`] when none came.
+    /// used, [`Error::Disconnected`] at the end of the stream, [`Error::Timeout`] when none came
+    /// within `timeout`, even a zero one (`try_recv` says [`Error::Empty`] for it).
     pub fn next(&mut self, timeout: Option<Duration>) -> Result<Ready> {
         let deadline = timeout.map(ipc_core::deadline::deadline); // `Duration::MAX` waits without end
         loop {
@@ -202,7 +202,7 @@ impl Connections {
                     continue;
                 }
                 if expired {
-                    return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
+                    return Err(Error::Timeout);
                 }
                 if self.parked.iter().all(|p| p.fences.iter().all(|f| f.wakes_receiver())) {
                     // NCCL workers ring when they have issued a message's receives: block.
@@ -220,7 +220,7 @@ impl Connections {
             }
             let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if !self.pump(wait)? {
-                return Err(if timeout == Some(Duration::ZERO) { Error::Empty } else { Error::Timeout });
+                return Err(Error::Timeout);
             }
         }
     }
