@@ -135,8 +135,8 @@ pub mod testing {
     pub mod wire {
         pub use crate::wire::{
             Answer, Assembler, BYTES_FRAME, ChunkKind, Descriptors, Fence, Frame, FrameError, Hello, LEGACY_HANDLE_LEN,
-            LinkFrame, MAGIC, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, MAX_PACKET, MAX_REASON, MAX_RELEASES, Source,
-            StorageDesc, TensorDesc, ToReceiver, ToSender, VERSION, packets,
+            LinkFrame, MAGIC, MAX_INLINE_BYTES, MAX_MESSAGE_BYTES, MAX_PACKET, MAX_REASON, MAX_RELEASES,
+            MAX_RUN_TENSORS, Source, StorageDesc, TensorDesc, ToReceiver, ToSender, VERSION, packets,
         };
     }
 }

@@ -152,7 +152,8 @@ pub const MIXED: usize = 1024;
 /// Message `id` of [`MIXED`] host tensors: 300 views of one `i32` storage (rows, single
 /// elements, a transposed block), 300 views of another (`f64`, strided slices and columns) and
 /// 424 tensors of their own storage (dtypes in turn, 1 to 3 dimensions), interleaved so that
-/// neighbours in the message name different storages.
+/// neighbours in the message name different storages; then 128 of them replaced by runs of
+/// like views broken by other rows (see the end).
 pub fn mixed_storages(id: u64) -> Result<Vec<Tensor>> {
     let a = patterned(id * 3, DType::I32, &[64, 64], None)?;
     let b = patterned(id * 3 + 1, DType::F64, &[32, 96], None)?;
@@ -177,6 +178,37 @@ pub fn mixed_storages(id: u64) -> Result<Vec<Tensor>> {
         let at = (2 + 4 * k) as usize; // an own-storage tensor's place
         tensors[at] = if k % 2 == 0 { a.narrow(1, k % 64, 1)? } else { b.narrow(1, k % 96, 1)? };
     }
+    // The last 128 places: like views one after the other, which the table sends as runs (one
+    // row for many), broken by rows that differ in step, layout, dtype or storage: 24 rows of
+    // `a`, 8 of them again backwards, 24 single elements of a column of `b`, 16 empty views, 16
+    // times one view, 16 transposed blocks, and 24 tensors of their own between them.
+    let mut runs = Vec::with_capacity(128);
+    for k in 0..24 {
+        runs.push(a.select(0, k)?);
+    }
+    for k in 0..8 {
+        runs.push(a.select(0, 40 - k)?);
+    }
+    for k in 0..24 {
+        runs.push(if k % 6 == 5 {
+            small(id * 10_000 + 5_000 + k, k as usize, None)?
+        } else {
+            b.select(1, 7)?.select(0, k)?
+        });
+    }
+    for k in 0..16 {
+        runs.push(a.narrow(0, k, 0)?);
+    }
+    for _ in 0..16 {
+        runs.push(b.narrow(0, 3, 2)?);
+    }
+    for k in 0..16 {
+        runs.push(a.narrow(0, 2 * k, 2)?.transpose(0, 1)?);
+    }
+    for k in 0..24 {
+        runs.push(small(id * 10_000 + 6_000 + k, k as usize, None)?);
+    }
+    tensors.splice(MIXED - runs.len().., runs);
     Ok(tensors)
 }
 

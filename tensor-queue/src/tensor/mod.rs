@@ -3,6 +3,7 @@
 
 pub(crate) mod convert;
 pub(crate) mod copy;
+mod dims;
 pub(crate) mod dtype;
 pub(crate) mod layout;
 mod view;
@@ -15,6 +16,7 @@ use ipc_core::{Context, DeviceBuffer, DeviceMemory, Event, SharedMemory, Stream,
 use crate::error::{Error, Result, TensorProblem};
 use crate::fences::{Fences, failed};
 use crate::memory::arena::{Allocation, Arena, Chunk, ChunkMemory};
+use crate::tensor::dims::Dims;
 use crate::tensor::dtype::{DType, Element};
 use ipc_core::SharedElements as HostElements;
 
@@ -190,10 +192,6 @@ impl Storage {
     }
 }
 
-/// A tensor's sizes or strides: inline up to 4 dimensions, so that cloning a tensor (as sending
-/// does) or receiving one allocates nothing for them.
-type Dims<T> = smallvec::SmallVec<[T; 4]>;
-
 /// An n-dimensional view of typed memory that can be sent to other processes.
 ///
 /// ```
@@ -208,23 +206,22 @@ type Dims<T> = smallvec::SmallVec<[T; 4]>;
 pub struct Tensor {
     pub(crate) storage: Arc<Storage>,
     dtype: DType,
-    shape: Dims<u64>,
-    strides: Dims<i64>,
+    /// Sizes and strides, inline for a few dimensions (see `dims.rs`).
+    dims: Dims,
     /// Bytes from the storage's start to element 0.
     offset: usize,
     path: TransferPath,
     stream: Option<Arc<Stream>>,
 }
 
-/// A copy of the view: the storage's count and the inline dimensions copied as bytes (a
-/// derived clone copies them element by element; sending clones every tensor of a message).
+/// A copy of the view: the storage's count, and the dimensions copied whole (inline ones as two
+/// fixed arrays; sending clones every tensor of a message).
 impl Clone for Tensor {
     fn clone(&self) -> Tensor {
         Tensor {
             storage: self.storage.clone(),
             dtype: self.dtype,
-            shape: Dims::from_slice(&self.shape),
-            strides: Dims::from_slice(&self.strides),
+            dims: self.dims.clone(),
             offset: self.offset,
             path: self.path,
             stream: self.stream.clone(),
@@ -236,8 +233,8 @@ impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tensor")
             .field("dtype", &self.dtype)
-            .field("shape", &self.shape)
-            .field("strides", &self.strides)
+            .field("shape", &self.shape())
+            .field("strides", &self.strides())
             .field("offset", &self.offset)
             .field("device", &self.device())
             .field("path", &self.path)
@@ -300,8 +297,7 @@ impl Tensor {
         Tensor {
             storage: Arc::new(storage),
             dtype,
-            shape: Dims::from_slice(shape),
-            strides: Dims::from_vec(contiguous_strides(shape)),
+            dims: Dims::new(shape, &contiguous_strides(shape)),
             offset: 0,
             path: TransferPath::Local,
             stream: None,
@@ -317,8 +313,7 @@ impl Tensor {
         path: TransferPath,
         stream: Option<Arc<Stream>>,
     ) -> Tensor {
-        let (shape, strides) = (Dims::from_slice(shape), Dims::from_slice(strides));
-        Tensor { storage, dtype, shape, strides, offset, path, stream }
+        Tensor { storage, dtype, dims: Dims::new(shape, strides), offset, path, stream }
     }
 
     fn from_arena(arena: &Arc<Arena>, dtype: DType, shape: &[u64]) -> Result<Tensor> {
@@ -488,7 +483,7 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn shape(&self) -> &[u64] {
-        &self.shape
+        self.dims.shape()
     }
 
     /// Strides of each dimension, in elements.
@@ -502,7 +497,7 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn strides(&self) -> &[i64] {
-        &self.strides
+        self.dims.strides()
     }
 
     /// Bytes from the storage's start to element 0.
@@ -530,7 +525,7 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn numel(&self) -> u64 {
-        self.shape.iter().product()
+        self.shape().iter().product()
     }
 
     /// Bytes of the elements (as if contiguous).
@@ -560,9 +555,9 @@ impl Tensor {
     /// # Ok(()) }
     /// ```
     pub fn is_contiguous(&self) -> bool {
-        self.shape
+        self.shape()
             .iter()
-            .zip(self.strides.iter().zip(contiguous_strides(&self.shape)))
+            .zip(self.strides().iter().zip(contiguous_strides(self.shape())))
             .all(|(&n, (&s, c))| n <= 1 || s == c)
     }
 
@@ -652,10 +647,8 @@ impl Tensor {
 
     /// The same storage seen with another layout (checked by the caller, see `view.rs`).
     pub(crate) fn with_layout(&self, shape: Vec<u64>, strides: Vec<i64>, offset: usize) -> Tensor {
-        let (shape, strides) = (Dims::from_slice(&shape), Dims::from_slice(&strides));
         Tensor {
-            shape,
-            strides,
+            dims: Dims::new(&shape, &strides),
             offset,
             path: self.path,
             stream: self.stream.clone(),
@@ -667,7 +660,7 @@ impl Tensor {
     /// The byte range of the storage this view touches, relative to the storage's start.
     pub(crate) fn touched_bytes(&self) -> Result<(usize, usize)> {
         let (low, high) =
-            strided_byte_span(&self.shape, &self.strides, self.dtype.size()).ok_or(TensorProblem::OutsideStorage)?;
+            strided_byte_span(self.shape(), self.strides(), self.dtype.size()).ok_or(TensorProblem::OutsideStorage)?;
         let start = self.offset as i64 + low;
         let end = self.offset as i64 + high;
         if start < 0 || end > self.storage.len as i64 {
@@ -822,12 +815,12 @@ impl Tensor {
 
     /// The mapping of a host tensor, and the first byte of one element of it there.
     fn element_at(&self, index: &[u64]) -> Result<(&SharedMemory, usize)> {
-        let bad_index = || TensorProblem::BadIndex { index: index.to_vec(), shape: self.shape.to_vec() };
-        if index.len() != self.shape.len() {
+        let bad_index = || TensorProblem::BadIndex { index: index.to_vec(), shape: self.shape().to_vec() };
+        if index.len() != self.shape().len() {
             return Err(bad_index().into());
         }
         let mut at = self.offset as i64;
-        for ((&i, &n), &s) in index.iter().zip(&self.shape).zip(&self.strides) {
+        for ((&i, &n), &s) in index.iter().zip(self.shape()).zip(self.strides()) {
             if i >= n {
                 return Err(bad_index().into());
             }
@@ -915,9 +908,9 @@ impl Tensor {
         let mut out = Vec::new();
         // A broadcast view may have far more elements than memory: an error, not an abort.
         out.try_reserve_exact(self.nbytes()).map_err(|_| TensorProblem::NoMemory { bytes: self.nbytes() })?;
-        let mut index = vec![0u64; self.shape.len()];
+        let mut index = vec![0u64; self.shape().len()];
         for _ in 0..self.numel() {
-            let at: i64 = index.iter().zip(&self.strides).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
+            let at: i64 = index.iter().zip(self.strides()).map(|(&i, &s)| i as i64 * s).sum::<i64>() * size as i64;
             let mut element = [0u8; 16];
             // Every index is inside the shape and the view inside the storage; an element is at
             // most 16 bytes.
@@ -926,7 +919,7 @@ impl Tensor {
             out.extend_from_slice(&element[..size]);
             for d in (0..index.len()).rev() {
                 index[d] += 1;
-                if index[d] < self.shape[d] {
+                if index[d] < self.shape()[d] {
                     break;
                 }
                 index[d] = 0;

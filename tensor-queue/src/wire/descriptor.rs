@@ -274,14 +274,26 @@ impl Descriptors {
         shape: &[u64],
         strides: &[i64],
     ) {
-        let dims = self.shapes.len() as u32;
-        self.shapes.extend_from_slice(shape);
-        if strides.len() == shape.len() {
-            self.strides.extend_from_slice(strides); // a tensor's own: one copy
+        let ndim = shape.len();
+        let tail = self.shapes.len().wrapping_sub(ndim);
+        let dims = if strides.len() == ndim
+            && self.shapes.get(tail..) == Some(shape)
+            && self.strides.get(tail..) == Some(strides)
+        {
+            // The layout of the tensor described last (a message of like tensors): shared, so
+            // that encoding sees the rows of a run by their `dims` alone.
+            tail as u32
         } else {
-            self.strides.extend(strides.iter().copied().chain(std::iter::repeat(0)).take(shape.len()));
-        }
-        self.tensors[index] = TensorDesc { storage, view_offset, dtype, ndim: shape.len() as u8, dims };
+            let dims = self.shapes.len() as u32;
+            self.shapes.extend_from_slice(shape);
+            if strides.len() == ndim {
+                self.strides.extend_from_slice(strides); // a tensor's own: one copy
+            } else {
+                self.strides.extend(strides.iter().copied().chain(std::iter::repeat(0)).take(ndim));
+            }
+            dims
+        };
+        self.tensors[index] = TensorDesc { storage, view_offset, dtype, ndim: ndim as u8, dims };
     }
 
     /// The first tensor not given a storage, if any.
@@ -336,6 +348,59 @@ impl Descriptors {
     }
 }
 
+impl Descriptors {
+    /// The run of rows from `index` on (see [`RUN`]): how many (1 for a row alone) and the
+    /// step of their view offsets. Rows of a run are views of one record with one dtype and
+    /// layout, each `step` bytes after the one before.
+    fn run_at(&self, index: usize) -> (u32, u64) {
+        let first = &self.tensors[index];
+        let like = |t: &TensorDesc| {
+            t.storage == first.storage
+                && t.dtype == first.dtype
+                && t.ndim == first.ndim
+                && (t.dims == first.dims
+                    || (self.shape_of(t) == self.shape_of(first) && self.strides_of(t) == self.strides_of(first)))
+        };
+        let Some(step) = self
+            .tensors
+            .get(index + 1)
+            .filter(|next| like(next))
+            .and_then(|next| next.view_offset.checked_sub(first.view_offset))
+        else {
+            return (1, 0);
+        };
+        let mut repeat = 2u32;
+        let mut last = first.view_offset + step;
+        for next in &self.tensors[index + 2..] {
+            if repeat == u32::MAX || !like(next) || last.checked_add(step) != Some(next.view_offset) {
+                break;
+            }
+            last = next.view_offset;
+            repeat += 1;
+        }
+        (repeat, step)
+    }
+
+    fn shape_of(&self, t: &TensorDesc) -> &[u64] {
+        &self.shapes[t.dims as usize..t.dims as usize + t.ndim as usize]
+    }
+
+    fn strides_of(&self, t: &TensorDesc) -> &[i64] {
+        &self.strides[t.dims as usize..t.dims as usize + t.ndim as usize]
+    }
+}
+
+/// The flag of a row's dimension count that makes it the first of a run: a `u32` count (at
+/// least 2) and a `u64` step follow its strides, and the run stands for that many rows of one
+/// record, dtype and layout, the view offset of each `step` bytes after the one before (a
+/// message of like tensors cut from one storage, or allocated one after the other, is one row).
+const RUN: u8 = 0x80;
+
+/// The most tensors of a table that runs may describe: a frame may declare this many tensors,
+/// whatever its size, or as many as its bytes hold rows without runs (a sender of a bigger
+/// message writes no runs). It bounds what a small frame makes the receiver allocate.
+pub const MAX_RUN_TENSORS: usize = 1 << 20;
+
 /// Appends the table.
 pub(super) fn encode_table(w: &mut Writer, table: &Descriptors) {
     w.0.reserve(4 + table.storages.len() * MAX_RECORD + 4 + table.tensors.len() * MIN_TENSOR + table.shapes.len() * 16);
@@ -344,13 +409,22 @@ pub(super) fn encode_table(w: &mut Writer, table: &Descriptors) {
         encode_storage(w, record);
     }
     w.u32(table.tensors.len() as u32);
-    for (index, t) in table.tensors.iter().enumerate() {
+    let runs = table.tensors.len() <= MAX_RUN_TENSORS;
+    let mut index = 0;
+    while index < table.tensors.len() {
+        let t = &table.tensors[index];
+        let (repeat, step) = if runs { table.run_at(index) } else { (1, 0) };
         w.u32(t.storage);
         w.u64(t.view_offset);
         w.u8(t.dtype as u8);
-        w.u8(t.ndim);
+        w.u8(if repeat > 1 { t.ndim | RUN } else { t.ndim });
         table.shape(index).iter().for_each(|&s| w.u64(s));
         table.strides(index).iter().for_each(|&s| w.u64(s as u64));
+        if repeat > 1 {
+            w.u32(repeat);
+            w.u64(step);
+        }
+        index += repeat as usize;
     }
 }
 
@@ -412,15 +486,13 @@ pub(super) fn decode_table(r: &mut Reader<'_>, body: usize) -> Result<Descriptor
         storages.push(decode_storage(r, index)?);
     }
     check_disjoint(&storages)?;
-    let count = r.count("tensors", body / MIN_TENSOR)?;
-    let mut table = Descriptors {
-        storages,
-        tensors: Vec::with_capacity(count),
-        shapes: Vec::with_capacity(count),
-        strides: Vec::with_capacity(count),
-    };
-    for index in 0..count {
-        decode_tensor(r, index, &mut table)?;
+    let count = r.count("tensors", (body / MIN_TENSOR).max(MAX_RUN_TENSORS))?;
+    // Room for the rows the frame's bytes can hold: a run's rows are made when it is read.
+    let room = count.min(body / MIN_TENSOR);
+    let mut table =
+        Descriptors { storages, tensors: Vec::with_capacity(room), shapes: Vec::new(), strides: Vec::new() };
+    while table.tensors.len() < count {
+        decode_tensor(r, count, &mut table)?;
     }
     Ok(table)
 }
@@ -501,13 +573,16 @@ fn check_disjoint(storages: &[StorageDesc]) -> Result<(), FrameError> {
     Ok(())
 }
 
-fn decode_tensor(r: &mut Reader<'_>, index: usize, table: &mut Descriptors) -> Result<(), FrameError> {
+/// Decodes the row (or run of rows) of the next tensor of a table of `count`, and checks it.
+fn decode_tensor(r: &mut Reader<'_>, count: usize, table: &mut Descriptors) -> Result<(), FrameError> {
+    let index = table.tensors.len();
     let bad = |reason: String| FrameError::OutOfBounds { index, reason };
     let storage = r.u32()?;
     let view_offset = r.u64()?;
     let code = r.u8()?;
     let dtype = DType::from_code(code).ok_or(FrameError::BadDType(code))?;
-    let ndim = r.u8()? as usize;
+    let flags = r.u8()?;
+    let ndim = (flags & !RUN) as usize;
     if ndim > MAX_DIMS {
         return Err(FrameError::TooMany { what: "dimensions", count: ndim, max: MAX_DIMS });
     }
@@ -522,20 +597,36 @@ fn decode_tensor(r: &mut Reader<'_>, index: usize, table: &mut Descriptors) -> R
     for _ in 0..ndim {
         table.strides.push(r.u64()? as i64);
     }
+    let (repeat, step) = if flags & RUN != 0 { (r.u32()? as usize, r.u64()?) } else { (1, 0) };
+    if repeat < 2 && flags & RUN != 0 {
+        return Err(bad(format!("a run of {repeat} tensors")));
+    }
+    if repeat > count - index {
+        return Err(FrameError::TooMany { what: "tensors in runs", count: index + repeat, max: count });
+    }
     let (shape, strides) = (&table.shapes[dims..], &table.strides[dims..]);
-    // Element 0's alignment counts from the chunk's (page-aligned) start, or the transfer's.
+    // Element 0's alignment counts from the chunk's (page-aligned) start, or the transfer's;
+    // the rows of a run keep the first's when the step is a multiple of the element size.
     check_layout(shape, strides, dtype, record.source.offset().wrapping_add(view_offset)).map_err(bad)?;
+    if !step.is_multiple_of(dtype.size() as u64) {
+        return Err(bad(format!("a run's step of {step} bytes is not a multiple of {dtype:?}'s size")));
+    }
     let (low, high) = strided_byte_span(shape, strides, dtype.size())
         .ok_or_else(|| bad(format!("shape {shape:?} with strides {strides:?} overflows")))?;
+    // The run's rows lie between its first's start and its last's end (steps are not negative).
+    let last = i128::from(view_offset) + (repeat as i128 - 1) * i128::from(step);
     let start = i128::from(view_offset) + i128::from(low);
-    let end = i128::from(view_offset) + i128::from(high);
+    let end = last + i128::from(high);
     if start < 0 || end > i128::from(record.len) {
         return Err(bad(format!(
-            "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}) outside storage record {storage} of {} bytes",
+            "view bytes {start}..{end} (shape {shape:?}, strides {strides:?}, {dtype:?}, {repeat} rows {step} bytes \
+             apart) outside storage record {storage} of {} bytes",
             record.len
         )));
     }
-    table.tensors.push(TensorDesc { storage, view_offset, dtype, ndim: ndim as u8, dims: dims as u32 });
+    let row = TensorDesc { storage, view_offset, dtype, ndim: ndim as u8, dims: dims as u32 };
+    // In range: the last row's offset is at most the record's length.
+    table.tensors.extend((0..repeat as u64).map(|k| TensorDesc { view_offset: view_offset + k * step, ..row }));
     Ok(())
 }
 
@@ -704,6 +795,108 @@ mod tests {
         assert!(
             matches!(ToReceiver::decode(&bytes), Err(FrameError::Storage { index: 0, reason }) if reason.contains("route 200"))
         );
+    }
+
+    #[test]
+    fn like_rows_travel_as_runs_and_decode_exact_among_rows_of_every_kind() {
+        // 1,024 views of one record 4 KiB apart: one row on the wire.
+        let mut many = Descriptors::default();
+        let storage = many.push_storage(mapped(1, 0, 1024 * 4096));
+        for k in 0..1024 {
+            many.push_tensor(storage, k * 4096, DType::U8, &[4096], &[1]);
+        }
+        let bytes =
+            ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: many.clone(), payload: vec![] }.encode();
+        assert!(bytes.len() < 128, "{} bytes for one run", bytes.len());
+        let Ok(ToReceiver::Message { tensors, .. }) = ToReceiver::decode(&bytes) else { panic!("refused") };
+        assert_eq!(tensors, many);
+        assert_eq!((tensors.tensors()[1023].view_offset, tensors.shape(1023)), (1023 * 4096, &[4096u64][..]));
+
+        // Runs among rows that break them: another record, dtype, shape, stride or step, a
+        // transposed view, 0-element tensors, and offsets going down.
+        let mut mixed = Descriptors::default();
+        let a = mixed.push_storage(mapped(1, 0, 1 << 16));
+        let b = mixed.push_storage(mapped(2, 4096, 1 << 16));
+        let rows: &[Row] = &[
+            (a, 0, DType::F32, &[4, 4], &[4, 1]),
+            (a, 64, DType::F32, &[4, 4], &[4, 1]),
+            (a, 128, DType::F32, &[4, 4], &[4, 1]),
+            (a, 192, DType::F32, &[4, 4], &[1, 4]), // transposed: a row of its own
+            (b, 192, DType::F32, &[4, 4], &[4, 1]), // another record
+            (b, 256, DType::I64, &[2], &[1]),
+            (b, 272, DType::I64, &[2], &[1]),
+            (b, 288, DType::I64, &[2], &[1]),
+            (b, 320, DType::I64, &[2], &[1]), // another step
+            (b, 352, DType::I64, &[2], &[1]),
+            (a, 0, DType::U8, &[0], &[1]),
+            (a, 0, DType::U8, &[0], &[1]), // step 0
+            (a, 0, DType::U8, &[0], &[1]),
+            (a, 512, DType::F64, &[3], &[-1]),
+            (a, 256, DType::F64, &[3], &[-1]), // down
+            (a, 8192, DType::U8, &[], &[]),
+            (a, 8193, DType::U8, &[], &[]),
+        ];
+        for &(storage, offset, dtype, shape, strides) in rows {
+            mixed.push_tensor(storage, offset, dtype, shape, strides);
+        }
+        let Ok(ToReceiver::Message { tensors, .. }) = decode(mixed.clone()) else { panic!("refused") };
+        assert_eq!(tensors, mixed);
+        for (index, &(storage, offset, dtype, shape, strides)) in rows.iter().enumerate() {
+            let row = tensors.tensors()[index];
+            assert_eq!((row.storage, row.view_offset, row.dtype), (storage, offset, dtype), "row {index}");
+            assert_eq!((tensors.shape(index), tensors.strides(index)), (shape, strides), "row {index}");
+        }
+    }
+
+    /// A tensor row: (record, view offset, dtype, shape, strides).
+    type Row<'a> = (u32, u64, DType, &'a [u64], &'a [i64]);
+
+    /// A message of two like rows (one run) in a record of 64 bytes, and where its run's fields
+    /// are in the frame: (the tensor count, the dimension byte, the run's count, its step).
+    fn a_run() -> (Vec<u8>, [usize; 4]) {
+        let mut table = Descriptors::default();
+        let storage = table.push_storage(mapped(1, 0, 64));
+        table.push_tensor(storage, 0, DType::F32, &[4], &[1]);
+        table.push_tensor(storage, 16, DType::F32, &[4], &[1]);
+        let bytes = ToReceiver::Message { seq: 1, sent_ns: 0, encoded_ns: 0, tensors: table, payload: vec![] }.encode();
+        // Header 12, times 24, record count 4 and one mapped record of 26 bytes.
+        let count = 12 + 24 + 4 + 26;
+        let row = count + 4;
+        (bytes, [count, row + 13, row + 30, row + 34])
+    }
+
+    #[test]
+    fn a_run_that_lies_is_refused_with_a_typed_error() {
+        let (honest, [count, flags, repeat, step]) = a_run();
+        assert_eq!(honest[flags], 1 | RUN);
+        assert!(ToReceiver::decode(&honest).is_ok());
+        let with = |at: usize, value: &[u8]| {
+            let mut bytes = honest.clone();
+            bytes[at..at + value.len()].copy_from_slice(value);
+            ToReceiver::decode(&bytes)
+        };
+        let refused = with(repeat, &1u32.to_le_bytes());
+        assert!(matches!(refused, Err(FrameError::OutOfBounds { index: 0, reason }) if reason.contains("a run of 1")));
+        let refused = with(repeat, &3u32.to_le_bytes());
+        assert!(matches!(refused, Err(FrameError::TooMany { what: "tensors in runs", count: 3, max: 2 })));
+        let refused = with(repeat, &u32::MAX.to_le_bytes());
+        assert!(matches!(refused, Err(FrameError::TooMany { what: "tensors in runs", .. })));
+        // The last row past the record's end, whatever the step: no overflow.
+        for bad_step in [52u64, 1 << 40, u64::MAX - 3] {
+            let refused = with(step, &bad_step.to_le_bytes());
+            assert!(matches!(refused, Err(FrameError::OutOfBounds { index: 0, .. })), "step {bad_step}");
+        }
+        let refused = with(step, &6u64.to_le_bytes());
+        assert!(matches!(refused, Err(FrameError::OutOfBounds { reason, .. }) if reason.contains("not a multiple")));
+        assert!(with(step, &0u64.to_le_bytes()).is_ok(), "the same view twice");
+        // More tensors than runs may describe, in a frame too small to hold them as rows.
+        let too_many = (MAX_RUN_TENSORS as u32 + 1).to_le_bytes();
+        let refused = with(count, &too_many);
+        assert!(matches!(refused, Err(FrameError::TooMany { what: "tensors", max: MAX_RUN_TENSORS, .. })));
+        // A count the runs do not reach: the frame ends early.
+        assert!(matches!(with(count, &3u32.to_le_bytes()), Err(FrameError::Truncated { .. })));
+        // Without its run flag the row is one tensor and the run's fields are read as the payload.
+        assert!(with(flags, &[1]).is_err());
     }
 
     #[test]

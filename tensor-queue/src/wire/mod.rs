@@ -25,7 +25,7 @@ pub use hello::{Answer, Hello};
 pub use to_receiver::ToReceiver;
 pub use to_sender::ToSender;
 
-pub use descriptor::{ChunkKind, Descriptors, Fence, Source, StorageDesc, TensorDesc};
+pub use descriptor::{ChunkKind, Descriptors, Fence, MAX_RUN_TENSORS, Source, StorageDesc, TensorDesc};
 use descriptor::{decode_table, encode_table};
 
 /// Frame magic.
@@ -41,6 +41,8 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// 7: a message without tensors is never released (its sender leases nothing), a refused
 /// message's lease comes back by its release, and a release of anything else is a violation.
 /// 8: a local link's per-message frames go through shared-memory rings ([`LinkFrame`]).
+/// 9: a message's table describes a run of like tensors of one record in one row
+/// ([`MAX_RUN_TENSORS`]).
 ///
 /// ```
 /// use tensor_queue::FrameError;
@@ -50,7 +52,7 @@ pub const MAGIC: [u8; 4] = *b"TQF1";
 /// bytes[4..6].copy_from_slice(&(VERSION + 1).to_le_bytes()); // as a newer build would send it
 /// assert_eq!(ToSender::decode(&bytes), Err(FrameError::Version(VERSION + 1)));
 /// ```
-pub const VERSION: u16 = 8;
+pub const VERSION: u16 = 9;
 
 /// The largest packet: one SEQPACKET message must fit the socket's send buffer.
 ///
