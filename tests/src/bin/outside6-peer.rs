@@ -1,0 +1,254 @@
+//! The second process of `tests/tests/outside_round6.rs`: an outside user's program over local
+//! channels, public API only. Each mode is one role; it reports on stdout, one line a step, and
+//! checks what it receives itself. Every mode that waits has a watchdog: with no progress for
+//! `--stuck` seconds (default 60) it says "stuck AT" and exits with status 3, so a lost wake-up
+//! is a failure with a message, never a hung test.
+
+use std::io::BufRead;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use integration_tests::outside6::{Msg, Rng, Waiter, Way, many_tensors, many_tensors_differ};
+use integration_tests::program::{connect, say};
+use integration_tests::{arg, number};
+use kernels::reference::pattern;
+use tensor_queue::{DType, Error, Receiver, Tensor};
+
+/// Message `index` of sender `id`: a `len`-byte pattern tensor when `index % every == 0`.
+fn message(id: u32, index: u64, len: usize, every: u64) -> Result<Msg> {
+    let tensors = if every != 0 && index.is_multiple_of(every) {
+        vec![Tensor::from_bytes(&pattern(len, index), DType::U8, &[len as u64])?]
+    } else {
+        vec![]
+    };
+    Ok((id, index, tensors))
+}
+
+/// Whether `msg` is what `message(msg.0, msg.1, len, every)` made.
+fn intact(msg: &Msg, len: usize, every: u64) -> Result<bool> {
+    let (_, index, tensors) = msg;
+    if tensors.len() != usize::from(every != 0 && index.is_multiple_of(every)) {
+        return Ok(false);
+    }
+    for tensor in tensors {
+        if tensor.to_bytes()? != pattern(len, *index) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Exits with status 3 after saying "stuck AT" when `progress` has not moved for `bound`.
+fn watchdog(progress: Arc<AtomicU64>, bound: Duration) {
+    std::thread::spawn(move || {
+        let mut last = (progress.load(Ordering::Relaxed), Instant::now());
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = progress.load(Ordering::Relaxed);
+            if now != last.0 {
+                last = (now, Instant::now());
+            } else if last.1.elapsed() > bound {
+                say(&format!("stuck {now}"));
+                std::process::exit(3);
+            }
+        }
+    });
+}
+
+/// Binds `path` (and `path-1` for the ways that wait on several receivers).
+fn bind_for(way: Way, path: &str, capacity: u32) -> Result<Vec<Receiver<Msg>>> {
+    let mut paths = vec![path.to_string()];
+    if way.several() {
+        paths.push(format!("{path}-1"));
+    }
+    paths.iter().map(|p| Ok(Receiver::<Msg>::builder().capacity(capacity).bind(p)?)).collect()
+}
+
+/// Waits until the test closes our stdin (or kills us).
+fn wait_for_stdin() {
+    let mut line = String::new();
+    while std::io::stdin().lock().read_line(&mut line).is_ok_and(|n| n > 0) {
+        line.clear();
+    }
+}
+
+fn main() -> Result<()> {
+    integration_tests::init_logging();
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mode = args.first().map(String::as_str).unwrap_or("");
+    let to = || arg(&args, "--to").context("--to PATH");
+    let progress = Arc::new(AtomicU64::new(0));
+    watchdog(progress.clone(), Duration::from_secs(number(&args, "--stuck", 60)?));
+    match mode {
+        // The other end of a ping-pong: binds `--bind` (and `--bind`-1 for select and poll),
+        // says "bound", connects to `--to` (two senders with `--two-senders`, used in turn), and
+        // `--count` times waits in `--way` for message (0, I), sleeps a random 0-200 us half the
+        // time (`--seed`), and answers (1, I) (a 64-byte tensor every 16th). Says "done COUNT
+        // IDLE" (IDLE: waits that ended without a message), then waits for stdin to close.
+        "pong" => {
+            let way = Way::parse(&arg(&args, "--way").context("--way")?).context("unknown --way")?;
+            let (count, seed) = (number(&args, "--count", 20_000)?, number(&args, "--seed", 1)?);
+            let receivers = bind_for(way, &arg(&args, "--bind").context("--bind PATH")?, 4)?;
+            let mut waiter = Waiter::new(way, receivers, seed)?;
+            say("bound");
+            let path = to()?;
+            let mut senders = vec![connect::<Msg>(&path)?];
+            if args.iter().any(|a| a == "--two-senders") {
+                senders.push(connect::<Msg>(&path)?);
+            }
+            let mut rng = Rng::new(seed ^ 0xfeed);
+            for index in 0..count {
+                let msg = waiter.wait().with_context(|| format!("waiting ({way:?}) for round trip {index}"))?;
+                if msg.0 != 0 || msg.1 != index || !intact(&msg, 64, 16)? {
+                    bail!("round trip {index}: got ({}, {}) with {} tensors", msg.0, msg.1, msg.2.len());
+                }
+                drop(msg);
+                rng.jitter();
+                senders[(index % senders.len() as u64) as usize].send(&message(1, index, 64, 16)?)?;
+                progress.store(index + 1, Ordering::Relaxed);
+            }
+            say(&format!("done {count} {}", waiter.idle));
+            wait_for_stdin();
+        }
+        // A sender the test drives by lines on stdin: connects to `--to` as sender `--id`,
+        // waits for the greeting, says "ready"; "send I" sends message I (a `--len`-byte tensor
+        // every `--every`) and says "sent I"; "exit" (or stdin closed) drops it and exits.
+        "manual" => {
+            let sender = connect::<Msg>(&to()?)?;
+            sender.wait_ready(Duration::from_secs(60)).context("wait_ready")?;
+            let (id, len, every) =
+                (number(&args, "--id", 0)? as u32, number(&args, "--len", 64)? as usize, number(&args, "--every", 1)?);
+            say("ready");
+            for line in std::io::stdin().lock().lines() {
+                let line = line?;
+                progress.fetch_add(1, Ordering::Relaxed);
+                if let Some(index) = line.strip_prefix("send ") {
+                    let index = index.trim().parse()?;
+                    sender.send(&message(id, index, len, every)?)?;
+                    say(&format!("sent {index}"));
+                } else if line == "exit" {
+                    break;
+                }
+            }
+            drop(sender);
+            say("left");
+        }
+        // Streams messages as sender `--id` to `--to` as fast as it can (a `--len`-byte tensor
+        // every `--every`), saying "sent I" every `--say-every` sends (default 100), until killed.
+        "stream" => {
+            let sender = connect::<Msg>(&to()?)?;
+            let (id, len, every) =
+                (number(&args, "--id", 0)? as u32, number(&args, "--len", 64)? as usize, number(&args, "--every", 1)?);
+            let say_every = number(&args, "--say-every", 100)?.max(1);
+            say("ready");
+            for index in 0.. {
+                sender.send(&message(id, index, len, every)?)?;
+                progress.store(index, Ordering::Relaxed);
+                if index % say_every == 0 {
+                    say(&format!("sent {index}"));
+                }
+            }
+        }
+        // `--threads` threads, each with a sender of its own connected to `--to` and, without
+        // waiting for anything, `--count` messages sent at once (sender id = thread number, a
+        // `--len`-byte tensor every `--every`). Says "thread T ok" or "thread T error E" for
+        // each, then "done", and returns from `main` (its senders dropped right after their last
+        // send) unless `--stay`.
+        "burst" => {
+            let path = to()?;
+            let (threads, count, len, every) = (
+                number(&args, "--threads", 8)? as u32,
+                number(&args, "--count", 1000)?,
+                number(&args, "--len", 64)? as usize,
+                number(&args, "--every", 1)?,
+            );
+            let start = Arc::new(std::sync::Barrier::new(threads as usize));
+            let workers: Vec<_> = (0..threads)
+                .map(|id| {
+                    let (path, start, progress) = (path.clone(), start.clone(), progress.clone());
+                    std::thread::spawn(move || -> Result<()> {
+                        let sender = connect::<Msg>(&path)?;
+                        start.wait(); // every thread's first messages at the same moment
+                        for index in 0..count {
+                            sender
+                                .send(&message(id, index, len, every)?)
+                                .with_context(|| format!("sender {id} message {index}"))?;
+                            progress.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            let mut failed = false;
+            for (id, worker) in workers.into_iter().enumerate() {
+                match worker.join().map_err(|_| anyhow::anyhow!("a sender thread panicked"))? {
+                    Ok(()) => say(&format!("thread {id} ok")),
+                    Err(error) => {
+                        failed = true;
+                        say(&format!("thread {id} error {error:#}"));
+                    }
+                }
+            }
+            say("done");
+            if failed {
+                bail!("a sender thread failed");
+            }
+            if args.iter().any(|a| a == "--stay") {
+                wait_for_stdin();
+            }
+        }
+        // `--count` messages of `--tensors` small host tensors each (`many_tensors`), as sender
+        // `--id`, to `--to`; says "sent I" after each, then "done", and waits for stdin to close
+        // (with `--released`, first "released true|false" after `wait_released(60 s)`).
+        "many" => {
+            let sender = connect::<Msg>(&to()?)?;
+            let (id, count, n) =
+                (number(&args, "--id", 0)? as u32, number(&args, "--count", 8)?, number(&args, "--tensors", 1024)?);
+            for index in 0..count {
+                sender.send(&(id, index, many_tensors(index, n as usize)?))?;
+                progress.store(index + 1, Ordering::Relaxed);
+                say(&format!("sent {index}"));
+            }
+            say("done");
+            if args.iter().any(|a| a == "--released") {
+                say(&format!("released {}", sender.wait_released(Duration::from_secs(60))));
+            }
+            wait_for_stdin();
+        }
+        // Binds `--to` and receives `--count` many-tensor messages of `--tensors` tensors,
+        // holding every one, then checks them all: "ok COUNT" or "bad WHAT".
+        "hold-many" => {
+            let mut receiver =
+                Receiver::<Msg>::builder().capacity(number(&args, "--capacity", 64)? as u32).bind(to()?)?;
+            let (count, n) = (number(&args, "--count", 8)?, number(&args, "--tensors", 1024)? as usize);
+            say("bound");
+            let mut held = Vec::new();
+            while (held.len() as u64) < count {
+                match receiver.recv() {
+                    Ok(msg) => {
+                        progress.fetch_add(1, Ordering::Relaxed);
+                        held.push(msg);
+                    }
+                    Err(Error::Disconnected) => break,
+                    Err(other) => bail!("after {} messages: {other:?}", held.len()),
+                }
+            }
+            for (next, msg) in (0u64..).zip(&held) {
+                if msg.1 != next {
+                    say(&format!("bad order: message {} where {next} was due", msg.1));
+                    return Ok(());
+                }
+                if let Some(diff) = many_tensors_differ(msg.1, n, &msg.2) {
+                    say(&format!("bad {diff}"));
+                    return Ok(());
+                }
+            }
+            say(&format!("ok {}", held.len()));
+            wait_for_stdin();
+        }
+        other => bail!("unknown mode {other:?}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,770 @@
+//! Round 6 of the outside tester's attacks, written from the README and the rustdoc of public
+//! items only: how a blocked `recv` is woken and how a message of many tensors arrives.
+//! Ping-pong of 20,000 round trips between two processes with random short sleeps on either side,
+//! for every way a user waits (blocking, timeout, `try_recv` polling, async, `Select`, the
+//! receiver's descriptor in a poll loop of one's own, spinning); senders joining, leaving and
+//! being SIGKILLed while the receiver is blocked; bursts right after connect from several threads
+//! of one process; messages of 1,024 and 4,096 small host tensors of every layout held at once.
+//! Second processes: `outside6-peer`; shared pieces: `integration_tests::outside6`.
+//!
+//! Every wait is bounded: a hang is a failure that says where it stopped, never a hung CI. Every
+//! bound is a generous "does not hang" bound, never a speed assertion.
+
+use std::os::unix::process::ExitStatusExt as _;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use integration_tests::outside6::{Msg, Rng, Waiter, Way, many_tensors_differ};
+use integration_tests::{bin_path, socket_path, stdout_lines};
+use kernels::reference::pattern;
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
+
+const LONG: Duration = Duration::from_secs(60);
+
+/// Round trips of each ping-pong.
+const ROUND_TRIPS: u64 = 20_000;
+
+/// A peer process and its stdout lines; killed when dropped (a failing test leaves nothing).
+struct Peer {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    name: String,
+}
+
+impl Peer {
+    fn start(args: &[&str], env: &[(&str, &str)]) -> Peer {
+        let mut command = Command::new(bin_path("outside6-peer").unwrap());
+        command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().unwrap();
+        let name = format!("outside6-peer {}", args.join(" "));
+        let lines = stdout_lines(&mut child, Some(format!("outside6-peer {}", args[0])));
+        Peer { child, lines, name }
+    }
+
+    /// The next line, within `LONG`.
+    fn line(&self) -> String {
+        self.lines.recv_timeout(LONG).unwrap_or_else(|_| panic!("no line from {} within {LONG:?}", self.name))
+    }
+
+    /// Waits for the line `want`, skipping others; the skipped ones are returned.
+    fn until(&self, want: &str) -> Vec<String> {
+        let mut skipped = Vec::new();
+        loop {
+            let line = self.line();
+            if line == want {
+                return skipped;
+            }
+            assert!(!line.starts_with("stuck"), "{} says {line} (its watchdog: no progress)", self.name);
+            skipped.push(line);
+        }
+    }
+
+    /// The next line starting with `prefix`, skipping others.
+    fn until_prefix(&self, prefix: &str) -> String {
+        loop {
+            let line = self.line();
+            if line.starts_with(prefix) {
+                return line;
+            }
+            assert!(!line.starts_with("stuck"), "{} says {line} (its watchdog: no progress)", self.name);
+        }
+    }
+
+    fn tell(&mut self, line: &str) {
+        use std::io::Write as _;
+        let stdin = self.child.stdin.as_mut().expect("the peer's stdin");
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Closes its stdin (the peer's cue to exit) and waits for it, within `LONG`.
+    fn finish(&mut self) -> std::process::ExitStatus {
+        drop(self.child.stdin.take());
+        let deadline = Instant::now() + LONG;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn path_str(path: &std::path::Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// Message `index` of sender `id`: a `len`-byte pattern tensor when `index % every == 0`.
+fn message(id: u32, index: u64, len: usize, every: u64) -> Msg {
+    let tensors = if every != 0 && index.is_multiple_of(every) {
+        vec![Tensor::from_bytes(&pattern(len, index), DType::U8, &[len as u64]).unwrap()]
+    } else {
+        vec![]
+    };
+    (id, index, tensors)
+}
+
+/// Asserts that `msg` is what `message(_, index, len, every)` made.
+fn check(msg: &Msg, len: usize, every: u64) {
+    let (id, index, tensors) = msg;
+    let expected = every != 0 && index.is_multiple_of(every);
+    assert_eq!(tensors.len(), usize::from(expected), "sender {id} message {index}: tensors");
+    for tensor in tensors {
+        assert!(tensor.to_bytes().unwrap() == pattern(len, *index), "sender {id} message {index}: bytes");
+    }
+}
+
+/// A seed for this run, printed so that a failure can be replayed (`TQ_OUTSIDE6_SEED`).
+fn seed() -> u64 {
+    let seed = std::env::var("TQ_OUTSIDE6_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos() as u64
+    });
+    eprintln!("seed {seed} (TQ_OUTSIDE6_SEED={seed} replays it)");
+    seed
+}
+
+/// Runs `work` on a thread while watching `progress`: fails with `what` and where it stopped
+/// when `progress` has not moved for `stuck`; `on_stuck` first (to kill a peer, so that nothing
+/// is left running).
+fn watched<R: Send + 'static>(
+    what: &str,
+    progress: &AtomicU64,
+    stuck: Duration,
+    mut on_stuck: impl FnMut() -> String,
+    work: impl FnOnce() -> R + Send + 'static,
+) -> R {
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        let _ = tx.send(work());
+    });
+    let mut last = (progress.load(Ordering::Relaxed), Instant::now());
+    loop {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(value) => return value,
+            Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: the work panicked (see above)"),
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        let now = progress.load(Ordering::Relaxed);
+        if now != last.0 {
+            last = (now, Instant::now());
+        } else if last.1.elapsed() > stuck {
+            let said = on_stuck();
+            panic!("{what}: no progress for {stuck:?}, stuck at {now} (a lost wake-up?); {said}");
+        }
+    }
+}
+
+/// Binds `path` (and `path-1` for the ways that wait on several receivers).
+fn bind_for(way: Way, path: &std::path::Path, capacity: u32) -> Vec<Receiver<Msg>> {
+    let mut receivers = vec![Receiver::<Msg>::builder().capacity(capacity).bind(path).unwrap()];
+    if way.several() {
+        let other = format!("{}-1", path_str(path));
+        receivers.push(Receiver::<Msg>::builder().capacity(capacity).bind(&other).unwrap());
+    }
+    receivers
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Lost wake-ups: ping-pong between two processes
+
+/// `ROUND_TRIPS` round trips with the peer process: both sides wait in `way`, each sleeps a
+/// random 0-200 us half the time before answering; (0, I) goes out (to the peer's two receivers
+/// in turn for the ways that wait on several), (1, I) must come back, nothing else.
+fn ping_pong(way: Way, two_senders: bool) {
+    let seed = seed();
+    let (here, there) = (socket_path("o6-pp-here"), socket_path("o6-pp-there"));
+    let receivers = bind_for(way, &here, 4);
+    let (count, seed_arg) = (ROUND_TRIPS.to_string(), (seed ^ 0x5eed).to_string());
+    let mut args =
+        vec!["pong", "--way", way.name(), "--bind", path_str(&there), "--to", path_str(&here), "--count", &count];
+    args.extend(["--seed", &seed_arg, "--stuck", "50"]);
+    if two_senders {
+        args.push("--two-senders");
+    }
+    let peer = Peer::start(&args, &[]);
+    peer.until("bound");
+    let mut senders = vec![Sender::<Msg>::connect(&there).unwrap()];
+    if way.several() {
+        senders.push(Sender::<Msg>::connect(format!("{}-1", path_str(&there))).unwrap());
+    }
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    let peer = Arc::new(std::sync::Mutex::new(peer));
+    let killer = peer.clone();
+    let idle = watched(
+        &format!("ping-pong ({way:?}, two senders {two_senders}, seed {seed})"),
+        &progress,
+        Duration::from_secs(40),
+        move || {
+            let mut peer = killer.lock().unwrap();
+            let said: Vec<String> = peer.lines.try_iter().collect();
+            peer.kill();
+            format!("the peer said {said:?}")
+        },
+        move || {
+            let mut waiter = Waiter::new(way, receivers, seed).unwrap();
+            let mut rng = Rng::new(seed);
+            for index in 0..ROUND_TRIPS {
+                rng.jitter();
+                senders[(index % senders.len() as u64) as usize].send(&message(0, index, 64, 16)).unwrap();
+                let reply = waiter.wait().unwrap_or_else(|e| panic!("round trip {index}: {e:?}"));
+                assert_eq!((reply.0, reply.1), (1, index), "round trip {index}: the answer");
+                check(&reply, 64, 16);
+                done.store(index + 1, Ordering::Relaxed);
+            }
+            waiter.idle
+        },
+    );
+    let mut peer = peer.lock().unwrap();
+    let line = peer.until_prefix("done");
+    eprintln!("{way:?}: {ROUND_TRIPS} round trips; idle wake-ups here {idle}, the peer's: {line}");
+    assert!(peer.finish().success());
+}
+
+#[test]
+fn ping_pong_with_blocking_recv_on_both_sides_loses_no_wake_up() {
+    ping_pong(Way::Block, false);
+}
+
+#[test]
+fn ping_pong_with_recv_timeout_on_both_sides_loses_no_wake_up() {
+    ping_pong(Way::Timeout, false);
+}
+
+#[test]
+fn ping_pong_with_try_recv_polling_mixed_with_short_waits_loses_no_wake_up() {
+    ping_pong(Way::Try, false);
+}
+
+#[test]
+fn ping_pong_with_recv_async_on_both_sides_loses_no_wake_up() {
+    ping_pong(Way::Async, false);
+}
+
+#[test]
+fn ping_pong_with_select_over_two_receivers_on_both_sides_loses_no_wake_up() {
+    ping_pong(Way::Select, false);
+}
+
+#[test]
+fn ping_pong_with_the_receivers_descriptors_in_a_users_poll_loop_loses_no_wake_up() {
+    ping_pong(Way::Poll, false);
+}
+
+#[test]
+fn ping_pong_with_a_spinning_recv_loses_no_wake_up() {
+    ping_pong(Way::Spin, false);
+}
+
+#[test]
+fn ping_pong_answered_by_two_senders_in_turn_loses_no_wake_up() {
+    // The receiver here has two senders of one process, used in turn: a fast path for a
+    // receiver with one sender must not lose the other's wake-ups.
+    ping_pong(Way::Block, true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Senders joining and leaving while the receiver is blocked
+
+/// What a receiving thread saw: a message's (sender, index) or the error, in order.
+type Seen = mpsc::Receiver<Result<(u32, u64), String>>;
+
+/// A thread that waits in `way` on a receiver bound at `path` and reports each result; it
+/// ends after `Disconnected`.
+fn blocked_receiver(
+    way: Way,
+    path: &std::path::Path,
+    senders: Option<usize>,
+) -> (Seen, thread::JoinHandle<Vec<Error>>) {
+    let mut receivers = bind_for(way, path, 16);
+    if let Some(n) = senders {
+        receivers[0].expect_senders(n);
+    }
+    // The second receiver of select / poll gets nobody: it only ends once stop_accepting says so.
+    for r in receivers.iter_mut().skip(1) {
+        r.stop_accepting().unwrap();
+    }
+    let (tx, seen) = mpsc::channel();
+    let reader = thread::spawn(move || {
+        let mut waiter = Waiter::new(way, receivers, 7).unwrap();
+        loop {
+            match waiter.wait() {
+                Ok(msg) => {
+                    check(&msg, 64, 1);
+                    let _ = tx.send(Ok((msg.0, msg.1)));
+                }
+                Err(Error::Disconnected) => {
+                    let _ = tx.send(Err("Disconnected".into()));
+                    return waiter.receivers()[0].take_errors();
+                }
+                Err(other) => {
+                    let _ = tx.send(Err(format!("{other:?}")));
+                }
+            }
+        }
+    });
+    (seen, reader)
+}
+
+/// The receiving thread's next result, within `LONG`: a blocked recv that does not wake fails.
+fn next_seen(seen: &Seen, what: &str) -> Result<(u32, u64), String> {
+    seen.recv_timeout(LONG).unwrap_or_else(|_| panic!("the blocked receiver did not wake for {what} within {LONG:?}"))
+}
+
+/// Nothing arrives for a while (a spurious end or a phantom message would).
+fn nothing_for_a_while(seen: &Seen, when: &str) {
+    if let Ok(what) = seen.recv_timeout(Duration::from_millis(300)) {
+        panic!("{when}: the receiver got {what:?}, expected to stay blocked");
+    }
+}
+
+fn join_and_leave(way: Way) {
+    let path = socket_path("o6-join");
+    let (seen, reader) = blocked_receiver(way, &path, None);
+    let p = path_str(&path);
+    let mut first = Peer::start(&["manual", "--to", p, "--id", "1"], &[]);
+    first.until("ready");
+    nothing_for_a_while(&seen, "one sender connected, nothing sent");
+    first.tell("send 0");
+    assert_eq!(next_seen(&seen, "the first sender's message"), Ok((1, 0)));
+    let mut second = Peer::start(&["manual", "--to", p, "--id", "2"], &[]);
+    second.until("ready");
+    nothing_for_a_while(&seen, "a second sender joined");
+    second.tell("send 0");
+    assert_eq!(next_seen(&seen, "the second sender's message"), Ok((2, 0)));
+    first.tell("send 1");
+    assert_eq!(next_seen(&seen, "the first sender's second message"), Ok((1, 1)));
+    first.tell("exit");
+    first.until("left");
+    assert!(first.finish().success());
+    nothing_for_a_while(&seen, "the first sender left, the second is still there");
+    second.tell("send 1");
+    assert_eq!(next_seen(&seen, "the remaining sender's message"), Ok((2, 1)));
+    second.tell("exit");
+    second.until("left");
+    assert!(second.finish().success());
+    assert_eq!(next_seen(&seen, "the end, once both left"), Err("Disconnected".into()));
+    let errors = reader.join().unwrap();
+    assert!(errors.is_empty(), "two clean goodbyes, nothing to report: {errors:?}");
+}
+
+#[test]
+fn a_blocked_recv_wakes_for_each_message_and_for_the_end_as_senders_join_and_leave() {
+    join_and_leave(Way::Block);
+}
+
+#[test]
+fn a_blocked_recv_async_wakes_for_each_message_and_for_the_end_as_senders_join_and_leave() {
+    join_and_leave(Way::Async);
+}
+
+#[test]
+fn select_wakes_for_each_message_and_for_the_end_as_senders_join_and_leave() {
+    join_and_leave(Way::Select);
+}
+
+#[test]
+fn a_users_poll_loop_wakes_for_each_message_and_for_the_end_as_senders_join_and_leave() {
+    join_and_leave(Way::Poll);
+}
+
+#[test]
+fn recv_timeout_and_try_recv_see_each_message_and_the_end_as_senders_join_and_leave() {
+    join_and_leave(Way::Timeout);
+    join_and_leave(Way::Try);
+}
+
+/// A sender SIGKILLed while the receiver is blocked with nothing to read, beside another sender
+/// that stays: the receiver must not end, and must serve the other; then the end when it leaves.
+fn killed_while_blocked_with_nothing_in_flight(way: Way) {
+    let path = socket_path("o6-kill-idle");
+    let (seen, reader) = blocked_receiver(way, &path, Some(2));
+    let p = path_str(&path);
+    let mut doomed = Peer::start(&["manual", "--to", p, "--id", "1"], &[]);
+    let mut stays = Peer::start(&["manual", "--to", p, "--id", "2"], &[]);
+    doomed.until("ready");
+    stays.until("ready");
+    for i in 0..3 {
+        doomed.tell(&format!("send {i}"));
+        assert_eq!(next_seen(&seen, "the doomed sender's message"), Ok((1, i)));
+    }
+    nothing_for_a_while(&seen, "both senders quiet");
+    doomed.kill(); // the receiver is blocked now
+    nothing_for_a_while(&seen, "one of two senders SIGKILLed with nothing in flight");
+    stays.tell("send 0");
+    assert_eq!(next_seen(&seen, "the surviving sender's message"), Ok((2, 0)));
+    stays.tell("exit");
+    assert!(stays.finish().success());
+    assert_eq!(next_seen(&seen, "the end"), Err("Disconnected".into()));
+    reader.join().unwrap();
+}
+
+#[test]
+fn a_sender_killed_while_recv_is_blocked_with_nothing_in_flight_leaves_the_other_served() {
+    for way in [Way::Block, Way::Async, Way::Select, Way::Poll] {
+        killed_while_blocked_with_nothing_in_flight(way);
+    }
+}
+
+#[test]
+fn the_only_sender_killed_while_recv_is_blocked_wakes_it_with_the_end() {
+    for way in Way::ALL {
+        let path = socket_path("o6-kill-only");
+        let (seen, reader) = blocked_receiver(way, &path, Some(1));
+        let mut doomed = Peer::start(&["manual", "--to", path_str(&path), "--id", "1"], &[]);
+        doomed.until("ready");
+        doomed.tell("send 0");
+        assert_eq!(next_seen(&seen, "its message"), Ok((1, 0)));
+        nothing_for_a_while(&seen, "the sender quiet");
+        doomed.kill();
+        assert_eq!(next_seen(&seen, &format!("the end after the kill ({way:?})")), Err("Disconnected".into()));
+        reader.join().unwrap();
+    }
+}
+
+/// A sender streaming messages (a `len`-byte tensor each) SIGKILLed while the receiver keeps up
+/// (blocked between messages) beside another streaming sender: the killed one's messages arrive
+/// as a prefix, in order and intact, and the other's every message, then the end.
+fn killed_mid_stream(way: Way, len: usize) {
+    let path = socket_path("o6-kill-stream");
+    let mut receivers = bind_for(way, &path, 8);
+    receivers[0].expect_senders(2);
+    for r in receivers.iter_mut().skip(1) {
+        r.stop_accepting().unwrap();
+    }
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    // Reading (and blocked between messages) before either sender starts.
+    let reader = thread::spawn(move || {
+        let mut waiter = Waiter::new(way, receivers, 3).unwrap();
+        let mut next = [0u64; 2];
+        let mut errors = Vec::new();
+        loop {
+            match waiter.wait() {
+                Ok(msg) => {
+                    let (id, index) = (msg.0 as usize, msg.1);
+                    // The burst's one thread is sender 0; the streamer sender 1.
+                    assert_eq!(index, next[id], "sender {id}'s order: nothing lost or repeated before the kill");
+                    if id == 1 {
+                        check(&msg, len, 1);
+                    } else {
+                        check(&msg, 64, 3);
+                    }
+                    next[id] += 1;
+                }
+                Err(Error::Disconnected) => break,
+                Err(other) => errors.push(format!("{other:?}")),
+            }
+            done.fetch_add(1, Ordering::Relaxed);
+        }
+        errors.extend(waiter.receivers()[0].take_errors().iter().map(|e| format!("{e:?}")));
+        (next, errors)
+    });
+    let len_arg = len.to_string();
+    let p = path_str(&path);
+    let mut doomed = Peer::start(&["stream", "--to", p, "--id", "1", "--len", &len_arg, "--say-every", "50"], &[]);
+    let stays =
+        Peer::start(&["burst", "--to", p, "--threads", "1", "--count", "3000", "--len", "64", "--every", "3"], &[]);
+    doomed.until("sent 200");
+    doomed.kill();
+    let (next, errors) = watched(
+        &format!("receiving around a killed streamer ({way:?})"),
+        &progress,
+        Duration::from_secs(40),
+        String::new,
+        move || reader.join().unwrap(),
+    );
+    assert_eq!(next[0], 3000, "the other sender's every message");
+    assert!(next[1] > 200, "the killed sender's sends 0..=200 returned before the kill, {} arrived", next[1]);
+    eprintln!("{way:?}, {len} B: {} of the killed sender's messages, then {errors:?}", next[1]);
+    drop(stays);
+}
+
+#[test]
+fn a_streaming_sender_killed_while_the_receiver_keeps_up_leaves_an_intact_prefix_and_the_other_whole() {
+    for way in [Way::Block, Way::Async, Way::Select, Way::Poll] {
+        killed_mid_stream(way, 64);
+    }
+}
+
+#[test]
+fn a_sender_of_megabyte_tensors_killed_mid_stream_leaves_an_intact_prefix_and_the_other_whole() {
+    killed_mid_stream(Way::Block, 1 << 20);
+    killed_mid_stream(Way::Poll, 1 << 20);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Bursts right after connect
+
+/// `threads` senders of one process, one per thread, each sending `count` messages the moment
+/// its connect returned, the process returning from `main` right after; the receiver is
+/// blocked before the burst (`blocked`) or does not read until the burst is over. Every
+/// message arrives, in per-sender order, intact.
+fn burst_after_connect(threads: u32, count: u64, capacity: u32, blocked: bool, way: Way) {
+    let path = socket_path("o6-burst");
+    let mut receivers = bind_for(way, &path, capacity);
+    receivers[0].expect_senders(threads as usize);
+    for r in receivers.iter_mut().skip(1) {
+        r.stop_accepting().unwrap();
+    }
+    let (t, c) = (threads.to_string(), count.to_string());
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    let (start_tx, start) = mpsc::channel::<()>();
+    let reader = thread::spawn(move || {
+        let mut waiter = Waiter::new(way, receivers, 11).unwrap();
+        if !blocked {
+            let _ = start.recv(); // not reading until told
+        }
+        let mut next = vec![0u64; threads as usize];
+        loop {
+            match waiter.wait() {
+                Ok(msg) => {
+                    let id = msg.0 as usize;
+                    assert_eq!(msg.1, next[id], "sender {id}'s order");
+                    check(&msg, 100, 4);
+                    next[id] += 1;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(Error::Disconnected) => return (next, waiter.receivers()[0].take_errors()),
+                Err(other) => panic!("after {next:?}: {other:?}"),
+            }
+        }
+    });
+    let mut peer = Peer::start(
+        &["burst", "--to", path_str(&path), "--threads", &t, "--count", &c, "--len", "100", "--every", "4"],
+        &[],
+    );
+    let mut finished = false;
+    if !blocked {
+        // Not reading for a while: with room for the whole burst the program may even be gone.
+        if u64::from(capacity) >= count {
+            let lines: Vec<String> = (0..threads).map(|_| peer.until_prefix("thread")).collect();
+            assert!(lines.iter().all(|l| l.ends_with(" ok")), "{lines:?}");
+            peer.until("done");
+            assert!(peer.finish().success());
+            finished = true;
+        }
+        thread::sleep(Duration::from_millis(500));
+        start_tx.send(()).unwrap();
+    }
+    let (next, errors) = watched(
+        &format!("a burst of {threads} x {count} after connect (capacity {capacity}, blocked {blocked}, {way:?})"),
+        &progress,
+        Duration::from_secs(40),
+        String::new,
+        move || reader.join().unwrap(),
+    );
+    assert!(next.iter().all(|&n| n == count), "every sender's every message: {next:?}, errors {errors:?}");
+    assert!(errors.is_empty(), "nothing lost, nothing to report: {errors:?}");
+    if !finished {
+        peer.until("done");
+        assert!(peer.finish().success());
+    }
+}
+
+#[test]
+fn a_burst_from_eight_threads_right_after_connect_reaches_a_receiver_blocked_before_it() {
+    burst_after_connect(8, 2000, 8, true, Way::Block);
+}
+
+#[test]
+fn a_burst_from_eight_threads_right_after_connect_reaches_a_receiver_blocked_in_select_or_poll() {
+    burst_after_connect(8, 1000, 8, true, Way::Select);
+    burst_after_connect(8, 1000, 8, true, Way::Poll);
+}
+
+#[test]
+fn a_burst_right_after_connect_that_fits_the_queue_arrives_whole_after_its_program_has_exited() {
+    // The receiver does not read until the program has returned from main.
+    burst_after_connect(8, 500, 512, false, Way::Block);
+    burst_after_connect(4, 300, 300, false, Way::Async);
+}
+
+#[test]
+fn a_burst_right_after_connect_to_a_receiver_that_does_not_read_for_a_while_arrives_whole() {
+    burst_after_connect(6, 2000, 4, false, Way::Block);
+}
+
+#[test]
+fn bursts_of_many_short_lived_channels_each_arrive_whole_from_their_first_message() {
+    // The first messages of a new channel, again and again.
+    for round in 0..20 {
+        let way = [Way::Block, Way::Poll, Way::Async, Way::Try][round % 4];
+        burst_after_connect(3, 50, 4, round % 2 == 0, way);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Many tensors
+
+/// `count` messages of `n` tensors from a peer process, every one held until all have come, then
+/// each checked against what the sender made; then released, and the sender hears of it.
+fn many_held(n: usize, count: u64) {
+    let path = socket_path("o6-many");
+    let mut receiver = Receiver::<Msg>::builder().capacity(count as u32).bind(&path).unwrap();
+    receiver.expect_senders(1);
+    let (c, t) = (count.to_string(), n.to_string());
+    let mut peer = Peer::start(&["many", "--to", path_str(&path), "--count", &c, "--tensors", &t, "--released"], &[]);
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    let (held, receiver) = watched(
+        &format!("{count} messages of {n} tensors"),
+        &progress,
+        Duration::from_secs(50),
+        String::new,
+        move || {
+            let mut held = Vec::new();
+            while (held.len() as u64) < count {
+                held.push(receiver.recv().unwrap_or_else(|e| panic!("message {}: {e:?}", held.len())));
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            (held, receiver)
+        },
+    );
+    for (index, msg) in held.iter().enumerate() {
+        assert_eq!(msg.1, index as u64, "order");
+        if let Some(diff) = many_tensors_differ(msg.1, n, &msg.2) {
+            panic!("{diff}");
+        }
+    }
+    peer.until("done");
+    drop(held);
+    assert_eq!(peer.line(), "released true", "every message released once dropped");
+    assert!(peer.finish().success());
+    let mut receiver = receiver;
+    assert!(matches!(receiver.recv_timeout(Duration::from_secs(30)), Err(Error::Disconnected)));
+}
+
+#[test]
+fn forty_messages_of_1024_small_host_tensors_of_every_layout_held_at_once_arrive_exact() {
+    many_held(1024, 40);
+}
+
+#[test]
+fn fifteen_messages_of_4096_small_host_tensors_of_every_layout_held_at_once_arrive_exact() {
+    many_held(4096, 15);
+}
+
+#[test]
+fn a_receiver_process_holding_many_tensor_messages_from_this_process_finds_them_exact() {
+    // The other direction: this process sends, the peer holds and checks.
+    for (n, count) in [(1024u64, 20u64), (4096, 6)] {
+        let path = socket_path("o6-many-rx");
+        let (c, t) = (count.to_string(), n.to_string());
+        let mut peer = Peer::start(&["hold-many", "--to", path_str(&path), "--count", &c, "--tensors", &t], &[]);
+        peer.until("bound");
+        let sender = Sender::<Msg>::connect(&path).unwrap();
+        for index in 0..count {
+            sender.send(&(0, index, integration_tests::outside6::many_tensors(index, n as usize).unwrap())).unwrap();
+        }
+        assert_eq!(peer.until_prefix("ok").as_str(), format!("ok {count}"), "the peer found every message exact");
+        assert!(peer.finish().success());
+        assert!(sender.wait_released(Duration::from_secs(30)), "released once the peer exited");
+    }
+}
+
+#[test]
+fn many_tensor_messages_interleaved_with_small_ones_from_two_senders_keep_order_and_data() {
+    let path = socket_path("o6-many-mixed");
+    let mut receiver = Receiver::<Msg>::builder().capacity(16).bind(&path).unwrap();
+    receiver.expect_senders(3); // the wide one, and the small ones' two threads
+    let p = path_str(&path);
+    let mut wide = Peer::start(&["many", "--to", p, "--id", "0", "--count", "30", "--tensors", "4096"], &[]);
+    let mut small =
+        Peer::start(&["burst", "--to", p, "--threads", "2", "--count", "3000", "--len", "100", "--every", "4"], &[]);
+    // The burst's threads are senders 0 and 1 of their process: tell them apart by tensor count.
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    let got = watched("wide and small messages", &progress, Duration::from_secs(50), String::new, move || {
+        let mut wide_next = 0u64;
+        let mut small_next = [0u64; 2];
+        let mut held = Vec::new();
+        loop {
+            match receiver.recv() {
+                Ok(msg) if msg.2.len() > 1 => {
+                    assert_eq!(msg.1, wide_next, "the wide sender's order");
+                    if let Some(diff) = many_tensors_differ(msg.1, 4096, &msg.2) {
+                        panic!("{diff}");
+                    }
+                    wide_next += 1;
+                    held.push(msg);
+                }
+                Ok(msg) => {
+                    let id = msg.0 as usize;
+                    assert_eq!(msg.1, small_next[id], "small sender {id}'s order");
+                    check(&msg, 100, 4);
+                    small_next[id] += 1;
+                }
+                Err(Error::Disconnected) => return (wide_next, small_next),
+                Err(other) => panic!("{other:?}"),
+            }
+            done.fetch_add(1, Ordering::Relaxed);
+            if wide_next == 30 && small_next == [3000, 3000] {
+                return (wide_next, small_next);
+            }
+        }
+    });
+    assert_eq!(got, (30, [3000, 3000]));
+    small.until("done");
+    assert!(small.finish().success());
+    wide.until("done");
+    assert!(wide.finish().success());
+}
+
+#[test]
+fn a_sender_of_4096_tensor_messages_killed_mid_stream_leaves_whole_messages_then_the_end() {
+    // A sender of 4,096-tensor messages SIGKILLed mid-stream: the receiver gets whole messages
+    // (never a half-described one), in order, then a typed end.
+    let path = socket_path("o6-many-kill");
+    let mut receiver = Receiver::<Msg>::builder().capacity(4).bind(&path).unwrap();
+    receiver.expect_senders(1);
+    let mut peer = Peer::start(&["many", "--to", path_str(&path), "--count", "100000", "--tensors", "4096"], &[]);
+    let mut next = 0u64;
+    while next < 5 {
+        let msg = receiver.recv_timeout(LONG).unwrap();
+        assert_eq!(msg.1, next);
+        assert!(many_tensors_differ(msg.1, 4096, &msg.2).is_none());
+        next += 1;
+    }
+    peer.kill();
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    let (next, errors) = watched("after the kill", &progress, Duration::from_secs(40), String::new, move || {
+        loop {
+            match receiver.recv() {
+                Ok(msg) => {
+                    assert_eq!(msg.1, next, "order");
+                    if let Some(diff) = many_tensors_differ(msg.1, 4096, &msg.2) {
+                        panic!("{diff}");
+                    }
+                    next += 1;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(Error::Disconnected) => return (next, receiver.take_errors()),
+                Err(other) => panic!("after {next}: {other:?}"),
+            }
+        }
+    });
+    eprintln!("{next} whole messages, then the end; reported: {errors:?}");
+    assert_eq!(peer.child.wait().unwrap().signal(), Some(9));
+}
