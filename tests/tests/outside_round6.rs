@@ -768,3 +768,145 @@ fn a_sender_of_4096_tensor_messages_killed_mid_stream_leaves_whole_messages_then
     eprintln!("{next} whole messages, then the end; reported: {errors:?}");
     assert_eq!(peer.child.wait().unwrap().signal(), Some(9));
 }
+
+/// The lies `outside6-peer lie` tells, each about a message of many views of one storage, that
+/// must be refused (typed, on both sides) rather than delivered. The others (a row more than the
+/// payload names, overlapping rows, records over the same bytes) may also be delivered, as
+/// exactly what the payload and table name.
+const REFUSED_LIES: [&str; 7] = [
+    "missing-row",
+    "beyond",
+    "huge-shape",
+    "negative-stride",
+    "bad-storage-index",
+    "storage-beyond-chunk",
+    "unknown-chunk",
+];
+
+/// A raw peer replays a real sender's message of `n` views of one storage, honest and then with
+/// lies in its table (row counts, rows beyond their storage, a storage beyond its chunk, an
+/// unknown chunk, overlapping rows and records), each on a connection of its own, while an honest
+/// sender of this process streams: the honest replay arrives exact; each lie is refused with a
+/// typed error the liar hears and the receiver reports, or (an unused extra row, overlaps, which
+/// views may do) is delivered as exactly what its table says; the honest sender loses nothing.
+fn lies_in_a_table_of_many_rows(n: usize) {
+    let path = socket_path("o6-lie");
+    let mut receiver = Receiver::<Msg>::builder().capacity(16).bind(&path).unwrap();
+    let honest = {
+        let path = path.clone();
+        thread::spawn(move || {
+            let sender = Sender::<Msg>::connect(&path).unwrap();
+            for index in 0..2000 {
+                sender.send(&message(7, index, 100, 4)).unwrap();
+                if index % 50 == 0 {
+                    thread::sleep(Duration::from_millis(10)); // spread over the liar's cases
+                }
+            }
+        })
+    };
+    let t = n.to_string();
+    let mut liar = Peer::start(&["lie", "--to", path_str(&path), "--tensors", &t], &[("TQ_RINGS", "0")]);
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    let (stop_tx, stop) = mpsc::channel::<()>();
+    let reader = thread::spawn(move || {
+        let (mut honest_next, mut delivered, mut rejected) = (0u64, Vec::new(), Vec::new());
+        loop {
+            match receiver.recv_timeout(Duration::from_millis(100)) {
+                Ok(msg) if msg.0 == 7 => {
+                    assert_eq!(msg.1, honest_next, "the honest sender's order");
+                    check(&msg, 100, 4);
+                    honest_next += 1;
+                }
+                Ok(msg) => {
+                    // A replay: exactly what was sent, or (overlapping rows) every row the first.
+                    let exact = many_tensors_differ(0, n, &msg.2);
+                    let first = integration_tests::outside6::many_tensors(0, n).unwrap()[0].to_bytes().unwrap();
+                    let all_first = msg.2.len() == n && msg.2.iter().all(|t| t.to_bytes().unwrap() == first);
+                    delivered.push((exact, all_first));
+                }
+                // Disconnected: for now (every connection so far has gone); the next may come.
+                Err(Error::Timeout | Error::Disconnected) => {
+                    thread::sleep(Duration::from_millis(5));
+                    if stop.try_recv().is_ok() && honest_next == 2000 {
+                        return (honest_next, delivered, rejected, receiver.take_errors());
+                    }
+                }
+                Err(error @ Error::Rejected { .. }) => rejected.push(format!("{error:?}")),
+                Err(other) => panic!("recv: {other:?} (expected a message, a rejection or nothing)"),
+            }
+            done.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let mut answers = std::collections::BTreeMap::new();
+    loop {
+        let line = liar.line();
+        assert!(!line.starts_with("stuck"), "the liar's watchdog: {line}");
+        if line == "done" {
+            break;
+        }
+        if let Some(rest) = line.strip_prefix("answer ") {
+            let (name, answer) = rest.split_once(' ').unwrap();
+            answers.insert(name.to_string(), answer.to_string());
+        }
+    }
+    stop_tx.send(()).unwrap();
+    let (honest_got, delivered, rejected, errors) =
+        watched("the receiver around the liar", &progress, Duration::from_secs(40), String::new, move || {
+            reader.join().unwrap()
+        });
+    honest.join().unwrap();
+    eprintln!("answers: {answers:#?}\ndelivered: {delivered:?}\nrejected: {rejected:#?}\nerrors: {errors:#?}");
+    assert_eq!(honest_got, 2000, "the honest sender's every message");
+    assert_eq!(answers.get("honest").map(String::as_str), Some("released"), "the honest replay: {answers:?}");
+    assert!(
+        delivered.first().is_some_and(|(exact, _)| exact.is_none()),
+        "the honest replay arrives exact: {delivered:?}"
+    );
+    for lie in REFUSED_LIES {
+        let answer = answers.get(lie).map(String::as_str).unwrap_or("(no answer line)");
+        assert!(
+            answer.starts_with("rejected") || answer.starts_with("closed") || answer.starts_with("hung-up"),
+            "lie {lie}: the liar heard {answer:?}, expected a rejection or the connection closed"
+        );
+    }
+    for lie in ["extra-row", "overlap-rows", "overlap-storages"] {
+        let answer = answers.get(lie).map(String::as_str).unwrap_or("(no answer line)");
+        assert!(
+            ["released", "rejected", "closed", "hung-up"].iter().any(|a| answer.starts_with(a)),
+            "lie {lie}: the liar heard {answer:?}, expected its message delivered or refused"
+        );
+    }
+    // Beyond the honest replay, a delivered message is an extra row or an overlap, exactly as its
+    // payload and table say.
+    for (i, (exact, all_first)) in delivered.iter().enumerate().skip(1) {
+        assert!(
+            exact.is_none() || *all_first,
+            "delivered message {i} is neither the sent data nor its overlap: {exact:?}"
+        );
+    }
+    let lies_delivered = ["extra-row", "overlap-rows", "overlap-storages"]
+        .iter()
+        .filter(|lie| answers.get(**lie).is_some_and(|a| a == "released"))
+        .count();
+    assert_eq!(delivered.len(), 1 + lies_delivered, "delivered: the honest replay and the lies released: {answers:?}");
+    // The receiver says what it refused: each refused lie is a rejection or a closed connection.
+    let refused = answers.values().filter(|a| a.as_str() != "released").count();
+    assert!(
+        rejected.len() + errors.len() >= refused,
+        "{refused} messages refused, but the receiver reported {} rejections and {} errors",
+        rejected.len(),
+        errors.len()
+    );
+    assert!(liar.finish().success());
+}
+
+#[test]
+fn lies_in_a_table_of_1024_rows_are_refused_typed_and_the_receiver_serves_the_others() {
+    lies_in_a_table_of_many_rows(1024);
+}
+
+#[test]
+fn lies_in_a_table_of_4096_rows_are_refused_typed_and_the_receiver_serves_the_others() {
+    lies_in_a_table_of_many_rows(4096);
+}

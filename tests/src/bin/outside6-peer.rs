@@ -14,7 +14,10 @@ use integration_tests::outside6::{Msg, Rng, Waiter, Way, many_tensors, many_tens
 use integration_tests::program::{connect, say};
 use integration_tests::{arg, number};
 use kernels::reference::pattern;
-use tensor_queue::{DType, Error, Receiver, Tensor};
+use tensor_queue::testing::wire::{
+    Assembler, Descriptors, Frame, MAX_PACKET, Source, StorageDesc, ToReceiver, ToSender, packets,
+};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor};
 
 /// Message `index` of sender `id`: a `len`-byte pattern tensor when `index % every == 0`.
 fn message(id: u32, index: u64, len: usize, every: u64) -> Result<Msg> {
@@ -72,6 +75,177 @@ fn wait_for_stdin() {
     while std::io::stdin().lock().read_line(&mut line).is_ok_and(|n| n > 0) {
         line.clear();
     }
+}
+
+/// The lies of the "lie" mode, each about one message of many views of one storage.
+const LIES: [&str; 10] = [
+    "extra-row",            // one row more than the payload names
+    "missing-row",          // one row fewer
+    "beyond",               // the last row starts at the storage's end
+    "huge-shape",           // a row of 2^40 elements
+    "negative-stride",      // a row whose elements run before its storage
+    "bad-storage-index",    // a row naming a storage record that does not exist
+    "storage-beyond-chunk", // the storage record four times longer than its chunk
+    "unknown-chunk",        // the storage record in a chunk never announced
+    "overlap-rows",         // every row at the same offset (legal views: delivered, or refused)
+    "overlap-storages",     // the rows split over two records of the same bytes
+];
+
+/// A table row as `lie` edits it: storage record, view offset, shape, strides.
+type Row = (u32, u64, Vec<u64>, Vec<i64>);
+
+/// A frame's bytes and the descriptors that came with it.
+type Captured = (Vec<u8>, Vec<std::os::fd::OwnedFd>);
+
+/// What a real sender of this process writes for `(0, 0, many_tensors(0, n))`: the frames before
+/// the message (chunk announcements, with their descriptors) and the message.
+fn capture(n: usize) -> Result<(Vec<Captured>, ToReceiver)> {
+    let path = std::env::temp_dir().join(format!("outside6-capture-{}.sock", std::process::id()));
+    let listener = ipc_core::seqpacket::Listener::bind(&path)?;
+    let (done_tx, done) = std::sync::mpsc::channel::<()>();
+    let sending = {
+        let path = path.clone();
+        std::thread::spawn(move || -> Result<()> {
+            let sender = Sender::<Msg>::connect(&path)?;
+            sender.send(&(0, 0, many_tensors(0, n)?))?;
+            let _ = done.recv_timeout(Duration::from_secs(60)); // alive until captured
+            Ok(())
+        })
+    };
+    let connection = listener.accept(Some(Duration::from_secs(30)))?;
+    connection.set_recv_timeout(Some(Duration::from_secs(30)))?;
+    let mut buf = vec![0u8; MAX_PACKET + 64];
+    connection.recv(&mut buf)?; // its Hello
+    connection.send(&integration_tests::raw::hello(16, 0x6f75_7436).encode(), &[])?;
+    let mut assembler = Assembler::default();
+    let mut preamble = Vec::new();
+    let message = loop {
+        let (len, fds) = connection.recv(&mut buf)?;
+        if len == 0 {
+            bail!("the sender hung up before its message");
+        }
+        match assembler.push::<ToReceiver>(&buf[..len], fds) {
+            Ok(Some((frame @ ToReceiver::Message { .. }, _))) => break frame,
+            Ok(Some((frame, fds))) => preamble.push((frame.encode(), fds)),
+            Ok(None) => {}
+            Err(error) => bail!("capturing: {error:?} (is TQ_RINGS=0 set?)"),
+        }
+    };
+    drop(done_tx);
+    sending.join().map_err(|_| anyhow::anyhow!("the capturing sender panicked"))??;
+    Ok((preamble, message))
+}
+
+/// The captured message with lie `name` told in its table.
+fn lie(name: &str, message: &ToReceiver, preamble: &[Captured]) -> Result<ToReceiver> {
+    let ToReceiver::Message { seq, sent_ns, encoded_ns, tensors, payload } = message.clone() else {
+        bail!("not a message");
+    };
+    let chunk_len = preamble
+        .iter()
+        .find_map(|(bytes, _)| match ToReceiver::decode(bytes) {
+            Ok(ToReceiver::Chunk { len, .. }) => Some(len),
+            _ => None,
+        })
+        .unwrap_or(1 << 20);
+    let rows = tensors.len();
+    let row = |t: &Descriptors, i: usize| (t.tensors()[i], t.shape(i).to_vec(), t.strides(i).to_vec());
+    // A copy of the table with `edit` applied to each row and `storages` as its records.
+    let rebuild = |storages: Vec<StorageDesc>, keep: usize, edit: &dyn Fn(usize, &mut Row)| {
+        let mut table = Descriptors::default();
+        for s in storages {
+            table.push_storage(s);
+        }
+        for i in 0..keep {
+            let (desc, shape, strides) = row(&tensors, i.min(rows - 1));
+            let mut r = (desc.storage, desc.view_offset, shape, strides);
+            edit(i, &mut r);
+            table.push_tensor(r.0, r.1, desc.dtype, &r.2, &r.3);
+        }
+        table
+    };
+    let storages = tensors.storages().to_vec();
+    let storage_len = storages[0].len;
+    let table = match name {
+        "honest" => tensors.clone(),
+        "extra-row" => rebuild(storages, rows + 1, &|_, _| {}),
+        "missing-row" => rebuild(storages, rows - 1, &|_, _| {}),
+        "beyond" => rebuild(storages, rows, &|i, r| {
+            if i == rows - 1 {
+                r.1 = storage_len;
+            }
+        }),
+        "huge-shape" => rebuild(storages, rows, &|i, r| {
+            if i == rows / 2 {
+                r.2 = vec![1 << 40];
+                r.3 = vec![1];
+            }
+        }),
+        "negative-stride" => rebuild(storages, rows, &|i, r| {
+            if i == 3 {
+                r.1 = 0;
+                r.3 = vec![-1];
+            }
+        }),
+        "bad-storage-index" => {
+            let records = storages.len() as u32;
+            rebuild(storages, rows, &|i, r| {
+                if i == 7 {
+                    r.0 = records;
+                }
+            })
+        }
+        "storage-beyond-chunk" => {
+            let mut storages = storages;
+            storages[0].len = chunk_len * 4;
+            rebuild(storages, rows, &|_, _| {})
+        }
+        "unknown-chunk" => {
+            let mut storages = storages;
+            if let Source::SameDevice { chunk, .. } | Source::Host { chunk, .. } = &mut storages[0].source {
+                *chunk += 1000;
+            }
+            rebuild(storages, rows, &|_, _| {})
+        }
+        "overlap-rows" => rebuild(storages, rows, &|_, r| r.1 = 0),
+        "overlap-storages" => {
+            let mut storages = storages;
+            storages.push(storages[0]);
+            rebuild(storages, rows, &|i, r| {
+                if i % 2 == 1 {
+                    r.0 = 1;
+                }
+            })
+        }
+        other => bail!("unknown lie {other}"),
+    };
+    Ok(ToReceiver::Message { seq, sent_ns, encoded_ns, tensors: table, payload })
+}
+
+/// What a raw sender's connection hears within 5 s after its message: a rejection, the
+/// receiver's Close, a hang-up, the message's release (delivered and dropped), or nothing.
+fn answer(connection: &ipc_core::seqpacket::Connection) -> String {
+    let _ = connection.set_recv_timeout(Some(Duration::from_millis(200)));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut buf = vec![0u8; MAX_PACKET + 64];
+    let mut assembler = Assembler::default();
+    while Instant::now() < deadline {
+        match connection.recv(&mut buf) {
+            Ok((0, _)) => return "hung-up".into(),
+            Ok((len, fds)) => match assembler.push::<ToSender>(&buf[..len], fds) {
+                Ok(Some((ToSender::Rejected { reason, .. }, _))) => return format!("rejected {reason}"),
+                Ok(Some((ToSender::Close { reason, .. }, _))) => return format!("closed {reason}"),
+                Ok(Some((ToSender::Release { .. }, _))) => return "released".into(),
+                Ok(_) => {}
+                // A frame of the link itself (the rings' offer), not ToSender's: not the answer.
+                Err(tensor_queue::FrameError::WrongDirection { .. }) => assembler = Assembler::default(),
+                Err(error) => return format!("garbled {error:?}"),
+            },
+            Err(ipc_core::Error::PeerGone) => return "hung-up".into(),
+            Err(_) => {} // the short timeout: ask again
+        }
+    }
+    "none".into()
 }
 
 fn main() -> Result<()> {
@@ -246,6 +420,37 @@ fn main() -> Result<()> {
                 }
             }
             say(&format!("ok {}", held.len()));
+            wait_for_stdin();
+        }
+        // A peer that lies in a table of many rows: first captures, as a raw receiver of its own,
+        // the frames a real sender of this process writes for one message of `--tensors` views
+        // of one storage (run it with TQ_RINGS=0, so that they come on the socket), then replays
+        // them to the receiver at `--to` on a fresh raw connection per case: "honest" as
+        // captured, then each lie of `LIES`. For each case it says "case NAME" and then what its
+        // connection heard within 5 s: "answer NAME rejected|closed|hung-up|released|none ...".
+        "lie" => {
+            let n = number(&args, "--tensors", 1024)? as usize;
+            let (preamble, message) = capture(n)?;
+            say(&format!("captured {} frames before the message", preamble.len()));
+            let path = to()?;
+            let cases = std::iter::once("honest").chain(LIES.iter().copied());
+            for name in cases {
+                let frame = lie(name, &message, &preamble)?;
+                let connection = integration_tests::raw::raw_client(std::path::Path::new(&path));
+                for (bytes, fds) in &preamble {
+                    let fds: Vec<_> = fds.iter().map(std::os::fd::AsFd::as_fd).collect();
+                    connection.send(bytes, &fds)?;
+                }
+                say(&format!("case {name}"));
+                for packet in packets(&frame.encode()) {
+                    if connection.send(&packet, &[]).is_err() {
+                        break; // closed on us mid-frame: the answer says so
+                    }
+                }
+                say(&format!("answer {name} {}", answer(&connection)));
+                progress.fetch_add(1, Ordering::Relaxed);
+            }
+            say("done");
             wait_for_stdin();
         }
         other => bail!("unknown mode {other:?}"),
