@@ -190,6 +190,13 @@ fn bind_for(way: Way, path: &std::path::Path, capacity: u32) -> Vec<Receiver<Msg
 /// random 0-200 us half the time before answering; (0, I) goes out (to the peer's two receivers
 /// in turn for the ways that wait on several), (1, I) must come back, nothing else.
 fn ping_pong(way: Way, two_senders: bool) {
+    ping_pong_with(way, two_senders, false, &[]);
+}
+
+/// `ping_pong`, with `window`: this side sends 1 to 6 messages (at random) before it waits for
+/// their answers, so that several wait at once (a descriptor must stay readable until each is
+/// taken); `env`: the peer's environment.
+fn ping_pong_with(way: Way, two_senders: bool, window: bool, env: &[(&str, &str)]) {
     let seed = seed();
     let (here, there) = (socket_path("o6-pp-here"), socket_path("o6-pp-there"));
     let receivers = bind_for(way, &here, 4);
@@ -200,7 +207,7 @@ fn ping_pong(way: Way, two_senders: bool) {
     if two_senders {
         args.push("--two-senders");
     }
-    let peer = Peer::start(&args, &[]);
+    let peer = Peer::start(&args, env);
     peer.until("bound");
     let mut senders = vec![Sender::<Msg>::connect(&there).unwrap()];
     if way.several() {
@@ -223,13 +230,22 @@ fn ping_pong(way: Way, two_senders: bool) {
         move || {
             let mut waiter = Waiter::new(way, receivers, seed).unwrap();
             let mut rng = Rng::new(seed);
-            for index in 0..ROUND_TRIPS {
-                rng.jitter();
-                senders[(index % senders.len() as u64) as usize].send(&message(0, index, 64, 16)).unwrap();
-                let reply = waiter.wait().unwrap_or_else(|e| panic!("round trip {index}: {e:?}"));
-                assert_eq!((reply.0, reply.1), (1, index), "round trip {index}: the answer");
-                check(&reply, 64, 16);
-                done.store(index + 1, Ordering::Relaxed);
+            let mut first = 0;
+            while first < ROUND_TRIPS {
+                let window = if window { (rng.below(6) + 1).min(ROUND_TRIPS - first) } else { 1 };
+                for index in first..first + window {
+                    rng.jitter();
+                    // Pipelined, to the peer's first receiver only: the order across two is free.
+                    let to = if window > 1 { 0 } else { (index % senders.len() as u64) as usize };
+                    senders[to].send(&message(0, index, 64, 16)).unwrap();
+                }
+                for index in first..first + window {
+                    let reply = waiter.wait().unwrap_or_else(|e| panic!("round trip {index}: {e:?}"));
+                    assert_eq!((reply.0, reply.1), (1, index), "round trip {index}: the answer");
+                    check(&reply, 64, 16);
+                    done.store(index + 1, Ordering::Relaxed);
+                }
+                first += window;
             }
             waiter.idle
         },
@@ -280,6 +296,31 @@ fn ping_pong_answered_by_two_senders_in_turn_loses_no_wake_up() {
     // The receiver here has two senders of one process, used in turn: a fast path for a
     // receiver with one sender must not lose the other's wake-ups.
     ping_pong(Way::Block, true);
+}
+
+#[test]
+fn ping_pong_over_the_socket_alone_on_the_peers_side_loses_no_wake_up() {
+    // The peer's connections stay on the Unix socket (TQ_RINGS=0), this process's use rings.
+    for way in [Way::Block, Way::Poll, Way::Async] {
+        ping_pong_with(way, false, false, &[("TQ_RINGS", "0")]);
+    }
+}
+
+#[test]
+fn pipelined_ping_pong_with_up_to_six_messages_waiting_loses_no_wake_up() {
+    // Several answers wait at once: poll and Select must see the descriptor readable until each
+    // is taken (level-triggered, as the AsFd docs say), recv must not sleep on a queued one.
+    for way in Way::ALL {
+        ping_pong_with(way, false, true, &[]);
+    }
+}
+
+#[test]
+fn pipelined_ping_pong_over_the_socket_alone_loses_no_wake_up() {
+    for way in [Way::Block, Way::Select, Way::Poll, Way::Try] {
+        // One sender each way: the order across two senders' messages in flight is free.
+        ping_pong_with(way, false, true, &[("TQ_RINGS", "0")]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -520,6 +561,11 @@ fn a_sender_of_megabyte_tensors_killed_mid_stream_leaves_an_intact_prefix_and_th
 /// blocked before the burst (`blocked`) or does not read until the burst is over. Every
 /// message arrives, in per-sender order, intact.
 fn burst_after_connect(threads: u32, count: u64, capacity: u32, blocked: bool, way: Way) {
+    burst_after_connect_with(threads, count, capacity, blocked, way, &[]);
+}
+
+/// `burst_after_connect`, with `env` the sending program's environment.
+fn burst_after_connect_with(threads: u32, count: u64, capacity: u32, blocked: bool, way: Way, env: &[(&str, &str)]) {
     let path = socket_path("o6-burst");
     let mut receivers = bind_for(way, &path, capacity);
     receivers[0].expect_senders(threads as usize);
@@ -552,12 +598,14 @@ fn burst_after_connect(threads: u32, count: u64, capacity: u32, blocked: bool, w
     });
     let mut peer = Peer::start(
         &["burst", "--to", path_str(&path), "--threads", &t, "--count", &c, "--len", "100", "--every", "4"],
-        &[],
+        env,
     );
     let mut finished = false;
     if !blocked {
         // Not reading for a while: with room for the whole burst the program may even be gone.
-        if u64::from(capacity) >= count {
+        // Only rings hold a whole burst: on the socket alone, dropping a sender waits (up to
+        // SENDER_DROP_TIMEOUT) for the receiver to read what the socket could not take.
+        if u64::from(capacity) >= count && env.is_empty() {
             let lines: Vec<String> = (0..threads).map(|_| peer.until_prefix("thread")).collect();
             assert!(lines.iter().all(|l| l.ends_with(" ok")), "{lines:?}");
             peer.until("done");
@@ -603,6 +651,13 @@ fn a_burst_right_after_connect_that_fits_the_queue_arrives_whole_after_its_progr
 #[test]
 fn a_burst_right_after_connect_to_a_receiver_that_does_not_read_for_a_while_arrives_whole() {
     burst_after_connect(6, 2000, 4, false, Way::Block);
+}
+
+#[test]
+fn a_burst_right_after_connect_over_the_socket_alone_arrives_whole() {
+    burst_after_connect_with(8, 1500, 8, true, Way::Block, &[("TQ_RINGS", "0")]);
+    // Not read for a while: the program cannot finish before, see `burst_after_connect_with`.
+    burst_after_connect_with(8, 400, 400, false, Way::Poll, &[("TQ_RINGS", "0")]);
 }
 
 #[test]
