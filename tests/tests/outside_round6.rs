@@ -553,6 +553,83 @@ fn a_sender_of_megabyte_tensors_killed_mid_stream_leaves_an_intact_prefix_and_th
     killed_mid_stream(Way::Poll, 1 << 20);
 }
 
+/// One sender streams 20,000 messages with jitter while six short-lived sender programs come
+/// and go one after the other (each 2,000 messages with jitter), the receiver waiting in `way`
+/// between messages: it goes from one sender to two and back, over and over. Every message
+/// arrives, in per-sender order, then the end.
+fn senders_come_and_go_while_one_streams(way: Way, env: &[(&str, &str)]) {
+    let seed = seed();
+    let path = socket_path("o6-come-go");
+    let mut receivers = bind_for(way, &path, 8);
+    receivers[0].expect_senders(7);
+    for r in receivers.iter_mut().skip(1) {
+        r.stop_accepting().unwrap();
+    }
+    let progress = Arc::new(AtomicU64::new(0));
+    let done = progress.clone();
+    let reader = thread::spawn(move || {
+        let mut waiter = Waiter::new(way, receivers, seed).unwrap();
+        let mut next = [0u64; 7];
+        loop {
+            match waiter.wait() {
+                Ok(msg) => {
+                    let id = msg.0 as usize;
+                    assert_eq!(msg.1, next[id], "sender {id}'s order");
+                    check(&msg, 100, 5);
+                    next[id] += 1;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(Error::Disconnected) => return next,
+                Err(other) => panic!("after {next:?}: {other:?}"),
+            }
+        }
+    });
+    let p = path_str(&path).to_string();
+    let jitter = seed.to_string();
+    let common = ["--threads", "1", "--len", "100", "--every", "5", "--jitter", &jitter];
+    let mut streamer =
+        Peer::start(&[&["burst", "--to", &p, "--id-base", "0", "--count", "20000"][..], &common].concat(), env);
+    let visitors = thread::spawn({
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let jitter = jitter.clone();
+        move || {
+            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            for id in 1..7 {
+                let id = id.to_string();
+                let args = ["burst", "--to", &p, "--id-base", &id, "--count", "2000", "--threads", "1"];
+                let rest = ["--len", "100", "--every", "5", "--jitter", &jitter];
+                let mut visitor = Peer::start(&[&args[..], &rest].concat(), &env);
+                visitor.until("done");
+                assert!(visitor.finish().success(), "visitor {id}");
+            }
+        }
+    });
+    let next = watched(
+        &format!("senders coming and going ({way:?}, seed {seed})"),
+        &progress,
+        Duration::from_secs(40),
+        String::new,
+        move || reader.join().unwrap(),
+    );
+    visitors.join().unwrap();
+    assert_eq!(next, [20000, 2000, 2000, 2000, 2000, 2000, 2000]);
+    streamer.until("done");
+    assert!(streamer.finish().success());
+}
+
+#[test]
+fn senders_coming_and_going_beside_a_streaming_one_lose_no_wake_up() {
+    for way in [Way::Block, Way::Poll, Way::Select, Way::Async] {
+        senders_come_and_go_while_one_streams(way, &[]);
+    }
+}
+
+#[test]
+fn senders_on_the_socket_alone_coming_and_going_beside_a_streaming_one_lose_no_wake_up() {
+    senders_come_and_go_while_one_streams(Way::Block, &[("TQ_RINGS", "0")]);
+    senders_come_and_go_while_one_streams(Way::Timeout, &[("TQ_RINGS", "0")]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Bursts right after connect
 
@@ -788,12 +865,22 @@ fn many_tensor_messages_interleaved_with_small_ones_from_two_senders_keep_order_
 
 #[test]
 fn a_sender_of_4096_tensor_messages_killed_mid_stream_leaves_whole_messages_then_the_end() {
+    killed_sending_many(&[]);
+}
+
+#[test]
+fn a_sender_of_4096_tensor_messages_on_the_socket_alone_killed_mid_frame_leaves_whole_messages_then_the_end() {
+    // Over the socket, a 4,096-tensor message is a frame of many packets: a kill lands mid-frame.
+    killed_sending_many(&[("TQ_RINGS", "0")]);
+}
+
+fn killed_sending_many(env: &[(&str, &str)]) {
     // A sender of 4,096-tensor messages SIGKILLed mid-stream: the receiver gets whole messages
     // (never a half-described one), in order, then a typed end.
     let path = socket_path("o6-many-kill");
     let mut receiver = Receiver::<Msg>::builder().capacity(4).bind(&path).unwrap();
     receiver.expect_senders(1);
-    let mut peer = Peer::start(&["many", "--to", path_str(&path), "--count", "100000", "--tensors", "4096"], &[]);
+    let mut peer = Peer::start(&["many", "--to", path_str(&path), "--count", "100000", "--tensors", "4096"], env);
     let mut next = 0u64;
     while next < 5 {
         let msg = receiver.recv_timeout(LONG).unwrap();

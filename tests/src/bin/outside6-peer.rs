@@ -338,14 +338,22 @@ fn main() -> Result<()> {
                 number(&args, "--len", 64)? as usize,
                 number(&args, "--every", 1)?,
             );
+            // `--id-base B`: thread T is sender B + T; `--jitter SEED`: a random 0-200 us sleep
+            // before half the sends.
+            let base = number(&args, "--id-base", 0)? as u32;
+            let jitter = arg(&args, "--jitter").map(|s| s.parse::<u64>()).transpose()?;
             let start = Arc::new(std::sync::Barrier::new(threads as usize));
-            let workers: Vec<_> = (0..threads)
+            let workers: Vec<_> = (base..base + threads)
                 .map(|id| {
                     let (path, start, progress) = (path.clone(), start.clone(), progress.clone());
                     std::thread::spawn(move || -> Result<()> {
                         let sender = connect::<Msg>(&path)?;
+                        let mut rng = jitter.map(|seed| Rng::new(seed ^ u64::from(id)));
                         start.wait(); // every thread's first messages at the same moment
                         for index in 0..count {
+                            if let Some(rng) = &mut rng {
+                                rng.jitter();
+                            }
                             sender
                                 .send(&message(id, index, len, every)?)
                                 .with_context(|| format!("sender {id} message {index}"))?;
