@@ -1052,3 +1052,26 @@ fn lies_in_a_table_of_1024_rows_are_refused_typed_and_the_receiver_serves_the_ot
 fn lies_in_a_table_of_4096_rows_are_refused_typed_and_the_receiver_serves_the_others() {
     lies_in_a_table_of_many_rows(4096);
 }
+
+#[test]
+#[ignore = "bug (outside6-bugs.md B1): recv_timeout(Duration::ZERO) with nothing waiting answers Empty, which its docs do not name (try_recv's answer), instead of Timeout as for 1 ns"]
+fn recv_timeout_of_zero_or_a_few_nanoseconds_with_nothing_waiting_is_timeout() {
+    // The docs: `recv_timeout` "waits up to `timeout`"; a wait whose time passed is `Timeout`
+    // (its example), and `Empty` is `try_recv`'s. A loop `Err(Timeout) => continue` with a
+    // computed, sometimes tiny, timeout must not meet another error.
+    let path = socket_path("o6-zero");
+    let mut receiver = Receiver::<Msg>::bind(&path).unwrap();
+    let sender = Sender::<Msg>::connect(&path).unwrap();
+    sender.wait_ready(LONG).unwrap();
+    let mut wrong = Vec::new();
+    for nanos in [0u64, 1, 10, 50, 100, 500, 1000, 10_000] {
+        for _ in 0..20 {
+            match receiver.recv_timeout(Duration::from_nanos(nanos)) {
+                Err(Error::Timeout) => {}
+                other => wrong.push((nanos, format!("{:?}", other.map(|m| m.1)))),
+            }
+        }
+    }
+    wrong.dedup();
+    assert!(wrong.is_empty(), "recv_timeout(ns) with nothing waiting, expected Timeout: {wrong:?}");
+}
