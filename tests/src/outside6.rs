@@ -60,11 +60,15 @@ pub enum Way {
     Poll,
     /// `recv` with `set_spin` of a random 0-50 us.
     Spin,
+    /// `recv_async` under a random 1-500 us `tokio::time::timeout`, again after each: the
+    /// future is dropped (cancelled) mid-wait, over and over.
+    AsyncCancel,
 }
 
 impl Way {
     /// Every way.
-    pub const ALL: [Way; 7] = [Way::Block, Way::Timeout, Way::Try, Way::Async, Way::Select, Way::Poll, Way::Spin];
+    pub const ALL: [Way; 8] =
+        [Way::Block, Way::Timeout, Way::Try, Way::Async, Way::Select, Way::Poll, Way::Spin, Way::AsyncCancel];
 
     /// Its name on a command line.
     pub fn name(self) -> &'static str {
@@ -76,6 +80,7 @@ impl Way {
             Way::Select => "select",
             Way::Poll => "poll",
             Way::Spin => "spin",
+            Way::AsyncCancel => "async-cancel",
         }
     }
 
@@ -122,7 +127,7 @@ impl Waiter {
         } else {
             None
         };
-        let runtime = (way == Way::Async)
+        let runtime = matches!(way, Way::Async | Way::AsyncCancel)
             .then(|| tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a tokio runtime"));
         let open = vec![true; receivers.len()];
         Ok(Waiter { way, receivers, open, select, runtime, rng, idle: 0 })
@@ -169,6 +174,17 @@ impl Waiter {
                 }
                 got
             }
+            Way::AsyncCancel => loop {
+                let runtime = self.runtime.as_ref().expect("made for AsyncCancel");
+                let i = self.open.iter().position(|&o| o).ok_or(Error::Disconnected)?;
+                let bound = Duration::from_micros(self.rng.below(500) + 1);
+                let receiver = &mut self.receivers[i];
+                match runtime.block_on(async { tokio::time::timeout(bound, receiver.recv_async()).await }) {
+                    Err(_elapsed) => self.idle += 1,
+                    Ok(Err(Error::Disconnected)) => self.open[i] = false,
+                    Ok(got) => return got,
+                }
+            },
             Way::Select => loop {
                 let (select, indices) = self.select.as_mut().expect("made for Select");
                 let ready = select.ready()?;

@@ -292,6 +292,11 @@ fn ping_pong_with_a_spinning_recv_loses_no_wake_up() {
 }
 
 #[test]
+fn ping_pong_with_recv_async_cancelled_over_and_over_loses_no_wake_up_and_no_message() {
+    ping_pong(Way::AsyncCancel, false);
+}
+
+#[test]
 fn ping_pong_answered_by_two_senders_in_turn_loses_no_wake_up() {
     // The receiver here has two senders of one process, used in turn: a fast path for a
     // receiver with one sender must not lose the other's wake-ups.
@@ -461,7 +466,7 @@ fn killed_while_blocked_with_nothing_in_flight(way: Way) {
 
 #[test]
 fn a_sender_killed_while_recv_is_blocked_with_nothing_in_flight_leaves_the_other_served() {
-    for way in [Way::Block, Way::Async, Way::Select, Way::Poll] {
+    for way in [Way::Block, Way::Async, Way::Select, Way::Poll, Way::AsyncCancel] {
         killed_while_blocked_with_nothing_in_flight(way);
     }
 }
@@ -619,7 +624,7 @@ fn senders_come_and_go_while_one_streams(way: Way, env: &[(&str, &str)]) {
 
 #[test]
 fn senders_coming_and_going_beside_a_streaming_one_lose_no_wake_up() {
-    for way in [Way::Block, Way::Poll, Way::Select, Way::Async] {
+    for way in [Way::Block, Way::Poll, Way::Select, Way::Async, Way::AsyncCancel] {
         senders_come_and_go_while_one_streams(way, &[]);
     }
 }
