@@ -370,3 +370,86 @@ def test_recv_with_a_tiny_timeout_and_nothing_waiting_raises_timeout(sock_path, 
     finally:
         s.close()
         r.close()
+
+
+# Sends argv[2] messages of argv[3] small arrays each (`_many_arrays`, whose source is put before
+# this), then prints "sent" and waits for stdin to close.
+MANY = r"""
+import sys
+import tensor_queue as tq
+s = tq.Sender.connect(sys.argv[1], timeout=30)
+for i in range(int(sys.argv[2])):
+    s.send({"i": i, "arrays": _many_arrays(i, int(sys.argv[3]))})
+print("sent", flush=True)
+sys.stdin.read()
+"""
+
+
+def _many_arrays(i, n):
+    """`n` small arrays for message `i`: views of one buffer at regular offsets, every dtype the
+    package lists in turn, empty ones, and strided views (every other element, a transposed
+    block, a reversed row)."""
+    import numpy as np
+
+    base = (np.arange(n * 8, dtype=np.float32) * 0.5 + i).reshape(n, 8)
+    dtypes = [np.bool_, np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64]
+    out = []
+    for k in range(n):
+        kind = k % 6
+        if kind == 0:
+            out.append(base[k])  # a row of one buffer
+        elif kind == 1:
+            dt = dtypes[(k // 6) % len(dtypes)]
+            out.append((np.arange(k % 7 + 1) + i + k).astype(dt))
+        elif kind == 2:
+            out.append(np.zeros((k % 3, 0), dtype=np.int32))  # no element
+        elif kind == 3:
+            out.append(base[k, ::2])  # stride 2
+        elif kind == 4:
+            out.append(base[max(k - 2, 0) : k + 1, 1:4].T)  # transposed block
+        else:
+            out.append(base[k, ::-1])  # negative stride
+    return out
+
+
+def _check_many(m, n):
+    import numpy as np
+
+    want = _many_arrays(m["i"], n)
+    got = m["arrays"]
+    assert len(got) == n, f"message {m['i']}: {len(got)} arrays"
+    for k, (g, w) in enumerate(zip(got, want)):
+        g = np.asarray(g)
+        assert g.dtype == w.dtype and g.shape == w.shape, f"message {m['i']} array {k}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        assert np.array_equal(g, w), f"message {m['i']} array {k}: values"
+
+
+@pytest.mark.parametrize("n,count", [(1024, 30), (4096, 10)])
+def test_messages_of_thousands_of_small_arrays_from_another_program_held_at_once_arrive_exact(sock_path, n, count):
+    import inspect
+
+    r = tq.Receiver.bind(sock_path, capacity=count)
+    r.expect_senders(1)
+    code = "import numpy as np\n" + inspect.getsource(_many_arrays) + MANY
+    child = program(code, sock_path, count, n, stdin=subprocess.PIPE)
+    try:
+        progress = [0]
+        held = []
+
+        def work():
+            while len(held) < count:
+                held.append(r.recv())
+                progress[0] += 1
+
+        _watched(f"{count} messages of {n} arrays", work, progress, on_stuck=lambda: _kill(child))
+        assert [m["i"] for m in held] == list(range(count))
+        for m in held:
+            _check_many(m, n)
+        assert child.stdout.readline().strip() == "sent"
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
+        with pytest.raises(tq.Disconnected):
+            r.recv(timeout=30)
+    finally:
+        _kill(child)
+        r.close()
