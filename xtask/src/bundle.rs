@@ -37,6 +37,7 @@ const BINARIES: &[&str] = &[
     "outside4-peer",
     "outside-inline-peer",
     "outside5-peer",
+    "outside6-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",
