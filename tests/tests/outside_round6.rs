@@ -1048,7 +1048,7 @@ fn lies_in_a_table_of_4096_rows_are_refused_typed_and_the_receiver_serves_the_ot
 }
 
 #[test]
-#[ignore = "bug (outside6-bugs.md B1): recv_timeout(Duration::ZERO) with nothing waiting answers Empty, which its docs do not name (try_recv's answer), instead of Timeout as for 1 ns"]
+// Outside round 6, B1 (fixed): a zero timeout answered Empty.
 fn recv_timeout_of_zero_or_a_few_nanoseconds_with_nothing_waiting_is_timeout() {
     // The docs: `recv_timeout` "waits up to `timeout`"; a wait whose time passed is `Timeout`
     // (its example), and `Empty` is `try_recv`'s. A loop `Err(Timeout) => continue` with a
