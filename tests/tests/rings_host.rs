@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use integration_tests::{bin_path, socket_path, stdout_lines};
 use kernels::reference;
-use tensor_queue::{Error, Receiver, Sender, Tensor, Violation};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor, Violation};
 
 type Item = (u64, Vec<Tensor>);
 
@@ -296,4 +296,89 @@ fn a_channel_makes_room_for_its_descriptors_before_its_first_message() {
     let (index, tensors) = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
     assert_eq!((index, tensors[0].to_bytes().unwrap()), (0, vec![1, 2, 3]));
     assert!(descriptor_slots() >= want);
+}
+
+/// A message as the helper makes them: `index`, with a host tensor of `len` bytes filled with its
+/// pattern if `every` divides it.
+fn item(index: u64, every: u64, len: usize) -> Item {
+    let tensors = match every != 0 && index.is_multiple_of(every) {
+        true => vec![Tensor::from_slice(&reference::pattern(len, index), DType::U8, &[len as u64]).unwrap()],
+        false => Vec::new(),
+    };
+    (index, tensors)
+}
+
+/// The same random short pauses as the helper's (`tq-rings`'s `pause`).
+fn pause(state: &mut u64) {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    let micros = (*state >> 8) % 50;
+    match *state % 4 {
+        0 => {}
+        1 => {
+            let until = Instant::now() + Duration::from_micros(micros % 20);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+        2 => std::thread::yield_now(),
+        _ => std::thread::sleep(Duration::from_micros(micros)),
+    }
+}
+
+/// 20,000 blocking round trips between two processes, each side pausing at random (none, a
+/// spin, a yield, a sleep) so that every message finds its receiver now busy, now about to sleep,
+/// now asleep; every 97th message carries a tensor (its announcement on the socket behind a
+/// marker in the ring). A wake-up lost on either side would leave a `recv` waiting: the 30 s
+/// timeouts turn it into a failure, never a hang.
+#[test]
+fn twenty_thousand_blocking_round_trips_with_random_pauses_lose_no_wake_up() {
+    const TRIPS: u64 = 20_000;
+    let (mut receiver, path) = bind("pingpong", 16);
+    let reply = socket_path("pingpong-reply");
+    let reply_arg = reply.to_str().unwrap();
+    let count = TRIPS.to_string();
+    let args = ["--reply", reply_arg, "--count", &count, "--every", "97", "--len", "256", "--seed", "7"];
+    let (mut child, lines) = helper("pingpong", &path, &args, &[]);
+    expect_line(&lines, "bound");
+    let sender = Sender::<Item>::connect(&reply).unwrap();
+    let mut random = 0x9e37_79b9_7f4a_7c15_u64;
+    for index in 0..TRIPS {
+        sender.send(&item(index, 97, 256)).unwrap();
+        pause(&mut random);
+        let got = receiver
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|error| panic!("round trip {index}: {error} (a lost wake-up on one side or the other)"));
+        assert_eq!(got.0, index, "answers in order");
+        check(&got, 97, 256);
+    }
+    assert!(sender.wait_released(Duration::from_secs(30)), "every message released");
+    expect_line(&lines, "done");
+    expect_end(&mut receiver);
+    assert!(child.wait().unwrap().success());
+}
+
+/// A `recv` blocked on a connection whose rings are on (its ring just found empty, its doorbell
+/// armed) wakes for the sender's hang-up, which only the socket shows: a clean exit and a
+/// SIGKILL both end the stream with `Disconnected`, after every message.
+#[test]
+fn a_blocked_recv_wakes_for_the_hang_up_of_a_sender_on_the_rings() {
+    for kill in [false, true] {
+        let (mut receiver, path) = bind(if kill { "linger-kill" } else { "linger" }, 16);
+        receiver.expect_senders(1);
+        let args: &[&str] = if kill { &["--ms", "300", "--kill"] } else { &["--ms", "300"] };
+        let (mut child, lines) = helper("linger", &path, args, &[]);
+        for index in 0..2 {
+            let got = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+            assert_eq!(got.0, index);
+            check(&got, 2, 4096);
+        }
+        expect_line(&lines, "sent");
+        // Blocked here while the helper sleeps, then woken by its end.
+        expect_end(&mut receiver);
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal().is_some(), kill, "{status:?}");
+        assert!(receiver.take_errors().is_empty(), "nothing was lost");
+    }
 }

@@ -16,8 +16,8 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use ipc_core::ring::{RingError, RingReader, RingWriter, Tally, Wakeup};
@@ -77,9 +77,10 @@ pub(crate) struct Link {
 struct Local {
     ready: PollSet,
     inbound: Mutex<Inbound>,
-    /// What our side has accepted to send (see [`Link::accepted`]), and the tally of our ring
-    /// it is published in once there is one.
-    accepted: Mutex<(u64, Option<Tally>)>,
+    /// What our side has accepted to send (see [`Link::accepted`]): no lock per message.
+    accepted: AtomicU64,
+    /// The tally of our ring it is published in, once there is one.
+    tally: OnceLock<Tally>,
 }
 
 /// A packet read into the caller's buffer: its length, its descriptors, and the error of those
@@ -143,10 +144,9 @@ impl Link {
         // socket, as one over TCP does.
         let local = match remote {
             true => None,
-            false => PollSet::new()
-                .and_then(|ready| ready.add(connection.as_fd(), SOCKET).map(|()| ready))
-                .ok()
-                .map(|ready| Local { ready, inbound: Mutex::default(), accepted: Mutex::default() }),
+            false => PollSet::new().and_then(|ready| ready.add(connection.as_fd(), SOCKET).map(|()| ready)).ok().map(
+                |ready| Local { ready, inbound: Mutex::default(), accepted: AtomicU64::new(0), tally: OnceLock::new() },
+            ),
         };
         Ok(Link {
             connection,
@@ -246,9 +246,11 @@ impl Link {
     /// rings (over TCP, before the switch, `TQ_RINGS=0`) keeps the count for the switch.
     pub fn accepted(&self, seq: u64) {
         if let Some(local) = &self.local {
-            let mut accepted = lock(&local.accepted);
-            accepted.0 = seq;
-            if let Some(tally) = &accepted.1 {
+            // Calls are serialised by the sender's write lock; the one race is with the switch
+            // (`rings_out`, on the reader thread): both store, then look at the other's word
+            // (`SeqCst`), so at least one of them publishes the last count.
+            local.accepted.store(seq, Ordering::SeqCst);
+            if let Some(tally) = local.tally.get() {
                 tally.publish(seq);
             }
         }
@@ -268,10 +270,16 @@ impl Link {
     /// lock, so every frame is on one side of it.
     fn rings_out(&self, writer: RingWriter) -> Result<()> {
         if let Some(local) = &self.local {
-            let mut accepted = lock(&local.accepted);
-            let tally = writer.tally();
-            tally.publish(accepted.0);
-            accepted.1 = Some(tally);
+            let tally = local.tally.get_or_init(|| writer.tally());
+            // Until the count published is the last one stored: a `send` that stored a later
+            // count before the tally was set, and published it after our load, is not undone.
+            loop {
+                let seq = local.accepted.load(Ordering::SeqCst);
+                tally.publish(seq);
+                if local.accepted.load(Ordering::SeqCst) == seq {
+                    break;
+                }
+            }
         }
         let bytes = LinkFrame::RingsOn.encode();
         let mut out = lock(&self.outbox);
@@ -654,6 +662,13 @@ impl Link {
     /// socket cannot see it.
     pub fn has_buffered(&self) -> bool {
         self.connection.has_buffered()
+    }
+
+    /// Whether the peer's ring may hold records not read yet (see `links/rings.rs`): the link's
+    /// poll set is readable for them, so a caller that reads one frame per wake-up reads this
+    /// link before it sleeps, instead of a poll that would return at once.
+    pub fn ring_rung(&self) -> bool {
+        self.local.as_ref().is_some_and(|local| lock(&local.inbound).rung())
     }
 
     /// Bytes read of a packet that is not whole yet (over TCP a packet arrives in pieces).

@@ -16,6 +16,16 @@
 //! a stream that keeps the reader busy makes no system call for the rings. A spinning reader
 //! finds its ring empty often, so its writer rings once per record it then pushes (the price of
 //! a reader that may stop spinning and sleep at any point without telling the link).
+//!
+//! A blocking message therefore costs the writer's `write` of the doorbell, the reader's wake-up
+//! and one `read` that empties the doorbell when the ring is next found empty (three system
+//! calls; a socket's floor is two). Two rules keep it there (issue 26, strace of `tq-bench`'s
+//! blocking round trip: 3.4 system calls a round trip on the bench's main thread before, 2.2
+//! after): a link whose ring may hold records ([`Inbound::rung`], the doorbell readable) is read
+//! before its receiver polls, instead of a poll that would return at once; and the socket is
+//! read while the ring is empty only by a reader that was already armed and is called again
+//! ([`Inbound::time_to_look`]), not each time it arms: what the socket holds (the hang-up, a
+//! frame read ahead of its marker) keeps the poll set readable, so the next call looks.
 
 use std::os::fd::{AsFd as _, OwnedFd};
 use std::time::{Duration, Instant};
@@ -252,8 +262,22 @@ impl Inbound {
         self.sleep = Sleep::Rung;
     }
 
-    /// Whether to read the socket now, while the ring is empty (at most every [`SOCKET_LOOK`]).
+    /// Whether the ring may hold records the reader has not popped: the doorbell is readable
+    /// (or about to be), so a poll set holding it would not sleep. A caller about to sleep reads
+    /// such a link first instead of polling ([`Inbound::settle`] then empties the doorbell).
+    pub fn rung(&self) -> bool {
+        self.reader.is_some() && self.sleep == Sleep::Rung
+    }
+
+    /// Whether to read the socket now, while the ring is empty: only once the writer was asked
+    /// to ring (the reader said so before, and was woken or called again with nothing new: by
+    /// the socket, a spurious wake-up or a spin loop), and at most every [`SOCKET_LOOK`]. A
+    /// reader that just emptied its ring arms without looking: the socket's hang-up, or a frame
+    /// read ahead of its marker, keeps the link's poll set readable, and the next call looks.
     pub fn time_to_look(&mut self) -> bool {
+        if self.sleep != Sleep::Armed {
+            return false;
+        }
         let now = Instant::now();
         if now.duration_since(self.looked) < SOCKET_LOOK {
             return false;

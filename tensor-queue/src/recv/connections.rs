@@ -57,6 +57,8 @@ pub(crate) struct Connections {
     readiness: Readiness,
     /// The tokens a wait found (kept to reuse the allocation).
     tokens: Vec<u64>,
+    /// Whether the next `pump` polls before it reads rung rings (see `pump`).
+    poll_first: bool,
 }
 
 impl Connections {
@@ -81,6 +83,7 @@ impl Connections {
             buf: vec![0; MAX_PACKET],
             readiness,
             tokens: Vec::new(),
+            poll_first: false,
         })
     }
 
@@ -313,6 +316,18 @@ impl Connections {
         if !buffered.is_empty() {
             self.read_connections(buffered);
             return Ok(true);
+        }
+        // A ring that may hold records keeps its link readable until it is found empty, so a
+        // poll now would return at once: those links are read first, and the poll sleeps only
+        // if they had nothing (one system call a message saved). After a frame read so, the
+        // next call polls first, so that a ring that keeps coming never starves the others.
+        if !std::mem::take(&mut self.poll_first) {
+            let rung: Vec<usize> =
+                (0..self.connected.len()).filter(|&i| self.connected[i].peer.link.ring_rung()).collect();
+            if !rung.is_empty() && self.read_connections(rung) {
+                self.poll_first = true;
+                return Ok(true);
+            }
         }
         // An unfinished message is given up once idle too long: the wait ends by then.
         let give_up = self.connected.iter().filter_map(Connected::unfinished_deadline).min();

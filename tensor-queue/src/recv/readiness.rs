@@ -8,6 +8,12 @@
 //! ahead, messages parked for their data, and the end of the stream). A connection leaves the
 //! set when the receiver lets it go, even if its socket stays open for the releases of tensors
 //! still held; the doorbell leaves with its descriptor.
+//!
+//! A local connection's member is its link's own poll set (the socket and the ring's doorbell,
+//! `links/rings.rs`). Its doorbell stays readable while the ring may hold records, so `recv`
+//! reads such links before it waits here (`Connections::pump`): a wait that would return at
+//! once costs a system call a message. The pending flag is written only when what it says
+//! changes, never per message of a stream that `recv` keeps up with.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
