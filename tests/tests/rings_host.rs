@@ -372,7 +372,7 @@ fn a_blocked_recv_wakes_for_the_hang_up_of_a_sender_on_the_rings() {
         for index in 0..2 {
             let got = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
             assert_eq!(got.0, index);
-            check(&got, 2, 4096);
+            check(&got, 1, 4096);
         }
         expect_line(&lines, "sent");
         // Blocked here while the helper sleeps, then woken by its end.
@@ -381,4 +381,41 @@ fn a_blocked_recv_wakes_for_the_hang_up_of_a_sender_on_the_rings() {
         assert_eq!(status.signal().is_some(), kill, "{status:?}");
         assert!(receiver.take_errors().is_empty(), "nothing was lost");
     }
+}
+
+/// A receiver watches each connection's socket and ring doorbell in its own poll set (one level
+/// of epoll): once a sender has hung up and `recv` has read it, both leave the set, even while
+/// a tensor received from it (which keeps the link open for its release) is held. Left there,
+/// the socket's end would keep the receiver's descriptor readable, and every `recv` and
+/// `Select` would wake at once, for ever.
+#[test]
+fn a_sender_that_hung_up_no_longer_makes_the_receiver_readable() {
+    let (mut receiver, path) = bind("unwatch", 16);
+    receiver.expect_senders(2); // not the end of the stream when the first leaves
+    let (mut child, lines) = helper("linger", &path, &["--ms", "0"], &[]);
+    let first = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(first.0, 0);
+    drop(first); // the helper waits for its release
+    let held = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(held.0, 1);
+    check(&held, 1, 4096);
+    expect_line(&lines, "sent");
+    assert!(child.wait().unwrap().success());
+    // On a thread, bounded: left in the set, the socket's end would make every `try_recv` loop
+    // for ever on a poll that returns at once.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut receiver = receiver;
+        // Read the hang-up (a zero-timeout `recv` reads what is readable, then says `Empty`).
+        let empties = (0..10).filter(|_| matches!(receiver.try_recv(), Err(Error::Empty))).count();
+        let mut fds = [rustix::event::PollFd::new(&receiver, rustix::event::PollFlags::IN)];
+        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: 300_000_000 };
+        let ready = rustix::event::poll(&mut fds, Some(&timeout)).unwrap();
+        let _ = done.send((empties, ready, fds[0].revents()));
+        drop(held);
+    });
+    let (empties, ready, revents) =
+        finished.recv_timeout(Duration::from_secs(60)).expect("try_recv did not return within 60 s");
+    assert_eq!(empties, 10, "nothing to receive");
+    assert_eq!(ready, 0, "the receiver is readable with nothing to receive: {revents:?}");
 }

@@ -81,6 +81,9 @@ struct Local {
     accepted: AtomicU64,
     /// The tally of our ring it is published in, once there is one.
     tally: OnceLock<Tally>,
+    /// A receiver's doorbell, from its offer of rings on: with the socket, what its receiver
+    /// watches in its own poll set ([`Link::wake_fds`]).
+    doorbell: OnceLock<Arc<OwnedFd>>,
 }
 
 /// A packet read into the caller's buffer: its length, its descriptors, and the error of those
@@ -145,7 +148,13 @@ impl Link {
         let local = match remote {
             true => None,
             false => PollSet::new().and_then(|ready| ready.add(connection.as_fd(), SOCKET).map(|()| ready)).ok().map(
-                |ready| Local { ready, inbound: Mutex::default(), accepted: AtomicU64::new(0), tally: OnceLock::new() },
+                |ready| Local {
+                    ready,
+                    inbound: Mutex::default(),
+                    accepted: AtomicU64::new(0),
+                    tally: OnceLock::new(),
+                    doorbell: OnceLock::new(),
+                },
             ),
         };
         Ok(Link {
@@ -177,6 +186,7 @@ impl Link {
                 return Ok(());
             }
         };
+        let _ = local.doorbell.set(offer.doorbell.clone());
         let mut inbound = lock(&local.inbound);
         let fds = [offer.reader.fd(), offer.writer.fd(), offer.doorbell.as_fd(), theirs.as_fd()];
         self.send(&LinkFrame::Rings, &fds)?;
@@ -204,7 +214,7 @@ impl Link {
                 match mapped {
                     Ok((writer, reader, doorbell)) => {
                         inbound.reader = Some(reader);
-                        inbound.doorbell = Some(doorbell);
+                        inbound.doorbell = Some(Arc::new(doorbell));
                         let _ = self.rings_out(writer);
                     }
                     Err(error) => {
@@ -597,8 +607,10 @@ impl Link {
 
     /// Waits for the next packet, on `set`, a poll set in which this link's socket is
     /// registered (and perhaps more: a wake-up of any other member ends the wait with
-    /// [`Read::Nothing`]).
+    /// [`Read::Nothing`]). A local link waits on its own poll set instead, which holds the socket
+    /// and the ring's doorbell: one level of epoll, not two.
     pub fn recv<F: Frame>(&self, set: &PollSet, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read<F>> {
+        let set = self.local.as_ref().map_or(set, |local| &local.ready);
         let mut tokens = Vec::new();
         loop {
             let (read, _) = self.try_recv(assembler, buf)?;
@@ -636,6 +648,15 @@ impl Link {
         }
         drop(out);
         self.connection.shutdown(how);
+    }
+
+    /// The descriptors a receiver watches in its own poll set for this link's frames, instead
+    /// of the link's poll set ([`Link::fd`]): the socket, and on a local link whose rings were
+    /// offered (at the greeting, before the receiver takes the link) the doorbell of its ring.
+    /// One level of epoll on the wake-up path, not two; the same token for both.
+    pub fn wake_fds(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
+        let doorbell = self.local.as_ref().and_then(|local| local.doorbell.get()).map(|fd| fd.as_fd());
+        std::iter::once(self.connection.as_fd()).chain(doorbell)
     }
 
     /// What to `poll` for this link's frames: its socket, or for a local link its own poll set

@@ -19,15 +19,19 @@
 //!
 //! A blocking message therefore costs the writer's `write` of the doorbell, the reader's wake-up
 //! and one `read` that empties the doorbell when the ring is next found empty (three system
-//! calls; a socket's floor is two). Two rules keep it there (issue 26, strace of `tq-bench`'s
-//! blocking round trip: 3.4 system calls a round trip on the bench's main thread before, 2.2
-//! after): a link whose ring may hold records ([`Inbound::rung`], the doorbell readable) is read
-//! before its receiver polls, instead of a poll that would return at once; and the socket is
-//! read while the ring is empty only by a reader that was already armed and is called again
-//! ([`Inbound::time_to_look`]), not each time it arms: what the socket holds (the hang-up, a
-//! frame read ahead of its marker) keeps the poll set readable, so the next call looks.
+//! calls; a socket's floor is two). Three rules keep it there (issue 26; strace of `tq-bench`'s
+//! blocking round trip, both processes and all their threads: 10.9 system calls a round trip
+//! before, 8.0 after): a link whose ring may hold records ([`Inbound::rung`], the doorbell
+//! readable) is read before its receiver polls, instead of a poll that would return at once; the
+//! socket is read while the ring is empty only by a reader that was already armed and is called
+//! again ([`Inbound::time_to_look`]), not each time it arms: what the socket holds (the hang-up,
+//! a frame read ahead of its marker) keeps the poll set readable, so the next call looks; and a
+//! receiver watches the socket and the doorbell in its own poll set
+//! ([`super::link::Link::wake_fds`]), a sender's reader thread in the link's, so that a wake-up
+//! crosses one level of epoll, not two.
 
 use std::os::fd::{AsFd as _, OwnedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipc_core::ring::{self, RingError, RingReader, RingWriter};
@@ -65,8 +69,9 @@ pub(crate) struct Offer {
     pub reader: RingReader,
     /// The ring the sender reads (ringing the sender's doorbell).
     pub writer: RingWriter,
-    /// Ours, rung by the sender: in the link's poll set.
-    pub doorbell: OwnedFd,
+    /// Ours, rung by the sender: in the link's poll set, and in its receiver's
+    /// ([`super::link::Link::wake_fds`]).
+    pub doorbell: Arc<OwnedFd>,
 }
 
 /// Creates a receiver's rings and both doorbells: the offer, and the sender's doorbell to send
@@ -78,7 +83,7 @@ pub(crate) fn create() -> ipc_core::Result<(Offer, OwnedFd)> {
     reader.set_doorbell(Some(duplicate(&doorbell)?))?;
     let mut writer = RingWriter::create("tensor-queue ring out", RING_CAPACITY)?;
     writer.set_doorbell(Some(duplicate(&theirs)?))?;
-    Ok((Offer { reader, writer, doorbell }, theirs))
+    Ok((Offer { reader, writer, doorbell: Arc::new(doorbell) }, theirs))
 }
 
 /// A sender's side of a receiver's [`LinkFrame::Rings`] and its four descriptors (the ring to
@@ -151,7 +156,7 @@ pub(crate) struct Inbound {
     /// The ring the peer writes, once mapped.
     pub reader: Option<RingReader>,
     /// Our doorbell: in the link's poll set, emptied here.
-    pub doorbell: Option<OwnedFd>,
+    pub doorbell: Option<Arc<OwnedFd>>,
     /// A marker was popped: the next frame is the socket's.
     pub owes: bool,
     /// A socket packet read before its marker.

@@ -97,9 +97,21 @@ impl Connections {
     /// Adds a connection already greeted.
     pub fn adopt(&mut self, link: Link) -> Result<()> {
         let connected = Connected::new(link);
-        self.readiness.watch(connected.peer.link.fd(), token(&connected))?;
+        // The socket and the ring's doorbell themselves, not the link's poll set: a wake-up
+        // crosses one level of epoll, not two.
+        for fd in connected.peer.link.wake_fds() {
+            self.readiness.watch(fd, token(&connected))?;
+        }
         self.connected.push(connected);
         Ok(())
+    }
+
+    /// Takes a connection's descriptors out of the poll set (it may live on for the releases
+    /// of tensors still held, and must not wake `recv` any more).
+    fn unwatch(&self, gone: &Connected) {
+        for fd in gone.peer.link.wake_fds() {
+            self.readiness.forget(fd);
+        }
     }
 
     /// Stops taking connections from the acceptor (which stops, and the socket file goes).
@@ -372,7 +384,9 @@ impl Connections {
                 token => readable.extend(self.connected.iter().position(|c| self::token(c) == token)),
             }
         }
+        // A connection's socket and doorbell share its token: read it once.
         readable.sort_unstable();
+        readable.dedup();
         Some((listener_ready, readable))
     }
 
@@ -395,7 +409,7 @@ impl Connections {
             connected.close(format!("the receiver closed the connection: {lost}"));
             self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
             let gone = self.connected.remove(at);
-            self.readiness.forget(gone.peer.link.fd());
+            self.unwatch(&gone);
         }
     }
 
@@ -444,7 +458,7 @@ impl Connections {
         for index in closed.into_iter().rev() {
             // Tensors received from it keep its socket open for their releases.
             let gone = self.connected.remove(index);
-            self.readiness.forget(gone.peer.link.fd());
+            self.unwatch(&gone);
         }
         if self.expected.is_some_and(|n| self.joined >= n) && self.acceptor.is_some() {
             // Every expected sender is here: no more join (and the socket file goes).

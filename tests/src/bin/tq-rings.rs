@@ -31,7 +31,7 @@
 //!   `i` expected, its tensor checked), a random short pause (none, a spin, a yield or a sleep
 //!   of up to 50 us), and message `i` sent back on `P`. Prints `done` once all are released.
 //! - `linger --to P --ms M [--kill]`: sends message 0 (a tensor) and waits until it is released
-//!   (the rings are on), sends message 1, prints `sent`, sleeps `M` ms while its receiver is
+//!   (the rings are on), sends message 1 (a tensor), prints `sent`, sleeps `M` ms while its receiver is
 //!   blocked in `recv`, then exits (or SIGKILLs itself with `--kill`).
 //! - `scribble --to P`: speaks the wire by hand: greets, takes the receiver's rings, switches to
 //!   them, writes garbage into the head of the ring it writes, prints `scribbled`, and waits
@@ -182,7 +182,7 @@ fn run() -> Result<()> {
             let sender = Sender::<Item>::connect(&to)?;
             sender.send(&item(0, 1, len)?)?;
             ensure!(sender.wait_released(Duration::from_secs(30)), "message 0 not released within 30 s");
-            sender.send(&(1, Vec::new()))?;
+            sender.send(&item(1, 1, len)?)?;
             ensure!(sender.wait_written(Duration::from_secs(30)), "not written within 30 s");
             say("sent");
             std::thread::sleep(Duration::from_millis(number(&args, "--ms", 300)?));
