@@ -419,3 +419,45 @@ fn a_sender_that_hung_up_no_longer_makes_the_receiver_readable() {
     assert_eq!(empties, 10, "nothing to receive");
     assert_eq!(ready, 0, "the receiver is readable with nothing to receive: {revents:?}");
 }
+
+/// The receiver's descriptor (`AsFd`, what `Select` and the async receiver wait on) is readable
+/// whenever `recv` may progress, with the rings' doorbells in its poll set: 5,000 round trips
+/// where each answer is awaited with `Select` and taken with `try_recv`. A record left in a ring
+/// with the descriptor not readable fails the 30 s wait; a descriptor that stays readable with
+/// nothing to take fails the bound on empty wake-ups.
+#[test]
+fn select_over_a_receiver_on_the_rings_wakes_for_each_answer_and_only_then() {
+    use tensor_queue::channel::Select;
+    const TRIPS: u64 = 5_000;
+    let (mut receiver, path) = bind("select-pingpong", 16);
+    let reply = socket_path("select-pingpong-reply");
+    let count = TRIPS.to_string();
+    let args = ["--reply", reply.to_str().unwrap(), "--count", &count, "--every", "50", "--len", "64", "--seed", "3"];
+    let (mut child, lines) = helper("pingpong", &path, &args, &[]);
+    expect_line(&lines, "bound");
+    let sender = Sender::<Item>::connect(&reply).unwrap();
+    let mut select = Select::new();
+    select.add(&receiver).unwrap();
+    let mut empty_wakes = 0;
+    for index in 0..TRIPS {
+        sender.send(&item(index, 50, 64)).unwrap();
+        let got = loop {
+            if let Err(error) = select.ready_timeout(Duration::from_secs(30)) {
+                panic!("round trip {index}: not readable within 30 s ({error})");
+            }
+            match receiver.try_recv() {
+                Ok(got) => break got,
+                Err(Error::Empty) => empty_wakes += 1,
+                Err(error) => panic!("round trip {index}: {error}"),
+            }
+            assert!(empty_wakes < 1_000 + index, "the receiver stays readable with nothing to take");
+        };
+        assert_eq!(got.0, index, "answers in order");
+        check(&got, 50, 64);
+    }
+    select.remove(0);
+    assert!(sender.wait_released(Duration::from_secs(30)), "every message released");
+    expect_line(&lines, "done");
+    expect_end(&mut receiver);
+    assert!(child.wait().unwrap().success());
+}
