@@ -218,6 +218,13 @@ impl Inbound {
         if self.sleep == Sleep::Armed && !again {
             return Ok(false);
         }
+        // Rung, the doorbell is readable: a record already there (the peer was quick) keeps it
+        // so, and is popped without emptying the doorbell now and ringing it again (two system
+        // calls saved). Otherwise the doorbell is emptied, and the ring looked at once more below,
+        // since the writer may have rung, for a record, into what we emptied.
+        if self.sleep == Sleep::Rung && reader.prepare_to_sleep()?.is_some() {
+            return Ok(true);
+        }
         if self.sleep != Sleep::Idle
             && let Some(doorbell) = &self.doorbell
         {
