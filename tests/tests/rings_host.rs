@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use integration_tests::{bin_path, socket_path, stdout_lines};
 use kernels::reference;
-use tensor_queue::{Error, Receiver, Sender, Tensor, Violation};
+use tensor_queue::{DType, Error, Receiver, Sender, Tensor, Violation};
 
 type Item = (u64, Vec<Tensor>);
 
@@ -318,4 +318,168 @@ fn a_channel_makes_room_for_its_descriptors_before_its_first_message() {
     let (index, tensors) = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
     assert_eq!((index, tensors[0].to_bytes().unwrap()), (0, vec![1, 2, 3]));
     assert!(descriptor_slots() >= want);
+}
+
+/// A message as the helper makes them: `index`, with a host tensor of `len` bytes filled with its
+/// pattern if `every` divides it.
+fn item(index: u64, every: u64, len: usize) -> Item {
+    let tensors = match every != 0 && index.is_multiple_of(every) {
+        true => vec![Tensor::from_slice(&reference::pattern(len, index), DType::U8, &[len as u64]).unwrap()],
+        false => Vec::new(),
+    };
+    (index, tensors)
+}
+
+/// The same random short pauses as the helper's (`tq-rings`'s `pause`).
+fn pause(state: &mut u64) {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    let micros = (*state >> 8) % 50;
+    match *state % 4 {
+        0 => {}
+        1 => {
+            let until = Instant::now() + Duration::from_micros(micros % 20);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+        2 => std::thread::yield_now(),
+        _ => std::thread::sleep(Duration::from_micros(micros)),
+    }
+}
+
+/// 20,000 blocking round trips between two processes, each side pausing at random (none, a
+/// spin, a yield, a sleep) so that every message finds its receiver now busy, now about to sleep,
+/// now asleep; every 97th message carries a tensor (its announcement on the socket behind a
+/// marker in the ring). A wake-up lost on either side would leave a `recv` waiting: the 30 s
+/// timeouts turn it into a failure, never a hang.
+#[test]
+fn twenty_thousand_blocking_round_trips_with_random_pauses_lose_no_wake_up() {
+    const TRIPS: u64 = 20_000;
+    let (mut receiver, path) = bind("pingpong", 16);
+    let reply = socket_path("pingpong-reply");
+    let reply_arg = reply.to_str().unwrap();
+    let count = TRIPS.to_string();
+    let args = ["--reply", reply_arg, "--count", &count, "--every", "97", "--len", "256", "--seed", "7"];
+    let (mut child, lines) = helper("pingpong", &path, &args, &[]);
+    expect_line(&lines, "bound");
+    let sender = Sender::<Item>::connect(&reply).unwrap();
+    let mut random = 0x9e37_79b9_7f4a_7c15_u64;
+    for index in 0..TRIPS {
+        sender.send(&item(index, 97, 256)).unwrap();
+        pause(&mut random);
+        let got = receiver
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|error| panic!("round trip {index}: {error} (a lost wake-up on one side or the other)"));
+        assert_eq!(got.0, index, "answers in order");
+        check(&got, 97, 256);
+    }
+    assert!(sender.wait_released(Duration::from_secs(30)), "every message released");
+    expect_line(&lines, "done");
+    expect_end(&mut receiver);
+    assert!(child.wait().unwrap().success());
+}
+
+/// A `recv` blocked on a connection whose rings are on (its ring just found empty, its doorbell
+/// armed) wakes for the sender's hang-up, which only the socket shows: a clean exit and a
+/// SIGKILL both end the stream with `Disconnected`, after every message.
+#[test]
+fn a_blocked_recv_wakes_for_the_hang_up_of_a_sender_on_the_rings() {
+    for kill in [false, true] {
+        let (mut receiver, path) = bind(if kill { "linger-kill" } else { "linger" }, 16);
+        receiver.expect_senders(1);
+        let args: &[&str] = if kill { &["--ms", "300", "--kill"] } else { &["--ms", "300"] };
+        let (mut child, lines) = helper("linger", &path, args, &[]);
+        for index in 0..2 {
+            let got = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+            assert_eq!(got.0, index);
+            check(&got, 1, 4096);
+        }
+        expect_line(&lines, "sent");
+        // Blocked here while the helper sleeps, then woken by its end.
+        expect_end(&mut receiver);
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal().is_some(), kill, "{status:?}");
+        assert!(receiver.take_errors().is_empty(), "nothing was lost");
+    }
+}
+
+/// A receiver watches each connection's socket and ring doorbell in its own poll set (one level
+/// of epoll): once a sender has hung up and `recv` has read it, both leave the set, even while
+/// a tensor received from it (which keeps the link open for its release) is held. Left there,
+/// the socket's end would keep the receiver's descriptor readable, and every `recv` and
+/// `Select` would wake at once, for ever.
+#[test]
+fn a_sender_that_hung_up_no_longer_makes_the_receiver_readable() {
+    let (mut receiver, path) = bind("unwatch", 16);
+    receiver.expect_senders(2); // not the end of the stream when the first leaves
+    let (mut child, lines) = helper("linger", &path, &["--ms", "0"], &[]);
+    let first = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(first.0, 0);
+    drop(first); // the helper waits for its release
+    let held = receiver.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(held.0, 1);
+    check(&held, 1, 4096);
+    expect_line(&lines, "sent");
+    assert!(child.wait().unwrap().success());
+    // On a thread, bounded: left in the set, the socket's end would make every `try_recv` loop
+    // for ever on a poll that returns at once.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut receiver = receiver;
+        // Read the hang-up (a zero-timeout `recv` reads what is readable, then says `Empty`).
+        let empties = (0..10).filter(|_| matches!(receiver.try_recv(), Err(Error::Empty))).count();
+        let mut fds = [rustix::event::PollFd::new(&receiver, rustix::event::PollFlags::IN)];
+        let timeout = rustix::event::Timespec { tv_sec: 0, tv_nsec: 300_000_000 };
+        let ready = rustix::event::poll(&mut fds, Some(&timeout)).unwrap();
+        let _ = done.send((empties, ready, fds[0].revents()));
+        drop(held);
+    });
+    let (empties, ready, revents) =
+        finished.recv_timeout(Duration::from_secs(60)).expect("try_recv did not return within 60 s");
+    assert_eq!(empties, 10, "nothing to receive");
+    assert_eq!(ready, 0, "the receiver is readable with nothing to receive: {revents:?}");
+}
+
+/// The receiver's descriptor (`AsFd`, what `Select` and the async receiver wait on) is readable
+/// whenever `recv` may progress, with the rings' doorbells in its poll set: 5,000 round trips
+/// where each answer is awaited with `Select` and taken with `try_recv`. A record left in a ring
+/// with the descriptor not readable fails the 30 s wait; a descriptor that stays readable with
+/// nothing to take fails the bound on empty wake-ups.
+#[test]
+fn select_over_a_receiver_on_the_rings_wakes_for_each_answer_and_only_then() {
+    use tensor_queue::channel::Select;
+    const TRIPS: u64 = 5_000;
+    let (mut receiver, path) = bind("select-pingpong", 16);
+    let reply = socket_path("select-pingpong-reply");
+    let count = TRIPS.to_string();
+    let args = ["--reply", reply.to_str().unwrap(), "--count", &count, "--every", "50", "--len", "64", "--seed", "3"];
+    let (mut child, lines) = helper("pingpong", &path, &args, &[]);
+    expect_line(&lines, "bound");
+    let sender = Sender::<Item>::connect(&reply).unwrap();
+    let mut select = Select::new();
+    select.add(&receiver).unwrap();
+    let mut empty_wakes = 0;
+    for index in 0..TRIPS {
+        sender.send(&item(index, 50, 64)).unwrap();
+        let got = loop {
+            if let Err(error) = select.ready_timeout(Duration::from_secs(30)) {
+                panic!("round trip {index}: not readable within 30 s ({error})");
+            }
+            match receiver.try_recv() {
+                Ok(got) => break got,
+                Err(Error::Empty) => empty_wakes += 1,
+                Err(error) => panic!("round trip {index}: {error}"),
+            }
+            assert!(empty_wakes < 1_000 + index, "the receiver stays readable with nothing to take");
+        };
+        assert_eq!(got.0, index, "answers in order");
+        check(&got, 50, 64);
+    }
+    select.remove(0);
+    assert!(sender.wait_released(Duration::from_secs(30)), "every message released");
+    expect_line(&lines, "done");
+    expect_end(&mut receiver);
+    assert!(child.wait().unwrap().success());
 }

@@ -16,8 +16,8 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
 use ipc_core::ring::{RingError, RingReader, RingWriter, Tally, Wakeup};
@@ -77,9 +77,13 @@ pub(crate) struct Link {
 struct Local {
     ready: PollSet,
     inbound: Mutex<Inbound>,
-    /// What our side has accepted to send (see [`Link::accepted`]), and the tally of our ring
-    /// it is published in once there is one.
-    accepted: Mutex<(u64, Option<Tally>)>,
+    /// What our side has accepted to send (see [`Link::accepted`]): no lock per message.
+    accepted: AtomicU64,
+    /// The tally of our ring it is published in, once there is one.
+    tally: OnceLock<Tally>,
+    /// A receiver's doorbell, from its offer of rings on: with the socket, what its receiver
+    /// watches in its own poll set ([`Link::wake_fds`]).
+    doorbell: OnceLock<Arc<OwnedFd>>,
 }
 
 /// A packet read into the caller's buffer: its length, its descriptors, and the error of those
@@ -143,10 +147,15 @@ impl Link {
         // socket, as one over TCP does.
         let local = match remote {
             true => None,
-            false => PollSet::new()
-                .and_then(|ready| ready.add(connection.as_fd(), SOCKET).map(|()| ready))
-                .ok()
-                .map(|ready| Local { ready, inbound: Mutex::default(), accepted: Mutex::default() }),
+            false => PollSet::new().and_then(|ready| ready.add(connection.as_fd(), SOCKET).map(|()| ready)).ok().map(
+                |ready| Local {
+                    ready,
+                    inbound: Mutex::default(),
+                    accepted: AtomicU64::new(0),
+                    tally: OnceLock::new(),
+                    doorbell: OnceLock::new(),
+                },
+            ),
         };
         Ok(Link {
             connection,
@@ -177,6 +186,7 @@ impl Link {
                 return Ok(());
             }
         };
+        let _ = local.doorbell.set(offer.doorbell.clone());
         let mut inbound = lock(&local.inbound);
         let fds = [offer.reader.fd(), offer.writer.fd(), offer.doorbell.as_fd(), theirs.as_fd()];
         self.send(&LinkFrame::Rings, &fds)?;
@@ -204,7 +214,7 @@ impl Link {
                 match mapped {
                     Ok((writer, reader, doorbell)) => {
                         inbound.reader = Some(reader);
-                        inbound.doorbell = Some(doorbell);
+                        inbound.doorbell = Some(Arc::new(doorbell));
                         let _ = self.rings_out(writer);
                     }
                     Err(error) => {
@@ -246,9 +256,11 @@ impl Link {
     /// rings (over TCP, before the switch, `TQ_RINGS=0`) keeps the count for the switch.
     pub fn accepted(&self, seq: u64) {
         if let Some(local) = &self.local {
-            let mut accepted = lock(&local.accepted);
-            accepted.0 = seq;
-            if let Some(tally) = &accepted.1 {
+            // Calls are serialised by the sender's write lock; the one race is with the switch
+            // (`rings_out`, on the reader thread): both store, then look at the other's word
+            // (`SeqCst`), so at least one of them publishes the last count.
+            local.accepted.store(seq, Ordering::SeqCst);
+            if let Some(tally) = local.tally.get() {
                 tally.publish(seq);
             }
         }
@@ -268,10 +280,16 @@ impl Link {
     /// lock, so every frame is on one side of it.
     fn rings_out(&self, writer: RingWriter) -> Result<()> {
         if let Some(local) = &self.local {
-            let mut accepted = lock(&local.accepted);
-            let tally = writer.tally();
-            tally.publish(accepted.0);
-            accepted.1 = Some(tally);
+            let tally = local.tally.get_or_init(|| writer.tally());
+            // Until the count published is the last one stored: a `send` that stored a later
+            // count before the tally was set, and published it after our load, is not undone.
+            loop {
+                let seq = local.accepted.load(Ordering::SeqCst);
+                tally.publish(seq);
+                if local.accepted.load(Ordering::SeqCst) == seq {
+                    break;
+                }
+            }
         }
         let bytes = LinkFrame::RingsOn.encode();
         let mut out = lock(&self.outbox);
@@ -589,8 +607,10 @@ impl Link {
 
     /// Waits for the next packet, on `set`, a poll set in which this link's socket is
     /// registered (and perhaps more: a wake-up of any other member ends the wait with
-    /// [`Read::Nothing`]).
+    /// [`Read::Nothing`]). A local link waits on its own poll set instead, which holds the socket
+    /// and the ring's doorbell: one level of epoll, not two.
     pub fn recv<F: Frame>(&self, set: &PollSet, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read<F>> {
+        let set = self.local.as_ref().map_or(set, |local| &local.ready);
         let mut tokens = Vec::new();
         loop {
             let (read, _) = self.try_recv(assembler, buf)?;
@@ -630,6 +650,15 @@ impl Link {
         self.connection.shutdown(how);
     }
 
+    /// The descriptors a receiver watches in its own poll set for this link's frames, instead
+    /// of the link's poll set ([`Link::fd`]): the socket, and on a local link whose rings were
+    /// offered (at the greeting, before the receiver takes the link) the doorbell of its ring.
+    /// One level of epoll on the wake-up path, not two; the same token for both.
+    pub fn wake_fds(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
+        let doorbell = self.local.as_ref().and_then(|local| local.doorbell.get()).map(|fd| fd.as_fd());
+        std::iter::once(self.connection.as_fd()).chain(doorbell)
+    }
+
     /// What to `poll` for this link's frames: its socket, or for a local link its own poll set
     /// (the socket and its ring's doorbell).
     pub fn fd(&self) -> BorrowedFd<'_> {
@@ -654,6 +683,13 @@ impl Link {
     /// socket cannot see it.
     pub fn has_buffered(&self) -> bool {
         self.connection.has_buffered()
+    }
+
+    /// Whether the peer's ring may hold records not read yet (see `links/rings.rs`): the link's
+    /// poll set is readable for them, so a caller that reads one frame per wake-up reads this
+    /// link before it sleeps, instead of a poll that would return at once.
+    pub fn ring_rung(&self) -> bool {
+        self.local.as_ref().is_some_and(|local| lock(&local.inbound).rung())
     }
 
     /// Bytes read of a packet that is not whole yet (over TCP a packet arrives in pieces).

@@ -16,8 +16,26 @@
 //! a stream that keeps the reader busy makes no system call for the rings. A spinning reader
 //! finds its ring empty often, so its writer rings once per record it then pushes (the price of
 //! a reader that may stop spinning and sleep at any point without telling the link).
+//!
+//! A blocking message therefore costs the writer's `write` of the doorbell, the reader's wake-up
+//! and one `read` that empties the doorbell when the ring is next found empty (three system
+//! calls; a socket's floor is two). Four rules keep it there (issue 26; strace of `tq-bench`'s
+//! blocking round trip: its main thread made 3.2 system calls a round trip before, 2.0-2.3
+//! after, the `recvmsg` of every empty look gone):
+//! - a link whose ring may hold records ([`Inbound::rung`], the doorbell readable) is read
+//!   before its receiver polls, instead of a poll that would return at once;
+//! - the socket is read while the ring is empty only by a reader that was already armed and is
+//!   called again ([`Inbound::time_to_look`]), not each time it arms: what the socket holds (the
+//!   hang-up, a frame read ahead of its marker) keeps the poll set readable, so the next call
+//!   looks;
+//! - a rung reader that finds a record already there pops it without emptying the doorbell and
+//!   ringing it again ([`Inbound::settle`]);
+//! - a receiver watches the socket and the doorbell in its own poll set
+//!   ([`super::link::Link::wake_fds`]), a sender's reader thread in the link's, so that a
+//!   wake-up crosses one level of epoll, not two.
 
 use std::os::fd::{AsFd as _, OwnedFd};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ipc_core::ring::{self, RingError, RingReader, RingWriter};
@@ -55,8 +73,9 @@ pub(crate) struct Offer {
     pub reader: RingReader,
     /// The ring the sender reads (ringing the sender's doorbell).
     pub writer: RingWriter,
-    /// Ours, rung by the sender: in the link's poll set.
-    pub doorbell: OwnedFd,
+    /// Ours, rung by the sender: in the link's poll set, and in its receiver's
+    /// ([`super::link::Link::wake_fds`]).
+    pub doorbell: Arc<OwnedFd>,
 }
 
 /// Creates a receiver's rings and both doorbells: the offer, and the sender's doorbell to send
@@ -68,7 +87,7 @@ pub(crate) fn create() -> ipc_core::Result<(Offer, OwnedFd)> {
     reader.set_doorbell(Some(duplicate(&doorbell)?))?;
     let mut writer = RingWriter::create("tensor-queue ring out", RING_CAPACITY)?;
     writer.set_doorbell(Some(duplicate(&theirs)?))?;
-    Ok((Offer { reader, writer, doorbell }, theirs))
+    Ok((Offer { reader, writer, doorbell: Arc::new(doorbell) }, theirs))
 }
 
 /// A sender's side of a receiver's [`LinkFrame::Rings`] and its four descriptors (the ring to
@@ -141,7 +160,7 @@ pub(crate) struct Inbound {
     /// The ring the peer writes, once mapped.
     pub reader: Option<RingReader>,
     /// Our doorbell: in the link's poll set, emptied here.
-    pub doorbell: Option<OwnedFd>,
+    pub doorbell: Option<Arc<OwnedFd>>,
     /// A marker was popped: the next frame is the socket's.
     pub owes: bool,
     /// A socket packet read before its marker.
@@ -203,6 +222,13 @@ impl Inbound {
         if self.sleep == Sleep::Armed && !again {
             return Ok(false);
         }
+        // Rung, the doorbell is readable: a record already there (the peer was quick) keeps it
+        // so, and is popped without emptying the doorbell now and ringing it again (two system
+        // calls saved). Otherwise the doorbell is emptied, and the ring looked at once more below,
+        // since the writer may have rung, for a record, into what we emptied.
+        if self.sleep == Sleep::Rung && reader.prepare_to_sleep()?.is_some() {
+            return Ok(true);
+        }
         if self.sleep != Sleep::Idle
             && let Some(doorbell) = &self.doorbell
         {
@@ -252,8 +278,22 @@ impl Inbound {
         self.sleep = Sleep::Rung;
     }
 
-    /// Whether to read the socket now, while the ring is empty (at most every [`SOCKET_LOOK`]).
+    /// Whether the ring may hold records the reader has not popped: the doorbell is readable
+    /// (or about to be), so a poll set holding it would not sleep. A caller about to sleep reads
+    /// such a link first instead of polling ([`Inbound::settle`] then empties the doorbell).
+    pub fn rung(&self) -> bool {
+        self.reader.is_some() && self.sleep == Sleep::Rung
+    }
+
+    /// Whether to read the socket now, while the ring is empty: only once the writer was asked
+    /// to ring (the reader said so before, and was woken or called again with nothing new: by
+    /// the socket, a spurious wake-up or a spin loop), and at most every [`SOCKET_LOOK`]. A
+    /// reader that just emptied its ring arms without looking: the socket's hang-up, or a frame
+    /// read ahead of its marker, keeps the link's poll set readable, and the next call looks.
     pub fn time_to_look(&mut self) -> bool {
+        if self.sleep != Sleep::Armed {
+            return false;
+        }
         let now = Instant::now();
         if now.duration_since(self.looked) < SOCKET_LOOK {
             return false;

@@ -57,6 +57,8 @@ pub(crate) struct Connections {
     readiness: Readiness,
     /// The tokens a wait found (kept to reuse the allocation).
     tokens: Vec<u64>,
+    /// Whether the next `pump` polls before it reads rung rings (see `pump`).
+    poll_first: bool,
 }
 
 impl Connections {
@@ -81,6 +83,7 @@ impl Connections {
             buf: vec![0; MAX_PACKET],
             readiness,
             tokens: Vec::new(),
+            poll_first: false,
         })
     }
 
@@ -94,9 +97,21 @@ impl Connections {
     /// Adds a connection already greeted.
     pub fn adopt(&mut self, link: Link) -> Result<()> {
         let connected = Connected::new(link);
-        self.readiness.watch(connected.peer.link.fd(), token(&connected))?;
+        // The socket and the ring's doorbell themselves, not the link's poll set: a wake-up
+        // crosses one level of epoll, not two.
+        for fd in connected.peer.link.wake_fds() {
+            self.readiness.watch(fd, token(&connected))?;
+        }
         self.connected.push(connected);
         Ok(())
+    }
+
+    /// Takes a connection's descriptors out of the poll set (it may live on for the releases
+    /// of tensors still held, and must not wake `recv` any more).
+    fn unwatch(&self, gone: &Connected) {
+        for fd in gone.peer.link.wake_fds() {
+            self.readiness.forget(fd);
+        }
     }
 
     /// Stops taking connections from the acceptor (which stops, and the socket file goes).
@@ -314,6 +329,18 @@ impl Connections {
             self.read_connections(buffered);
             return Ok(true);
         }
+        // A ring that may hold records keeps its link readable until it is found empty, so a
+        // poll now would return at once: those links are read first, and the poll sleeps only
+        // if they had nothing (one system call a message saved). After a frame read so, the
+        // next call polls first, so that a ring that keeps coming never starves the others.
+        if !std::mem::take(&mut self.poll_first) {
+            let rung: Vec<usize> =
+                (0..self.connected.len()).filter(|&i| self.connected[i].peer.link.ring_rung()).collect();
+            if !rung.is_empty() && self.read_connections(rung) {
+                self.poll_first = true;
+                return Ok(true);
+            }
+        }
         // An unfinished message is given up once idle too long: the wait ends by then.
         let give_up = self.connected.iter().filter_map(Connected::unfinished_deadline).min();
         let until_give_up = give_up.map(|at| at.saturating_duration_since(Instant::now()));
@@ -357,7 +384,9 @@ impl Connections {
                 token => readable.extend(self.connected.iter().position(|c| self::token(c) == token)),
             }
         }
+        // A connection's socket and doorbell share its token: read it once.
         readable.sort_unstable();
+        readable.dedup();
         Some((listener_ready, readable))
     }
 
@@ -380,7 +409,7 @@ impl Connections {
             connected.close(format!("the receiver closed the connection: {lost}"));
             self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
             let gone = self.connected.remove(at);
-            self.readiness.forget(gone.peer.link.fd());
+            self.unwatch(&gone);
         }
     }
 
@@ -429,7 +458,7 @@ impl Connections {
         for index in closed.into_iter().rev() {
             // Tensors received from it keep its socket open for their releases.
             let gone = self.connected.remove(index);
-            self.readiness.forget(gone.peer.link.fd());
+            self.unwatch(&gone);
         }
         if self.expected.is_some_and(|n| self.joined >= n) && self.acceptor.is_some() {
             // Every expected sender is here: no more join (and the socket file goes).

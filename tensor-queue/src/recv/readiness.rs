@@ -2,12 +2,20 @@
 //! readable whenever [`Receiver::recv`](crate::Receiver::recv) may make progress, which `AsFd for
 //! Receiver`, [`Select`](crate::channel::Select) and the async receiver wait on.
 //!
-//! Its members are registered once: each connection's socket, the accept thread's doorbell, the
-//! NCCL workers' wake-up, and one eventfd of its own that stands for work already inside the
-//! process, which no socket shows (messages read but not yet taken, packets a TCP link read
-//! ahead, messages parked for their data, and the end of the stream). A connection leaves the
-//! set when the receiver lets it go, even if its socket stays open for the releases of tensors
-//! still held; the doorbell leaves with its descriptor.
+//! Its members are registered once: each connection's socket (and ring doorbell), the accept
+//! thread's doorbell, the NCCL workers' wake-up, and one eventfd of its own that stands for work
+//! already inside the process, which no socket shows (messages read but not yet taken, packets a
+//! TCP link read ahead, messages parked for their data, and the end of the stream). A connection
+//! leaves the set when the receiver lets it go, even if its socket stays open for the releases
+//! of tensors still held; the accept thread's doorbell leaves with its descriptor.
+//!
+//! A local connection is watched through its socket and its ring's doorbell themselves
+//! (`Link::wake_fds`, one token for both), not through its link's own poll set: a wake-up then
+//! crosses one level of epoll, not two, and both leave the set with the connection. The doorbell
+//! stays readable while the ring may hold records (`links/rings.rs`), so `recv` reads such links
+//! before it waits here (`Connections::pump`): a wait that would return at once costs a system
+//! call a message. The pending flag is written only when what it says changes, never per
+//! message of a stream that `recv` keeps up with.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Duration;

@@ -622,8 +622,13 @@ impl SenderInner {
         }
         let mut state: MutexGuard<'_, SenderState> = lock(&self.state);
         let released = state.protocol.hang_up(why);
+        // Counted as outstanding until dropped, as in `handle`: `wait_released` must not return
+        // while their storage (memory the pool counts in use) is still being dropped here.
+        let count = released.len();
+        state.protocol.dropping(count);
         drop(state);
         drop(released);
+        lock(&self.state).protocol.dropped(count);
         self.state_changed();
     }
 

@@ -26,6 +26,13 @@
 //! - `rejoin --to P`: binds `P` (for any number of senders), prints `bound`, `got I` per
 //!   message and `ended` at the first end of the stream; then, after a line on stdin, one more
 //!   `recv` (30 s at most): `got I`, or `error E`.
+//! - `pingpong --to P --reply R --count N --seed S [--every E --len L]`: binds `R` for one
+//!   sender, prints `bound`, connects to `P`; then `N` times: a blocking `recv` on `R` (message
+//!   `i` expected, its tensor checked), a random short pause (none, a spin, a yield or a sleep
+//!   of up to 50 us), and message `i` sent back on `P`. Prints `done` once all are released.
+//! - `linger --to P --ms M [--kill]`: sends message 0 (a tensor) and waits until it is released
+//!   (the rings are on), sends message 1 (a tensor), prints `sent`, sleeps `M` ms while its receiver is
+//!   blocked in `recv`, then exits (or SIGKILLs itself with `--kill`).
 //! - `scribble --to P`: speaks the wire by hand: greets, takes the receiver's rings, switches to
 //!   them, writes garbage into the head of the ring it writes, prints `scribbled`, and waits
 //!   until stdin closes.
@@ -150,6 +157,40 @@ fn run() -> Result<()> {
             }
             Ok(())
         }
+        Some("pingpong") => {
+            let reply = arg(&args, "--reply").context("--reply")?;
+            let mut items = tensor_queue::Receiver::<Item>::bind(&reply)?;
+            items.expect_senders(1);
+            say("bound");
+            let sender = Sender::<Item>::connect(&to)?;
+            let mut random = number(&args, "--seed", 1)? | 1;
+            for index in 0..number(&args, "--count", 1000)? {
+                let (got, tensors) = items.recv_timeout(Duration::from_secs(30)).context("no message within 30 s")?;
+                ensure!(got == index, "message {got} where {index} was due");
+                for tensor in &tensors {
+                    ensure!(tensor.to_bytes()? == reference::pattern(len, index), "message {index}'s bytes");
+                }
+                drop(tensors);
+                pause(&mut random);
+                sender.send(&item(index, every, len)?)?;
+            }
+            ensure!(sender.wait_released(Duration::from_secs(30)), "not released within 30 s");
+            say("done");
+            Ok(())
+        }
+        Some("linger") => {
+            let sender = Sender::<Item>::connect(&to)?;
+            sender.send(&item(0, 1, len)?)?;
+            ensure!(sender.wait_released(Duration::from_secs(30)), "message 0 not released within 30 s");
+            sender.send(&item(1, 1, len)?)?;
+            ensure!(sender.wait_written(Duration::from_secs(30)), "not written within 30 s");
+            say("sent");
+            std::thread::sleep(Duration::from_millis(number(&args, "--ms", 300)?));
+            if args.iter().any(|a| a == "--kill") {
+                die()
+            }
+            Ok(())
+        }
         Some("scribble") => scribble(&to),
         other => bail!("unknown role {other:?}"),
     }
@@ -162,6 +203,26 @@ pub fn item(index: u64, every: u64, len: usize) -> Result<Item> {
         false => Vec::new(),
     };
     Ok((index, tensors))
+}
+
+/// A random short pause (xorshift on `state`): none, a spin of up to 20 us, a yield, or a sleep
+/// of up to 50 us, so that each side is found now busy, now about to sleep, now asleep.
+pub fn pause(state: &mut u64) {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    let micros = (*state >> 8) % 50;
+    match *state % 4 {
+        0 => {}
+        1 => {
+            let until = std::time::Instant::now() + Duration::from_micros(micros % 20);
+            while std::time::Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
+        2 => std::thread::yield_now(),
+        _ => std::thread::sleep(Duration::from_micros(micros)),
+    }
 }
 
 fn die() -> ! {

@@ -2,7 +2,8 @@
 //! machine. Prints a table of ratios last, writes the full results as JSON and the plots as PNG.
 //!
 //! `tq-bench [--out DIR] [--floor BIN] [--primitives FILE] [--mps FILE] [--torch SCRIPT] [--python PYTHON] [--only a,b]
-//! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--messages N] [--no-fill] [--no-read]`; on the GPU
+//! [--spin-us U] [--capacity C] [--in-flight K] [--items N] [--trips N] [--rtt-runs 1b,1s,16b,16s] [--messages N] [--no-fill]
+//! [--no-read]`; on the GPU
 //! machine, `bash target/gpu-bundle/bench.sh` (which `cargo xtask bench` runs). Sections:
 //! `setup`, `floor` (the C socket floor, and on a GPU the hand-off floor of `handoff_floor.rs`),
 //! `torch`, `rtt`, `breakdown`, `stream`, `broadcast`, `cross` (GPU0 -> GPU1 by each route, with its own table printed last; `--cross-anchors SCRIPT` names `cross_anchors.py`, which is
@@ -56,6 +57,9 @@ struct Options {
     messages: u64,
     fill: bool,
     read: bool,
+    /// Which runs of section `rtt` (`1b`, `1s`, `16b`, `16s`: tensors and blocking or spin);
+    /// all by default. For counting one run's system calls (`strace -f -c`).
+    rtt_runs: Option<Vec<String>>,
 }
 
 impl Options {
@@ -81,6 +85,7 @@ impl Options {
             messages: number("--messages", 1_000_000)?,
             fill: !args.iter().any(|a| a == "--no-fill"),
             read: !args.iter().any(|a| a == "--no-read"),
+            rtt_runs: value("--rtt-runs").map(|v| v.split(',').map(str::to_owned).collect()),
         })
     }
 
@@ -541,6 +546,10 @@ impl Bench {
         let mut runs = Vec::new();
         for (count, spin) in [(1, false), (1, true), (16, false), (16, true)] {
             let mode = if spin { "spin" } else { "blocking" };
+            let run = format!("{count}{}", if spin { 's' } else { 'b' });
+            if self.options.rtt_runs.as_ref().is_some_and(|runs| !runs.contains(&run)) {
+                continue;
+            }
             eprintln!("      {count} x 4 KB, {mode} receivers");
             let mut times = self.trips(count, spin)?;
             let stats = summary(&mut times);
