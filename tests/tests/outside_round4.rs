@@ -695,7 +695,9 @@ fn huge_broadcast_view(endpoint: &str) {
 /// receiver out of descriptors ... turns new connectors away at once with the reason"), at
 /// `connect` or at the first `send`; every sender let in has its message delivered.
 fn receiver_at_its_descriptor_limit(endpoint: &str) {
-    let mut peer = Peer::start(&["recv-limited", endpoint, "48"]);
+    // 36 descriptors free once bound: 48 in all on the development machine, too few on a GPU
+    // machine, whose driver holds a dozen more (the limit is now set above what the process holds).
+    let mut peer = Peer::start(&["recv-limited", endpoint, "36"]);
     let port: u16 = peer.line().strip_prefix("bound ").expect("bound line").parse().unwrap();
     let endpoint = if port == 0 { endpoint.to_string() } else { format!("tcp://127.0.0.1:{port}") };
     let (senders, mut refused) =

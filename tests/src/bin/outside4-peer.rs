@@ -121,10 +121,17 @@ fn main() -> Result<()> {
         // Lowers RLIMIT_NOFILE to `limit`, binds `endpoint` and says "bound PORT" (0 for a
         // socket path), then says "got N" for each u64 until every sender has gone (or 30 s pass
         // without a message), then "errors N" (how many take_errors reported).
+        // Binds `endpoint` with only `headroom` descriptors free above those the process holds
+        // once bound (the CUDA driver's own, where there is a GPU, counted: it opens them when
+        // the receiver first describes this machine's GPUs, which the first greeting does).
         "recv-limited" => {
-            let limit: u64 = args[2].parse()?;
-            lower_fd_limit(limit)?;
+            let headroom: u64 = args[2].parse()?;
+            let _ = tensor_queue::Device::count(); // the driver's descriptors, where there is one
             let mut receiver = Receiver::<u64>::bind(args[1].as_str())?;
+            // Counted, not the highest number: new descriptors take the lowest free numbers, and
+            // a stray one inherited high up (a build tool's) would lift the limit past use.
+            let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
+            lower_fd_limit(open + headroom)?;
             say(&format!("bound {}", receiver.local_addr().map(|a| a.port()).unwrap_or(0)));
             loop {
                 match receiver.recv_timeout(Duration::from_secs(30)) {
