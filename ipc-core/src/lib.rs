@@ -62,6 +62,7 @@ pub mod reactor;
 pub mod ring;
 pub mod seqpacket;
 mod stream;
+pub mod sync;
 pub mod tcp;
 pub mod topology;
 pub mod transport;

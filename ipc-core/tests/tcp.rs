@@ -382,6 +382,42 @@ fn a_bulk_run_of_many_pieces_arrives_whole_between_messages() {
     assert_eq!(buf, b"after");
 }
 
+/// Messages that follow a run in its write (`Bulk::followed_by`) arrive after the run's bytes,
+/// whole and in order, whether the write took everything at once (a small run: one segment) or
+/// the flusher finished it (a run larger than the socket's buffers); an oversize one is refused
+/// before anything goes.
+#[test]
+fn messages_that_follow_a_run_in_its_write_arrive_after_it() {
+    use ipc_core::tcp::{Bulk, MAX_MESSAGE, Piece};
+    let (client, server) = pair();
+    for run_len in [4096usize, 24 << 20] {
+        let bytes: Vec<u8> = (0..run_len).map(|i| (i % 251) as u8).collect();
+        let run = Bulk::new(vec![Piece::Owned(bytes.clone())], Box::new(()))
+            .unwrap()
+            .followed_by(b"the frame of the run")
+            .unwrap()
+            .followed_by(&[7u8; 70_000])
+            .unwrap();
+        assert_eq!(run.len(), run_len as u64, "the run's length leaves out what follows it");
+        assert!(client.try_send_bulk(run).unwrap().is_ok());
+        let got = read_run(&server, 1 << 20);
+        assert!(got == bytes, "the run arrived altered");
+        let mut buf = Vec::new();
+        server.recv(&mut buf, Some(PATIENCE)).unwrap();
+        assert_eq!(buf, b"the frame of the run");
+        server.recv(&mut buf, Some(PATIENCE)).unwrap();
+        assert_eq!(buf, vec![7u8; 70_000]);
+        client.wait_sent(PATIENCE);
+    }
+    let too_large = vec![0u8; MAX_MESSAGE + 1];
+    let refused = Bulk::new(Vec::new(), Box::new(())).unwrap().followed_by(&too_large);
+    assert!(matches!(refused, Err(Error::MessageTooLarge { .. })));
+    client.send(b"next").unwrap();
+    let mut buf = Vec::new();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, b"next", "nothing of the refused run went");
+}
+
 /// An empty run is a header alone; a run of a piece outside its memory is refused before a byte
 /// goes; a link that only reads messages reports a run as `BulkAhead` instead of waiting.
 #[test]

@@ -397,10 +397,18 @@ impl Link {
     }
 
     /// Sends a bulk run of bytes straight from the memory they lie in (over TCP only; see
-    /// `ipc_core::tcp`), in order with the frames sent before and after, without waiting for
-    /// the peer: what the socket cannot take yet is written by the link's writer thread. The
+    /// `ipc_core::tcp`) and then `frame`, in order with the frames sent before, without waiting
+    /// for the peer: what the socket cannot take yet is written by the link's writer thread. The
     /// run's owner is dropped once its last byte is in the socket, or the peer is gone.
-    pub fn send_bulk(&self, bulk: Bulk) -> Result<()> {
+    ///
+    /// The run and the frame go in one vectored write: the frame (the message the run's bytes
+    /// belong to) reaches the peer with them, which costs it one wake-up, not two.
+    pub fn send_bulk_then(&self, bulk: Bulk, frame: &impl Frame) -> Result<()> {
+        let bytes = frame.encode();
+        if bytes.len() > MAX_MESSAGE_BYTES {
+            return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
+        }
+        let bulk = wire::packets(&bytes).iter().try_fold(bulk, |bulk, packet| bulk.followed_by(packet))?;
         let mut out = lock(&self.outbox);
         if out.broken {
             return Err(Error::Disconnected);

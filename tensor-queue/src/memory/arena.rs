@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -288,7 +288,7 @@ impl Drop for Allocation {
             if slot.used == 0 {
                 slot.idle_since = Some(Instant::now());
                 drop(slots);
-                Trimmer::get().wake();
+                Trimmer::get().chunk_fell_idle();
             }
         }
     }
@@ -457,11 +457,17 @@ const DEFERRED_POLL: Duration = Duration::from_micros(200);
 
 /// The arenas' thread: it gives back chunks idle for longer than the idle release time, and lets
 /// go of memory held for GPU work once that work is done. It sleeps until the next chunk is due,
-/// polls while memory is held, and is woken when a chunk falls idle.
+/// polls while memory is held, and is woken when a chunk falls idle while none was due.
 struct Trimmer {
     woken: Mutex<bool>,
     wake: Condvar,
     deferred: Mutex<Vec<Deferred>>,
+    /// Whether the thread may sleep with no chunk due, so that a chunk falling idle must wake
+    /// it. Otherwise it need not: a chunk falling idle now is due after every chunk the thread
+    /// knows of, and the thread looks again when the first of those is due. (A consumer that
+    /// drops each message before the next arrives makes a chunk fall idle per message: waking
+    /// the thread each time cost a system call and a thread's wake-up per message.)
+    sleeps_for_good: AtomicBool,
 }
 
 /// Something held until the GPU work recorded in the events is done.
@@ -475,6 +481,7 @@ impl Trimmer {
                 woken: Mutex::new(false),
                 wake: Condvar::new(),
                 deferred: Mutex::new(Vec::new()),
+                sleeps_for_good: AtomicBool::new(true),
             }));
             if let Err(error) = std::thread::Builder::new().name("tq-trim".into()).spawn(move || trimmer.run()) {
                 tracing::warn!(%error, "no trim thread: free memory goes back only on memory::trim()");
@@ -488,8 +495,18 @@ impl Trimmer {
         self.wake.notify_one();
     }
 
+    /// A chunk fell idle (its arena's lock was let go after it was marked).
+    fn chunk_fell_idle(&self) {
+        if self.sleeps_for_good.load(Ordering::SeqCst) {
+            self.wake();
+        }
+    }
+
     fn run(&self) {
         loop {
+            // Set before the arenas are looked at: a chunk that falls idle after its arena was
+            // looked at sees it and wakes the thread (see `sleeps_for_good`).
+            self.sleeps_for_good.store(true, Ordering::SeqCst);
             // Dropped outside the lock: dropping may free chunks and send frames.
             let done: Vec<_> = {
                 let mut deferred = lock(&self.deferred);
@@ -508,6 +525,9 @@ impl Trimmer {
                 arena.trim(now.checked_sub(idle));
             }
             let mut due = arenas.iter().filter_map(|arena| arena.next_due(idle)).min();
+            if due.is_some() {
+                self.sleeps_for_good.store(false, Ordering::SeqCst);
+            }
             if polling {
                 due = Some(due.map_or(now + DEFERRED_POLL, |due| due.min(now + DEFERRED_POLL)));
             }

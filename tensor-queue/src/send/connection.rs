@@ -10,9 +10,10 @@
 
 use ipc_core::deadline::deadline;
 use std::sync::atomic::{AtomicU64, Ordering as Atomic};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use ipc_core::sync::CountedCondvar;
 use ipc_core::{Event, Stream, Uuid};
 
 use super::network::{self, SendComms};
@@ -63,7 +64,7 @@ pub(crate) struct SenderInner {
     pub(crate) link: Link,
     flavor: Flavor,
     state: Mutex<SenderState>,
-    changed: Condvar,
+    changed: CountedCondvar,
     /// Async sends waiting for what `changed` announces (credits, the greeting, the end).
     wakers: Mutex<Vec<std::task::Waker>>,
     writer: Mutex<Writer>,
@@ -105,7 +106,7 @@ impl SenderInner {
             // No credits until the receiver's Hello says how many: until then the receiver is
             // not receiving, which is what a full queue means too.
             state: Mutex::new(SenderState::default()),
-            changed: Condvar::new(),
+            changed: CountedCondvar::new(),
             wakers: Mutex::new(Vec::new()),
             writer: Mutex::new(Writer::default()),
             retired: Mutex::new(Vec::new()),
@@ -158,7 +159,7 @@ impl SenderInner {
             if left.is_zero() {
                 return Err(Error::Timeout);
             }
-            state = inner.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+            state = inner.changed.wait_timeout(state, left);
         }
     }
 
@@ -238,7 +239,7 @@ impl SenderInner {
             if left.is_zero() {
                 return false;
             }
-            state = self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+            state = self.changed.wait_timeout(state, left);
         }
         true
     }
@@ -299,13 +300,13 @@ impl SenderInner {
             }
             state = match wait {
                 Wait::Never => return Err(Error::Full),
-                Wait::Forever => self.changed.wait(state).unwrap_or_else(|e| e.into_inner()),
+                Wait::Forever => self.changed.wait(state),
                 Wait::Until(deadline) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
                         return Err(Error::Timeout);
                     }
-                    self.changed.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0
+                    self.changed.wait_timeout(state, left)
                 }
             };
         }
@@ -420,15 +421,18 @@ impl SenderInner {
             }
             begun = true;
         }
-        if let Some(bulk) = message.bulk.take()
-            && let Err(error) = self.link.send_bulk(bulk)
-        {
-            if !begun {
-                lock(comms).unwritten(message);
+        match message.bulk.take() {
+            // The host bytes and their message in one write (see `Link::send_bulk_then`).
+            Some(bulk) => {
+                if let Err(error) = self.link.send_bulk_then(bulk, &frame) {
+                    if !begun {
+                        lock(comms).unwritten(message);
+                    }
+                    return Err(error);
+                }
             }
-            return Err(error);
+            None => self.link.send(&frame, &[])?,
         }
-        self.link.send(&frame, &[])?;
         // A communicator that failed leaves the receiver's receives of this message unpaired
         // (they would wait forever, or pair with a later message's sends): the connection ends,
         // so that both sides let their communicators go.
