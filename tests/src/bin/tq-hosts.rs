@@ -74,9 +74,21 @@ struct Item {
     tensors: Vec<Tensor>,
 }
 
+/// Where a one-way message's time goes, p50s in us (one clock for both processes): the
+/// producer's `send` call; from before `send` to the consumer's `recv` returning the message;
+/// from then to its data usable (the consumer synchronised the tensors' streams).
+#[derive(Serialize)]
+struct Stages {
+    send_call_us: f64,
+    to_recv_us: f64,
+    to_usable_us: f64,
+}
+
 #[derive(Serialize, Deserialize)]
 struct Answer {
     id: u64,
+    /// When the consumer's `recv` returned the message.
+    received_ns: u64,
     usable_ns: u64,
     path: String,
     tensors: Vec<Tensor>,
@@ -295,6 +307,8 @@ fn host_rows(run: &Value, tcp_gbps: Option<f64>) -> String {
     }
     out += &format!("| host | 4 KiB round trip | {} | | | | | |\n", fmt(run["rtt_4k_us"].as_f64()));
     out += &format!("| host | 1,024 x 4 KiB one-way | {} | | | | | |\n", fmt(run["many_us"].as_f64()));
+    out += &stage_row("host", "1,024 x 4 KiB", &run["stages"]["many"]);
+    out += &stage_row("host", "1 x 4 MiB", &run["stages"][(4 * MIB).to_string()]);
     out
 }
 
@@ -389,8 +403,20 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: 
             fmt(one),
             fmt2(ratio)
         );
+        out += &stage_row(name, "1,024 x 4 KiB", &run["stages"]["many"]);
+        out += &stage_row(name, "1 x 4 MiB", &run["stages"][(4 * MIB).to_string()]);
     }
     out
+}
+
+/// A row of a one-way message's stages (see [`Stages`]).
+fn stage_row(name: &str, what: &str, stages: &Value) -> String {
+    format!(
+        "| {name} | ... {what}, stages p50: send call / sent to received / received to usable | {} / {} / {} us | | | | | |\n",
+        fmt(stages["send_call_us"].as_f64()),
+        fmt(stages["to_recv_us"].as_f64()),
+        fmt(stages["to_usable_us"].as_f64())
+    )
 }
 
 fn size(bytes: u64) -> String {
@@ -468,31 +494,42 @@ fn producer(quick: bool) -> Result<()> {
         Ok(())
     };
     let mut id = 0u64;
-    // One-way messages of `tensors` (through `items_nccl` with `nccl`); the p50 in us, and the
-    // path the first tensor came by.
+    // One-way messages of `tensors` (through `items_nccl` with `nccl`); the p50 in us, the
+    // path the first tensor came by, and the stages' p50s (see `Stages`).
     let mut one_way_by =
         |tensors: Vec<Tensor>, (warmup, trips): (usize, usize), nccl: bool, answers: &mut Receiver<Answer>| {
             let mut times = Vec::with_capacity(trips);
+            let [mut send_call, mut to_recv, mut to_usable] = [(); 3].map(|()| Vec::with_capacity(trips));
             let mut path = String::new();
             for i in 0..warmup + trips {
                 id += 1;
                 let sent_ns = monotonic_ns();
                 send(&Item { id, sent_ns, echo: false, nccl, tensors: tensors.clone() })?;
+                let returned_ns = monotonic_ns();
                 let answer = answers.recv_timeout(Duration::from_secs(60))?;
                 if answer.id != id {
                     bail!("answer {} for message {id}", answer.id);
                 }
                 if i >= warmup {
                     times.push(answer.usable_ns - sent_ns);
+                    send_call.push(returned_ns - sent_ns);
+                    to_recv.push(answer.received_ns.saturating_sub(sent_ns));
+                    to_usable.push(answer.usable_ns.saturating_sub(answer.received_ns));
                 }
                 path = answer.path;
             }
-            Ok::<(f64, String), anyhow::Error>((percentile(&mut times, 50.0) as f64 / 1e3, path))
+            let p50 = |samples: &mut Vec<u64>| percentile(samples, 50.0) as f64 / 1e3;
+            let stages = Stages {
+                send_call_us: p50(&mut send_call),
+                to_recv_us: p50(&mut to_recv),
+                to_usable_us: p50(&mut to_usable),
+            };
+            Ok::<(f64, String, Stages), anyhow::Error>((p50(&mut times), path, stages))
         };
     let mut one_way = |tensors: Vec<Tensor>, counts: (usize, usize), answers: &mut Receiver<Answer>| {
-        one_way_by(tensors, counts, false, answers).map(|(us, _)| us)
+        one_way_by(tensors, counts, false, answers)
     };
-    let mut result = json!({ "gpu": gpu, "one_way_us": {} });
+    let mut result = json!({ "gpu": gpu, "one_way_us": {}, "stages": {} });
     for (bytes, warmup, trips) in SIZES {
         if quick && bytes > 64 * MIB {
             continue;
@@ -505,16 +542,20 @@ fn producer(quick: bool) -> Result<()> {
             (1, 3)
         };
         let x = make(bytes)?;
-        result["one_way_us"][bytes.to_string()] = json!(one_way(vec![x], (warmup, trips), &mut answers)?);
+        let (us, _, stages) = one_way(vec![x], (warmup, trips), &mut answers)?;
+        result["one_way_us"][bytes.to_string()] = json!(us);
+        result["stages"][bytes.to_string()] = serde_json::to_value(stages)?;
         eprintln!("tq-hosts: 1 x {} done", size(bytes));
     }
     let many = (0..1024).map(|_| make(4 * KIB)).collect::<Result<Vec<_>>>()?;
-    result["many_us"] = json!(one_way(many, if quick { (0, 1) } else { MANY }, &mut answers)?);
+    let (us, _, stages) = one_way(many, if quick { (0, 1) } else { MANY }, &mut answers)?;
+    result["many_us"] = json!(us);
+    result["stages"]["many"] = serde_json::to_value(stages)?;
     // 1 x 4 KiB one-way: inline (the default threshold), then through NCCL (threshold 0).
     let small = make(4 * KIB)?;
     let counts = if quick { (1, 3) } else { SMALL };
     for (key, nccl, wanted) in [("one_way_4k_us", false, "Tcp"), ("one_way_4k_nccl_us", true, "Nccl")] {
-        let (us, path) = one_way_by(vec![small.clone()], counts, nccl, &mut answers)?;
+        let (us, path, _) = one_way_by(vec![small.clone()], counts, nccl, &mut answers)?;
         if gpu && path != wanted {
             bail!("1 x 4 KiB one-way ({key}) came by {path}, not {wanted}");
         }
@@ -573,13 +614,16 @@ fn consumer(args: &[String]) -> Result<()> {
             Err(tensor_queue::Error::Disconnected) => return Ok(()),
             Err(error) => return Err(error.into()),
         };
+        let received_ns = monotonic_ns();
         let path = item.tensors.first().map(|t| format!("{:?}", t.path())).unwrap_or_default();
         if item.echo {
             let back = item.tensors;
             let sender = if item.nccl { &answers_nccl } else { &answers };
             match back.first().and_then(Tensor::stream).cloned() {
-                Some(stream) => sender.send_on(&Answer { id: item.id, usable_ns: 0, path, tensors: back }, &stream)?,
-                None => sender.send(&Answer { id: item.id, usable_ns: 0, path, tensors: back })?,
+                Some(stream) => {
+                    sender.send_on(&Answer { id: item.id, received_ns, usable_ns: 0, path, tensors: back }, &stream)?
+                }
+                None => sender.send(&Answer { id: item.id, received_ns, usable_ns: 0, path, tensors: back })?,
             }
             continue;
         }
@@ -591,6 +635,6 @@ fn consumer(args: &[String]) -> Result<()> {
             }
         }
         let usable_ns = monotonic_ns();
-        answers.send(&Answer { id: item.id, usable_ns, path, tensors: Vec::new() })?;
+        answers.send(&Answer { id: item.id, received_ns, usable_ns, path, tensors: Vec::new() })?;
     }
 }
