@@ -613,22 +613,24 @@ impl Link {
         self.connection.try_recv_bulk_into(memory, offset, len).map_err(peer_gone)
     }
 
-    /// Waits for the next packet, on `set`, a poll set in which this link's socket is
-    /// registered (and perhaps more: a wake-up of any other member ends the wait with
-    /// [`Read::Nothing`]). A local link waits on its own poll set instead, which holds the socket
-    /// and the ring's doorbell: one level of epoll, not two.
-    pub fn recv<F: Frame>(&self, set: &PollSet, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read<F>> {
-        let set = self.local.as_ref().map_or(set, |local| &local.ready);
+    /// Waits for the next packet (or a hang-up): a local link on its own poll set, which holds
+    /// the socket and the ring's doorbell; a remote one on its socket. `Read::Nothing` when a
+    /// wake-up brought nothing whole (part of a longer frame, a doorbell rung for records
+    /// another thread took).
+    pub fn recv<F: Frame>(&self, assembler: &mut Assembler, buf: &mut [u8]) -> Result<Read<F>> {
         let mut tokens = Vec::new();
         loop {
             let (read, _) = self.try_recv(assembler, buf)?;
-            // Packets read ahead into this process (TCP) are not seen by the set: read them first.
+            // Packets read ahead into this process (TCP) are not seen by a poll: read them first.
             if !matches!(read, Read::Nothing) || self.has_buffered() {
                 return Ok(read);
             }
-            let waited = set.wait(&mut tokens, None)?;
-            tracing::trace!(?waited, ?tokens, "link recv: woke");
-            if waited == Waited::Ready {
+            let ready = match &self.local {
+                Some(local) => local.ready.wait(&mut tokens, None)? == Waited::Ready,
+                None => ipc_core::seqpacket::wait_readable(self.connection.as_fd(), Duration::MAX)?,
+            };
+            tracing::trace!(ready, "link recv: woke");
+            if ready {
                 return Ok(Read::Nothing);
             }
         }
@@ -665,15 +667,6 @@ impl Link {
     pub fn wake_fds(&self) -> impl Iterator<Item = BorrowedFd<'_>> {
         let doorbell = self.local.as_ref().and_then(|local| local.doorbell.get()).map(|fd| fd.as_fd());
         std::iter::once(self.connection.as_fd()).chain(doorbell)
-    }
-
-    /// What to `poll` for this link's frames: its socket, or for a local link its own poll set
-    /// (the socket and its ring's doorbell).
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        match &self.local {
-            Some(local) => local.ready.fd(),
-            None => self.connection.as_fd(),
-        }
     }
 
     /// Whether the peer is gone, and why (see `fences/liveness.rs`): for waits on another engine
@@ -916,7 +909,8 @@ mod tests {
     }
 
     fn readable(link: &Link) -> bool {
-        let mut fds = [PollFd::from_borrowed_fd(link.fd(), PollFlags::IN)];
+        let ready = &link.local.as_ref().expect("a local link").ready;
+        let mut fds = [PollFd::from_borrowed_fd(ready.fd(), PollFlags::IN)];
         poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })).unwrap() == 1
     }
 

@@ -22,7 +22,6 @@ use super::protocol::{Lease, Rejection, SenderProtocol};
 use crate::error::{Error, Refusal, Result};
 use crate::fences::liveness::Gone;
 use crate::links::link::{Link, Read};
-use crate::links::poll::PollSet;
 use crate::memory::arena::{Chunk, RetireListener, Shared};
 use crate::route::{self, Choice, Reach, Routing, choose};
 use crate::sync::lock;
@@ -97,9 +96,6 @@ impl SenderInner {
         // Before this process's first channel starts threads (`ipc_core::fd_passing`).
         ipc_core::fd_passing::reserve_table();
         let flavor = if link.remote { Flavor::Remote(Mutex::new(SendComms::default())) } else { Flavor::Local };
-        // What the reader thread waits on: the socket, registered once.
-        let answers = PollSet::new()?;
-        answers.add(link.fd(), 0)?;
         let inner = Arc::new_cyclic(|me| SenderInner {
             link,
             flavor,
@@ -118,7 +114,7 @@ impl SenderInner {
         let reader = inner.clone();
         std::thread::Builder::new()
             .name("tq-sender-reader".into())
-            .spawn(move || reader.read_answers(&answers))
+            .spawn(move || reader.read_answers())
             .map_err(|source| ipc_core::Error::Os { what: "spawning the reader thread", source })?;
         Ok(inner)
     }
@@ -513,11 +509,11 @@ impl SenderInner {
     }
 
     /// The reader thread: credits, releases, rejections and closings until the receiver hangs up.
-    fn read_answers(self: Arc<Self>, answers: &PollSet) {
+    fn read_answers(self: Arc<Self>) {
         let mut buf = vec![0u8; MAX_PACKET];
         let mut assembler = Assembler::default();
         let greeting = loop {
-            match self.link.recv(answers, &mut assembler, &mut buf) {
+            match self.link.recv(&mut assembler, &mut buf) {
                 Ok(Read::Frame(Answer::Refused { reason }, _)) => {
                     break Err(Error::PeerRefused(Refusal::ByPeer(reason)));
                 }
@@ -544,7 +540,7 @@ impl SenderInner {
             }
         }
         loop {
-            match self.link.recv(answers, &mut assembler, &mut buf) {
+            match self.link.recv(&mut assembler, &mut buf) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
                         break;
