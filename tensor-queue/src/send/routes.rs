@@ -254,16 +254,19 @@ fn stage(chunk: &Chunk, span: &Span, stream: &Stream) -> Result<(Arc<Storage>, A
     Ok((Arc::new(Storage::from_allocation(allocation)), Arc::new(signal)))
 }
 
-/// The primary context of `target`, with peer access from `source`'s context enabled (once).
+/// The primary context of `target`, with peer access from `source`'s context enabled: looked up
+/// once per pair and kept, so that a message neither enumerates the devices nor retains and
+/// releases a context (the device arena of `target` holds the context for good anyway).
 fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Context>> {
-    static ENABLED: Mutex<Vec<(i32, Uuid)>> = Mutex::new(Vec::new());
-    let context = Context::primary(Device::by_uuid(target)?)?;
-    let pair = (source.device().ordinal(), *target);
+    static ENABLED: Mutex<Vec<(i32, Uuid, Arc<Context>)>> = Mutex::new(Vec::new());
+    let ordinal = source.device().ordinal();
     let mut enabled = lock(&ENABLED);
-    if !enabled.contains(&pair) {
-        source.enable_peer_access(&context)?;
-        enabled.push(pair);
+    if let Some((_, _, context)) = enabled.iter().find(|(o, t, _)| *o == ordinal && t == target) {
+        return Ok(context.clone());
     }
+    let context = Context::primary(Device::by_uuid(target)?)?;
+    source.enable_peer_access(&context)?;
+    enabled.push((ordinal, *target, context.clone()));
     Ok(context)
 }
 
