@@ -189,6 +189,34 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
     Ok(Some(Signal { chunk: block, offset, value }))
 }
 
+/// Queues, on `stream`, the write of the next value of its word on `target`'s device (another
+/// GPU, which the stream's device reaches over the peer link) and returns where and what a
+/// stream of `target`'s device waits for there; `None` when either device lacks 64-bit stream
+/// memory operations.
+///
+/// This is how a peer copy is fenced on the GPU it lands on: the producer's stream writes the
+/// word right after the copy, in stream order, and the write is fenced after the copy's writes
+/// (the driver's default memory barrier), so no stream or event of the target device is
+/// involved. The word is one per producer stream per target device, as on the stream's own.
+pub(crate) fn signal_on_peer_after(stream: &Stream, target: &Arc<Context>) -> Result<Option<Signal>> {
+    let mut all = lock(&SIGNALS);
+    if !device_signals(&mut all, stream.context())?.supported || crate::switches::force_events() {
+        return Ok(None);
+    }
+    let device = device_signals(&mut all, target)?;
+    if !device.supported {
+        return Ok(None);
+    }
+    let zeroing = &mut device.zeroing;
+    let (block, offset, index) = device.words.word(stream.raw() as usize, || new_block(target, zeroing))?;
+    // Once per block and device (the chunk remembers).
+    block.grant_access(stream.context())?;
+    let value = device.words.words[index].1 + 1;
+    stream.write_value64(device_memory(&block)?, offset, value)?;
+    device.words.words[index].1 = value;
+    Ok(Some(Signal { chunk: block, offset, value }))
+}
+
 fn device_memory(block: &Chunk) -> Result<&dyn DeviceMemory> {
     block.device().ok_or_else(|| Error::internal("a signal block in host memory"))
 }

@@ -10,7 +10,7 @@ use ipc_core::{Context, Device, Event, Stream, Uuid};
 
 use crate::error::{Error, Result};
 use crate::memory::arena::{Arena, Chunk};
-use crate::memory::signal::{Signal, host_signal_pieces, signal_after};
+use crate::memory::signal::{Signal, host_signal_pieces, signal_on_peer_after};
 use crate::route::Reach;
 use crate::route::Routing;
 use crate::route::staging_piece;
@@ -217,21 +217,12 @@ fn peer_copy(chunk: &Chunk, span: &Span, stream: &Stream, target: &Uuid) -> Resu
     allocation.chunk.grant_access(source.context())?;
     let destination = allocation.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
     stream.copy_async(destination, allocation.offset, source, span.low, span.high - span.low)?;
-    // The receiver waits on a word of the target device: a stream of that device waits for the
-    // copy, then writes it.
-    let copied = Event::new(stream.context())?;
-    copied.record(stream)?;
-    let relay = relay_stream(&context, stream)?;
-    let signal = {
-        relay.wait_event(&copied)?;
-        match signal_after(&relay)? {
-            Some(signal) => signal,
-            None => {
-                return Err(Error::Invalid(
-                    "the target GPU has no 64-bit stream memory operations; the peer copy route needs them".into(),
-                ));
-            }
-        }
+    // The receiver waits on a word of the target device, which this stream writes over the peer
+    // link once the copy is done: no event, and no stream of the target device, per message.
+    let Some(signal) = signal_on_peer_after(stream, &context)? else {
+        return Err(Error::Invalid(
+            "the GPUs have no 64-bit stream memory operations; the peer copy route needs them".into(),
+        ));
     };
     Ok((Arc::new(Storage::from_allocation(allocation)), Arc::new(signal)))
 }
@@ -321,14 +312,6 @@ pub(crate) fn stream_after<'a>(producer: Option<&'a Stream>, context: &Arc<Conte
 pub(crate) fn copy_stream(context: &Arc<Context>) -> Result<Arc<Stream>> {
     static STREAMS: OnceLock<Streams> = OnceLock::new();
     stream_for(&STREAMS, context, 0)
-}
-
-/// The stream of `context`'s device that relays `producer`'s peer copies to the target's
-/// signal word: one per producer stream, so one producer's long queued work never delays
-/// another's fences.
-fn relay_stream(context: &Arc<Context>, producer: &Stream) -> Result<Arc<Stream>> {
-    static RELAYS: OnceLock<Streams> = OnceLock::new();
-    stream_for(&RELAYS, context, producer.raw() as usize)
 }
 
 /// The stream of `context`'s device for `key` in `streams`, made on first use.
