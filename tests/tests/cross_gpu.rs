@@ -35,9 +35,11 @@ fn main() {
         CrossTest { name: "staged_when_neither_process_sees_both_gpus", gpus: 2, run: staged },
         CrossTest { name: "host_landing_delivers_gpu_tensors_as_host_tensors", gpus: 1, run: host_landing },
         CrossTest { name: "seed_matmuls_ordered_over_peer_copy", gpus: 2, run: seed_peer_copy },
+        CrossTest { name: "seed_matmuls_ordered_over_peer_map", gpus: 2, run: seed_peer_map },
         CrossTest { name: "seed_matmuls_ordered_over_staged", gpus: 2, run: seed_staged },
         CrossTest { name: "seed_matmuls_ordered_into_host_memory", gpus: 1, run: seed_host },
         CrossTest { name: "seed_without_ordering_fails_over_peer_copy", gpus: 2, run: seed_unordered_peer_copy },
+        CrossTest { name: "seed_without_ordering_fails_over_peer_map", gpus: 2, run: seed_unordered_peer_map },
         CrossTest { name: "seed_without_ordering_fails_over_staged", gpus: 2, run: seed_unordered_staged },
         CrossTest { name: "sender_killed_mid_staged_1gib_transfer", gpus: 2, run: killed_mid_staged },
         CrossTest { name: "differing_visible_devices_land_by_uuid", gpus: 2, run: differing_visible_devices },
@@ -547,6 +549,18 @@ fn seed_peer_copy(g: &Gpus) -> Result<()> {
     Ok(())
 }
 
+/// Over PeerMap the consumer's GPU 1 stream waits on the producer's word on GPU 0 over the link
+/// itself (no stream or event of GPU 0 in between): its GPU checksum of the mapped bytes must
+/// still see x only after the 50 matmuls.
+fn seed_peer_map(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0).to_string(), g.uuid(1).to_string());
+    let expect = Expect { path: "PeerMapped", device: gpu0, stream_device: gpu1.clone() };
+    let options = strings(&["--land", &gpu1, "--peer", "map"]);
+    let ok = seed_run(g, "seed-peer-map", &options, None, None, &[], &expect, Route::PeerMap)?;
+    ensure!(ok, "over PeerMap the consumer saw x before the 50 matmuls were done");
+    Ok(())
+}
+
 fn seed_staged(g: &Gpus) -> Result<()> {
     let gpu1 = g.uuid(1).to_string();
     let expect = Expect { path: "Staged", device: gpu1.clone(), stream_device: gpu1 };
@@ -574,6 +588,21 @@ fn seed_unordered_peer_copy(g: &Gpus) -> Result<()> {
         !ok,
         "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over PeerCopy: either the switch \
          does not reach the peer-copy wait, or the positive test proves nothing"
+    );
+    Ok(())
+}
+
+/// The negative control over PeerMap, as over PeerCopy: the consumer reads the producer's x in
+/// place, before the matmuls are done.
+fn seed_unordered_peer_map(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0).to_string(), g.uuid(1).to_string());
+    let expect = Expect { path: "PeerMapped", device: gpu0, stream_device: gpu1.clone() };
+    let options = strings(&["--land", &gpu1, "--peer", "map"]);
+    let ok = seed_run(g, "seed-unordered-map", &options, None, None, &[SKIP_ORDERING], &expect, Route::PeerMap)?;
+    ensure!(
+        !ok,
+        "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over PeerMap: either the switch \
+         does not reach the peer-map wait, or the positive test proves nothing"
     );
     Ok(())
 }
