@@ -171,6 +171,13 @@ impl FirstTime {
     }
 }
 
+/// Whether [`signal_after`] gives a word on `context`'s device (it has 64-bit stream memory
+/// operations, and events are not forced), without queueing anything.
+pub(crate) fn signals_supported(context: &Context) -> Result<bool> {
+    let mut all = lock(&SIGNALS);
+    Ok(device_signals(&mut all, context)?.supported && !crate::switches::force_events())
+}
+
 /// Queues, on `stream`, the write of its word's next value and returns where and what to wait
 /// for; `None` when the device lacks 64-bit stream memory operations (use an event instead).
 pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {

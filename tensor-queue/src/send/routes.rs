@@ -15,6 +15,7 @@ use crate::route::Reach;
 use crate::route::Routing;
 use crate::route::staging_piece;
 use crate::route::{Choice, Route, choose};
+use crate::send::outgoing::LazySignal;
 use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
@@ -30,6 +31,31 @@ pub(crate) struct Prepared {
     pub leases: Vec<Arc<Storage>>,
 }
 
+/// What the receiver waits for before the first use of a GPU tensor mapped where it is.
+pub(crate) enum MappedFence<'a> {
+    /// Known already: none, or the connection's event.
+    Now(Fence),
+    /// The message's signal word, queued when the first tensor mapped where it is needs it.
+    Signal(&'a LazySignal<'a>),
+}
+
+impl MappedFence<'_> {
+    /// The fence, queueing the signal's write if it was not yet; its chunk goes to `chunks`
+    /// (announced before the message).
+    fn resolve(&self, chunks: &mut Vec<Arc<Chunk>>) -> Result<Fence> {
+        match self {
+            MappedFence::Now(fence) => Ok(*fence),
+            MappedFence::Signal(lazy) => {
+                let signal = lazy.get()?;
+                if !chunks.iter().any(|c| Arc::ptr_eq(c, &signal.chunk)) {
+                    chunks.push(signal.chunk.clone());
+                }
+                Ok(Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value })
+            }
+        }
+    }
+}
+
 /// Tensors must lie this close together in one chunk to move as one copy: a copy call costs
 /// about 2 us of enqueue, so a gap is worth copying when it moves in less time than that.
 const COALESCE_GAP: usize = 256 << 10;
@@ -39,13 +65,14 @@ const COALESCE_GAP: usize = 256 << 10;
 /// one chunk; copies are queued per span on `stream` (the producer's), or on a stream of the
 /// sender's for a message whose devices were synchronised, and the tensors of a span share its
 /// copy. The sources of copies are kept until the copies are done. `fence` is what the receiver
-/// waits for before the first use of a GPU tensor mapped where it is (the message's fence).
+/// waits for before the first use of a GPU tensor mapped where it is (the message's fence; a
+/// message with none such queues no signal).
 pub(crate) fn prepare(
     tensors: &[Tensor],
     stream: Option<&Stream>,
     receiver: &(Reach, Routing),
     peer_pid: u32,
-    fence: Fence,
+    fence: MappedFence<'_>,
 ) -> Result<Prepared> {
     let (reach, routing) = receiver;
     // Tensors by (route, chunk, target): each group becomes few records.
@@ -76,7 +103,7 @@ pub(crate) fn prepare(
     for ((route, _, target), members) in groups {
         let chunk = tensors[members[0]].storage.chunk.clone();
         if matches!(route, Route::SameDevice | Route::PeerMap) {
-            let fence = if chunk.device().is_some() { fence } else { Fence::None };
+            let fence = if chunk.device().is_some() { fence.resolve(&mut prepared.chunks)? } else { Fence::None };
             map_in_place(tensors, &members, route, fence, &mut prepared);
             prepared.chunks.push(chunk);
             continue;
