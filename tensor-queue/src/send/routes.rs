@@ -23,12 +23,58 @@ use crate::wire::{Descriptors, Fence, Source, StorageDesc};
 
 /// A message as it goes to one receiver: its descriptor table, the chunks to announce first,
 /// and the storage the receiver holds until it releases the message.
-pub(crate) struct Prepared {
+pub(crate) struct Prepared<'a> {
     pub table: Descriptors,
     /// The chunks the records name (and copies' signal words): announced before the message.
     pub chunks: Vec<Arc<Chunk>>,
     /// What the receiver maps: the tensors' own storage, or the copies of the bytes they touch.
     pub leases: Vec<Arc<Storage>>,
+    /// The sources of the copies queued: kept until the copies are done, from when this is
+    /// dropped (after the message's frame is written, or on an error).
+    pub copied: CopySources<'a>,
+}
+
+/// The sources of a message's copies, by the stream the copies are queued on. Held from before
+/// the first copy is queued; when dropped, an event is recorded on each stream and the sources
+/// go to the arenas' thread until it completes. Dropped with the [`Prepared`] message, so that
+/// making and recording the event and waking that thread come after the message's frame is
+/// written, not between the copies and the receiver.
+pub(crate) struct CopySources<'a>(Vec<(CopyStream<'a>, Vec<Arc<Storage>>)>);
+
+impl<'a> CopySources<'a> {
+    /// Holds `sources`, read by copies about to be queued on `stream`; the stream to queue them on.
+    fn hold(&mut self, stream: CopyStream<'a>, sources: Vec<Arc<Storage>>) -> &Stream {
+        let at = match self.0.iter().position(|(s, _)| s.raw() == stream.raw()) {
+            Some(at) => {
+                self.0[at].1.extend(sources);
+                at
+            }
+            None => {
+                self.0.push((stream, sources));
+                self.0.len() - 1
+            }
+        };
+        &self.0[at].0
+    }
+}
+
+impl Drop for CopySources<'_> {
+    fn drop(&mut self) {
+        for (stream, sources) in self.0.drain(..) {
+            let done = Event::new(stream.context()).and_then(|done| done.record(&stream).map(|()| done));
+            match done {
+                Ok(done) => crate::memory::arena::drop_after(vec![done], Box::new(sources)),
+                Err(error) => {
+                    // The copies may still read the sources: wait for them rather than free the
+                    // memory under them, and keep it for good if even that fails.
+                    tracing::warn!(%error, "no event to hold a message's copy sources by; waiting for the copies");
+                    if stream.synchronize().is_err() {
+                        std::mem::forget(sources);
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// What the receiver waits for before the first use of a GPU tensor mapped where it is.
@@ -67,13 +113,13 @@ const COALESCE_GAP: usize = 256 << 10;
 /// copy. The sources of copies are kept until the copies are done. `fence` is what the receiver
 /// waits for before the first use of a GPU tensor mapped where it is (the message's fence; a
 /// message with none such queues no signal).
-pub(crate) fn prepare(
+pub(crate) fn prepare<'a>(
     tensors: &[Tensor],
-    stream: Option<&Stream>,
+    stream: Option<&'a Stream>,
     receiver: &(Reach, Routing),
     peer_pid: u32,
     fence: MappedFence<'_>,
-) -> Result<Prepared> {
+) -> Result<Prepared<'a>> {
     let (reach, routing) = receiver;
     // Tensors by (route, chunk, target): each group becomes few records.
     let mut groups: Vec<(GroupKey, Vec<usize>)> = Vec::new();
@@ -99,7 +145,12 @@ pub(crate) fn prepare(
         };
         group(&mut groups, key, index);
     }
-    let mut prepared = Prepared { table: Descriptors::unrouted(tensors.len()), chunks: Vec::new(), leases: Vec::new() };
+    let mut prepared = Prepared {
+        table: Descriptors::unrouted(tensors.len()),
+        chunks: Vec::new(),
+        leases: Vec::new(),
+        copied: CopySources(Vec::new()),
+    };
     for ((route, _, target), members) in groups {
         let chunk = tensors[members[0]].storage.chunk.clone();
         if matches!(route, Route::SameDevice | Route::PeerMap) {
@@ -109,8 +160,11 @@ pub(crate) fn prepare(
             continue;
         }
         let memory = chunk.device().ok_or_else(|| Error::internal("a device route for host memory"))?;
-        let stream = &*stream_after(stream, memory.context())?;
-        for span in spans(tensors, &members)? {
+        let spans = spans(tensors, &members)?;
+        // The sources stay until the copies queued on the stream are done (see `CopySources`).
+        let sources = members.iter().map(|&i| tensors[i].storage.clone()).collect();
+        let stream = prepared.copied.hold(stream_after(stream, memory.context())?, sources);
+        for span in spans {
             let (storage, signal) = match route {
                 Route::PeerCopy => {
                     let target = target.ok_or_else(|| Error::internal("a peer copy without a target"))?;
@@ -134,11 +188,6 @@ pub(crate) fn prepare(
             prepared.chunks.push(storage.chunk.clone());
             prepared.leases.push(storage);
         }
-        // The sources stay until the copies queued so far on the stream are done.
-        let done = Event::new(stream.context())?;
-        done.record(stream)?;
-        let sources: Vec<Arc<Storage>> = members.iter().map(|&i| tensors[i].storage.clone()).collect();
-        crate::memory::arena::drop_after(vec![done], Box::new(sources));
     }
     if let Some(index) = prepared.table.unrouted_tensor() {
         return Err(Error::internal(format_args!("tensor {index} was not routed")));
