@@ -273,14 +273,6 @@ fn consumer(args: &[String]) -> Result<()> {
             Err(error) => return fail(&acks, 0, anyhow::Error::from(error).context("recv")),
         };
         let stages_ns = vec![info.sent_ns, info.encoded_ns, info.arrived_ns, info.imported_ns, info.decoded_ns];
-        let mut ack = CrossAck { id: msg.id, stages_ns, ..Default::default() };
-        if let Some(first) = msg.tensors.first() {
-            ack.path = format!("{:?}", first.path());
-            ack.device = device_text(first.device());
-            ack.stream_device = first
-                .stream()
-                .map_or("none".into(), |s| s.context().device().uuid().map_or("?".into(), |u| u.to_string()));
-        }
         let usable = if way == Way::Map {
             read_on_gpu(&msg.tensors, context.as_ref(), &mut copy_to)
         } else {
@@ -289,7 +281,16 @@ fn consumer(args: &[String]) -> Result<()> {
         if let Err(error) = usable {
             return fail(&acks, msg.id, error.context("making the message usable"));
         }
-        ack.usable_ns = monotonic_ns();
+        // Read before the answer's text is made: the UUID look-up is a driver call per message,
+        // no part of making the data usable.
+        let mut ack = CrossAck { id: msg.id, stages_ns, usable_ns: monotonic_ns(), ..Default::default() };
+        if let Some(first) = msg.tensors.first() {
+            ack.path = format!("{:?}", first.path());
+            ack.device = device_text(first.device());
+            ack.stream_device = first
+                .stream()
+                .map_or("none".into(), |s| s.context().device().uuid().map_or("?".into(), |u| u.to_string()));
+        }
         drop(msg);
         acks.send(&ack)?;
     }
