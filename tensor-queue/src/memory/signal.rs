@@ -1,10 +1,12 @@
 //! Stream-ordered signals: how a receiver's stream waits for a producer's work.
 //!
 //! Each producer stream owns one 64-bit word in a block of signal words of its device (a VMM
-//! allocation, shared with receivers like any chunk). After the producer's work, `send_on` queues a write of the next
-//! value of that word on the stream (`cuStreamWriteValue64`, with a memory fence before it); the
-//! receiver queues a wait for that value on its own stream (`cuStreamWaitValue64`). Neither CPU
-//! waits.
+//! allocation, shared with receivers like any chunk). After the producer's work, `send_on` queues
+//! a write of the next value of that word on the stream (`cuStreamWriteValue64`, with a memory
+//! fence before it), when a receiver maps one of the message's tensors where it is; the receiver
+//! queues a wait for that value on its own stream (`cuStreamWaitValue64`), over the peer link when
+//! its stream is on another GPU. Neither CPU waits. A peer copy is fenced on the GPU it lands on:
+//! the producer's stream writes a word of that GPU right after the copy ([`signal_on_peer_after`]).
 //!
 //! Why not interprocess events: on an H200 the receiver's stream took 140-580 us to get past a
 //! wait on an imported interprocess event that was already complete (`tq-bench`: the first
