@@ -35,9 +35,11 @@ fn main() {
         CrossTest { name: "staged_when_neither_process_sees_both_gpus", gpus: 2, run: staged },
         CrossTest { name: "host_landing_delivers_gpu_tensors_as_host_tensors", gpus: 1, run: host_landing },
         CrossTest { name: "seed_matmuls_ordered_over_peer_copy", gpus: 2, run: seed_peer_copy },
+        CrossTest { name: "seed_matmuls_ordered_over_peer_map", gpus: 2, run: seed_peer_map },
         CrossTest { name: "seed_matmuls_ordered_over_staged", gpus: 2, run: seed_staged },
         CrossTest { name: "seed_matmuls_ordered_into_host_memory", gpus: 1, run: seed_host },
         CrossTest { name: "seed_without_ordering_fails_over_peer_copy", gpus: 2, run: seed_unordered_peer_copy },
+        CrossTest { name: "seed_without_ordering_fails_over_peer_map", gpus: 2, run: seed_unordered_peer_map },
         CrossTest { name: "seed_without_ordering_fails_over_staged", gpus: 2, run: seed_unordered_staged },
         CrossTest { name: "sender_killed_mid_staged_1gib_transfer", gpus: 2, run: killed_mid_staged },
         CrossTest { name: "differing_visible_devices_land_by_uuid", gpus: 2, run: differing_visible_devices },
@@ -45,6 +47,7 @@ fn main() {
         CrossTest { name: "no_staging_receiver_refuses_staged", gpus: 2, run: no_staging_refuses_staged },
         CrossTest { name: "strict_policies_with_a_host_landing", gpus: 1, run: strict_with_host_landing },
         CrossTest { name: "several_senders_and_a_forwarding_stage", gpus: 2, run: forwarding_stage },
+        CrossTest { name: "one_message_broadcast_over_every_route_of_the_machine", gpus: 2, run: broadcast_routes },
         CrossTest { name: "across_hosts_nccl_lands_on_the_receivers_gpu", gpus: 2, run: nccl_default },
         CrossTest { name: "across_hosts_nccl_forced_onto_its_network_transport", gpus: 2, run: nccl_network },
         CrossTest { name: "across_hosts_host_landing_over_tcp", gpus: 1, run: tcp_host_landing },
@@ -547,6 +550,18 @@ fn seed_peer_copy(g: &Gpus) -> Result<()> {
     Ok(())
 }
 
+/// Over PeerMap the consumer's GPU 1 stream waits on the producer's word on GPU 0 over the link
+/// itself (no stream or event of GPU 0 in between): its GPU checksum of the mapped bytes must
+/// still see x only after the 50 matmuls.
+fn seed_peer_map(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0).to_string(), g.uuid(1).to_string());
+    let expect = Expect { path: "PeerMapped", device: gpu0, stream_device: gpu1.clone() };
+    let options = strings(&["--land", &gpu1, "--peer", "map"]);
+    let ok = seed_run(g, "seed-peer-map", &options, None, None, &[], &expect, Route::PeerMap)?;
+    ensure!(ok, "over PeerMap the consumer saw x before the 50 matmuls were done");
+    Ok(())
+}
+
 fn seed_staged(g: &Gpus) -> Result<()> {
     let gpu1 = g.uuid(1).to_string();
     let expect = Expect { path: "Staged", device: gpu1.clone(), stream_device: gpu1 };
@@ -574,6 +589,21 @@ fn seed_unordered_peer_copy(g: &Gpus) -> Result<()> {
         !ok,
         "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over PeerCopy: either the switch \
          does not reach the peer-copy wait, or the positive test proves nothing"
+    );
+    Ok(())
+}
+
+/// The negative control over PeerMap, as over PeerCopy: the consumer reads the producer's x in
+/// place, before the matmuls are done.
+fn seed_unordered_peer_map(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0).to_string(), g.uuid(1).to_string());
+    let expect = Expect { path: "PeerMapped", device: gpu0, stream_device: gpu1.clone() };
+    let options = strings(&["--land", &gpu1, "--peer", "map"]);
+    let ok = seed_run(g, "seed-unordered-map", &options, None, None, &[SKIP_ORDERING], &expect, Route::PeerMap)?;
+    ensure!(
+        !ok,
+        "with TENSOR_QUEUE_TEST_SKIP_ORDERING=1 the consumer still saw the final x over PeerMap: either the switch \
+         does not reach the peer-map wait, or the positive test proves nothing"
     );
     Ok(())
 }
@@ -806,6 +836,52 @@ fn forwarding_stage(g: &Gpus) -> Result<()> {
     ensure!(mem.starts_with("mem ok"), "the last stage's memory: {mem}");
     last.finish(Duration::from_secs(30))?;
     println!("{total} messages of 256 KiB from {THREADS} senders in one process through a forwarding stage");
+    Ok(())
+}
+
+/// One message of GPU 0 views broadcast with `send_on` to four receivers at once, each by
+/// another route: the same GPU and PeerMap (both wait for the message's one signal word, written
+/// when the first of them needs it), PeerCopy (fenced by a word of its own on GPU 1, no message
+/// word) and a host landing. Each checks every view by GPU (or CPU) checksum; every lease comes back.
+fn broadcast_routes(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0).to_string(), g.uuid(1).to_string());
+    let cases: [(&str, Vec<String>, Expect<'_>); 4] = [
+        ("same-gpu", vec![], Expect { path: "CudaVmm", device: gpu0.clone(), stream_device: gpu0.clone() }),
+        (
+            "peer-map",
+            strings(&["--land", &gpu1, "--peer", "map"]),
+            Expect { path: "PeerMapped", device: gpu0.clone(), stream_device: gpu1.clone() },
+        ),
+        (
+            "peer-copy",
+            strings(&["--land", &gpu1]),
+            Expect { path: "PeerCopied", device: gpu1.clone(), stream_device: gpu1.clone() },
+        ),
+        (
+            "host",
+            strings(&["--land", "host"]),
+            Expect { path: "StagedToHost", device: "host".into(), stream_device: "none".into() },
+        ),
+    ];
+    let mut receivers = Vec::new();
+    for (name, options, expect) in cases {
+        let (receiver, path) = consumer(&format!("broadcast-{name}"), &options, None, &[])?;
+        receivers.push((receiver, path, expect));
+    }
+    let also: Vec<String> = receivers[1..].iter().map(|(_, path, _)| path.display().to_string()).collect();
+    let options = [on_gpu(g.uuid(0)), strings(&["--also", &also.join(",")])].concat();
+    let mut sender = producer("broadcaster", "views", &receivers[0].1, &options, None, &[])?;
+    for (receiver, _, expect) in &mut receivers {
+        let report = receiver.report(Duration::from_secs(120))?;
+        check_report(&report, expect, &format!("{} ({})", receiver.name, report.note))?;
+    }
+    for _ in 0..receivers.len() {
+        sender.expect("released", Duration::from_secs(60))?;
+    }
+    sender.finish(Duration::from_secs(30))?;
+    for (mut receiver, _, _) in receivers {
+        receiver.finish(Duration::from_secs(30))?;
+    }
     Ok(())
 }
 

@@ -4,7 +4,8 @@
 # printed last; bench.json, latency.png and throughput.png go to $OUT (or ./results). Arguments
 # are passed on to tq-bench (for example `--only rtt,stream`). `--only cross` runs the cross-device
 # table alone (2 GPUs; with its anchors, bench/cross_anchors.py among them) and skips the primitive
-# costs and the MPS run. `--only hosts` runs the across-hosts table alone (tq-hosts; host tensors
+# costs and the MPS run; `--only cross-stages` runs where one cross-GPU message's time goes
+# (PeerCopy and PeerMap, 4 KiB and 1 MiB, beside the hand-off floor; seconds). `--only hosts` runs the across-hosts table alone (tq-hosts; host tensors
 # over TCP against a plain TCP stream included). `--only host-msgs` runs issue 26's 1,000,000 small
 # host messages alone (no GPU needed). BENCHMARKS.md lists which command prints each row of issue 26.
 set -u
@@ -26,9 +27,9 @@ if [ "$only" = "hosts" ]; then
     | tee "$results/hosts-table.md"
   exit "${PIPESTATUS[0]}"
 fi
-# A section of its own (cross, host-msgs) skips the primitive costs and the MPS run.
+# A section of its own (cross, cross-stages, host-msgs) skips the primitive costs and the MPS run.
 alone=""
-case "$only" in cross|host-msgs) alone=1 ;; esac
+case "$only" in cross|cross-stages|host-msgs) alone=1 ;; esac
 primitives=()
 if [ -z "$alone" ]; then
   echo "[0] CUDA IPC primitive costs" >&2

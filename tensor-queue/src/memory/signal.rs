@@ -1,10 +1,12 @@
 //! Stream-ordered signals: how a receiver's stream waits for a producer's work.
 //!
 //! Each producer stream owns one 64-bit word in a block of signal words of its device (a VMM
-//! allocation, shared with receivers like any chunk). After the producer's work, `send_on` queues a write of the next
-//! value of that word on the stream (`cuStreamWriteValue64`, with a memory fence before it); the
-//! receiver queues a wait for that value on its own stream (`cuStreamWaitValue64`). Neither CPU
-//! waits.
+//! allocation, shared with receivers like any chunk). After the producer's work, `send_on` queues
+//! a write of the next value of that word on the stream (`cuStreamWriteValue64`, with a memory
+//! fence before it), when a receiver maps one of the message's tensors where it is; the receiver
+//! queues a wait for that value on its own stream (`cuStreamWaitValue64`), over the peer link when
+//! its stream is on another GPU. Neither CPU waits. A peer copy is fenced on the GPU it lands on:
+//! the producer's stream writes a word of that GPU right after the copy ([`signal_on_peer_after`]).
 //!
 //! Why not interprocess events: on an H200 the receiver's stream took 140-580 us to get past a
 //! wait on an imported interprocess event that was already complete (`tq-bench`: the first
@@ -171,6 +173,13 @@ impl FirstTime {
     }
 }
 
+/// Whether [`signal_after`] gives a word on `context`'s device (it has 64-bit stream memory
+/// operations, and events are not forced), without queueing anything.
+pub(crate) fn signals_supported(context: &Context) -> Result<bool> {
+    let mut all = lock(&SIGNALS);
+    Ok(device_signals(&mut all, context)?.supported && !crate::switches::force_events())
+}
+
 /// Queues, on `stream`, the write of its word's next value and returns where and what to wait
 /// for; `None` when the device lacks 64-bit stream memory operations (use an event instead).
 pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
@@ -183,6 +192,34 @@ pub(crate) fn signal_after(stream: &Stream) -> Result<Option<Signal>> {
     }
     let zeroing = &mut device.zeroing;
     let (block, offset, index) = device.words.word(stream.raw() as usize, || new_block(context, zeroing))?;
+    let value = device.words.words[index].1 + 1;
+    stream.write_value64(device_memory(&block)?, offset, value)?;
+    device.words.words[index].1 = value;
+    Ok(Some(Signal { chunk: block, offset, value }))
+}
+
+/// Queues, on `stream`, the write of the next value of its word on `target`'s device (another
+/// GPU, which the stream's device reaches over the peer link) and returns where and what a
+/// stream of `target`'s device waits for there; `None` when either device lacks 64-bit stream
+/// memory operations.
+///
+/// This is how a peer copy is fenced on the GPU it lands on: the producer's stream writes the
+/// word right after the copy, in stream order, and the write is fenced after the copy's writes
+/// (the driver's default memory barrier), so no stream or event of the target device is
+/// involved. The word is one per producer stream per target device, as on the stream's own.
+pub(crate) fn signal_on_peer_after(stream: &Stream, target: &Arc<Context>) -> Result<Option<Signal>> {
+    let mut all = lock(&SIGNALS);
+    if !device_signals(&mut all, stream.context())?.supported || crate::switches::force_events() {
+        return Ok(None);
+    }
+    let device = device_signals(&mut all, target)?;
+    if !device.supported {
+        return Ok(None);
+    }
+    let zeroing = &mut device.zeroing;
+    let (block, offset, index) = device.words.word(stream.raw() as usize, || new_block(target, zeroing))?;
+    // Once per block and device (the chunk remembers).
+    block.grant_access(stream.context())?;
     let value = device.words.words[index].1 + 1;
     stream.write_value64(device_memory(&block)?, offset, value)?;
     device.words.words[index].1 = value;

@@ -1,7 +1,7 @@
 //! Where a received tensor lands, in one module: each storage record of a message's descriptor
 //! table checked against the connection's chunks and events, and its memory mapped where it is
 //! (ordered after the producer's fence on the connection's stream), mapped over a peer link
-//! (ordered through the sender's GPU), copied in from staging memory piece by piece, waited for
+//! (ordered by a wait over the link), copied in from staging memory piece by piece, waited for
 //! on the CPU, or taken from a sender on another host (`remote.rs`). One storage per record,
 //! shared by the record's tensors: a message of many small tensors costs per record, and per
 //! tensor only what the tensor holds. The receiver's half of the routes (see [`crate::route`]).
@@ -77,9 +77,12 @@ impl Connected {
         Ok(())
     }
 
-    /// Queues the wait for the producer's fence of storage record `index` on `stream`; for
-    /// memory mapped over a peer link, on this connection's stream for the sender's GPU first
-    /// (where the fence lives), which `stream` then waits for.
+    /// Queues the wait for the producer's fence of storage record `index` on `stream`. For
+    /// memory mapped over a peer link, a signal word (on the sender's GPU, like the memory) is
+    /// waited for by `stream` itself over the link, once its GPU may reach the word's chunk: no
+    /// event and no stream of the sender's GPU per message. An event fence (devices without
+    /// stream memory operations) is waited for on this connection's stream for the sender's GPU
+    /// first, which `stream` then waits for.
     pub(crate) fn order_for(
         &mut self,
         devices: &Devices,
@@ -89,6 +92,14 @@ impl Connected {
         stream: &Arc<Stream>,
     ) -> Result<Option<FenceWait>> {
         if !matches!(record.source, Source::PeerMap { .. }) {
+            return self.order(index, record.fence, chunk, stream);
+        }
+        if let Fence::Signal { chunk: word, .. } = record.fence {
+            // Once per chunk and GPU (the chunk remembers); a chunk unknown or in host memory is
+            // refused by `order`.
+            if let Some(signal) = self.chunks.get(&word).filter(|c| c.device().is_some()) {
+                signal.grant_access(stream.context())?;
+            }
             return self.order(index, record.fence, chunk, stream);
         }
         let uuid = chunk.device_uuid().ok_or_else(|| Error::internal("a device chunk without a device"))?;

@@ -19,6 +19,7 @@ use ipc_core::{Event, Stream, Uuid};
 use super::network::{self, SendComms};
 use super::outgoing::{Fencing, Outgoing};
 use super::protocol::{Lease, Rejection, SenderProtocol};
+use super::routes::MappedFence;
 use crate::error::{Error, Refusal, Result};
 use crate::fences::liveness::Gone;
 use crate::links::link::{Link, Read};
@@ -317,14 +318,12 @@ impl SenderInner {
         }
         self.flush_retired(writer, true)?;
         let (fence, event) = match &outgoing.fencing {
-            Fencing::Done => (Fence::None, None),
-            Fencing::Signal(signal) => {
-                self.announce(writer, &signal.chunk)?;
-                (Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value }, None)
-            }
+            Fencing::Done => (MappedFence::Now(Fence::None), None),
+            // Queued, and its chunk announced, only if a tensor is mapped where it is.
+            Fencing::Signal(signal) => (MappedFence::Signal(signal), None),
             Fencing::Event(stream) => {
                 let slot = self.event_for(stream)?;
-                (Fence::Event(slot.id), Some(slot))
+                (MappedFence::Now(Fence::Event(slot.id)), Some(slot))
             }
         };
         let give_back = |error: Error, event: Option<EventSlot>| {

@@ -1,13 +1,15 @@
 //! A message on its way out: encoded once, checked, and fenced after the producer's work; the
 //! same for one receiver or for every receiver of a broadcast.
 
+use std::sync::OnceLock;
+
 use ipc_core::Stream;
 use serde::Serialize;
 
 use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
 use crate::memory::arena::not_sendable;
-use crate::memory::signal::{Signal, signal_after};
+use crate::memory::signal::{Signal, signal_after, signals_supported};
 use crate::side_table;
 use crate::tensor::Tensor;
 use crate::tensor::layout::check_layout;
@@ -34,10 +36,33 @@ impl Drop for Outgoing<'_> {
 pub(crate) enum Fencing<'a> {
     /// Nothing to wait for: no GPU tensors, or their devices were synchronised.
     Done,
-    /// A signal word's write, queued once on the producer's stream, which every receiver waits for.
-    Signal(Signal),
+    /// A signal word's write on the producer's stream, which every receiver of tensors mapped
+    /// where they are waits for: queued once, when the first such receiver needs it.
+    Signal(LazySignal<'a>),
     /// An interprocess event of each connection, recorded on the stream when sent (the fallback).
     Event(&'a Stream),
+}
+
+/// A message's signal word, written on the producer's stream the first time a receiver maps a
+/// tensor where it is (the same GPU, or over the peer link), then shared by every receiver. A
+/// message whose tensors are all copied (each copy is fenced by a word of its own) writes none,
+/// so no stream operation runs ahead of its copies.
+pub(crate) struct LazySignal<'a> {
+    stream: &'a Stream,
+    signal: OnceLock<Signal>,
+}
+
+impl LazySignal<'_> {
+    /// The word and value, queued now if they were not yet.
+    pub fn get(&self) -> Result<&Signal> {
+        if let Some(signal) = self.signal.get() {
+            return Ok(signal);
+        }
+        let signal = signal_after(self.stream)?
+            .ok_or_else(|| Error::internal("no signal word on a device that has stream memory operations"))?;
+        // Two receivers racing both queue a write: either value follows the producer's work.
+        Ok(self.signal.get_or_init(|| signal))
+    }
 }
 
 impl<'a> Outgoing<'a> {
@@ -75,10 +100,8 @@ impl<'a> Outgoing<'a> {
         let ordinal = stream.context().device().ordinal();
         let fencing = if devices.is_empty() {
             Fencing::Done
-        } else if devices.iter().all(|&d| d == ordinal)
-            && let Some(signal) = signal_after(stream)?
-        {
-            Fencing::Signal(signal)
+        } else if devices.iter().all(|&d| d == ordinal) && signals_supported(stream.context())? {
+            Fencing::Signal(LazySignal { stream, signal: OnceLock::new() })
         } else {
             Fencing::Event(stream)
         };

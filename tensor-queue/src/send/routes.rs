@@ -10,11 +10,12 @@ use ipc_core::{Context, Device, Event, Stream, Uuid};
 
 use crate::error::{Error, Result};
 use crate::memory::arena::{Arena, Chunk};
-use crate::memory::signal::{Signal, host_signal_pieces, signal_after};
+use crate::memory::signal::{Signal, host_signal_pieces, signal_on_peer_after};
 use crate::route::Reach;
 use crate::route::Routing;
 use crate::route::staging_piece;
 use crate::route::{Choice, Route, choose};
+use crate::send::outgoing::LazySignal;
 use crate::sync::lock;
 use crate::tensor::Storage;
 use crate::tensor::Tensor;
@@ -22,12 +23,83 @@ use crate::wire::{Descriptors, Fence, Source, StorageDesc};
 
 /// A message as it goes to one receiver: its descriptor table, the chunks to announce first,
 /// and the storage the receiver holds until it releases the message.
-pub(crate) struct Prepared {
+pub(crate) struct Prepared<'a> {
     pub table: Descriptors,
     /// The chunks the records name (and copies' signal words): announced before the message.
     pub chunks: Vec<Arc<Chunk>>,
     /// What the receiver maps: the tensors' own storage, or the copies of the bytes they touch.
     pub leases: Vec<Arc<Storage>>,
+    /// The sources of the copies queued: kept until the copies are done, from when this is
+    /// dropped (after the message's frame is written, or on an error).
+    pub copied: CopySources<'a>,
+}
+
+/// The sources of a message's copies, by the stream the copies are queued on. Held from before
+/// the first copy is queued; when dropped, an event is recorded on each stream and the sources
+/// go to the arenas' thread until it completes. Dropped with the [`Prepared`] message, so that
+/// making and recording the event and waking that thread come after the message's frame is
+/// written, not between the copies and the receiver.
+pub(crate) struct CopySources<'a>(Vec<(CopyStream<'a>, Vec<Arc<Storage>>)>);
+
+impl<'a> CopySources<'a> {
+    /// Holds `sources`, read by copies about to be queued on `stream`; the stream to queue them on.
+    fn hold(&mut self, stream: CopyStream<'a>, sources: Vec<Arc<Storage>>) -> &Stream {
+        let at = match self.0.iter().position(|(s, _)| s.raw() == stream.raw()) {
+            Some(at) => {
+                self.0[at].1.extend(sources);
+                at
+            }
+            None => {
+                self.0.push((stream, sources));
+                self.0.len() - 1
+            }
+        };
+        &self.0[at].0
+    }
+}
+
+impl Drop for CopySources<'_> {
+    fn drop(&mut self) {
+        for (stream, sources) in self.0.drain(..) {
+            let done = Event::new(stream.context()).and_then(|done| done.record(&stream).map(|()| done));
+            match done {
+                Ok(done) => crate::memory::arena::drop_after(vec![done], Box::new(sources)),
+                Err(error) => {
+                    // The copies may still read the sources: wait for them rather than free the
+                    // memory under them, and keep it for good if even that fails.
+                    tracing::warn!(%error, "no event to hold a message's copy sources by; waiting for the copies");
+                    if stream.synchronize().is_err() {
+                        std::mem::forget(sources);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What the receiver waits for before the first use of a GPU tensor mapped where it is.
+pub(crate) enum MappedFence<'a> {
+    /// Known already: none, or the connection's event.
+    Now(Fence),
+    /// The message's signal word, queued when the first tensor mapped where it is needs it.
+    Signal(&'a LazySignal<'a>),
+}
+
+impl MappedFence<'_> {
+    /// The fence, queueing the signal's write if it was not yet; its chunk goes to `chunks`
+    /// (announced before the message).
+    fn resolve(&self, chunks: &mut Vec<Arc<Chunk>>) -> Result<Fence> {
+        match self {
+            MappedFence::Now(fence) => Ok(*fence),
+            MappedFence::Signal(lazy) => {
+                let signal = lazy.get()?;
+                if !chunks.iter().any(|c| Arc::ptr_eq(c, &signal.chunk)) {
+                    chunks.push(signal.chunk.clone());
+                }
+                Ok(Fence::Signal { chunk: signal.chunk.id, offset: signal.offset as u64, value: signal.value })
+            }
+        }
+    }
 }
 
 /// Tensors must lie this close together in one chunk to move as one copy: a copy call costs
@@ -39,14 +111,15 @@ const COALESCE_GAP: usize = 256 << 10;
 /// one chunk; copies are queued per span on `stream` (the producer's), or on a stream of the
 /// sender's for a message whose devices were synchronised, and the tensors of a span share its
 /// copy. The sources of copies are kept until the copies are done. `fence` is what the receiver
-/// waits for before the first use of a GPU tensor mapped where it is (the message's fence).
-pub(crate) fn prepare(
+/// waits for before the first use of a GPU tensor mapped where it is (the message's fence; a
+/// message with none such queues no signal).
+pub(crate) fn prepare<'a>(
     tensors: &[Tensor],
-    stream: Option<&Stream>,
+    stream: Option<&'a Stream>,
     receiver: &(Reach, Routing),
     peer_pid: u32,
-    fence: Fence,
-) -> Result<Prepared> {
+    fence: MappedFence<'_>,
+) -> Result<Prepared<'a>> {
     let (reach, routing) = receiver;
     // Tensors by (route, chunk, target): each group becomes few records.
     let mut groups: Vec<(GroupKey, Vec<usize>)> = Vec::new();
@@ -72,18 +145,26 @@ pub(crate) fn prepare(
         };
         group(&mut groups, key, index);
     }
-    let mut prepared = Prepared { table: Descriptors::unrouted(tensors.len()), chunks: Vec::new(), leases: Vec::new() };
+    let mut prepared = Prepared {
+        table: Descriptors::unrouted(tensors.len()),
+        chunks: Vec::new(),
+        leases: Vec::new(),
+        copied: CopySources(Vec::new()),
+    };
     for ((route, _, target), members) in groups {
         let chunk = tensors[members[0]].storage.chunk.clone();
         if matches!(route, Route::SameDevice | Route::PeerMap) {
-            let fence = if chunk.device().is_some() { fence } else { Fence::None };
+            let fence = if chunk.device().is_some() { fence.resolve(&mut prepared.chunks)? } else { Fence::None };
             map_in_place(tensors, &members, route, fence, &mut prepared);
             prepared.chunks.push(chunk);
             continue;
         }
         let memory = chunk.device().ok_or_else(|| Error::internal("a device route for host memory"))?;
-        let stream = &*stream_after(stream, memory.context())?;
-        for span in spans(tensors, &members)? {
+        let spans = spans(tensors, &members)?;
+        // The sources stay until the copies queued on the stream are done (see `CopySources`).
+        let sources = members.iter().map(|&i| tensors[i].storage.clone()).collect();
+        let stream = prepared.copied.hold(stream_after(stream, memory.context())?, sources);
+        for span in spans {
             let (storage, signal) = match route {
                 Route::PeerCopy => {
                     let target = target.ok_or_else(|| Error::internal("a peer copy without a target"))?;
@@ -107,11 +188,6 @@ pub(crate) fn prepare(
             prepared.chunks.push(storage.chunk.clone());
             prepared.leases.push(storage);
         }
-        // The sources stay until the copies queued so far on the stream are done.
-        let done = Event::new(stream.context())?;
-        done.record(stream)?;
-        let sources: Vec<Arc<Storage>> = members.iter().map(|&i| tensors[i].storage.clone()).collect();
-        crate::memory::arena::drop_after(vec![done], Box::new(sources));
     }
     if let Some(index) = prepared.table.unrouted_tensor() {
         return Err(Error::internal(format_args!("tensor {index} was not routed")));
@@ -217,21 +293,12 @@ fn peer_copy(chunk: &Chunk, span: &Span, stream: &Stream, target: &Uuid) -> Resu
     allocation.chunk.grant_access(source.context())?;
     let destination = allocation.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
     stream.copy_async(destination, allocation.offset, source, span.low, span.high - span.low)?;
-    // The receiver waits on a word of the target device: a stream of that device waits for the
-    // copy, then writes it.
-    let copied = Event::new(stream.context())?;
-    copied.record(stream)?;
-    let relay = relay_stream(&context, stream)?;
-    let signal = {
-        relay.wait_event(&copied)?;
-        match signal_after(&relay)? {
-            Some(signal) => signal,
-            None => {
-                return Err(Error::Invalid(
-                    "the target GPU has no 64-bit stream memory operations; the peer copy route needs them".into(),
-                ));
-            }
-        }
+    // The receiver waits on a word of the target device, which this stream writes over the peer
+    // link once the copy is done: no event, and no stream of the target device, per message.
+    let Some(signal) = signal_on_peer_after(stream, &context)? else {
+        return Err(Error::Invalid(
+            "the GPUs have no 64-bit stream memory operations; the peer copy route needs them".into(),
+        ));
     };
     Ok((Arc::new(Storage::from_allocation(allocation)), Arc::new(signal)))
 }
@@ -254,16 +321,19 @@ fn stage(chunk: &Chunk, span: &Span, stream: &Stream) -> Result<(Arc<Storage>, A
     Ok((Arc::new(Storage::from_allocation(allocation)), Arc::new(signal)))
 }
 
-/// The primary context of `target`, with peer access from `source`'s context enabled (once).
+/// The primary context of `target`, with peer access from `source`'s context enabled: looked up
+/// once per pair and kept, so that a message neither enumerates the devices nor retains and
+/// releases a context (the device arena of `target` holds the context for good anyway).
 fn context_with_access(source: &Arc<Context>, target: &Uuid) -> Result<Arc<Context>> {
-    static ENABLED: Mutex<Vec<(i32, Uuid)>> = Mutex::new(Vec::new());
-    let context = Context::primary(Device::by_uuid(target)?)?;
-    let pair = (source.device().ordinal(), *target);
+    static ENABLED: Mutex<Vec<(i32, Uuid, Arc<Context>)>> = Mutex::new(Vec::new());
+    let ordinal = source.device().ordinal();
     let mut enabled = lock(&ENABLED);
-    if !enabled.contains(&pair) {
-        source.enable_peer_access(&context)?;
-        enabled.push(pair);
+    if let Some((_, _, context)) = enabled.iter().find(|(o, t, _)| *o == ordinal && t == target) {
+        return Ok(context.clone());
     }
+    let context = Context::primary(Device::by_uuid(target)?)?;
+    source.enable_peer_access(&context)?;
+    enabled.push((ordinal, *target, context.clone()));
     Ok(context)
 }
 
@@ -318,14 +388,6 @@ pub(crate) fn stream_after<'a>(producer: Option<&'a Stream>, context: &Arc<Conte
 pub(crate) fn copy_stream(context: &Arc<Context>) -> Result<Arc<Stream>> {
     static STREAMS: OnceLock<Streams> = OnceLock::new();
     stream_for(&STREAMS, context, 0)
-}
-
-/// The stream of `context`'s device that relays `producer`'s peer copies to the target's
-/// signal word: one per producer stream, so one producer's long queued work never delays
-/// another's fences.
-fn relay_stream(context: &Arc<Context>, producer: &Stream) -> Result<Arc<Stream>> {
-    static RELAYS: OnceLock<Streams> = OnceLock::new();
-    stream_for(&RELAYS, context, producer.raw() as usize)
 }
 
 /// The stream of `context`'s device for `key` in `streams`, made on first use.

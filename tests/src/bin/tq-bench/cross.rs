@@ -45,6 +45,9 @@ use tensor_queue::{Context, Device, DeviceMemory, Error, Sender, Stream, Tensor,
 
 use super::{Bench, us};
 
+mod stages;
+pub use stages::print_table as print_stages;
+
 /// The hidden first argument of a consumer process.
 pub const CONSUMER_FLAG: &str = "--cross-consumer";
 /// The hidden first argument of the driver's staged copy anchor (a fresh process).
@@ -102,6 +105,9 @@ struct CrossAck {
     /// Where the first tensor's bytes are, and the GPU of its stream (`host` / `none`).
     device: String,
     stream_device: String,
+    /// The message's stages on the shared clock (`MessageInfo`): sent, encoded, arrived,
+    /// imported, decoded (`recv` returned).
+    stages_ns: Vec<u64>,
     /// Why the consumer failed (it exits after saying so).
     error: String,
 }
@@ -257,8 +263,8 @@ fn consumer(args: &[String]) -> Result<()> {
     acks.send(&CrossAck { id: u64::MAX, ..Default::default() })?;
     let mut copy_to: Option<DeviceBuffer> = None;
     loop {
-        let msg = match items.recv_timeout(Duration::from_secs(1)) {
-            Ok(msg) => msg,
+        let (msg, info) = match items.recv_with_info(Some(Duration::from_secs(1))) {
+            Ok(received) => received,
             Err(Error::Timeout) => {
                 items.take_errors().iter().for_each(|e| eprintln!("tq-bench cross consumer: {e}"));
                 continue;
@@ -266,14 +272,7 @@ fn consumer(args: &[String]) -> Result<()> {
             Err(Error::Disconnected) => return Ok(()),
             Err(error) => return fail(&acks, 0, anyhow::Error::from(error).context("recv")),
         };
-        let mut ack = CrossAck { id: msg.id, ..Default::default() };
-        if let Some(first) = msg.tensors.first() {
-            ack.path = format!("{:?}", first.path());
-            ack.device = device_text(first.device());
-            ack.stream_device = first
-                .stream()
-                .map_or("none".into(), |s| s.context().device().uuid().map_or("?".into(), |u| u.to_string()));
-        }
+        let stages_ns = vec![info.sent_ns, info.encoded_ns, info.arrived_ns, info.imported_ns, info.decoded_ns];
         let usable = if way == Way::Map {
             read_on_gpu(&msg.tensors, context.as_ref(), &mut copy_to)
         } else {
@@ -282,7 +281,16 @@ fn consumer(args: &[String]) -> Result<()> {
         if let Err(error) = usable {
             return fail(&acks, msg.id, error.context("making the message usable"));
         }
-        ack.usable_ns = monotonic_ns();
+        // Read before the answer's text is made: the UUID look-up is a driver call per message,
+        // no part of making the data usable.
+        let mut ack = CrossAck { id: msg.id, stages_ns, usable_ns: monotonic_ns(), ..Default::default() };
+        if let Some(first) = msg.tensors.first() {
+            ack.path = format!("{:?}", first.path());
+            ack.device = device_text(first.device());
+            ack.stream_device = first
+                .stream()
+                .map_or("none".into(), |s| s.context().device().uuid().map_or("?".into(), |u| u.to_string()));
+        }
         drop(msg);
         acks.send(&ack)?;
     }
@@ -761,8 +769,9 @@ impl Channel {
     }
 }
 
-fn run_route(producer: &Producer, way: Way) -> Result<RouteRun> {
-    let mut run = RouteRun::default();
+/// A consumer process for `way`, started, with the channels to and from it set up and the
+/// route the sender chose noted in `run`.
+fn open(producer: &Producer, way: Way, run: &mut RouteRun) -> Result<(Consumer, Channel)> {
     let reply = socket_path("cross-answers");
     let acks = tensor_queue::Receiver::<CrossAck>::bind(&reply)?;
     let land = if way == Way::Same { producer.gpu0 } else { producer.gpu1 };
@@ -779,7 +788,7 @@ fn run_route(producer: &Producer, way: Way) -> Result<RouteRun> {
             bail!("starting the {} consumer: {error} {why}", way.label());
         }
     };
-    let mut consumer = Consumer(child);
+    let consumer = Consumer(child);
     let mut channel = Channel { sender, acks, way, await_release: true };
     channel.answer(u64::MAX, "set-up")?;
     let choice = channel.sender.route(&producer.gpu0, Duration::from_secs(10))?;
@@ -794,6 +803,34 @@ fn run_route(producer: &Producer, way: Way) -> Result<RouteRun> {
     }
     channel.sender.set_spin(producer.spin);
     channel.acks.set_spin(producer.spin);
+    Ok((consumer, channel))
+}
+
+/// Closes `channel` and waits (30 s at most) for `consumer` to end, as it does when its channel
+/// closes; what went wrong is noted in `run`.
+fn close(mut consumer: Consumer, channel: Channel, run: &mut RouteRun) -> Result<()> {
+    drop(channel);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match consumer.0.try_wait()? {
+            Some(status) if status.success() => break,
+            Some(status) => {
+                run.notes.push(format!("the consumer exited with {status} after the measurements"));
+                break;
+            }
+            None if Instant::now() > deadline => {
+                run.notes.push("the consumer did not exit within 30 s of the end; killed".into());
+                break;
+            }
+            None => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    Ok(())
+}
+
+fn run_route(producer: &Producer, way: Way) -> Result<RouteRun> {
+    let mut run = RouteRun::default();
+    let (consumer, mut channel) = open(producer, way, &mut run)?;
     let mut id = 0u64;
     let sizes: &[(u64, usize, usize)] = if way == Way::Same { &SIZES[..1] } else { &SIZES };
     for (&(bytes, warmup, trips), tensor) in sizes.iter().zip(&producer.sized) {
@@ -816,23 +853,7 @@ fn run_route(producer: &Producer, way: Way) -> Result<RouteRun> {
             channel.one_way(producer, &mut id, &producer.many, (MANY_WARMUP, MANY_TRIPS), "1,024 x 4 KiB", &mut run)?;
         run.many = times;
     }
-    drop(channel);
-    // The consumer ends when its channel closes.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        match consumer.0.try_wait()? {
-            Some(status) if status.success() => break,
-            Some(status) => {
-                run.notes.push(format!("the consumer exited with {status} after the measurements"));
-                break;
-            }
-            None if Instant::now() > deadline => {
-                run.notes.push("the consumer did not exit within 30 s of the end; killed".into());
-                break;
-            }
-            None => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
+    close(consumer, channel, &mut run)?;
     Ok(run)
 }
 
@@ -1081,13 +1102,7 @@ impl Bench {
     /// The cross-device section; skipped (with why) without 2 GPUs.
     pub(super) fn cross(&mut self) -> Result<()> {
         self.progress.start("cross-device GPU0 -> GPU1: PeerCopy, PeerMap, Staged, Host against their anchors");
-        let skip = match (&self.gpu, Device::count()) {
-            (None, _) => Some("needs 2 GPUs; no GPU here".to_string()),
-            (Some(_), Ok(n)) if n < 2 => Some(format!("needs 2 GPUs; this process sees {n}")),
-            (Some(_), Err(error)) => Some(format!("needs 2 GPUs; counting them failed: {error}")),
-            _ => None,
-        };
-        if let Some(reason) = skip {
+        if let Some(reason) = self.two_gpus_missing() {
             self.progress.done(&format!("skipped: {reason}"));
             self.json.insert("cross".into(), json!({ "skipped": reason }));
             return Ok(());

@@ -7,7 +7,9 @@
 //! machine, `bash target/gpu-bundle/bench.sh` (which `cargo xtask bench` runs). Sections:
 //! `setup`, `floor` (the C socket floor, and on a GPU the hand-off floor of `handoff_floor.rs`),
 //! `torch`, `rtt`, `breakdown`, `stream`, `broadcast`, `cross` (GPU0 -> GPU1 by each route, with its own table printed last; `--cross-anchors SCRIPT` names `cross_anchors.py`, which is
-//! otherwise looked for beside `--torch`; see `cross.rs`), `host-msgs` (`--messages N` small host
+//! otherwise looked for beside `--torch`; see `cross.rs`), `cross-stages` (where one PeerCopy or
+//! PeerMap message's time goes, 4 KiB and 1 MiB, beside the cross-GPU hand-off floor; a few
+//! seconds; see `cross/stages.rs`), `host-msgs` (`--messages N` small host
 //! messages to a receiver process, no GPU needed; see `host_msgs.rs`), `host-many` (one message of
 //! 1,024 x 4 KiB host tensors, one-way; no GPU needed; see `host_many.rs`).
 //!
@@ -238,8 +240,19 @@ fn main() -> Result<()> {
     };
     let machine = machine(gpu.as_ref())?;
     eprintln!("tq-bench on {machine}");
-    let sections =
-        ["setup", "floor", "torch", "rtt", "breakdown", "stream", "broadcast", "cross", "host-msgs", "host-many"];
+    let sections = [
+        "setup",
+        "floor",
+        "torch",
+        "rtt",
+        "breakdown",
+        "stream",
+        "broadcast",
+        "cross",
+        "cross-stages",
+        "host-msgs",
+        "host-many",
+    ];
     let steps = sections.iter().filter(|s| options.wants(s)).count();
     let mut bench = Bench {
         gpu,
@@ -273,6 +286,7 @@ fn main() -> Result<()> {
             "stream" => bench.streaming(torch.as_ref())?,
             "broadcast" => bench.broadcast()?,
             "cross" => bench.cross()?,
+            "cross-stages" => bench.cross_stages()?,
             "host-msgs" => bench.host_msgs()?,
             "host-many" => bench.host_many()?,
             _ => unreachable!(),
@@ -923,6 +937,7 @@ impl Bench {
     fn finish(mut self, machine: &str) -> Result<()> {
         self.json.insert("rows".into(), json!(self.rows.iter().map(Row::json).collect::<Vec<_>>()));
         let cross = self.json.get("cross").cloned();
+        let cross_stages = self.json.get("cross_stages").cloned();
         let out = &self.options.out;
         std::fs::write(out.join("bench.json"), serde_json::to_string_pretty(&Value::Object(self.json))?)?;
         let title = |what: &str| format!("{what} ({})", machine.split(" (").next().unwrap_or(machine));
@@ -933,6 +948,7 @@ impl Bench {
             ["bench.json", "latency.png", "throughput.png"].map(|f| out.join(f).display().to_string()).join(", ")
         );
         if self.rows.is_empty() {
+            cross::print_stages(cross_stages.as_ref());
             cross::print_table(cross.as_ref());
             return Ok(());
         }
@@ -951,6 +967,7 @@ impl Bench {
             );
         }
         println!("ratio: anchor / ours for times, ours / anchor for rates; above 1 means tensor-queue is better");
+        cross::print_stages(cross_stages.as_ref());
         cross::print_table(cross.as_ref());
         Ok(())
     }
