@@ -432,8 +432,8 @@ impl TcpListener {
         };
         // Linux does not pass O_NONBLOCK on to accepted sockets; say so anyway.
         stream.set_nonblocking(false).map_err(|e| Error::os("clearing O_NONBLOCK", e))?;
-        let aborted = Arc::new(AtomicBool::new(false));
-        Ok(Unverified { stream, peer, timeout: self.handshake_timeout, started: Instant::now(), aborted })
+        let progress = Arc::default();
+        Ok(Unverified { stream, peer, timeout: self.handshake_timeout, started: Instant::now(), progress })
     }
 }
 
@@ -445,8 +445,16 @@ pub struct Unverified {
     peer: SocketAddr,
     timeout: Duration,
     started: Instant,
-    /// Why [`HandshakeAbort::abort`] dropped it, if it did.
-    aborted: Arc<AtomicBool>,
+    progress: Arc<Progress>,
+}
+
+/// How far a listener's handshake got, for [`HandshakeAbort`].
+#[derive(Debug, Default)]
+struct Progress {
+    /// [`HandshakeAbort::abort`] dropped it.
+    aborted: AtomicBool,
+    /// The connector's greeting was read ([`HandshakeAbort::heard_from`]).
+    heard: AtomicBool,
 }
 
 impl Unverified {
@@ -459,7 +467,7 @@ impl Unverified {
     /// fails at once with [`Error::HandshakeShed`].
     pub fn abort_handle(&self) -> Result<HandshakeAbort> {
         let stream = self.stream.try_clone().map_err(|e| Error::os("duplicating a TCP socket", e))?;
-        Ok(HandshakeAbort { stream, peer: self.peer, started: self.started, aborted: self.aborted.clone() })
+        Ok(HandshakeAbort { stream, peer: self.peer, started: self.started, progress: self.progress.clone() })
     }
 
     /// Tells the connector why it is not taken (a greeting that says so in place of the
@@ -476,9 +484,9 @@ impl Unverified {
     /// Runs the listener's side of the handshake, bounded by the listener's handshake timeout:
     /// the link, or the typed error for this connection (logged, and the connection closed).
     pub fn verify(self, secret: &Secret) -> Result<TcpLink> {
-        let Unverified { stream, peer, timeout, started, aborted } = self;
-        handshake(stream, peer, Side::Listener, secret, started + bounded(timeout), timeout)
-            .map_err(|error| match aborted.load(Ordering::Acquire) {
+        let Unverified { stream, peer, timeout, started, progress } = self;
+        handshake(stream, peer, Side::Listener, secret, started + bounded(timeout), timeout, Some(&progress))
+            .map_err(|error| match progress.aborted.load(Ordering::Acquire) {
                 true => Error::HandshakeShed { peer, waited: started.elapsed(), why: SHED },
                 false => error,
             })
@@ -490,13 +498,47 @@ impl Unverified {
 
 const SHED: &str = "more handshakes were under way than the listener allows, and this one was the oldest";
 
+/// How many times [`TcpLink::connect`] runs the handshake with a listener that cuts it short.
+pub const HANDSHAKE_ATTEMPTS: u32 = 6;
+
+/// What a connector reads when the listener hangs up during the greeting (no secret used yet).
+const HUNG_UP_IN_GREETING: &str = "it hung up during the greeting, before any secret was used (a listener \
+                                   shedding handshakes under load, a connector that gave up, or another protocol)";
+/// What a connector reads when the listener hangs up instead of answering its proof.
+const NO_ANSWER: &str = "the listener hung up instead of answering: it refused our answer (do both sides hold the \
+                         same TQ_SECRET?)";
+
+/// What a listener sends in place of its answer when it sheds a handshake under load: no HMAC
+/// answer is these bytes but by a 2^-256 chance, and it proves nothing (anyone can send it), so
+/// all it does is have the connector try again.
+const SHED_ANSWER: &[u8; PROOF_LEN] = b"tq-auth-v1 shed: try again later";
+/// A connector's [`Error::HandshakeShed`].
+const SHED_BY_LISTENER: &str = "the listener had more handshakes under way than it allows, and shed this one";
+
+/// Whether a connector's handshake was cut short by a listener under load (see
+/// [`TcpLink::connect`]): shed, or a hang-up in the greeting, before any secret was used. A
+/// hang-up after our answer is not: a wrong secret reads so.
+fn cut_short(error: &Error) -> bool {
+    matches!(error, Error::HandshakeShed { .. })
+        || matches!(error, Error::AuthFailed { why, .. } if *why == HUNG_UP_IN_GREETING)
+}
+
+/// The pause before handshake attempt `attempt + 1`: random, so that a burst of connectors
+/// shed together does not come back together, and growing (1-4 ms, then 2-8, 4-16, ...).
+fn retry_pause(attempt: u32) -> Duration {
+    let mut random = [0u8; 2];
+    let _ = getrandom::fill(&mut random);
+    let base = 1_000u64 << attempt.min(10);
+    Duration::from_micros(base + u64::from(u16::from_le_bytes(random)) % (3 * base))
+}
+
 /// Ends an [`Unverified`] handshake from another thread (see [`Unverified::abort_handle`]).
 #[derive(Debug)]
 pub struct HandshakeAbort {
     stream: TcpStream,
     peer: SocketAddr,
     started: Instant,
-    aborted: Arc<AtomicBool>,
+    progress: Arc<Progress>,
 }
 
 impl HandshakeAbort {
@@ -510,11 +552,29 @@ impl HandshakeAbort {
         self.started
     }
 
-    /// Closes the connection: its handshake fails with [`Error::HandshakeShed`]. Nothing if it
-    /// is over already.
+    /// Whether the connector has said anything: its greeting was read, or bytes of it wait in
+    /// the socket. An honest connector greets as soon as it is connected; one that said nothing
+    /// is the one to shed first when handshakes must make room.
+    pub fn heard_from(&self) -> bool {
+        if self.progress.heard.load(Ordering::Acquire) {
+            return true;
+        }
+        let mut byte = [0u8; 1];
+        // A peek that does not wait: bytes waiting (or the end: it hung up, so it goes anyway).
+        matches!(
+            rustix::net::recv(&self.stream, &mut byte, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT),
+            Ok((1, _))
+        )
+    }
+
+    /// Ends the handshake: it fails with [`Error::HandshakeShed`], and a connector that already
+    /// has the listener's greeting is told so (in place of the listener's answer: it tries
+    /// again, see [`TcpLink::connect`]); one that has not sees a hang-up in the greeting. Only
+    /// the reading direction is shut here, so that the handshake's thread can still say so.
+    /// Nothing if it is over already.
     pub fn abort(&self) {
-        self.aborted.store(true, Ordering::Release);
-        let _ = self.stream.shutdown(Shutdown::Both);
+        self.progress.aborted.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(Shutdown::Read);
     }
 }
 
@@ -579,16 +639,44 @@ enum Broken {
 
 impl TcpLink {
     /// Connects to a listener at `addr` and runs the handshake; `timeout` bounds both together.
+    ///
+    /// A listener under load (a burst of connectors) sheds handshakes ([`HandshakeAbort`]): one
+    /// that says so, or hangs up during the greeting (before any secret is used), is tried
+    /// again after a short random pause that grows, up to [`HANDSHAKE_ATTEMPTS`] times in all
+    /// while `timeout` lasts; then the last attempt's error is returned
+    /// ([`Error::HandshakeShed`], [`Error::AuthFailed`]). A listener that hangs up after our
+    /// answer is not tried again: that is how a wrong secret reads.
     pub fn connect(addr: impl ToSocketAddrs, secret: &Secret, timeout: Duration) -> Result<TcpLink> {
         let deadline = deadline(timeout);
+        let peers: Vec<SocketAddr> =
+            addr.to_socket_addrs().map_err(|e| Error::os("resolving a TCP address", e))?.collect();
+        let mut attempt = 1;
+        loop {
+            match TcpLink::connect_once(&peers, secret, deadline, timeout) {
+                Err(error) if cut_short(&error) && attempt < HANDSHAKE_ATTEMPTS => {
+                    let pause = retry_pause(attempt);
+                    if remaining(Some(deadline)).ok().flatten().is_none_or(|left| left <= pause) {
+                        return Err(error);
+                    }
+                    tracing::debug!(%error, attempt, "the listener cut the handshake short; trying again");
+                    std::thread::sleep(pause);
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    /// One connection and handshake, to the first of `peers` that takes the connection.
+    fn connect_once(peers: &[SocketAddr], secret: &Secret, deadline: Instant, timeout: Duration) -> Result<TcpLink> {
         let mut last_error = std::io::Error::new(ErrorKind::NotFound, "the address resolved to nothing");
-        for peer in addr.to_socket_addrs().map_err(|e| Error::os("resolving a TCP address", e))? {
+        for &peer in peers {
             let Ok(Some(left)) = remaining(Some(deadline)) else {
                 last_error = std::io::Error::new(ErrorKind::TimedOut, "no listener answered in time");
                 break;
             };
             match TcpStream::connect_timeout(&peer, left) {
-                Ok(stream) => return handshake(stream, peer, Side::Connector, secret, deadline, timeout),
+                Ok(stream) => return handshake(stream, peer, Side::Connector, secret, deadline, timeout, None),
                 Err(e) => last_error = e,
             }
         }
@@ -1127,17 +1215,34 @@ fn handshake(
     secret: &Secret,
     deadline: Instant,
     timeout: Duration,
+    listening: Option<&Progress>,
 ) -> Result<TcpLink> {
+    let began = Instant::now();
     stream.set_nodelay(true).map_err(|e| Error::os("TCP_NODELAY", e))?;
     let refused = |why| Error::AuthFailed { peer, why };
-    let stopped = |stop, hung_up| match stop {
-        Stop::Timeout => Error::HandshakeTimeout { peer, timeout },
-        Stop::Gone => refused(hung_up),
-        Stop::Os(e) => Error::os("the TCP handshake", e),
+    let aborted = || listening.is_some_and(|progress| progress.aborted.load(Ordering::Acquire));
+    if aborted() {
+        // Shed before it started: the connector sees a hang-up in the greeting. (The abort
+        // handle's copy of the socket may still be open: close for both.)
+        let _ = stream.shutdown(Shutdown::Both);
+        return Err(refused(HUNG_UP_IN_GREETING));
+    }
+    let stopped = |stop, hung_up| {
+        if aborted() {
+            // Shed (the reading direction was shut): the connector, which has our greeting,
+            // reads this in place of our answer. Without waiting: a full socket gets nothing.
+            let _ = stream.set_nonblocking(true);
+            let _ = (&stream).write(SHED_ANSWER);
+            let _ = stream.shutdown(Shutdown::Both);
+        }
+        match stop {
+            Stop::Timeout => Error::HandshakeTimeout { peer, timeout },
+            Stop::Gone => refused(hung_up),
+            Stop::Os(e) => Error::os("the TCP handshake", e),
+        }
     };
     // No secret is used before the answers: a hang-up there is not a secret's fault.
-    const HUNG_UP: &str = "it hung up during the greeting, before any secret was used (a listener shedding \
-                           handshakes under load, a connector that gave up, or another protocol)";
+    const HUNG_UP: &str = HUNG_UP_IN_GREETING;
     let deadline = Some(deadline);
 
     let mut own = [0u8; NONCE_LEN];
@@ -1147,6 +1252,9 @@ fn handshake(
 
     let mut theirs = [0u8; HELLO_LEN];
     read_exact_by(&stream, &mut theirs, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+    if let Some(progress) = listening {
+        progress.heard.store(true, Ordering::Release);
+    }
     if &theirs[..TAG.len()] != TAG {
         return Err(refused("its greeting is not tq-auth-v1 (another protocol, or garbage)"));
     }
@@ -1172,13 +1280,10 @@ fn handshake(
     match side {
         Side::Connector => {
             write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
-            read_exact_by(&stream, &mut answer, deadline).map_err(|stop| {
-                stopped(
-                    stop,
-                    "the listener hung up instead of answering: it refused our answer (do both sides hold \
-                     the same TQ_SECRET?), or dropped the handshake under load",
-                )
-            })?;
+            read_exact_by(&stream, &mut answer, deadline).map_err(|stop| stopped(stop, NO_ANSWER))?;
+            if answer == *SHED_ANSWER {
+                return Err(Error::HandshakeShed { peer, waited: began.elapsed(), why: SHED_BY_LISTENER });
+            }
             check(&answer)?;
         }
         Side::Listener => {

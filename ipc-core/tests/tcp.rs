@@ -418,6 +418,55 @@ fn messages_that_follow_a_run_in_its_write_arrive_after_it() {
     assert_eq!(buf, b"next", "nothing of the refused run went");
 }
 
+/// A handshake the listener sheds (under load) is tried again by the connector, which gets in
+/// on its next attempt: shed once it has the listener's greeting (it is told, in place of the
+/// answer), and shed before the listener even started (it sees a hang-up in the greeting).
+#[test]
+fn a_connector_whose_handshake_is_shed_tries_again_and_gets_in() {
+    for shed_before_start in [false, true] {
+        let listener = listener();
+        let addr = listener.local_addr().unwrap();
+        let connector = std::thread::spawn(move || TcpLink::connect(addr, &secret(KEY), PATIENCE));
+        let first = listener.accept_unverified(Some(PATIENCE)).unwrap();
+        let abort = first.abort_handle().unwrap();
+        let shed = if shed_before_start {
+            abort.abort();
+            first.verify(&secret(KEY)).map(|_| ())
+        } else {
+            let verifying = std::thread::spawn(move || first.verify(&secret(KEY)).map(|_| ()));
+            let deadline = std::time::Instant::now() + PATIENCE;
+            while !abort.heard_from() {
+                assert!(std::time::Instant::now() < deadline, "the connector never greeted");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            abort.abort();
+            verifying.join().unwrap()
+        };
+        assert!(matches!(shed, Err(Error::HandshakeShed { .. })), "{shed:?}");
+        let second = listener.accept_unverified(Some(PATIENCE)).unwrap().verify(&secret(KEY));
+        let (ours, theirs) = (second.unwrap(), connector.join().unwrap().unwrap());
+        theirs.send(b"in").unwrap();
+        let mut buf = Vec::new();
+        ours.recv(&mut buf, Some(PATIENCE)).unwrap();
+        assert_eq!(buf, b"in");
+    }
+}
+
+/// A wrong secret is not tried again: the listener's hang-up after the connector's answer is
+/// what a wrong secret looks like, and the listener sees one refusal.
+#[test]
+fn a_wrong_secret_is_refused_after_one_attempt() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let connector =
+        std::thread::spawn(move || TcpLink::connect(addr, &secret(b"a-different-secret-entirely-0000"), PATIENCE));
+    let refused = listener.accept(Some(PATIENCE), &secret(KEY));
+    assert!(matches!(refused, Err(Error::AuthFailed { .. })), "{refused:?}");
+    assert!(matches!(connector.join().unwrap(), Err(Error::AuthFailed { .. })));
+    let again = listener.accept(Some(Duration::from_millis(300)), &secret(KEY));
+    assert!(matches!(&again, Err(Error::Os { .. })), "no second attempt came: {again:?}");
+}
+
 /// An empty run is a header alone; a run of a piece outside its memory is refused before a byte
 /// goes; a link that only reads messages reports a run as `BulkAhead` instead of waiting.
 #[test]

@@ -2034,3 +2034,36 @@ fn inline_bytes_for_a_gpu_the_receiver_lacks_are_refused_alone() {
     assert_eq!(delivered[0].tensors[0].to_bytes().unwrap(), mine, "its own bytes");
     drop(link);
 }
+
+/// Outside round 7's B2: a hundred honest senders of one host connecting at once (a pool of
+/// workers starting together) all get in, though the receiver sheds handshakes beyond 16 at
+/// once from one address: a shed connector is told so, or sees a hang-up in the greeting, and
+/// tries again. Before, a quarter of them failed with `AuthFailed`, which blames the secret.
+#[test]
+fn a_hundred_senders_connecting_at_once_all_get_in() {
+    let (mut receiver, endpoint) = bind::<u64>(8);
+    let start = Arc::new(std::sync::Barrier::new(100));
+    let senders: Vec<_> = (0..100u64)
+        .map(|i| {
+            let (start, endpoint) = (start.clone(), endpoint.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let sender = Sender::<u64>::builder()
+                    .secret(secret_of(KEY))
+                    .timeout(Duration::from_secs(60))
+                    .connect(endpoint.as_str())?;
+                sender.send(&i)?;
+                sender.wait_released(Duration::from_secs(60));
+                Ok::<_, Error>(())
+            })
+        })
+        .collect();
+    let mut got = std::collections::BTreeSet::new();
+    while got.len() < 100 {
+        got.insert(receiver.recv_timeout(Duration::from_secs(60)).expect("a message from every sender"));
+    }
+    for sender in senders {
+        sender.join().unwrap().expect("every sender got in and sent");
+    }
+    assert_eq!(got, (0..100).collect());
+}

@@ -6,9 +6,11 @@
 //! connector that says nothing, or the wrong thing, delays no other. At most
 //! [`MAX_HANDSHAKES_PER_SOURCE`] run at once for one address and [`MAX_HANDSHAKES`] in all; a new
 //! connection beyond either bound makes room by dropping the oldest handshake under way (of its
-//! address, or of all), which is reported (`ipc_core::Error::HandshakeShed`, in `take_errors`).
-//! So silent connections cannot keep an honest sender out: its handshake takes a round trip,
-//! theirs never end, so theirs are the oldest; and one address cannot take more than its share.
+//! address, or of all) that has said nothing yet, else the oldest, which is reported
+//! (`ipc_core::Error::HandshakeShed`, in `take_errors`). So silent connections cannot keep an
+//! honest sender out: it greets at once and its handshake takes a round trip, while theirs never
+//! end and they say nothing; one address cannot take more than its share; and an honest sender
+//! shed in a burst of others tries again (`ipc_core::tcp::TcpLink::connect`).
 
 use std::io::ErrorKind;
 use std::net::SocketAddr;
@@ -95,10 +97,14 @@ impl Handshakes {
         let source = abort.peer_addr().ip();
         let same: Vec<usize> =
             (0..self.running.len()).filter(|&i| self.running[i].1.peer_addr().ip() == source).collect();
+        // Among those over the bound, the oldest that said nothing yet; else the oldest.
+        let victim = |among: Vec<usize>| {
+            among.iter().copied().find(|&i| !self.running[i].1.heard_from()).or(among.first().copied())
+        };
         let oldest = if same.len() >= MAX_HANDSHAKES_PER_SOURCE {
-            same.first().copied()
+            victim(same)
         } else if self.running.len() >= MAX_HANDSHAKES {
-            Some(0)
+            victim((0..self.running.len()).collect())
         } else {
             None
         };
