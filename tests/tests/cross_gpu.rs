@@ -42,6 +42,8 @@ fn main() {
         CrossTest { name: "seed_without_ordering_fails_over_peer_map", gpus: 2, run: seed_unordered_peer_map },
         CrossTest { name: "seed_without_ordering_fails_over_staged", gpus: 2, run: seed_unordered_staged },
         CrossTest { name: "sender_killed_mid_staged_1gib_transfer", gpus: 2, run: killed_mid_staged },
+        CrossTest { name: "sender_killed_before_its_peer_copy_ran", gpus: 2, run: killed_mid_peer_copy },
+        CrossTest { name: "sender_killed_before_its_peer_mapped_tensor_was_done", gpus: 2, run: killed_mid_peer_map },
         CrossTest { name: "differing_visible_devices_land_by_uuid", gpus: 2, run: differing_visible_devices },
         CrossTest { name: "zero_copy_receiver_refuses_peer_copy", gpus: 2, run: zero_copy_refuses_peer_copy },
         CrossTest { name: "no_staging_receiver_refuses_staged", gpus: 2, run: no_staging_refuses_staged },
@@ -680,6 +682,43 @@ fn killed_mid_staged(g: &Gpus) -> Result<()> {
     let mem = consumer.expect("mem ", Duration::from_secs(30))?;
     ensure!(mem.starts_with("mem ok"), "after the next sender: {mem}");
     consumer.finish(Duration::from_secs(30))
+}
+
+/// A producer killed while the fill of its 1 GiB tensor still spins, the message sent with
+/// `send_on` to a receiver landing on GPU 1 by `route`: the receiver must say within a bound that
+/// the message is lost (or, if the driver ran the queued work anyway, deliver the right bytes),
+/// never hang on the word the dead producer's stream was to write, and then serve the next
+/// sender with its memory back at its baseline.
+fn killed_before_peer_route(g: &Gpus, name: &str, options: &[String], route: Route, expect: &Expect<'_>) -> Result<()> {
+    let (mut consumer, path) = consumer(name, options, None, &[])?;
+    let options = [on_gpu(g.uuid(0)), strings(&["--len", &(1u64 << 30).to_string(), "--spin-ms", "4000"])].concat();
+    let mut doomed = producer("doomed", "spin-big", &path, &options, None, &[])?;
+    let (said_route, _) = route_line(&mut doomed)?;
+    ensure!(said_route == format!("{route:?}"), "Sender::route said {said_route}, expected {route:?}");
+    doomed.expect("sent 0 0", Duration::from_secs(60))?;
+    std::thread::sleep(Duration::from_millis(500)); // the fill still spins; the copy or signal comes after it
+    let killed_at = Instant::now();
+    doomed.kill()?;
+    let outcome = killed_producer_outcome(&mut consumer, killed_at, None)?;
+    println!("{name}: the receiver reported the message {:?} after the kill: {}", killed_at.elapsed(), short(&outcome));
+    recovers(&mut consumer, &path, g, None, expect)?;
+    consumer.finish(Duration::from_secs(30))
+}
+
+/// Over PeerCopy the receiver waits on a word of GPU 1 that the producer's own stream writes
+/// after the copy: the killed producer never writes it, the receiver's rescue does.
+fn killed_mid_peer_copy(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let expect = Expect { path: "PeerCopied", device: gpu1.clone(), stream_device: gpu1.clone() };
+    killed_before_peer_route(g, "killed-peer-copy", &strings(&["--land", &gpu1]), Route::PeerCopy, &expect)
+}
+
+/// Over PeerMap the receiver's GPU 1 stream waits on the producer's word on GPU 0 over the link.
+fn killed_mid_peer_map(g: &Gpus) -> Result<()> {
+    let (gpu0, gpu1) = (g.uuid(0).to_string(), g.uuid(1).to_string());
+    let expect = Expect { path: "PeerMapped", device: gpu0, stream_device: gpu1.clone() };
+    let options = strings(&["--land", &gpu1, "--peer", "map"]);
+    killed_before_peer_route(g, "killed-peer-map", &options, Route::PeerMap, &expect)
 }
 
 // ---------------------------------------------------------------- 4. differing visible devices
