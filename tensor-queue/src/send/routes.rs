@@ -34,17 +34,21 @@ pub(crate) struct Prepared<'a> {
     pub copied: CopySources<'a>,
 }
 
-/// The sources of a message's copies, by the stream the copies are queued on. Held from before
-/// the first copy is queued; when dropped, an event is recorded on each stream and the sources
-/// go to the arenas' thread until it completes. Dropped with the [`Prepared`] message, so that
-/// making and recording the event and waking that thread come after the message's frame is
-/// written, not between the copies and the receiver.
+/// The sources and destinations of a message's copies, by the stream the copies are queued on.
+/// Held from before the first copy is queued; when dropped, an event is recorded on each stream
+/// and they go to the arenas' thread until it completes. Dropped with the [`Prepared`] message,
+/// so that making and recording the event and waking that thread come after the message's frame
+/// is written, not between the copies and the receiver. The destinations are held too, because
+/// the receiver's lease is not enough: a receiver that dies at once gives its leases back at the
+/// hang-up, maybe before the copy ran (the producer's stream busy), and memory a copy still
+/// writes must not go to another message.
 pub(crate) struct CopySources<'a>(Vec<(CopyStream<'a>, Vec<Arc<Storage>>)>);
 
 impl<'a> CopySources<'a> {
-    /// Holds `sources`, read by copies about to be queued on `stream`; the stream to queue them on.
-    fn hold(&mut self, stream: CopyStream<'a>, sources: Vec<Arc<Storage>>) -> &Stream {
-        let at = match self.0.iter().position(|(s, _)| s.raw() == stream.raw()) {
+    /// Holds `sources`, read by copies about to be queued on `stream`; where the stream is kept
+    /// (see [`CopySources::stream`], [`CopySources::also`]).
+    fn hold(&mut self, stream: CopyStream<'a>, sources: Vec<Arc<Storage>>) -> usize {
+        match self.0.iter().position(|(s, _)| s.raw() == stream.raw()) {
             Some(at) => {
                 self.0[at].1.extend(sources);
                 at
@@ -53,8 +57,17 @@ impl<'a> CopySources<'a> {
                 self.0.push((stream, sources));
                 self.0.len() - 1
             }
-        };
+        }
+    }
+
+    /// The stream held at `at`, to queue the copies on.
+    fn stream(&self, at: usize) -> &Stream {
         &self.0[at].0
+    }
+
+    /// Holds `more` (the copies' destinations) with what is held at `at`.
+    fn also(&mut self, at: usize, more: Vec<Arc<Storage>>) {
+        self.0[at].1.extend(more);
     }
 }
 
@@ -163,7 +176,9 @@ pub(crate) fn prepare<'a>(
         let spans = spans(tensors, &members)?;
         // The sources stay until the copies queued on the stream are done (see `CopySources`).
         let sources = members.iter().map(|&i| tensors[i].storage.clone()).collect();
-        let stream = prepared.copied.hold(stream_after(stream, memory.context())?, sources);
+        let at = prepared.copied.hold(stream_after(stream, memory.context())?, sources);
+        let stream = prepared.copied.stream(at);
+        let mut destinations = Vec::with_capacity(spans.len());
         for span in spans {
             let (storage, signal) = match route {
                 Route::PeerCopy => {
@@ -186,8 +201,10 @@ pub(crate) fn prepare<'a>(
             }
             prepared.chunks.push(signal.chunk.clone());
             prepared.chunks.push(storage.chunk.clone());
+            destinations.push(storage.clone());
             prepared.leases.push(storage);
         }
+        prepared.copied.also(at, destinations);
     }
     if let Some(index) = prepared.table.unrouted_tensor() {
         return Err(Error::internal(format_args!("tensor {index} was not routed")));
