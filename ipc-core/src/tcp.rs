@@ -55,7 +55,7 @@
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -451,10 +451,22 @@ pub struct Unverified {
 /// How far a listener's handshake got, for [`HandshakeAbort`].
 #[derive(Debug, Default)]
 struct Progress {
-    /// [`HandshakeAbort::abort`] dropped it.
-    aborted: AtomicBool,
+    /// [`RUNNING`], [`SHED_STAGE`] or [`ANSWERED`]: whichever of the abort and the listener's answer
+    /// comes first wins, so that a handshake is never shed after the connector was told it is in.
+    stage: AtomicU8,
     /// The connector's greeting was read ([`HandshakeAbort::heard_from`]).
     heard: AtomicBool,
+}
+
+/// [`Progress::stage`] values (`SHED_STAGE`: shed).
+const RUNNING: u8 = 0;
+const SHED_STAGE: u8 = 1;
+const ANSWERED: u8 = 2;
+
+impl Progress {
+    fn shed(&self) -> bool {
+        self.stage.load(Ordering::Acquire) == SHED_STAGE
+    }
 }
 
 impl Unverified {
@@ -486,7 +498,7 @@ impl Unverified {
     pub fn verify(self, secret: &Secret) -> Result<TcpLink> {
         let Unverified { stream, peer, timeout, started, progress } = self;
         handshake(stream, peer, Side::Listener, secret, started + bounded(timeout), timeout, Some(&progress))
-            .map_err(|error| match progress.aborted.load(Ordering::Acquire) {
+            .map_err(|error| match progress.shed() {
                 true => Error::HandshakeShed { peer, waited: started.elapsed(), why: SHED },
                 false => error,
             })
@@ -571,10 +583,15 @@ impl HandshakeAbort {
     /// has the listener's greeting is told so (in place of the listener's answer: it tries
     /// again, see [`TcpLink::connect`]); one that has not sees a hang-up in the greeting. Only
     /// the reading direction is shut here, so that the handshake's thread can still say so.
-    /// Nothing if it is over already.
-    pub fn abort(&self) {
-        self.progress.aborted.store(true, Ordering::Release);
+    /// Nothing (`false`) once the listener has answered: the connector is in, and the link is
+    /// its.
+    pub fn abort(&self) -> bool {
+        let stage = &self.progress.stage;
+        if stage.compare_exchange(RUNNING, SHED_STAGE, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return false;
+        }
         let _ = self.stream.shutdown(Shutdown::Read);
+        true
     }
 }
 
@@ -1220,7 +1237,7 @@ fn handshake(
     let began = Instant::now();
     stream.set_nodelay(true).map_err(|e| Error::os("TCP_NODELAY", e))?;
     let refused = |why| Error::AuthFailed { peer, why };
-    let aborted = || listening.is_some_and(|progress| progress.aborted.load(Ordering::Acquire));
+    let aborted = || listening.is_some_and(Progress::shed);
     if aborted() {
         // Shed before it started: the connector sees a hang-up in the greeting. (The abort
         // handle's copy of the socket may still be open: close for both.)
@@ -1290,6 +1307,13 @@ fn handshake(
             read_exact_by(&stream, &mut answer, deadline)
                 .map_err(|stop| stopped(stop, "it hung up instead of answering our challenge"))?;
             check(&answer)?;
+            // Answered, unless shed first: then the connector is told so instead (`stopped`),
+            // never let in and then cut off.
+            if let Some(progress) = listening
+                && progress.stage.compare_exchange(RUNNING, ANSWERED, Ordering::AcqRel, Ordering::Acquire).is_err()
+            {
+                return Err(stopped(Stop::Gone, HUNG_UP));
+            }
             write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
         }
     }

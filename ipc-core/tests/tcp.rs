@@ -430,7 +430,7 @@ fn a_connector_whose_handshake_is_shed_tries_again_and_gets_in() {
         let first = listener.accept_unverified(Some(PATIENCE)).unwrap();
         let abort = first.abort_handle().unwrap();
         let shed = if shed_before_start {
-            abort.abort();
+            assert!(abort.abort(), "shed while under way");
             first.verify(&secret(KEY)).map(|_| ())
         } else {
             let verifying = std::thread::spawn(move || first.verify(&secret(KEY)).map(|_| ()));
@@ -439,7 +439,7 @@ fn a_connector_whose_handshake_is_shed_tries_again_and_gets_in() {
                 assert!(std::time::Instant::now() < deadline, "the connector never greeted");
                 std::thread::sleep(Duration::from_millis(1));
             }
-            abort.abort();
+            assert!(abort.abort(), "shed while under way");
             verifying.join().unwrap()
         };
         assert!(matches!(shed, Err(Error::HandshakeShed { .. })), "{shed:?}");

@@ -110,8 +110,9 @@ impl Handshakes {
         };
         if let Some(at) = oldest {
             let (_, dropped) = self.running.remove(at);
-            tracing::warn!(peer = %dropped.peer_addr(), "too many handshakes at once; dropped the oldest");
-            dropped.abort();
+            if dropped.abort() {
+                tracing::warn!(peer = %dropped.peer_addr(), "too many handshakes at once; shed one");
+            }
         }
         self.next += 1;
         self.running.push((self.next, abort));
