@@ -14,9 +14,10 @@ pub const KEY: &str = "outside-round7-secret-0123456789abcdef-tcp";
 pub const SIZES: [usize; 8] = [0, 1, 13, 4096, 65_539, 1 << 20, (4 << 20) + 7, 64 << 20];
 
 /// The payload length of message `index` of `sender` in a stream whose largest size is
-/// `SIZES[top]`: a pseudo-random pick, plus the largest at index 3 so every stream has one.
+/// `SIZES[top]`: a pseudo-random pick, but the largest at every index `3 (mod 1000)`, so that
+/// every stream of 4 or more has one.
 pub fn len_of(sender: u32, index: u64, top: usize) -> usize {
-    if index == 3 {
+    if index % 1000 == 3 {
         return SIZES[top];
     }
     let pick = mix(u64::from(sender) << 32 ^ index) % (top as u64 + 1);

@@ -135,6 +135,27 @@ fn main() -> Result<()> {
             say("done");
             wait_for_stdin_to_close();
         }
+        // `exchange ENDPOINT`: binds a TCP receiver (capacity 4), says "port P", connects to
+        // ENDPOINT and sends it three 64 MiB messages (sender 2, indices 3, 1003, 2003) before receiving
+        // anything, says "sent 3", then receives three messages and says "got SENDER INDEX" or
+        // "bad WHY" for each; waits for stdin.
+        "exchange" => {
+            let mut receiver = Receiver::<Msg>::builder().capacity(4).bind("tcp://127.0.0.1:0")?;
+            say(&format!("port {}", receiver.local_addr().context("no address")?.port()));
+            let sender = connect::<Msg>(&args[1])?;
+            for i in [3, 1003, 2003] {
+                sender.send(&message(2, i, 7))?;
+            }
+            say("sent 3");
+            for _ in 0..3 {
+                let msg = receiver.recv()?;
+                match check(&msg, 7) {
+                    Ok(()) => say(&format!("got {} {}", msg.0, msg.1)),
+                    Err(why) => say(&format!("bad {why}")),
+                }
+            }
+            wait_for_stdin_to_close();
+        }
         // `connect ENDPOINT`: one `connect` (no retry); says "connected" or "error DEBUG".
         "connect" => {
             match Sender::<Msg>::builder().timeout(Duration::from_secs(30)).connect(&args[1]) {
