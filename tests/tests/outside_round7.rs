@@ -861,3 +861,139 @@ fn two_processes_each_sending_64_mib_messages_to_the_other_before_receiving_do_n
     assert!(tx.wait_written(LONG));
     assert!(peer.finish().success());
 }
+
+// ---------------------------------------------------------------------------------------------
+// 9. A sender that stalls mid-message (SIGSTOP), and a broadcast across hosts with a receiver
+// killed.
+
+/// What a receiving thread saw: a message `(sender, index, whether its bytes were right)`, or
+/// errors from `take_errors`.
+#[derive(Debug)]
+enum Seen {
+    Msg(u32, u64, bool),
+    Errors(Vec<String>),
+}
+
+#[test]
+fn a_sender_stopped_mid_256_mib_holds_up_no_other_sender_and_finishes_when_resumed() {
+    let (rx, endpoint) = tcp_receiver(8);
+    let len = 256usize << 20;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (seen_tx, seen) = mpsc::channel::<Seen>();
+    let reader = thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let mut rx = rx;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(msg) => {
+                        let right = if msg.0 == 77 {
+                            msg.2.len() == 1 && msg.2[0].to_bytes().unwrap() == bytes(77, 0, len)
+                        } else {
+                            check(&msg, 6).is_ok()
+                        };
+                        let _ = seen_tx.send(Seen::Msg(msg.0, msg.1, right));
+                    }
+                    Err(Error::Timeout) => {}
+                    Err(e) => panic!("recv: {e:?}"),
+                }
+                let errors = rx.take_errors();
+                if !errors.is_empty() {
+                    let _ = seen_tx.send(Seen::Errors(errors.iter().map(|e| format!("{e:?}")).collect()));
+                }
+            }
+            rx
+        }
+    });
+    let mut big = Peer::start(&["big", &endpoint, &len.to_string()]);
+    assert_eq!(big.line(), "sending");
+    let start = big.io("wchar");
+    big.wait_io("wchar", start, 32 << 20);
+    big.signal(rustix::process::Signal::STOP);
+    // While it is stopped mid-message, two senders of this process stream up to 4 MiB each.
+    let streams: Vec<_> = (0..2u32)
+        .map(|id| {
+            let tx = tcp_sender(&endpoint);
+            thread::spawn(move || {
+                for i in 0..10 {
+                    tx.send_timeout(&message(id, i, 6), LONG).unwrap();
+                }
+                assert!(tx.wait_written(LONG));
+                tx
+            })
+        })
+        .collect();
+    let mut next = [0u64; 2];
+    let mut early_errors = Vec::new();
+    while next != [10, 10] {
+        match seen.recv_timeout(LONG).expect("the other senders' messages stopped coming") {
+            Seen::Msg(77, _, _) => panic!("the stopped sender's message arrived while it was stopped"),
+            Seen::Msg(s, i, right) => {
+                assert!(right, "sender {s} message {i}: wrong bytes");
+                assert_eq!(i, next[s as usize], "sender {s}: order");
+                next[s as usize] += 1;
+            }
+            Seen::Errors(errors) => early_errors.extend(errors),
+        }
+    }
+    let _streams: Vec<_> = streams.into_iter().map(|h| h.join().unwrap()).collect();
+    // The others were not held up behind the unfinished message (which is given up only after
+    // `UNFINISHED_IDLE`, 30 s, of silence): it is still pending, and finishes once resumed.
+    assert!(early_errors.is_empty(), "errors while a sender was merely stopped: {early_errors:?}");
+    big.signal(rustix::process::Signal::CONT);
+    match seen.recv_timeout(LONG).expect("the resumed sender's message never arrived") {
+        Seen::Msg(77, 0, right) => assert!(right, "the resumed sender's 256 MiB arrived altered"),
+        other => panic!("after resuming: {other:?}"),
+    }
+    assert_eq!(big.until_prefix("written "), "true");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _rx = reader.join().unwrap();
+    assert!(big.finish().success());
+}
+
+#[test]
+fn a_broadcast_to_unix_and_tcp_receivers_with_one_killed_mid_message_reaches_the_others_exact() {
+    let path = integration_tests::socket_path("o7-bcast");
+    let mut local = Receiver::<Msg>::builder().capacity(4).bind(&path).unwrap();
+    let (mut remote, endpoint) = tcp_receiver(4);
+    let mut doomed = Peer::start(&["recv", "4", "1000000", "7"]);
+    let doomed_endpoint = format!("tcp://127.0.0.1:{}", doomed.until_prefix("port "));
+    let senders = vec![Sender::<Msg>::connect(&path).unwrap(), tcp_sender(&endpoint), tcp_sender(&doomed_endpoint)];
+    let all = tensor_queue::Broadcast::new(senders);
+    let count = 8u64;
+    let rss = doomed.io("VmRSS");
+    let sending = thread::spawn(move || {
+        (0..count).map(|i| all.send_timeout(&message(90, i, 7), LONG).map_err(|e| format!("{e:?}"))).collect::<Vec<_>>()
+    });
+    // The doomed receiver dies while the 64 MiB message (index 3) comes in.
+    let mut readers = [("unix", &mut local), ("tcp", &mut remote)];
+    let mut got = [0u64; 2];
+    let mut killed = false;
+    // Read both in turn (each holds at most its capacity), killing the third mid-way.
+    while got != [count, count] {
+        for (k, (name, rx)) in readers.iter_mut().enumerate() {
+            if got[k] == count {
+                continue;
+            }
+            if let Ok(msg) = rx.recv_timeout(Duration::from_millis(50)) {
+                assert_eq!((msg.0, msg.1), (90, got[k]), "{name}: order");
+                check(&msg, 7).unwrap_or_else(|why| panic!("{name}: {why}"));
+                got[k] += 1;
+            }
+        }
+        if !killed && (doomed.io("VmRSS") > rss + (16 << 20) || got.iter().any(|&g| g > 4)) {
+            doomed.kill();
+            killed = true;
+        }
+    }
+    let results = within(LONG, "the broadcast's sends", move || sending.join().unwrap());
+    assert!(killed);
+    for (i, r) in results.iter().enumerate() {
+        assert!(r.as_ref().err().is_none_or(|e| e == "Disconnected"), "broadcast send {i}: {r:?}");
+    }
+    assert_eq!(
+        results.last().unwrap().as_ref().err().map(String::as_str),
+        Some("Disconnected"),
+        "the last send, after the kill: {results:?}"
+    );
+}
