@@ -584,3 +584,25 @@ def test_tcp_a_hundred_threads_connecting_at_once_all_get_in(secret_env):
                 within(60, "close()", s.close)
     finally:
         r.close()
+
+
+def test_tcp_arrays_held_after_the_receiver_is_closed_stay_exact(secret_env):
+    r = bind(8)
+    p = program(SENDER, r.address, 100, 2, 30, 6, "wait")
+    try:
+        held = within(300, "receiving 60 messages", lambda: [r.recv(timeout=120) for _ in range(60)])
+        until(p, "closed")
+        r.close()  # README: arrays already received stay valid
+        junk = [np.full(4 << 20, k, dtype=np.uint8) for k in range(32)]
+        time.sleep(2.5)  # past the arena's idle trim (a second)
+        nxt = {}
+        for m in held:
+            assert m["i"] == nxt.get(m["s"], 0)
+            nxt[m["s"]] = m["i"] + 1
+            assert problem(m, 6) is None, "an array held past close() changed"
+        assert nxt == {100: 30, 101: 30}
+        del junk
+        with pytest.raises(tq.Closed):
+            r.recv(timeout=1)
+    finally:
+        end(p)
