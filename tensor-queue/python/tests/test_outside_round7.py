@@ -606,3 +606,29 @@ def test_tcp_arrays_held_after_the_receiver_is_closed_stay_exact(secret_env):
             r.recv(timeout=1)
     finally:
         end(p)
+
+
+def test_tcp_recv_with_info_tells_apart_senders_of_one_process_and_counts_each(secret_env):
+    r = bind(8)
+    try:
+        a = tq.Sender.connect(r.address, timeout=60)
+        b = tq.Sender.connect(r.address, timeout=60)
+        for i in range(6):
+            (a if i % 2 == 0 else b).send(message(i % 2, i // 2, 5), timeout=60)
+        infos = {}
+        for _ in range(6):
+            m, info = r.recv_with_info(timeout=60)
+            assert problem(m, 5) is None
+            infos.setdefault(m["s"], []).append((m["i"], info))
+        assert set(infos) == {0, 1}
+        conns = {s: {info["connection"] for _, info in v} for s, v in infos.items()}
+        assert all(len(c) == 1 for c in conns.values()), conns
+        assert conns[0] != conns[1], "two senders of one process share a connection id"
+        for s, v in infos.items():
+            assert [i for i, _ in v] == [0, 1, 2]
+            seqs = [info["seq"] for _, info in v]
+            assert seqs == sorted(seqs) and len(set(seqs)) == 3, f"sender {s}: seq {seqs}"
+        a.close()
+        b.close()
+    finally:
+        r.close()
