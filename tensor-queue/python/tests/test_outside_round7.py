@@ -333,7 +333,7 @@ def test_tcp_sender_program_sigkilled_after_sending_delivers_whole_prefixes(secr
     def work():
         while True:
             try:
-                m = r.recv(timeout=120)
+                m = r.recv()  # no timeout: the sender's death must end it (bounded by join below)
             except tq.Disconnected:
                 return "end"
             except BaseException as e:
@@ -553,11 +553,11 @@ def test_tcp_one_sender_shared_by_eight_threads_keeps_each_threads_order_exact(s
     reason="BUG (outside7 B2): honest senders connecting at once shed one another's handshakes; "
     "connect raises PeerRefused ('do both sides hold the same TQ_SECRET?') within its 60 s timeout",
 )
-def test_tcp_a_hundred_threads_connecting_at_once_all_get_in(secret_env):
+def test_tcp_hundreds_of_threads_connecting_at_once_all_get_in(secret_env):
     r = bind(8)
     try:
         for burst in range(3):
-            n = 100
+            n = 300
             barrier = threading.Barrier(n)
             results = {}
 
