@@ -1065,3 +1065,28 @@ fn a_queue_of_one_under_eight_connections_of_mixed_sizes_loses_and_repeats_nothi
     assert!(matches!(rx.recv_timeout(LONG), Err(Error::Disconnected)));
     assert!(!reports_unfinished(&rx.take_errors()));
 }
+
+// ---------------------------------------------------------------------------------------------
+// 11. Past the TCP message limit.
+
+#[test]
+fn a_message_of_more_than_4_gib_of_host_tensors_is_refused_typed_and_the_channel_goes_on() {
+    let rx = Receiver::<Vec<Tensor>>::builder().capacity(4).secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
+    let tx = Sender::<Vec<Tensor>>::builder().secret(secret()).connect(&endpoint).unwrap();
+    // Four distinct 1 GiB storages (zeros: no page is touched by this test) and one byte more:
+    // README "Host tensors travel over the TCP link, at most 4 GiB a message".
+    let mut tensors: Vec<Tensor> = (0..4).map(|_| Tensor::zeros(DType::U8, &[1 << 30]).unwrap()).collect();
+    tensors.push(Tensor::from_bytes(&[7], DType::U8, &[1]).unwrap());
+    let (result, tx) = within(LONG, "sending 4 GiB + 1 byte", move || (tx.send_timeout(&tensors, LONG), tx));
+    assert!(
+        matches!(result, Err(Error::TooLarge { .. })),
+        "a message of 4 GiB + 1 byte of host tensors over TCP: {result:?}"
+    );
+    // The channel goes on.
+    let mut rx = rx;
+    tx.send(&vec![Tensor::from_bytes(&bytes(4, 4, 1000), DType::U8, &[1000]).unwrap()]).unwrap();
+    let got = rx.recv_timeout(LONG).unwrap();
+    assert_eq!(got.len(), 1, "the refused message (or part of it) arrived");
+    assert_eq!(got[0].to_bytes().unwrap(), bytes(4, 4, 1000));
+}
