@@ -1090,3 +1090,50 @@ fn a_message_of_more_than_4_gib_of_host_tensors_is_refused_typed_and_the_channel
     assert_eq!(got.len(), 1, "the refused message (or part of it) arrived");
     assert_eq!(got[0].to_bytes().unwrap(), bytes(4, 4, 1000));
 }
+
+// ---------------------------------------------------------------------------------------------
+// 12. Sizes at the edges of buffers, split across tensors; one message of a thousand pieces.
+
+#[test]
+fn sizes_at_buffer_edges_split_across_tensors_arrive_exact() {
+    let rx = Receiver::<(u64, Vec<Tensor>)>::builder().capacity(8).secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
+    let mut sizes: Vec<usize> = (0..=17).collect();
+    for edge in [1usize << 12, 1 << 16, 1 << 17, 212_992, 1 << 18, 1 << 20, 4 << 20, 16 << 20] {
+        sizes.extend([edge - 1, edge, edge + 1]);
+    }
+    // Each size whole, then split in two tensors at a point that moves, then as a thousand-way
+    // split for the largest.
+    let cases: Vec<Vec<usize>> = sizes
+        .iter()
+        .flat_map(|&n| [vec![n], vec![n / 3, n - n / 3], vec![0, n, 0]])
+        .chain(std::iter::once(vec![(64 << 20) / 1000 + 1; 1000]))
+        .collect();
+    let expected = cases.clone();
+    let sending = thread::spawn(move || {
+        let tx = Sender::<(u64, Vec<Tensor>)>::builder().secret(secret()).connect(&endpoint).unwrap();
+        for (k, parts) in cases.iter().enumerate() {
+            let tensors = parts
+                .iter()
+                .enumerate()
+                .map(|(p, &n)| Tensor::from_bytes(&bytes(p as u32, k as u64, n), DType::U8, &[n as u64]).unwrap())
+                .collect();
+            tx.send_timeout(&(k as u64, tensors), LONG).unwrap();
+        }
+        assert!(tx.wait_written(LONG));
+        tx
+    });
+    let mut rx = rx;
+    within(Duration::from_secs(300), "receiving the edge sizes", move || {
+        for (k, parts) in expected.iter().enumerate() {
+            let (index, tensors) = rx.recv_timeout(LONG).unwrap();
+            assert_eq!(index, k as u64, "order");
+            assert_eq!(tensors.len(), parts.len(), "case {k}");
+            for (p, (t, &n)) in tensors.iter().zip(parts).enumerate() {
+                assert_eq!(t.shape(), &[n as u64][..], "case {k} part {p}");
+                assert!(t.to_bytes().unwrap() == bytes(p as u32, k as u64, n), "case {k} ({parts:?}) part {p}: bytes");
+            }
+        }
+    });
+    let _tx = sending.join().unwrap();
+}
