@@ -1137,3 +1137,55 @@ fn sizes_at_buffer_edges_split_across_tensors_arrive_exact() {
     });
     let _tx = sending.join().unwrap();
 }
+
+// ---------------------------------------------------------------------------------------------
+// 13. Wake-ups over TCP: ping-pong in every way a user waits (round 6 did it over Unix sockets).
+
+/// `count` round trips between two threads over TCP, both waiting in `way` (two receivers each
+/// where the way waits on several), with random short pauses; small and 64 KiB tensors mixed.
+fn tcp_ping_pong(way: integration_tests::outside6::Way, count: u64) {
+    use integration_tests::outside6::{Rng, Waiter};
+    let ends = if way.several() { 2 } else { 1 };
+    let bind = || -> (Vec<Receiver<Msg>>, Vec<String>) {
+        (0..ends)
+            .map(|_| {
+                let (rx, endpoint) = tcp_receiver(4);
+                (rx, endpoint)
+            })
+            .unzip()
+    };
+    let (here, here_endpoints) = bind();
+    let (there, there_endpoints) = bind();
+    let ponger = thread::spawn(move || {
+        let senders: Vec<Sender<Msg>> = here_endpoints.iter().map(|e| tcp_sender(e)).collect();
+        let mut waiter = Waiter::new(way, there, 7).unwrap();
+        let mut rng = Rng::new(11);
+        for index in 0..count {
+            let ping = waiter.wait().unwrap_or_else(|e| panic!("{way:?} pong {index}: {e:?}"));
+            assert_eq!((ping.0, ping.1), (0, index), "{way:?}: the ping");
+            check(&ping, 4).unwrap_or_else(|why| panic!("{way:?}: {why}"));
+            rng.jitter();
+            senders[(index % ends as u64) as usize].send(&message(1, index, 4)).unwrap();
+        }
+    });
+    let senders: Vec<Sender<Msg>> = there_endpoints.iter().map(|e| tcp_sender(e)).collect();
+    within(Duration::from_secs(300), &format!("{count} TCP round trips waiting by {way:?}"), move || {
+        let mut waiter = Waiter::new(way, here, 5).unwrap();
+        let mut rng = Rng::new(13);
+        for index in 0..count {
+            rng.jitter();
+            senders[(index % ends as u64) as usize].send(&message(0, index, 4)).unwrap();
+            let pong = waiter.wait().unwrap_or_else(|e| panic!("{way:?} ping {index}: {e:?}"));
+            assert_eq!((pong.0, pong.1), (1, index), "{way:?}: the answer");
+            check(&pong, 4).unwrap_or_else(|why| panic!("{way:?}: {why}"));
+        }
+    });
+    ponger.join().unwrap();
+}
+
+#[test]
+fn tcp_ping_pong_in_every_way_of_waiting_loses_no_wake_up() {
+    for way in integration_tests::outside6::Way::ALL {
+        tcp_ping_pong(way, 1500);
+    }
+}
