@@ -632,3 +632,68 @@ def test_tcp_recv_with_info_tells_apart_senders_of_one_process_and_counts_each(s
         b.close()
     finally:
         r.close()
+
+
+def _wait(r, way, rng):
+    if way == "timeout":
+        while True:
+            try:
+                return r.recv(timeout=rng.random() * 2e-3)
+            except tq.Timeout:
+                pass
+    if way == "try":
+        while True:
+            for _ in range(rng.randrange(30)):
+                try:
+                    return r.try_recv()
+                except tq.Empty:
+                    pass
+            try:
+                return r.recv(timeout=1e-6 + rng.random() * 5e-4)
+            except tq.Timeout:
+                pass
+    return r.recv()
+
+
+@pytest.mark.parametrize("way", ["recv", "timeout", "try"])
+def test_tcp_ping_pong_loses_no_wake_up(secret_env, way):
+    import random
+
+    count = 1500
+    a, b = bind(4), bind(4)
+    try:
+        to_b = tq.Sender.connect(b.address, timeout=60)
+        to_a = tq.Sender.connect(a.address, timeout=60)
+        failed = []
+
+        def pong():
+            rng = random.Random(2)
+            try:
+                for i in range(count):
+                    m = _wait(b, way, rng)
+                    assert m["i"] == i and problem(m, 4) is None, f"ping {i}"
+                    if rng.random() < 0.5:
+                        time.sleep(rng.random() * 200e-6)
+                    to_a.send(message(1, i, 4))
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=pong, daemon=True)
+        t.start()
+
+        def ping():
+            rng = random.Random(1)
+            for i in range(count):
+                to_b.send(message(0, i, 4))
+                m = _wait(a, way, rng)
+                assert (m["s"], m["i"]) == (1, i) and problem(m, 4) is None, f"answer {i}"
+            return count
+
+        assert within(300, f"{count} round trips waiting by {way}", ping) == count
+        t.join(60)
+        assert not failed, failed
+        to_a.close()
+        to_b.close()
+    finally:
+        a.close()
+        b.close()
