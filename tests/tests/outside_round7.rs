@@ -591,6 +591,11 @@ fn silent_and_lying_connectors_and_a_wrong_secret_cost_honest_streams_nothing() 
     }
     let errors = rx.take_errors();
     assert!(!reports_unfinished(&errors), "an honest message was reported lost: {errors:?}");
+    // README: a peer without the secret is refused with AuthFailed and reported by take_errors.
+    assert!(
+        errors.iter().any(|e| matches!(e, Error::Core(ipc_core::Error::AuthFailed { .. }))),
+        "the impostor and the garbage are not in take_errors: {errors:?}"
+    );
     assert!(honest.finish().success());
     impostor.kill();
 }
