@@ -495,7 +495,7 @@ fn receiver_process_killed(stop: bool) {
         peer.signal(rustix::process::Signal::STOP);
         thread::sleep(Duration::from_secs(2));
     } else {
-        peer.wait_io("VmRSS", rss, 128 << 20);
+        peer.wait_io("VmRSS", rss, 32 << 20);
     }
     peer.kill();
     let results: Vec<_> = within(Duration::from_secs(200), "senders to a killed receiver", move || {
