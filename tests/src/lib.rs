@@ -1,12 +1,14 @@
 //! Shared pieces of the integration tests: starting the helper binary as a second process with a
 //! connected socket, small message encodings, and the GPU skip rule; [`queue`] holds the messages
 //! of the tensor-queue tests, [`outside_messages`] those of the outside tests of what users send
-//! ([`outside6`]: round 6's ways of waiting and many-tensor messages);
+//! ([`outside6`]: round 6's ways of waiting and many-tensor messages; [`outside7`]: round 7's
+//! mixed-size TCP streams);
 //! [`talk`] is a helper program a test talks to by lines, [`raw`] a peer that speaks the wire by
 //! hand, and [`program`] holds what those helper programs share.
 
 pub mod cross;
 pub mod outside6;
+pub mod outside7;
 pub mod outside_messages;
 pub mod program;
 pub mod queue;

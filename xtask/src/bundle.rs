@@ -38,6 +38,7 @@ const BINARIES: &[&str] = &[
     "outside-inline-peer",
     "outside5-peer",
     "outside6-peer",
+    "outside7-peer",
     "nccl-peer",
     "primitive-costs",
     "tq-bench",
