@@ -744,7 +744,6 @@ fn eight_threads_sharing_one_sender_interleave_mixed_sizes_exact_in_per_thread_o
 const AT_ONCE: u32 = 300;
 
 #[test]
-#[ignore = "BUG (outside7 B2): honest senders connecting at once shed each other's handshakes; the shed connect fails at once with AuthFailed despite its 60 s timeout"]
 fn honest_senders_connecting_at_once_all_get_in() {
     let (rx, endpoint) = tcp_receiver(8);
     let barrier = std::sync::Arc::new(std::sync::Barrier::new(AT_ONCE as usize));
