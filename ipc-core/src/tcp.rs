@@ -26,7 +26,9 @@
 //! it and only then answers with its own `HMAC-SHA256(secret, "tq-auth-v1" || "S" || server nonce
 //! || client nonce)`, which the client checks. So a listener gives an unauthenticated connector
 //! nothing computed from the secret; the role byte keeps one side's answer from being reflected
-//! as the other's.
+//! as the other's. A listener that sheds the handshake under load ([`HandshakeAbort`]) sends,
+//! in place of its answer, the 32 bytes `tq-auth-v1 shed: try again later`, which prove nothing
+//! and only make the client try again ([`TcpLink::connect`]).
 //!
 //! # Framing
 //! After the handshake each message is a `u32` little-endian length and that many bytes, at most
