@@ -510,7 +510,7 @@ impl Unverified {
     }
 }
 
-const SHED: &str = "more handshakes were under way than the listener allows, and this one was the oldest";
+const SHED: &str = "more handshakes were under way than the listener allows, and this one was shed (one that said nothing yet, else the oldest)";
 
 /// How many times [`TcpLink::connect`] runs the handshake with a listener that cuts it short.
 pub const HANDSHAKE_ATTEMPTS: u32 = 6;
