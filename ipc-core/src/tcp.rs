@@ -1260,17 +1260,17 @@ fn handshake(
             Stop::Os(e) => Error::os("the TCP handshake", e),
         }
     };
-    // No secret is used before the answers: a hang-up there is not a secret's fault.
-    const HUNG_UP: &str = HUNG_UP_IN_GREETING;
+    // No secret is used before the answers: a hang-up there is not a secret's fault
+    // (`HUNG_UP_IN_GREETING`).
     let deadline = Some(deadline);
 
     let mut own = [0u8; NONCE_LEN];
     getrandom::fill(&mut own).map_err(|e| Error::os("getrandom", std::io::Error::other(e.to_string())))?;
     let hello = [&TAG[..], &[side.role()], &own].concat();
-    write_all_by(&stream, &hello, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+    write_all_by(&stream, &hello, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
 
     let mut theirs = [0u8; HELLO_LEN];
-    read_exact_by(&stream, &mut theirs, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+    read_exact_by(&stream, &mut theirs, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
     if let Some(progress) = listening {
         progress.heard.store(true, Ordering::Release);
     }
@@ -1298,7 +1298,7 @@ fn handshake(
     let ours = secret.answer(side.role(), &own, &peer_nonce).finalize().into_bytes();
     match side {
         Side::Connector => {
-            write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+            write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
             read_exact_by(&stream, &mut answer, deadline).map_err(|stop| stopped(stop, NO_ANSWER))?;
             if answer == *SHED_ANSWER {
                 return Err(Error::HandshakeShed { peer, waited: began.elapsed(), why: SHED_BY_LISTENER });
@@ -1314,9 +1314,9 @@ fn handshake(
             if let Some(progress) = listening
                 && progress.stage.compare_exchange(RUNNING, ANSWERED, Ordering::AcqRel, Ordering::Acquire).is_err()
             {
-                return Err(stopped(Stop::Gone, HUNG_UP));
+                return Err(stopped(Stop::Gone, HUNG_UP_IN_GREETING));
             }
-            write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP))?;
+            write_all_by(&stream, &ours, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
         }
     }
     stream.set_nonblocking(true).map_err(|e| Error::os("O_NONBLOCK on a TCP link", e))?;

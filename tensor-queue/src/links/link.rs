@@ -122,6 +122,15 @@ enum Queued {
     Record(Vec<u8>),
 }
 
+/// A frame's bytes, if a message may be that long ([`Error::TooLarge`] otherwise).
+fn encode_message(frame: &impl Frame) -> Result<Vec<u8>> {
+    let bytes = frame.encode();
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
+    }
+    Ok(bytes)
+}
+
 /// A random number drawn once per process: with the pid it names this process for good.
 pub(crate) fn instance() -> u64 {
     static INSTANCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
@@ -327,10 +336,7 @@ impl Link {
     /// socket), and two processes that each send a large message to the other before
     /// receiving do not wait for each other. [`Error::Disconnected`] once the peer is gone.
     pub fn send(&self, frame: &impl Frame, fds: &[BorrowedFd<'_>]) -> Result<()> {
-        let bytes = frame.encode();
-        if bytes.len() > MAX_MESSAGE_BYTES {
-            return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
-        }
+        let bytes = encode_message(frame)?;
         let mut out = lock(&self.outbox);
         if out.broken {
             return Err(Error::Disconnected);
@@ -404,10 +410,7 @@ impl Link {
     /// The run and the frame go in one vectored write: the frame (the message the run's bytes
     /// belong to) reaches the peer with them, which costs it one wake-up, not two.
     pub fn send_bulk_then(&self, bulk: Bulk, frame: &impl Frame) -> Result<()> {
-        let bytes = frame.encode();
-        if bytes.len() > MAX_MESSAGE_BYTES {
-            return Err(Error::TooLarge { size: bytes.len(), limit: MAX_MESSAGE_BYTES });
-        }
+        let bytes = encode_message(frame)?;
         let bulk = wire::packets(&bytes).iter().try_fold(bulk, |bulk, packet| bulk.followed_by(packet))?;
         let mut out = lock(&self.outbox);
         if out.broken {
