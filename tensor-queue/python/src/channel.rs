@@ -82,6 +82,7 @@ fn info_dict<'py>(py: Python<'py>, info: &MessageInfo) -> PyResult<Bound<'py, Py
     dict.set_item("encoded_ns", info.encoded_ns)?;
     dict.set_item("arrived_ns", info.arrived_ns)?;
     dict.set_item("imported_ns", info.imported_ns)?;
+    dict.set_item("taken_ns", info.taken_ns)?;
     dict.set_item("decoded_ns", info.decoded_ns)?;
     Ok(dict)
 }
@@ -157,7 +158,7 @@ impl Receiver {
 
     /// The next message and a dict of who sent it and when each stage of its hand-off happened
     /// (`sender_pid`; `connection`, which tells apart two senders of one process; `seq`, counted
-    /// per connection; `sent_ns`, `encoded_ns`, `arrived_ns`, `imported_ns`, `decoded_ns`).
+    /// per connection; `sent_ns`, `encoded_ns`, `arrived_ns`, `imported_ns`, `taken_ns`, `decoded_ns`).
     #[pyo3(signature = (timeout = None))]
     fn recv_with_info<'py>(
         &self,

@@ -49,7 +49,8 @@ pub const UNFINISHED_IDLE: std::time::Duration = std::time::Duration::from_secs(
 /// let (_, info) = receiver.recv_with_info(None)?;
 /// // One clock for every process of the machine: the stages are in order, whoever sent.
 /// assert!(info.sent_ns <= info.encoded_ns && info.encoded_ns <= info.arrived_ns);
-/// assert!(info.arrived_ns <= info.imported_ns && info.imported_ns <= info.decoded_ns);
+/// assert!(info.arrived_ns <= info.imported_ns && info.imported_ns <= info.taken_ns);
+/// assert!(info.taken_ns <= info.decoded_ns);
 /// println!("in the socket: {} ns", info.arrived_ns - info.encoded_ns);
 /// # Ok(()) }
 /// ```
@@ -73,6 +74,9 @@ pub struct MessageInfo {
     pub arrived_ns: u64,
     /// When its tensors were mapped, validated and ordered on the receiver's stream.
     pub imported_ns: u64,
+    /// When `recv` took it to decode: after any wait for its data to be ordered (a host-route
+    /// tensor's copy, an NCCL receive being queued by its worker).
+    pub taken_ns: u64,
     /// When `recv` finished decoding the message.
     pub decoded_ns: u64,
 }
@@ -356,6 +360,7 @@ impl Connected {
                     encoded_ns,
                     arrived_ns,
                     imported_ns: 0,
+                    taken_ns: 0,
                     decoded_ns: 0,
                 };
                 let (nccl, leased) = (tensors.uses(Route::Nccl), !remote && !tensors.is_empty());

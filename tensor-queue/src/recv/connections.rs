@@ -15,6 +15,7 @@ use super::connection::{Arrival, Connected, Progress, Ready, UNFINISHED_IDLE};
 use super::devices::Devices;
 use super::peer::Peer;
 use super::readiness::{PENDING, Readiness};
+use crate::clock::monotonic_ns;
 use crate::error::{Error, Result};
 use crate::fences::liveness::Gone;
 use crate::links::link::Link;
@@ -242,7 +243,8 @@ impl Connections {
 
     /// Counts `ready` as taken by `recv` (its sender may send another), or says its producer
     /// failed.
-    fn take(&mut self, ready: Ready) -> Result<Ready> {
+    fn take(&mut self, mut ready: Ready) -> Result<Ready> {
+        ready.info.taken_ns = monotonic_ns();
         if let Some(connected) = self.connected.iter_mut().find(|c| Arc::ptr_eq(&c.peer, &ready.peer)) {
             connected.took(self.capacity);
         }

@@ -76,12 +76,21 @@ struct Item {
 
 /// Where a one-way message's time goes, p50s in us (one clock for both processes): the
 /// producer's `send` call; from before `send` to the consumer's `recv` returning the message;
-/// from then to its data usable (the consumer synchronised the tensors' streams).
+/// from then to its data usable (the consumer synchronised the tensors' streams). Then the
+/// receiver's `MessageInfo` splits the time up to `recv` returning: the sender encoding and
+/// routing the message (to `encoded_ns`), its frame written and read (to `arrived_ns`), its
+/// tensors placed (`imported_ns`: NCCL receives handed to the worker), waiting for their data to
+/// be ordered (`taken_ns`: the worker queued the receives), decoding (`decoded_ns`).
 #[derive(Serialize)]
 struct Stages {
     send_call_us: f64,
     to_recv_us: f64,
     to_usable_us: f64,
+    encode_us: f64,
+    frame_us: f64,
+    place_us: f64,
+    wait_us: f64,
+    decode_us: f64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -90,6 +99,8 @@ struct Answer {
     /// When the consumer's `recv` returned the message.
     received_ns: u64,
     usable_ns: u64,
+    /// The message's `MessageInfo`: encoded, arrived, imported, taken, decoded.
+    info_ns: [u64; 5],
     path: String,
     tensors: Vec<Tensor>,
 }
@@ -411,11 +422,18 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: 
 
 /// A row of a one-way message's stages (see [`Stages`]).
 fn stage_row(name: &str, what: &str, stages: &Value) -> String {
+    let us = |key: &str| fmt(stages[key].as_f64());
     format!(
-        "| {name} | ... {what}, stages p50: send call / sent to received / received to usable | {} / {} / {} us | | | | | |\n",
-        fmt(stages["send_call_us"].as_f64()),
-        fmt(stages["to_recv_us"].as_f64()),
-        fmt(stages["to_usable_us"].as_f64())
+        "| {name} | ... {what}, stages p50: send call / sent to received / received to usable | {} / {} / {} us | | | | | |\n\
+         | {name} | ... {what}, to received p50: encode / frame / place / wait for data / decode | {} / {} / {} / {} / {} us | | | | | |\n",
+        us("send_call_us"),
+        us("to_recv_us"),
+        us("to_usable_us"),
+        us("encode_us"),
+        us("frame_us"),
+        us("place_us"),
+        us("wait_us"),
+        us("decode_us"),
     )
 }
 
@@ -500,6 +518,8 @@ fn producer(quick: bool) -> Result<()> {
         |tensors: Vec<Tensor>, (warmup, trips): (usize, usize), nccl: bool, answers: &mut Receiver<Answer>| {
             let mut times = Vec::with_capacity(trips);
             let [mut send_call, mut to_recv, mut to_usable] = [(); 3].map(|()| Vec::with_capacity(trips));
+            // sent -> encoded -> arrived -> imported -> taken -> decoded.
+            let mut steps: [Vec<u64>; 5] = [(); 5].map(|()| Vec::with_capacity(trips));
             let mut path = String::new();
             for i in 0..warmup + trips {
                 id += 1;
@@ -520,6 +540,11 @@ fn producer(quick: bool) -> Result<()> {
                     send_call.push(returned_ns - sent_ns);
                     to_recv.push(answer.received_ns.saturating_sub(sent_ns));
                     to_usable.push(answer.usable_ns.saturating_sub(answer.received_ns));
+                    let mut from = sent_ns;
+                    for (step, &at) in steps.iter_mut().zip(&answer.info_ns) {
+                        step.push(at.saturating_sub(from));
+                        from = at;
+                    }
                 }
                 path = answer.path;
             }
@@ -528,6 +553,11 @@ fn producer(quick: bool) -> Result<()> {
                 send_call_us: p50(&mut send_call),
                 to_recv_us: p50(&mut to_recv),
                 to_usable_us: p50(&mut to_usable),
+                encode_us: p50(&mut steps[0]),
+                frame_us: p50(&mut steps[1]),
+                place_us: p50(&mut steps[2]),
+                wait_us: p50(&mut steps[3]),
+                decode_us: p50(&mut steps[4]),
             };
             Ok::<(f64, String, Stages), anyhow::Error>((p50(&mut times), path, stages))
         };
@@ -614,21 +644,25 @@ fn consumer(args: &[String]) -> Result<()> {
     let answers = Sender::<Answer>::connect(reply.as_str())?;
     let answers_nccl = Sender::<Answer>::builder().inline_gpu_up_to(0).connect(reply.as_str())?;
     loop {
-        let item = match items.recv() {
-            Ok(item) => item,
+        let (item, info) = match items.recv_with_info(None) {
+            Ok(received) => received,
             Err(tensor_queue::Error::Disconnected) => return Ok(()),
             Err(error) => return Err(error.into()),
         };
         let received_ns = monotonic_ns();
+        let info_ns = [info.encoded_ns, info.arrived_ns, info.imported_ns, info.taken_ns, info.decoded_ns];
         let path = item.tensors.first().map(|t| format!("{:?}", t.path())).unwrap_or_default();
         if item.echo {
             let back = item.tensors;
             let sender = if item.nccl { &answers_nccl } else { &answers };
             match back.first().and_then(Tensor::stream).cloned() {
-                Some(stream) => {
-                    sender.send_on(&Answer { id: item.id, received_ns, usable_ns: 0, path, tensors: back }, &stream)?
+                Some(stream) => sender.send_on(
+                    &Answer { id: item.id, received_ns, usable_ns: 0, info_ns, path, tensors: back },
+                    &stream,
+                )?,
+                None => {
+                    sender.send(&Answer { id: item.id, received_ns, usable_ns: 0, info_ns, path, tensors: back })?
                 }
-                None => sender.send(&Answer { id: item.id, received_ns, usable_ns: 0, path, tensors: back })?,
             }
             continue;
         }
@@ -640,6 +674,6 @@ fn consumer(args: &[String]) -> Result<()> {
             }
         }
         let usable_ns = monotonic_ns();
-        answers.send(&Answer { id: item.id, received_ns, usable_ns, path, tensors: Vec::new() })?;
+        answers.send(&Answer { id: item.id, received_ns, usable_ns, info_ns, path, tensors: Vec::new() })?;
     }
 }
