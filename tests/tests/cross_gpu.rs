@@ -935,9 +935,14 @@ fn broadcast_routes(g: &Gpus) -> Result<()> {
 /// NCCL's environment that forces its network transport between two processes of one host.
 const NCCL_NET: [(&str, &str); 2] = [("NCCL_P2P_DISABLE", "1"), ("NCCL_SHM_DISABLE", "1")];
 
+/// The route cases over NCCL, to a consumer that reads each message late: the `many` case's
+/// sender has dropped its tensors and filled fresh ones in their memory by then, so a transfer
+/// that did not hold every tensor's memory delivers the fresh values.
 fn nccl_cases(g: &Gpus, name: &str, env: &[(&str, &str)]) -> Result<()> {
     let (gpu0, gpu1) = (g.uuid(0), g.uuid(1));
-    let (mut consumer, path) = consumer(name, &over_tcp_onto(g), None, env)?;
+    let mut options = over_tcp_onto(g);
+    options.extend(strings(&["--late-ms", "200"]));
+    let (mut consumer, path) = consumer(name, &options, None, env)?;
     let expect = Expect { path: "Nccl", device: gpu1.to_string(), stream_device: gpu1.to_string() };
     route_cases_with(&mut consumer, &path, gpu0, None, Route::Nccl, &gpu1.to_string(), &expect, env)?;
     consumer.finish(Duration::from_secs(30))

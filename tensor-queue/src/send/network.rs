@@ -113,8 +113,11 @@ pub(crate) struct SendComm {
 struct Transfer {
     /// Recorded on the producer's stream after its work (`None`: the device was synchronised).
     after: Option<Event>,
-    /// (source storage, byte offset in its chunk memory, length).
+    /// (a source storage, byte offset in its chunk memory, length).
     spans: Vec<(Arc<Storage>, usize, usize)>,
+    /// Every storage the spans read, each once: none goes back to its arena (and to another
+    /// tensor) before the sends are done.
+    sources: Vec<Arc<Storage>>,
     /// The message's lease at the sender: it ends when every transfer of the message has been
     /// sent (or given up).
     lease: Arc<dyn Send + Sync>,
@@ -238,7 +241,7 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
     })?;
     let done = Event::new(stream.context())?;
     done.record(stream)?;
-    crate::memory::arena::drop_after(vec![done], Box::new((transfer.spans, transfer.lease)));
+    crate::memory::arena::drop_after(vec![done], Box::new((transfer.spans, transfer.sources, transfer.lease)));
     Ok(())
 }
 
@@ -332,7 +335,7 @@ pub(crate) fn prepare(
         for &index in &members {
             group(&mut by_chunk, tensors[index].storage.chunk.id, index);
         }
-        let mut transfer = Transfer { after, spans: Vec::new(), lease: lease.clone() };
+        let mut transfer = Transfer { after, spans: Vec::new(), sources: Vec::new(), lease: lease.clone() };
         for (_, chunk_members) in by_chunk {
             for span in spans(tensors, &chunk_members)? {
                 // The communicator's records, in order, are its transfers.
@@ -340,7 +343,12 @@ pub(crate) fn prepare(
                 let source = Source::Nccl { communicator: comm.id };
                 let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
                 for &(member, elem0) in &span.members {
-                    describe(&mut descriptors, &tensors[member], member, record, elem0 - span.low);
+                    let tensor = &tensors[member];
+                    describe(&mut descriptors, tensor, member, record, elem0 - span.low);
+                    // Views of one storage sort together: each is held once.
+                    if !transfer.sources.last().is_some_and(|last| Arc::ptr_eq(last, &tensor.storage)) {
+                        transfer.sources.push(tensor.storage.clone());
+                    }
                 }
                 let storage = tensors[span.members[0].0].storage.clone();
                 // The span is in chunk coordinates; the storage's memory is the whole chunk.

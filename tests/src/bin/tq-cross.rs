@@ -16,7 +16,9 @@
 //!     ([`views_of`]), each with the producer's GPU checksum and the CPU reference; with
 //!     `--also P2,P3,..`, the same message broadcast to those receivers too (`released` per
 //!     receiver).
-//!   - `many`: one message of `--count` (1024) separate 4 KiB tensors (`--len`), each its own seed.
+//!   - `many`: one message of `--count` (1024) separate 4 KiB tensors (`--len`), each its own seed,
+//!     dropped once sent; then as many fresh tensors filled with other seeds, which take their
+//!     memory at once.
 //!   - `sizes`: one message per size of 1 B, 4095 B, 1 MiB + 3, 64 MiB and 256 MiB.
 //!   - `mixed`: one message of a 4 KiB GPU tensor, a 4 KiB host tensor and a transposed
 //!     `[64, 16]` u8 view of a GPU tensor (small: across hosts its GPU tensors travel inline).
@@ -37,7 +39,7 @@
 //!   Then `released` (or `unreleased <n>`) once the receiver gave everything back (30 s at most),
 //!   `rejected <seq> <why>` for refused messages, and `done`.
 //! - `consume --listen P [--land ..] [--land-from ..] [--peer ..] [--strict ..] [--capacity N]
-//!   [--hold N] [--within-s S]`: binds a receiver with those options (see
+//!   [--hold N] [--within-s S] [--late-ms M]`: binds a receiver with those options (see
 //!   [`routing_from_args`]), prints `visible <uuids>`, `baseline <json>` and `ready`, then one
 //!   `report <json>` ([`MsgReport`]) per message, `producer-failed <pid> <seq>`, `recv-error
 //!   <what>`, `verdict <id> match|mismatch <seen> <producer>` for verdicts; with `--hold N` it
@@ -46,6 +48,7 @@
 //!   memory to return to the baseline, then prints `mem ok <json>` or `mem leak <json>`; `quit`
 //!   or the end of stdin ends it (`done`); `rebase` takes the baseline anew (`rebased <json>`),
 //!   after one-time set-up such as NCCL's. Messages of kind `warm` are not checked (`warm`).
+//!   With `--late-ms`, it sleeps that long before each look for a message.
 //! - `forward --listen P --to Q [--land ..] [--senders S] [--count N]`: receives on its GPU
 //!   (the landing), checks each message on the GPU, copies each tensor with `Tensor::copy_on`
 //!   onto a stream of its own and sends the copies on to `Q` with `send_on`, round robin over
@@ -195,6 +198,17 @@ fn produce(args: &[String]) -> Result<()> {
             let note = format!("{count} x {len} B");
             sender.send_on(&CrossItem { id: 0, kind: "data".into(), tensors, checksums, reference, note }, &stream)?;
             println!("sent 0 0");
+            // The message's tensors are dropped now: fresh ones filled with other values take
+            // their memory at once (the arena reuses it). A route that does not hold every
+            // tensor's memory until its copy or transfer is done delivers these values.
+            let mut again = Vec::new();
+            for i in 0..count {
+                let t = Tensor::empty_cuda(&context, DType::U8, &[len as u64])?;
+                kernels.fill(&t.cuda_view()?, 0, len, 9000 + i, &stream)?;
+                again.push(t);
+            }
+            stream.synchronize()?;
+            drop(again);
         }
         "sizes" => {
             let sizes = [1, 4095, MIB + 3, 64 * MIB, 256 * MIB];
@@ -578,6 +592,7 @@ fn consume(args: &[String]) -> Result<()> {
     let within = Duration::from_secs(number(args, "--within-s", 20)?);
     let routing = routing_from_args(args)?;
     let capacity = number(args, "--capacity", u64::from(tensor_queue::DEFAULT_CAPACITY))? as u32;
+    let late = Duration::from_millis(number(args, "--late-ms", 0)?);
     let uuids = print_visible();
     // A ready consumer: every visible GPU's context and kernels loaded before anything arrives.
     let contexts =
@@ -636,6 +651,8 @@ fn consume(args: &[String]) -> Result<()> {
         for error in receiver.take_errors() {
             println!("conn-error {error:?}");
         }
+        // A consumer that comes late: until it reads a message, its sender's transfers wait.
+        std::thread::sleep(late);
         match receiver.recv_with_info(Some(Duration::from_millis(50))) {
             Ok((item, info)) => {
                 if item.kind == "warm" {
