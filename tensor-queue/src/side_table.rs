@@ -86,6 +86,7 @@ pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)
 /// Where a received message's storage record's tensors are: the storage the receiver made for
 /// the record, where their view offsets count from in it, the path it came by and the stream
 /// their first use is ordered on.
+#[derive(Clone)]
 pub(crate) struct Record {
     pub storage: Arc<Storage>,
     pub base: usize,
@@ -97,7 +98,7 @@ pub(crate) struct Record {
 /// [`Record`] per storage record. Tensor `i` is made when the message's serde code names it, a
 /// view of its record's storage: what it costs is what the tensor holds (its storage's and
 /// stream's counts, its inline shape and strides), and nothing else per tensor.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct Received {
     table: Descriptors,
     records: Vec<Record>,

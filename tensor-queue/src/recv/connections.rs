@@ -186,8 +186,13 @@ impl Connections {
     /// as taken; [`Error::Rejected`] and [`Error::ProducerFailed`] for a message that cannot be
     /// used, [`Error::Disconnected`] at the end of the stream, [`Error::Timeout`] when none came
     /// within `timeout`, even a zero one (`try_recv` says [`Error::Empty`] for it).
-    pub fn next(&mut self, timeout: Option<Duration>) -> Result<Ready> {
+    ///
+    /// Before it first sleeps until an NCCL worker has queued a parked message's receives (the
+    /// longest wait of a message from another host), it hands that message to `ahead`, which may
+    /// decode a copy of it meanwhile (see `Receiver::recv_with_info`).
+    pub fn next(&mut self, timeout: Option<Duration>, ahead: &mut dyn FnMut(&Ready)) -> Result<Ready> {
         let deadline = timeout.map(ipc_core::deadline::deadline); // `Duration::MAX` waits without end
+        let mut looked_ahead = false;
         loop {
             if let Some(ready) = self.unpark()? {
                 return self.take(ready);
@@ -221,6 +226,11 @@ impl Connections {
                     return Err(Error::Timeout);
                 }
                 if self.parked.iter().all(|p| p.fences.iter().all(|f| f.wakes_receiver())) {
+                    if let Some(first) = self.parked.front().filter(|_| !looked_ahead) {
+                        ahead(first);
+                        looked_ahead = true;
+                        continue; // what came meanwhile is looked at before sleeping
+                    }
                     // NCCL workers ring when they have issued a message's receives: block.
                     let wait = deadline.map(|d| d.saturating_duration_since(Instant::now()));
                     self.pump(wait)?;

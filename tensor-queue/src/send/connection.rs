@@ -339,7 +339,9 @@ impl SenderInner {
             None => return Err(give_back(Error::Disconnected, event)),
         };
         let pid = self.link.peer_pid();
-        let prepared = match crate::send::routes::prepare(&outgoing.tensors, outgoing.stream, &receiver, pid, fence) {
+        let prepared =
+            crate::send::routes::prepare(&outgoing.tensors, &outgoing.touched, outgoing.stream, &receiver, pid, fence);
+        let prepared = match prepared {
             Ok(prepared) => prepared,
             Err(error) => return Err(give_back(error, event)),
         };
@@ -386,6 +388,7 @@ impl SenderInner {
         let mut message = {
             network::prepare(
                 &outgoing.tensors,
+                &outgoing.touched,
                 outgoing.stream,
                 &receiver,
                 self.inline_up_to(),

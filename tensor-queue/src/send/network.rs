@@ -254,6 +254,7 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare(
     tensors: &[Tensor],
+    touched: &[(usize, usize)],
     stream: Option<&Stream>,
     receiver: &(Reach, Routing),
     inline_up_to: u64,
@@ -264,32 +265,43 @@ pub(crate) fn prepare(
 ) -> Result<RemoteMessage> {
     let mut frames = Vec::new();
     let mut created = Vec::new();
-    let mut transfers = Vec::new();
+    let mut transfers: Vec<(Arc<SendComm>, Transfer)> = Vec::new();
     let (reach, routing) = receiver;
     let mut descriptors = Descriptors::unrouted(tensors.len());
     // Tensors whose bytes go in the run, with the GPU they land on (`None`: host memory).
     let mut inlined: Vec<(usize, Option<Uuid>)> = Vec::new();
-    // GPU tensors by (source, target), each to move as one group.
-    let mut groups: Vec<((Uuid, Uuid), Vec<usize>)> = Vec::new();
+    // GPU tensors by (source, target, chunk): each pair of GPUs moves its tensors as one group,
+    // and a chunk's tensors as few spans.
+    let mut groups: Vec<((Uuid, Uuid, u64), Vec<usize>)> = Vec::new();
+    // The receiver's GPU for each source GPU of the message, chosen once.
+    let mut targets: Vec<(Uuid, Option<Uuid>)> = Vec::new();
     let mut gpu_bytes = 0u64;
     for (index, tensor) in tensors.iter().enumerate() {
-        let source = tensor.storage.chunk.device_uuid();
-        let target = match source {
-            Some(source) => choose_remote(&source, routing, reach)?.target,
-            None => None,
+        let chunk = &tensor.storage.chunk;
+        let Some(source) = chunk.device_uuid() else {
+            inlined.push((index, None));
+            continue;
         };
-        match (source, target) {
-            (Some(source), Some(target)) => {
-                gpu_bytes = gpu_bytes.saturating_add(inline_len(tensor)? as u64);
-                group(&mut groups, (source, target), index);
+        let target = match targets.iter().find(|(from, _)| *from == source) {
+            Some(&(_, target)) => target,
+            None => {
+                let target = choose_remote(&source, routing, reach)?.target;
+                targets.push((source, target));
+                target
             }
-            _ => inlined.push((index, None)),
+        };
+        match target {
+            Some(target) => {
+                gpu_bytes = gpu_bytes.saturating_add(inline_len(touched[index]) as u64);
+                group(&mut groups, (source, target, chunk.id), index);
+            }
+            None => inlined.push((index, None)),
         }
     }
     // A small message's GPU tensors go inline too, all of them (in the message's order, so the
     // run is laid out the same whichever way each tensor goes).
     if inlines(gpu_bytes, inline_up_to, routing.strict) {
-        for ((_, target), members) in groups.drain(..) {
+        for ((_, target, _), members) in groups.drain(..) {
             inlined.extend(members.into_iter().map(|index| (index, Some(target))));
         }
         inlined.sort_unstable_by_key(|&(index, _)| index);
@@ -297,7 +309,7 @@ pub(crate) fn prepare(
     // Refused before a byte is copied: a message over the limit must not cost its size first.
     let mut size = 0usize;
     for &(index, _) in &inlined {
-        size = size.next_multiple_of(ALIGN) + inline_len(&tensors[index])?;
+        size = size.next_multiple_of(ALIGN) + inline_len(touched[index]);
     }
     if size as u64 > MAX_INLINE_BYTES {
         return Err(Error::TooLarge { size, limit: MAX_INLINE_BYTES as usize });
@@ -307,12 +319,12 @@ pub(crate) fn prepare(
         false => {
             let mut run = Run { pieces: Vec::with_capacity(2 * inlined.len()), len: 0, copying: Vec::new() };
             for (index, target) in inlined {
-                run.inline(&tensors[index], index, target, stream, &mut descriptors)?;
+                run.inline(&tensors[index], touched[index], index, target, stream, &mut descriptors)?;
             }
             Some(Bulk::new(run.finish()?, Box::new(lease.clone()))?)
         }
     };
-    for ((source, target), members) in groups {
+    for ((source, target, _), members) in groups {
         let comm = match comms.get(source, target, &mut frames, &mut created, alive, liveness) {
             Ok(comm) => comm,
             Err(error) => {
@@ -320,42 +332,43 @@ pub(crate) fn prepare(
                 return Err(error);
             }
         };
-        let after = match stream {
-            // The tests' negative control: sends that do not wait for the producer's work.
-            Some(_) if crate::switches::skip_ordering() => None,
-            Some(stream) => {
-                let produced = Event::new(stream.context())?;
-                produced.record(stream)?;
-                Some(produced)
-            }
-            None => None,
-        };
-        // Spans are per chunk: group the members by chunk first.
-        let mut by_chunk: Vec<(u64, Vec<usize>)> = Vec::new();
-        for &index in &members {
-            group(&mut by_chunk, tensors[index].storage.chunk.id, index);
-        }
-        let mut transfer = Transfer { after, spans: Vec::new(), sources: Vec::new(), lease: lease.clone() };
-        for (_, chunk_members) in by_chunk {
-            for span in spans(tensors, &chunk_members)? {
-                // The communicator's records, in order, are its transfers.
-                let len = span.high - span.low;
-                let source = Source::Nccl { communicator: comm.id };
-                let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
-                for &(member, elem0) in &span.members {
-                    let tensor = &tensors[member];
-                    describe(&mut descriptors, tensor, member, record, elem0 - span.low);
-                    // Views of one storage sort together: each is held once.
-                    if !transfer.sources.last().is_some_and(|last| Arc::ptr_eq(last, &tensor.storage)) {
-                        transfer.sources.push(tensor.storage.clone());
+        // One transfer per communicator, whatever the chunks its tensors lie in.
+        let at = match transfers.iter().position(|(queued, _)| queued.id == comm.id) {
+            Some(at) => at,
+            None => {
+                let after = match stream {
+                    // The tests' negative control: sends that do not wait for the producer's work.
+                    Some(_) if crate::switches::skip_ordering() => None,
+                    Some(stream) => {
+                        let produced = Event::new(stream.context())?;
+                        produced.record(stream)?;
+                        Some(produced)
                     }
-                }
-                let storage = tensors[span.members[0].0].storage.clone();
-                // The span is in chunk coordinates; the storage's memory is the whole chunk.
-                transfer.spans.push((storage, span.low, len));
+                    None => None,
+                };
+                let transfer = Transfer { after, spans: Vec::new(), sources: Vec::new(), lease: lease.clone() };
+                transfers.push((comm.clone(), transfer));
+                transfers.len() - 1
             }
+        };
+        let transfer = &mut transfers[at].1;
+        for span in spans(tensors, touched, &members) {
+            // The communicator's records, in order, are its transfers.
+            let len = span.high - span.low;
+            let source = Source::Nccl { communicator: comm.id };
+            let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
+            for &(member, elem0) in &span.members {
+                let tensor = &tensors[member];
+                describe(&mut descriptors, tensor, member, record, elem0 - span.low);
+                // Views of one storage sort together: each is held once.
+                if !transfer.sources.last().is_some_and(|last| Arc::ptr_eq(last, &tensor.storage)) {
+                    transfer.sources.push(tensor.storage.clone());
+                }
+            }
+            let storage = tensors[span.members[0].0].storage.clone();
+            // The span is in chunk coordinates; the storage's memory is the whole chunk.
+            transfer.spans.push((storage, span.low, len));
         }
-        transfers.push((comm, transfer));
     }
     if let Some(index) = descriptors.unrouted_tensor() {
         return Err(Error::internal(format_args!("tensor {index} was not routed")));
@@ -363,10 +376,10 @@ pub(crate) fn prepare(
     Ok(RemoteMessage { descriptors, frames, bulk, transfers, created })
 }
 
-/// How many bytes [`inline`] appends for `tensor`: those its view touches, from an aligned start.
-fn inline_len(tensor: &Tensor) -> Result<usize> {
-    let (start, end) = tensor.touched_bytes()?;
-    Ok((end - start / ALIGN * ALIGN).max(1))
+/// How many bytes [`Run::inline`] appends for a tensor that touches `touched` of its storage:
+/// those, from an aligned start.
+fn inline_len((start, end): (usize, usize)) -> usize {
+    (end - start / ALIGN * ALIGN).max(1)
 }
 
 /// A message's host bytes as one bulk run being laid out: pieces of the tensors' own memory
@@ -389,22 +402,23 @@ impl Drop for Run<'_> {
 }
 
 impl<'a> Run<'a> {
-    /// Appends the bytes `tensor`'s view touches (from an aligned start; a GPU tensor's are
-    /// copied to the host first, after the producer's work: see the module docs) and describes
-    /// where they lie in the run, as tensor `index` landing in host memory or on the receiver's
-    /// GPU `target`.
+    /// Appends the bytes `tensor`'s view touches (`touched` of its storage, from an aligned
+    /// start; a GPU tensor's are copied to the host first, after the producer's work: see the
+    /// module docs) and describes where they lie in the run, as tensor `index` landing in host
+    /// memory or on the receiver's GPU `target`.
     fn inline(
         &mut self,
         tensor: &Tensor,
+        touched: (usize, usize),
         index: usize,
         target: Option<Uuid>,
         stream: Option<&'a Stream>,
         descriptors: &mut Descriptors,
     ) -> Result<()> {
-        let (start, end) = tensor.touched_bytes()?;
+        let (start, end) = touched;
         let start = start / ALIGN * ALIGN;
         let at = self.len.next_multiple_of(ALIGN);
-        let len = inline_len(tensor)?;
+        let len = inline_len(touched);
         if (at + len) as u64 > MAX_INLINE_BYTES {
             return Err(Error::TooLarge { size: at + len, limit: MAX_INLINE_BYTES as usize });
         }

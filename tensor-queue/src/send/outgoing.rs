@@ -19,6 +19,9 @@ pub(crate) struct Outgoing<'a> {
     pub sent_ns: u64,
     pub payload: Vec<u8>,
     pub tensors: Vec<Tensor>,
+    /// Per tensor, the bytes of its storage its view touches (`Tensor::touched_bytes`), found
+    /// once, by the check every tensor passes before anything is sent.
+    pub touched: Vec<(usize, usize)>,
     pub fencing: Fencing<'a>,
     /// The producer's stream, for `send_on`: copies a route needs are queued on it.
     pub stream: Option<&'a Stream>,
@@ -67,54 +70,59 @@ impl LazySignal<'_> {
 
 impl<'a> Outgoing<'a> {
     /// Encodes `message` and checks every tensor before anything is leased, fenced or sent, so a
-    /// refused message leaves nothing behind.
-    fn encode<T: Serialize>(message: &T) -> Result<(u64, Vec<u8>, Vec<Tensor>)> {
+    /// refused message leaves nothing behind. Its fencing is yet to be chosen (`Done` until then).
+    fn encode<T: Serialize>(message: &T) -> Result<Outgoing<'a>> {
         let sent_ns = monotonic_ns();
         let (payload, tensors) = side_table::encode(message)?;
-        for tensor in &tensors {
-            check_sendable(tensor)?;
-        }
-        Ok((sent_ns, payload, tensors))
+        let touched = tensors.iter().map(check_sendable).collect::<Result<_>>()?;
+        Ok(Outgoing { sent_ns, payload, tensors, touched, fencing: Fencing::Done, stream: None })
     }
 
     /// `message` with its GPU tensors' devices synchronised (a CPU stall).
     pub fn synchronized<T: Serialize>(message: &T) -> Result<Outgoing<'a>> {
-        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
+        let outgoing = Outgoing::encode(message)?;
         let mut done = Vec::new();
-        for memory in tensors.iter().filter_map(|t| t.storage.chunk.device()) {
+        for memory in outgoing.tensors.iter().filter_map(|t| t.storage.chunk.device()) {
             let context = memory.context();
             if !done.contains(&context.device().ordinal()) {
                 context.synchronize()?;
                 done.push(context.device().ordinal());
             }
         }
-        Ok(Outgoing { sent_ns, payload, tensors, fencing: Fencing::Done, stream: None })
+        Ok(outgoing)
     }
 
     /// `message` whose GPU tensors were produced by work queued on `stream`: a signal word where
     /// the device supports it and every GPU tensor is on the stream's device, else events.
     pub fn on_stream<T: Serialize>(message: &T, stream: &'a Stream) -> Result<Outgoing<'a>> {
-        let (sent_ns, payload, tensors) = Outgoing::encode(message)?;
-        let devices: Vec<i32> =
-            tensors.iter().filter_map(|t| t.storage.chunk.device()).map(|m| m.context().device().ordinal()).collect();
+        let mut outgoing = Outgoing::encode(message)?;
         let ordinal = stream.context().device().ordinal();
-        let fencing = if devices.is_empty() {
+        let (mut gpu, mut all_on_stream_device) = (false, true);
+        for memory in outgoing.tensors.iter().filter_map(|t| t.storage.chunk.device()) {
+            gpu = true;
+            all_on_stream_device &= memory.context().device().ordinal() == ordinal;
+        }
+        let fencing = if !gpu {
             Fencing::Done
-        } else if devices.iter().all(|&d| d == ordinal) && signals_supported(stream.context())? {
+        } else if all_on_stream_device && signals_supported(stream.context())? {
             Fencing::Signal(LazySignal { stream, signal: OnceLock::new() })
         } else {
             Fencing::Event(stream)
         };
-        Ok(Outgoing { sent_ns, payload, tensors, fencing, stream: Some(stream) })
+        outgoing.fencing = fencing;
+        outgoing.stream = Some(stream);
+        Ok(outgoing)
     }
 }
 
-/// Whether `tensor` can be sent: memory of this process, and a view every receiver accepts.
-fn check_sendable(tensor: &Tensor) -> Result<()> {
+/// Whether `tensor` can be sent (memory of this process, and a view every receiver accepts):
+/// the bytes of its storage it touches.
+fn check_sendable(tensor: &Tensor) -> Result<(usize, usize)> {
     if !tensor.storage.chunk.is_local() {
         return Err(not_sendable());
     }
-    tensor.touched_bytes()?;
+    let touched = tensor.touched_bytes()?;
     let offset = (tensor.storage.offset + tensor.offset()) as u64;
-    check_layout(tensor.shape(), tensor.strides(), tensor.dtype(), offset).map_err(Error::Invalid)
+    check_layout(tensor.shape(), tensor.strides(), tensor.dtype(), offset).map_err(Error::Invalid)?;
+    Ok(touched)
 }

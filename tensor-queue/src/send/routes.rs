@@ -125,9 +125,10 @@ const COALESCE_GAP: usize = 256 << 10;
 /// sender's for a message whose devices were synchronised, and the tensors of a span share its
 /// copy. The sources of copies are kept until the copies are done. `fence` is what the receiver
 /// waits for before the first use of a GPU tensor mapped where it is (the message's fence; a
-/// message with none such queues no signal).
+/// message with none such queues no signal). `touched` is each tensor's bytes of its storage.
 pub(crate) fn prepare<'a>(
     tensors: &[Tensor],
+    touched: &[(usize, usize)],
     stream: Option<&'a Stream>,
     receiver: &(Reach, Routing),
     peer_pid: u32,
@@ -173,7 +174,7 @@ pub(crate) fn prepare<'a>(
             continue;
         }
         let memory = chunk.device().ok_or_else(|| Error::internal("a device route for host memory"))?;
-        let spans = spans(tensors, &members)?;
+        let spans = spans(tensors, touched, &members);
         // The sources stay until the copies queued on the stream are done (see `CopySources`).
         let sources = members.iter().map(|&i| tensors[i].storage.clone()).collect();
         let at = prepared.copied.hold(stream_after(stream, memory.context())?, sources);
@@ -276,12 +277,13 @@ pub(crate) struct Span {
     pub members: Vec<(usize, usize)>,
 }
 
-/// The spans of the chunk bytes that `members` touch, merged where gaps are small.
-pub(crate) fn spans(tensors: &[Tensor], members: &[usize]) -> Result<Vec<Span>> {
+/// The spans of the chunk bytes that `members` touch (`touched`: each tensor's bytes of its
+/// storage), merged where gaps are small.
+pub(crate) fn spans(tensors: &[Tensor], touched: &[(usize, usize)], members: &[usize]) -> Vec<Span> {
     let mut ranges = Vec::with_capacity(members.len());
     for &index in members {
         let tensor = &tensors[index];
-        let (start, end) = tensor.touched_bytes()?;
+        let (start, end) = touched[index];
         let base = tensor.storage.offset;
         // Starts at a multiple of 16, so every element keeps its alignment in the copy.
         ranges.push(((base + start) / 16 * 16, (base + end).max(base + start + 1), index, base + tensor.offset()));
@@ -297,7 +299,7 @@ pub(crate) fn spans(tensors: &[Tensor], members: &[usize]) -> Result<Vec<Span>> 
             _ => spans.push(Span { low, high, members: vec![(index, elem0)] }),
         }
     }
-    Ok(spans)
+    spans
 }
 
 /// Copies `span` of `chunk` into the sender's memory on `target` on `stream` (the copy engine,

@@ -80,7 +80,8 @@ struct Item {
 /// receiver's `MessageInfo` splits the time up to `recv` returning: the sender encoding and
 /// routing the message (to `encoded_ns`), its frame written and read (to `arrived_ns`), its
 /// tensors placed (`imported_ns`: NCCL receives handed to the worker), waiting for their data to
-/// be ordered (`taken_ns`: the worker queued the receives), decoding (`decoded_ns`).
+/// be ordered (`taken_ns`: the worker queued the receives), decoding (`decoded_ns`: a message
+/// that waited for an NCCL worker was decoded during the wait, so this is then near zero).
 #[derive(Serialize)]
 struct Stages {
     send_call_us: f64,
