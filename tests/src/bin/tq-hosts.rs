@@ -54,6 +54,12 @@ const GIB: u64 = 1 << 30;
 /// One-way sizes: (bytes, warm-up, measured).
 const SIZES: [(u64, usize, usize); 4] = [(MIB, 5, 50), (4 * MIB, 5, 50), (64 * MIB, 2, 20), (GIB, 1, 5)];
 const RTT: (usize, usize) = (100, 1000);
+/// A round trip's stages, from the two messages' `MessageInfo`: there (encode, frame, place,
+/// wait for data, decode), the consumer's turn (from its `recv` returning the message to its
+/// `send_on` of the answer), back (the same five), and the producer's wait for the data.
+const RTT_STAGES: [&str; 12] = [
+    "encode", "frame", "place", "wait", "decode", "turn", "encode", "frame", "place", "wait", "decode", "sync",
+];
 const MANY: (usize, usize) = (5, 30);
 /// 1 x 4 KiB one-way: (warm-up, measured).
 const SMALL: (usize, usize) = (20, 200);
@@ -318,6 +324,7 @@ fn host_rows(run: &Value, tcp_gbps: Option<f64>) -> String {
         );
     }
     out += &format!("| host | 4 KiB round trip | {} | | | | | |\n", fmt(run["rtt_4k_us"].as_f64()));
+    out += &rtt_stage_rows("host", run);
     out += &format!("| host | 1,024 x 4 KiB one-way | {} | | | | | |\n", fmt(run["many_us"].as_f64()));
     out += &stage_row("host", "1,024 x 4 KiB", &run["stages"]["many"]);
     out += &stage_row("host", "1 x 4 MiB", &run["stages"][(4 * MIB).to_string()]);
@@ -388,6 +395,7 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: 
                 fmt2(ratio)
             );
         }
+        out += &rtt_stage_rows(name, run);
         let one_4k = anchor["one_way_p50_us"][(4 * KIB).to_string()].as_f64();
         for (key, what, target) in [
             ("one_way_4k_us", "1 x 4 KiB one-way, small message inline (default)", true),
@@ -417,6 +425,25 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: 
         );
         out += &stage_row(name, "1,024 x 4 KiB", &run["stages"]["many"]);
         out += &stage_row(name, "1 x 4 MiB", &run["stages"][(4 * MIB).to_string()]);
+    }
+    out
+}
+
+/// The rows of the 4 KiB round trips' stages (see [`RTT_STAGES`]).
+fn rtt_stage_rows(name: &str, run: &Value) -> String {
+    let mut out = String::new();
+    for (key, what) in [("rtt_4k_us_stages", "inline"), ("rtt_4k_nccl_us_stages", "through NCCL")] {
+        if let Some(p50s) = run[key].as_array() {
+            let p50s: Vec<String> = p50s.iter().map(|us| fmt(us.as_f64())).collect();
+            out += &format!(
+                "| {name} | ... 4 KiB round trip {what}, stages p50: there {} / turn / back {} / sync | {} / {} / {} | | | | | |\n",
+                RTT_STAGES[..5].join(" / "),
+                RTT_STAGES[6..11].join(" / "),
+                p50s[..5].join(" / "),
+                p50s[5..11].join(" / "),
+                p50s[11],
+            );
+        }
     }
     out
 }
@@ -602,12 +629,15 @@ fn producer(quick: bool) -> Result<()> {
     let x = make(4 * KIB)?;
     for (key, nccl, wanted) in [("rtt_4k_us", false, "Tcp"), ("rtt_4k_nccl_us", true, "Nccl")] {
         let mut trips = Vec::new();
+        // Where a round trip's time goes (see `RTT_STAGES`), one vector per stage.
+        let mut stages: Vec<Vec<u64>> = vec![Vec::new(); RTT_STAGES.len()];
         let (warmup, measured) = if quick { (1, 3) } else { RTT };
         for i in 0..warmup + measured {
             id += 1;
             let start = Instant::now();
-            send(&Item { id, sent_ns: monotonic_ns(), echo: true, nccl, tensors: vec![x.clone()] })?;
-            let answer = answers.recv_timeout(Duration::from_secs(60))?;
+            let sent_ns = monotonic_ns();
+            send(&Item { id, sent_ns, echo: true, nccl, tensors: vec![x.clone()] })?;
+            let (answer, info) = answers.recv_with_info(Some(Duration::from_secs(60)))?;
             if let Some(back) = answer.tensors.first() {
                 if let Some(stream) = back.stream() {
                     stream.synchronize()?;
@@ -617,11 +647,33 @@ fn producer(quick: bool) -> Result<()> {
                     bail!("a 4 KiB round trip ({key}) went by {there} and came back by {back}, not {wanted}");
                 }
             }
+            let end_ns = monotonic_ns();
             if i >= warmup {
                 trips.push(start.elapsed().as_nanos() as u64);
+                let [e, a, i, t, d] = answer.info_ns;
+                let marks = [
+                    sent_ns,
+                    e,
+                    a,
+                    i,
+                    t,
+                    d,
+                    info.sent_ns,
+                    info.encoded_ns,
+                    info.arrived_ns,
+                    info.imported_ns,
+                    info.taken_ns,
+                    info.decoded_ns,
+                    end_ns,
+                ];
+                for (stage, pair) in stages.iter_mut().zip(marks.windows(2)) {
+                    stage.push(pair[1].saturating_sub(pair[0]));
+                }
             }
         }
         result[key] = json!(percentile(&mut trips, 50.0) as f64 / 1e3);
+        let p50s: Vec<f64> = stages.iter_mut().map(|stage| percentile(stage, 50.0) as f64 / 1e3).collect();
+        result[format!("{key}_stages")] = json!(p50s);
     }
     drop((items, items_nccl));
     let _ = child.wait();
