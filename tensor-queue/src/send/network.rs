@@ -115,9 +115,9 @@ struct Transfer {
     after: Option<Event>,
     /// (a source storage, byte offset in its chunk memory, length).
     spans: Vec<(Arc<Storage>, usize, usize)>,
-    /// Every storage the spans read, each once: none goes back to its arena (and to another
+    /// The message's tensors: no storage the spans read goes back to its arena (and to another
     /// tensor) before the sends are done.
-    sources: Vec<Arc<Storage>>,
+    sources: Arc<Vec<Tensor>>,
     /// The message's lease at the sender: it ends when every transfer of the message has been
     /// sent (or given up).
     lease: Arc<dyn Send + Sync>,
@@ -253,7 +253,7 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
 /// gone; their failures are reported to `liveness`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare(
-    tensors: &[Tensor],
+    tensors: &Arc<Vec<Tensor>>,
     touched: &[(usize, usize)],
     stream: Option<&Stream>,
     receiver: &(Reach, Routing),
@@ -346,7 +346,7 @@ pub(crate) fn prepare(
                     }
                     None => None,
                 };
-                let transfer = Transfer { after, spans: Vec::new(), sources: Vec::new(), lease: lease.clone() };
+                let transfer = Transfer { after, spans: Vec::new(), sources: tensors.clone(), lease: lease.clone() };
                 transfers.push((comm.clone(), transfer));
                 transfers.len() - 1
             }
@@ -358,12 +358,7 @@ pub(crate) fn prepare(
             let source = Source::Nccl { communicator: comm.id };
             let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
             for &(member, elem0) in &span.members {
-                let tensor = &tensors[member];
-                describe(&mut descriptors, tensor, member, record, elem0 - span.low);
-                // Views of one storage sort together: each is held once.
-                if !transfer.sources.last().is_some_and(|last| Arc::ptr_eq(last, &tensor.storage)) {
-                    transfer.sources.push(tensor.storage.clone());
-                }
+                describe(&mut descriptors, &tensors[member], member, record, elem0 - span.low);
             }
             let storage = tensors[span.members[0].0].storage.clone();
             // The span is in chunk coordinates; the storage's memory is the whole chunk.

@@ -1,7 +1,7 @@
 //! A message on its way out: encoded once, checked, and fenced after the producer's work; the
 //! same for one receiver or for every receiver of a broadcast.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use ipc_core::Stream;
 use serde::Serialize;
@@ -18,7 +18,9 @@ use crate::tensor::layout::check_layout;
 pub(crate) struct Outgoing<'a> {
     pub sent_ns: u64,
     pub payload: Vec<u8>,
-    pub tensors: Vec<Tensor>,
+    /// The message's tensors, shared with what must keep them until it is done with them (an
+    /// NCCL transfer holds the whole table, not a count on each tensor's storage).
+    pub tensors: Arc<Vec<Tensor>>,
     /// Per tensor, the bytes of its storage its view touches (`Tensor::touched_bytes`), found
     /// once, by the check every tensor passes before anything is sent.
     pub touched: Vec<(usize, usize)>,
@@ -27,11 +29,14 @@ pub(crate) struct Outgoing<'a> {
     pub stream: Option<&'a Stream>,
 }
 
-/// The message's table of tensors goes back to this thread's encoder once sent, emptied: the
-/// next message's table is made in it, not allocated (and freed) again.
+/// The message's table of tensors goes back to this thread's encoder once sent, emptied (unless
+/// a transfer still holds it): the next message's table is made in it, not allocated (and
+/// freed) again.
 impl Drop for Outgoing<'_> {
     fn drop(&mut self) {
-        side_table::recycle(std::mem::take(&mut self.tensors));
+        if let Some(table) = Arc::get_mut(&mut self.tensors) {
+            side_table::recycle(std::mem::take(table));
+        }
     }
 }
 
@@ -75,6 +80,7 @@ impl<'a> Outgoing<'a> {
         let sent_ns = monotonic_ns();
         let (payload, tensors) = side_table::encode(message)?;
         let touched = tensors.iter().map(check_sendable).collect::<Result<_>>()?;
+        let tensors = Arc::new(tensors);
         Ok(Outgoing { sent_ns, payload, tensors, touched, fencing: Fencing::Done, stream: None })
     }
 

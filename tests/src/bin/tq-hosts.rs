@@ -57,9 +57,8 @@ const RTT: (usize, usize) = (100, 1000);
 /// A round trip's stages, from the two messages' `MessageInfo`: there (encode, frame, place,
 /// wait for data, decode), the consumer's turn (from its `recv` returning the message to its
 /// `send_on` of the answer), back (the same five), and the producer's wait for the data.
-const RTT_STAGES: [&str; 12] = [
-    "encode", "frame", "place", "wait", "decode", "turn", "encode", "frame", "place", "wait", "decode", "sync",
-];
+const RTT_STAGES: [&str; 12] =
+    ["encode", "frame", "place", "wait", "decode", "turn", "encode", "frame", "place", "wait", "decode", "sync"];
 const MANY: (usize, usize) = (5, 30);
 /// 1 x 4 KiB one-way: (warm-up, measured).
 const SMALL: (usize, usize) = (20, 200);
