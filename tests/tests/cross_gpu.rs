@@ -60,6 +60,11 @@ fn main() {
         CrossTest { name: "across_hosts_ten_thousand_messages_leak_nothing", gpus: 2, run: many_nccl },
         CrossTest { name: "across_hosts_both_ways_then_a_clean_exit", gpus: 2, run: both_ways_clean_exit },
         CrossTest { name: "across_hosts_broadcast_to_two_receivers", gpus: 2, run: broadcast_nccl },
+        CrossTest {
+            name: "across_hosts_nccl_and_host_senders_share_one_receiver",
+            gpus: 2,
+            run: nccl_beside_host_senders,
+        },
         CrossTest { name: "small_messages_inline_without_nccl_onto_the_receivers_gpu", gpus: 2, run: inline_sizes },
         CrossTest { name: "small_messages_inline_up_to_the_threshold_and_nccl_above", gpus: 2, run: inline_threshold },
         CrossTest { name: "small_messages_inline_a_mixed_message", gpus: 2, run: inline_mixed },
@@ -964,6 +969,37 @@ fn nccl_default(g: &Gpus) -> Result<()> {
 
 fn nccl_network(g: &Gpus) -> Result<()> {
     nccl_cases(g, "nccl-network", &[NCCL_NET[0], NCCL_NET[1], ALWAYS_NCCL])
+}
+
+/// Two NCCL senders (one process, a thread each) and a host-tensor sender stream into one
+/// receiver at once. A message from another host waits, parked, while an NCCL worker queues its
+/// receives, and `recv` decodes it meanwhile; a host message that comes in that time is
+/// delivered first, and the early decode is dropped. Every message must arrive whole, each by
+/// its own path.
+fn nccl_beside_host_senders(g: &Gpus) -> Result<()> {
+    let gpu1 = g.uuid(1).to_string();
+    let (mut consumer, path) = consumer("nccl-beside-host", &over_tcp_onto(g), None, &[])?;
+    let options = [on_gpu(g.uuid(0)), strings(&["--threads", "2", "--count", "100", "--len", "65536"])].concat();
+    let mut nccl = producer("beside-nccl", "stream", &path, &options, None, &[ALWAYS_NCCL])?;
+    let mut host = producer("beside-host", "host", &path, &strings(&["--count", "200"]), None, &[])?;
+    for sender in [&mut nccl, &mut host] {
+        sender.expect("done", Duration::from_secs(300))?;
+        sender.finish(Duration::from_secs(30))?;
+    }
+    let nccl_expect = Expect { path: "Nccl", device: gpu1.clone(), stream_device: gpu1 };
+    let host_expect = Expect { path: "Tcp", device: "host".into(), stream_device: "none".into() };
+    let mut by_path = [0, 0];
+    for n in 0..400 {
+        let report = consumer.report(Duration::from_secs(60)).with_context(|| format!("report {n} of 400"))?;
+        let (expect, count) = match report.paths.first().map(String::as_str) {
+            Some("Nccl") => (&nccl_expect, &mut by_path[0]),
+            _ => (&host_expect, &mut by_path[1]),
+        };
+        check_report(&report, expect, &format!("message {n} ({})", report.note))?;
+        *count += 1;
+    }
+    ensure!(by_path == [200, 200], "{} NCCL and {} host messages of 200 each", by_path[0], by_path[1]);
+    consumer.finish(Duration::from_secs(30))
 }
 
 fn tcp_host_landing(g: &Gpus) -> Result<()> {
