@@ -17,9 +17,10 @@
 //! on one communicator are one job for the worker: `recv` allocates the memory they land in from
 //! this process's arena and queues the job; the message waits (parked, on the CPU) until the
 //! worker has queued the receives on its stream and made the connection's stream wait for
-//! them, so the tensors are ordered on that stream like any others. Nothing on the GPU waits for
-//! a receive that is not queued yet: a first version queued the connection stream's wait (on a
-//! word the worker would write) at once, and every transfer hung on an H200 pair, as if NCCL's
+//! them, so the tensors are ordered on that stream like any others; `recv` decodes the message
+//! meanwhile (`Receiver::recv_with_info`). Nothing on the GPU waits for a receive that is not
+//! queued yet: a first version queued the connection stream's wait (on a word the worker would
+//! write) at once, and every transfer hung on an H200 pair, as if NCCL's
 //! set-up waited for the work queued on the device. The tensors are the receiver's own: they can
 //! be forwarded, and nothing is leased from the sender.
 //!

@@ -34,10 +34,11 @@
 //! is a few transfers, not one each. A worker thread per communicator issues them (NCCL may wait
 //! inside a call for the receiver to take part, which it can only do once it has read the
 //! message frame: `send` must have written that frame already). The sends run on a stream of
-//! the communicator's, which
-//! first waits (an event) for the producer's work: the producer's stream never blocks on the
-//! receiver, as with `torch.distributed`, which does the same. The sources go back to the
-//! sender once the sends are done on the GPU.
+//! the communicator's, which first waits (an event) for the producer's work: the producer's
+//! stream never blocks on the receiver, as with `torch.distributed`, which does the same. A
+//! transfer holds the message's whole table of tensors (one count, not one per storage), so no
+//! tensor's memory goes back to the arena, to be written by the next tensor made there, before
+//! the sends are done on the GPU.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -79,7 +79,10 @@ impl<'a> Outgoing<'a> {
     fn encode<T: Serialize>(message: &T) -> Result<Outgoing<'a>> {
         let sent_ns = monotonic_ns();
         let (payload, tensors) = side_table::encode(message)?;
-        let touched = tensors.iter().map(check_sendable).collect::<Result<_>>()?;
+        let mut touched = Vec::with_capacity(tensors.len());
+        for tensor in &tensors {
+            touched.push(check_sendable(tensor)?);
+        }
         let tensors = Arc::new(tensors);
         Ok(Outgoing { sent_ns, payload, tensors, touched, fencing: Fencing::Done, stream: None })
     }
