@@ -392,6 +392,11 @@ fn four_sender_processes_and_three_threads_feed_one_tcp_receiver() {
         if info.sender_pid != pid {
             failures.push(format!("tag {tag}: sender_pid {} but the sender is {pid}", info.sender_pid));
         }
+        // One clock for every process of the machine: a message's stages are in order.
+        let stages = [info.sent_ns, info.encoded_ns, info.arrived_ns, info.imported_ns, info.taken_ns, info.decoded_ns];
+        if !stages.is_sorted() {
+            failures.push(format!("tag {tag} message {index}: stages out of order {stages:?}"));
+        }
         seen.entry(tag).or_default().push(index);
     });
     for _ in 0..3 {

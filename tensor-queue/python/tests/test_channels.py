@@ -116,6 +116,8 @@ def test_recv_timeout_info_iteration_and_context_managers() -> None:
                 sender.send((i, np.full(2, i)))
             msg, info = receiver.recv_with_info(timeout=10)
             assert msg[0] == 0 and info["seq"] == 1 and info["sender_pid"] == os.getpid()
+            stages = ["sent_ns", "encoded_ns", "arrived_ns", "imported_ns", "taken_ns", "decoded_ns"]
+            assert [info[k] for k in stages] == sorted(info[k] for k in stages), info
         # Iteration ends once every sender has gone and everything it sent was received.
         assert [m[0] for m in receiver] == [1, 2]
         with pytest.raises(tq.Disconnected):
