@@ -45,6 +45,24 @@ impl CountedCondvar {
         guard
     }
 
+    /// Waits while `condition` holds, at most `timeout` in all (as `Condvar::wait_timeout_while`).
+    pub fn wait_timeout_while<'a, T>(
+        &self,
+        mut guard: MutexGuard<'a, T>,
+        timeout: Duration,
+        mut condition: impl FnMut(&mut T) -> bool,
+    ) -> MutexGuard<'a, T> {
+        let deadline = crate::deadline::deadline(timeout);
+        while condition(&mut guard) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            guard = self.wait_timeout(guard, left);
+        }
+        guard
+    }
+
     /// Wakes every waiter, if there is one.
     pub fn notify_all(&self) {
         if self.waiting.load(Ordering::SeqCst) != 0 {

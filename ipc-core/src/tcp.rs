@@ -830,18 +830,11 @@ impl TcpLink {
     /// [`TcpLink::try_send`] takes nothing), waits up to `timeout` for it to be out and returns
     /// true; false at once when none is.
     pub fn wait_sent(&self, timeout: Duration) -> bool {
-        let mut outbox = lock(&self.shared.outbox);
+        let outbox = lock(&self.shared.outbox);
         if !outbox.flushing {
             return false;
         }
-        let deadline = deadline(timeout);
-        while outbox.flushing && outbox.broken.is_none() {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                break;
-            }
-            outbox = self.shared.drained.wait_timeout(outbox, left);
-        }
+        drop(self.shared.drained.wait_timeout_while(outbox, timeout, |o| o.flushing && o.broken.is_none()));
         true
     }
 

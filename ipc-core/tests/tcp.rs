@@ -40,6 +40,14 @@ fn accept_in_background(
     result
 }
 
+/// Sends `bytes` from `from` and returns what `to` receives.
+fn carried(from: &TcpLink, to: &TcpLink, bytes: &[u8]) -> Vec<u8> {
+    from.send(bytes).unwrap();
+    let mut buf = Vec::new();
+    to.recv(&mut buf, Some(PATIENCE)).unwrap();
+    buf
+}
+
 /// The client side of `tq-auth-v1` written out by hand from the module's docs, so the tests can
 /// send what `TcpLink` never would. Returns the bytes it sent.
 fn handshake_by_hand(stream: &mut TcpStream, key: &[u8]) -> Vec<u8> {
@@ -134,10 +142,7 @@ fn a_silent_connector_times_out_and_the_next_one_is_accepted() {
     let accepted = accept_in_background(listener, KEY);
     let client = TcpLink::connect(addr, &secret(KEY), PATIENCE).unwrap();
     let server = accepted.recv_timeout(PATIENCE).unwrap().0.unwrap();
-    client.send(b"after").unwrap();
-    let mut buf = Vec::new();
-    server.recv(&mut buf, Some(PATIENCE)).unwrap();
-    assert_eq!(buf, b"after");
+    assert_eq!(carried(&client, &server, b"after"), b"after");
 }
 
 /// A listener that cannot take a connection (out of descriptors) says so in place of its
@@ -412,10 +417,7 @@ fn messages_that_follow_a_run_in_its_write_arrive_after_it() {
     let too_large = vec![0u8; MAX_MESSAGE + 1];
     let refused = Bulk::new(Vec::new(), Box::new(())).unwrap().followed_by(&too_large);
     assert!(matches!(refused, Err(Error::MessageTooLarge { .. })));
-    client.send(b"next").unwrap();
-    let mut buf = Vec::new();
-    server.recv(&mut buf, Some(PATIENCE)).unwrap();
-    assert_eq!(buf, b"next", "nothing of the refused run went");
+    assert_eq!(carried(&client, &server, b"next"), b"next", "nothing of the refused run went");
 }
 
 /// A handshake the listener sheds before it started (a burst of connectors): the connector sees
@@ -431,10 +433,7 @@ fn a_connector_whose_handshake_is_shed_tries_again_and_gets_in() {
     assert!(matches!(shed, Err(Error::HandshakeShed { .. })), "{shed:?}");
     let ours = listener.accept_unverified(Some(PATIENCE)).unwrap().verify(&secret(KEY)).unwrap();
     let theirs = connector.join().unwrap().unwrap();
-    theirs.send(b"in").unwrap();
-    let mut buf = Vec::new();
-    ours.recv(&mut buf, Some(PATIENCE)).unwrap();
-    assert_eq!(buf, b"in");
+    assert_eq!(carried(&theirs, &ours, b"in"), b"in");
 }
 
 /// A handshake shed after the greetings (the connector's answer on its way) is told so in place

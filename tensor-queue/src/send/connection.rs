@@ -229,16 +229,8 @@ pub(crate) enum Wait {
 impl SenderInner {
     /// See [`Sender::wait_released`].
     pub(crate) fn wait_released(&self, timeout: Duration) -> bool {
-        let deadline = deadline(timeout);
-        let mut state = lock(&self.state);
-        while state.protocol.outstanding() > 0 {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            state = self.changed.wait_timeout(state, left);
-        }
-        true
+        let state = self.changed.wait_timeout_while(lock(&self.state), timeout, |s| s.protocol.outstanding() > 0);
+        state.protocol.outstanding() == 0
     }
 
     /// Sends an encoded message to this receiver: takes a credit, then announces what the

@@ -1071,26 +1071,40 @@ fn rows(runs: &mut [(Way, Option<RouteRun>)], anchors: &Anchors) -> Vec<CrossRow
 /// markdown, printed last.
 pub fn print_table(cross: Option<&Value>) {
     let Some(cross) = cross else { return };
-    println!();
-    if let Some(reason) = cross["skipped"].as_str() {
-        println!("cross-device table: skipped: {reason}");
+    if !print_opening(cross, "cross-device table", "cross-device, GPU0 -> GPU1") {
         return;
     }
-    println!("cross-device, GPU0 -> GPU1 ({})", cross["gpus"].as_str().unwrap_or("?"));
     println!(
         "| route, size | one-way p50 us | GB/s | anchor (same run) | anchor us | anchor GB/s | ratio | other anchors: GB/s or us (ratio) | target |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    for line in cross["table"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+    for line in strings_of(cross, "table") {
         println!("{line}");
     }
     println!(
         "one-way: send call -> data usable on GPU1 (consumer synchronised t.stream(); map: copied on GPU1 and synchronised; host: recv returned); round-trip rows show p50/p99 us in the one-way column"
     );
     println!("ratio: anchor time / ours; above 1 means tensor-queue is faster");
-    for note in cross["notes"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+    for note in strings_of(cross, "notes") {
         println!("note: {note}");
     }
+}
+
+/// Opens a section's printed table: a blank line, then `title` with the section's GPUs, or why
+/// the section (`name`) was skipped, and then `false`: nothing more to print.
+fn print_opening(section: &Value, name: &str, title: &str) -> bool {
+    println!();
+    if let Some(reason) = section["skipped"].as_str() {
+        println!("{name}: skipped: {reason}");
+        return false;
+    }
+    println!("{title} ({})", section["gpus"].as_str().unwrap_or("?"));
+    true
+}
+
+/// The strings of `section[key]` (its table's lines, its notes).
+fn strings_of<'a>(section: &'a Value, key: &str) -> impl Iterator<Item = &'a str> {
+    section[key].as_array().into_iter().flatten().filter_map(Value::as_str)
 }
 
 /// Where `cross_anchors.py` is: `--cross-anchors SCRIPT`, else beside `--torch SCRIPT`.

@@ -134,16 +134,13 @@ fn table(runs: &mut [StagesRun], floor: &[(u64, Option<f64>)]) -> Vec<String> {
 /// Prints the section's table (`None`: it did not run).
 pub fn print_table(section: Option<&Value>) {
     let Some(section) = section else { return };
-    println!();
-    if let Some(reason) = section["skipped"].as_str() {
-        println!("cross-GPU stages: skipped: {reason}");
+    if !super::print_opening(section, "cross-GPU stages", "cross-GPU stages, one message one-way, GPU0 -> GPU1") {
         return;
     }
-    println!("cross-GPU stages, one message one-way, GPU0 -> GPU1 ({})", section["gpus"].as_str().unwrap_or("?"));
-    for line in section["table"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+    for line in super::strings_of(section, "table") {
         println!("{line}");
     }
-    for note in section["notes"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+    for note in super::strings_of(section, "notes") {
         println!("note: {note}");
     }
 }
