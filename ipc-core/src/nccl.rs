@@ -31,6 +31,12 @@ use crate::{Context, DeviceMemory, Error, Result, Stream};
 /// closed its connection cleanly right after its last call has usually let NCCL finish by then.
 const WATCH_GRACE: Duration = Duration::from_secs(1);
 
+/// How long a wait for a communicator's background work asks NCCL again and again (yielding the
+/// core between asks) before it sleeps between asks: a group of sends or receives is set up in
+/// tens of microseconds, and the shortest sleep lasts the thread's timer slack (50 us by default)
+/// on top of what it asked for.
+const SPIN_FOR: Duration = Duration::from_micros(300);
+
 /// The rendezvous of a communicator: made by one rank ([`UniqueId::new`]) and sent to the others
 /// over a channel of the caller's choice; it holds the first rank's bootstrap address.
 #[derive(Clone, Copy)]
@@ -368,6 +374,10 @@ impl Communicator {
         loop {
             if self.check_async()? == Progress::Done {
                 return Ok(());
+            }
+            if start.elapsed() < SPIN_FOR {
+                std::thread::yield_now();
+                continue;
             }
             if start.elapsed() > WATCH_GRACE && !self.peers_alive() {
                 return Err(self.fail(Error::PeerGone));
