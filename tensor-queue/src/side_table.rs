@@ -165,15 +165,15 @@ impl From<Received> for Incoming {
 
 impl Incoming {
     /// Tensor `index`, which the message names once at most.
-    fn take(&mut self, index: usize) -> std::result::Result<Tensor, String> {
+    fn take(&mut self, index: usize) -> std::result::Result<Tensor, Refusal> {
         match self {
             Incoming::Made(tensors) => match tensors.get_mut(index) {
-                None => Err(not_carried(index)),
-                Some(slot) => slot.take().ok_or_else(|| named_twice(index)),
+                None => Err(Refusal::NotCarried(index)),
+                Some(slot) => slot.take().ok_or(Refusal::NamedTwice(index)),
             },
             Incoming::Received(received, taken) => {
                 claim(taken, index, received.table.len())?;
-                received.tensor(index).ok_or_else(|| not_carried(index))
+                received.tensor(index).ok_or(Refusal::NotCarried(index))
             }
             Incoming::Views { of, storages, which, taken } => {
                 claim(taken, index, of.len())?;
@@ -193,20 +193,31 @@ impl Incoming {
     }
 }
 
-fn not_carried(index: usize) -> String {
-    format!("the message names tensor {index}, which it does not carry")
+/// Why a received message's tensor could not be taken: a value, made into text only when raised
+/// (taking a tensor is the per-tensor step of every received message).
+#[derive(Clone, Copy)]
+enum Refusal {
+    NoTable,
+    NotCarried(usize),
+    NamedTwice(usize),
 }
 
-fn named_twice(index: usize) -> String {
-    format!("the message names tensor {index} twice")
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refusal::NoTable => write!(f, "a Tensor can only be deserialized by a tensor-queue Receiver"),
+            Refusal::NotCarried(index) => write!(f, "the message names tensor {index}, which it does not carry"),
+            Refusal::NamedTwice(index) => write!(f, "the message names tensor {index} twice"),
+        }
+    }
 }
 
 /// Claims tensor `index` of `len`, whose bits of `taken` say which were claimed already.
-fn claim(taken: &mut [u64], index: usize, len: usize) -> std::result::Result<(), String> {
-    let word = taken.get_mut(index / 64).filter(|_| index < len).ok_or_else(|| not_carried(index))?;
+fn claim(taken: &mut [u64], index: usize, len: usize) -> std::result::Result<(), Refusal> {
+    let word = taken.get_mut(index / 64).filter(|_| index < len).ok_or(Refusal::NotCarried(index))?;
     let bit = 1u64 << (index % 64);
     if *word & bit != 0 {
-        return Err(named_twice(index));
+        return Err(Refusal::NamedTwice(index));
     }
     *word |= bit;
     Ok(())
@@ -292,17 +303,8 @@ impl Serialize for Tensor {
 impl<'de> Deserialize<'de> for Tensor {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
         let index = u32::deserialize(deserializer)? as usize;
-        let taken = INCOMING.with(|table| {
-            let mut table = table.borrow_mut();
-            let Some(table) = table.as_mut() else {
-                return Err("a Tensor can only be deserialized by a tensor-queue Receiver".to_string());
-            };
-            table.take(index)
-        });
-        match taken {
-            Ok(tensor) => Ok(tensor),
-            Err(text) => refuse(text, D::Error::custom),
-        }
+        let taken = INCOMING.with_borrow_mut(|table| table.as_mut().map_or(Err(Refusal::NoTable), |t| t.take(index)));
+        taken.or_else(|refusal| refuse(refusal.to_string(), D::Error::custom))
     }
 }
 
