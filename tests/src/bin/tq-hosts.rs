@@ -12,7 +12,8 @@
 //!   for both processes), one message in flight; a small host answer comes back on a second TCP
 //!   channel;
 //! - a 4 KiB round trip: the consumer sends the received tensor back with `send_on` on its
-//!   stream, over NCCL, as the anchor's ping-pong does; the producer synchronises it;
+//!   stream, over NCCL, as the anchor's ping-pong does; the producer synchronises it; once more
+//!   inline with both receivers spin-waiting (`Receiver::set_spin`), as the anchor's wait spins;
 //! - one message of 1,024 x 4 KiB tensors, one-way, against one 4 MiB tensor;
 //! - small messages inline (issue 26): the 4 KiB round trip and a 1 x 4 KiB one-way message as
 //!   above travel inline in their TCP frames by default (the senders' default threshold,
@@ -76,8 +77,15 @@ struct Item {
     echo: bool,
     /// Send it back through the consumer's sender whose threshold is 0 (NCCL).
     nccl: bool,
+    /// The consumer's receiver spins ([`SPIN`]) from the next message on, or stops spinning.
+    spin: bool,
     tensors: Vec<Tensor>,
 }
+
+/// How long the spin-wait round trip's receivers (both processes') look for a frame without
+/// sleeping (`Receiver::set_spin`), as `tq-bench`'s spin rows do: torch's anchor waits spinning
+/// too (the NCCL kernel polls on the GPU, and `torch.cuda.synchronize` spins on the CPU).
+const SPIN: Duration = Duration::from_millis(1);
 
 /// Where a one-way message's time goes, p50s in us (one clock for both processes): the
 /// producer's `send` call; from before `send` to the consumer's `recv` returning the message;
@@ -375,6 +383,7 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: 
         for (key, what, target) in [
             ("rtt_4k_us", "4 KiB round trip, small message inline (default)", true),
             ("rtt_4k_nccl_us", "4 KiB round trip through NCCL (inline_gpu_up_to 0)", false),
+            ("rtt_4k_spin_us", "4 KiB round trip inline, spin-wait receivers (torch's anchor waits spinning)", true),
         ] {
             let ours = run[key].as_f64();
             let (ratio, target) = against(ours, pingpong, target);
@@ -431,7 +440,11 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: 
 /// The rows of the 4 KiB round trips' stages (see [`RTT_STAGES`]).
 fn rtt_stage_rows(name: &str, run: &Value) -> String {
     let mut out = String::new();
-    for (key, what) in [("rtt_4k_us_stages", "inline"), ("rtt_4k_nccl_us_stages", "through NCCL")] {
+    for (key, what) in [
+        ("rtt_4k_us_stages", "inline"),
+        ("rtt_4k_nccl_us_stages", "through NCCL"),
+        ("rtt_4k_spin_us_stages", "inline, spin-wait receivers"),
+    ] {
         if let Some(p50s) = run[key].as_array() {
             let p50s: Vec<String> = p50s.iter().map(|us| fmt(us.as_f64())).collect();
             out += &format!(
@@ -552,7 +565,7 @@ fn producer(quick: bool) -> Result<()> {
                 id += 1;
                 // The message is made (its tensors cloned) before the clock starts, and dropped
                 // after `send` returned: that is the benchmark's work, not the channel's.
-                let mut item = Item { id, sent_ns: 0, echo: false, nccl, tensors: tensors.clone() };
+                let mut item = Item { id, sent_ns: 0, echo: false, nccl, spin: false, tensors: tensors.clone() };
                 let sent_ns = monotonic_ns();
                 item.sent_ns = sent_ns;
                 send(&item)?;
@@ -626,7 +639,14 @@ fn producer(quick: bool) -> Result<()> {
     // Round trips: the consumer sends the 4 KiB tensor back on its stream: inline both ways
     // (the default threshold), then through NCCL both ways (threshold 0 on both senders).
     let x = make(4 * KIB)?;
-    for (key, nccl, wanted) in [("rtt_4k_us", false, "Tcp"), ("rtt_4k_nccl_us", true, "Nccl")] {
+    // Last, inline again with both receivers spinning (the consumer's from the first warm-up
+    // message on).
+    for (key, nccl, spin, wanted) in [
+        ("rtt_4k_us", false, false, "Tcp"),
+        ("rtt_4k_nccl_us", true, false, "Nccl"),
+        ("rtt_4k_spin_us", false, true, "Tcp"),
+    ] {
+        answers.set_spin(if spin { SPIN } else { Duration::ZERO });
         let mut trips = Vec::new();
         // Where a round trip's time goes (see `RTT_STAGES`), one vector per stage.
         let mut stages: Vec<Vec<u64>> = vec![Vec::new(); RTT_STAGES.len()];
@@ -635,7 +655,7 @@ fn producer(quick: bool) -> Result<()> {
             id += 1;
             let start = Instant::now();
             let sent_ns = monotonic_ns();
-            send(&Item { id, sent_ns, echo: true, nccl, tensors: vec![x.clone()] })?;
+            send(&Item { id, sent_ns, echo: true, nccl, spin, tensors: vec![x.clone()] })?;
             let (answer, info) = answers.recv_with_info(Some(Duration::from_secs(60)))?;
             if let Some(back) = answer.tensors.first() {
                 if let Some(stream) = back.stream() {
@@ -702,6 +722,7 @@ fn consumer(args: &[String]) -> Result<()> {
             Err(error) => return Err(error.into()),
         };
         let received_ns = monotonic_ns();
+        items.set_spin(if item.spin { SPIN } else { Duration::ZERO });
         let info_ns = [info.encoded_ns, info.arrived_ns, info.imported_ns, info.taken_ns, info.decoded_ns];
         let path = item.tensors.first().map(|t| format!("{:?}", t.path())).unwrap_or_default();
         if item.echo {
