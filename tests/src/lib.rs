@@ -236,6 +236,26 @@ pub fn from_hex(text: &str) -> Result<Vec<u8>> {
         .collect()
 }
 
+/// The in-process floor of a message of `tensors` (host or GPU: no byte is touched), `rounds`
+/// (warm-up, measured) times: per measured round, the ns from the message's encoding to its
+/// decoding with the tensors made again (the decoded message is dropped after the clock stops,
+/// as a receiver's is after `recv`).
+pub fn serde_floor_ns(tensors: &[tensor_queue::Tensor], (warmup, measured): (usize, usize)) -> Result<Vec<u64>> {
+    let message = tensors.to_vec();
+    let mut times = Vec::with_capacity(measured);
+    for round in 0..warmup + measured {
+        let start = tensor_queue::monotonic_ns();
+        let again = tensor_queue::testing::serde_floor(&message)?;
+        let took = tensor_queue::monotonic_ns() - start;
+        anyhow::ensure!(again.len() == message.len(), "{} tensors came back of {}", again.len(), message.len());
+        drop(again);
+        if round >= warmup {
+            times.push(took);
+        }
+    }
+    Ok(times)
+}
+
 /// Nanoseconds as microseconds, for printing.
 pub fn micros(ns: u64) -> f64 {
     ns as f64 / 1000.0

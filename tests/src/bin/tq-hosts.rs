@@ -14,7 +14,9 @@
 //! - a 4 KiB round trip: the consumer sends the received tensor back with `send_on` on its
 //!   stream, over NCCL, as the anchor's ping-pong does; the producer synchronises it; once more
 //!   inline with both receivers spin-waiting (`Receiver::set_spin`), as the anchor's wait spins;
-//! - one message of 1,024 x 4 KiB tensors, one-way, against one 4 MiB tensor;
+//! - one message of 1,024 x 4 KiB tensors, one-way, against one 4 MiB tensor, and against its
+//!   floor: that 4 MiB message plus the message's in-process serde floor (its 1,024 tensors set
+//!   aside and made again with no channel, `testing::serde_floor`, timed in the producer);
 //! - small messages inline (issue 26): the 4 KiB round trip and a 1 x 4 KiB one-way message as
 //!   above travel inline in their TCP frames by default (the senders' default threshold,
 //!   `SenderBuilder::inline_gpu_up_to`); the same again through a second pair of senders built
@@ -42,7 +44,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use integration_tests::{arg, percentile};
+use integration_tests::{arg, percentile, serde_floor_ns};
 use kernels::Kernels;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -431,6 +433,15 @@ fn table(runs: &[(&str, Value)], anchors: &Value, tcp_gbps: Option<f64>, floor: 
             fmt(one),
             fmt2(ratio)
         );
+        if let Some(floor) = run["many_floor_us"].as_f64().zip(one).map(|(serde, one)| serde + one) {
+            out += &format!(
+                "| {name} | 1,024 x 4 KiB one-way, against its floor: ours 1 x 4 MiB + the message's in-process serde floor {} (1,024 tensors set aside and made again, no channel) | {} | | {:.1} | | {} | |\n",
+                fmt(run["many_floor_us"].as_f64()),
+                fmt(many),
+                floor,
+                fmt2(many.map(|many| many / floor))
+            );
+        }
         out += &stage_row(name, "1,024 x 4 KiB", &run["stages"]["many"]);
         out += &stage_row(name, "1 x 4 MiB", &run["stages"][(4 * MIB).to_string()]);
     }
@@ -623,6 +634,9 @@ fn producer(quick: bool) -> Result<()> {
         eprintln!("tq-hosts: 1 x {} done", size(bytes));
     }
     let many = (0..1024).map(|_| make(4 * KIB)).collect::<Result<Vec<_>>>()?;
+    // What any message of these 1,024 tensors costs in this process, with no channel.
+    let mut floor = serde_floor_ns(&many, if quick { (1, 3) } else { (50, 500) })?;
+    result["many_floor_us"] = json!(percentile(&mut floor, 50.0) as f64 / 1e3);
     let (us, _, stages) = one_way(many, if quick { (0, 1) } else { MANY }, &mut answers)?;
     result["many_us"] = json!(us);
     result["stages"]["many"] = serde_json::to_value(stages)?;

@@ -1142,7 +1142,7 @@ impl Bench {
         // The producer's tensors: allocated once (the 1 GiB one too), then sent again and again.
         // The 1,024 small ones first and one after another, so that they lie together.
         let many = (0..MANY).map(|i| self.tensor(4 * KIB, i as u64)).collect::<Result<Vec<_>>>()?;
-        let floor = super::host_many::floor(&many, (MANY_WARMUP * 10, MANY_TRIPS * 10));
+        let floor = integration_tests::serde_floor_ns(&many, (MANY_WARMUP * 10, MANY_TRIPS * 10));
         anchors.many_floor =
             anchors.note("the 1,024-tensor message's in-process floor", floor).map(|mut t| p50_us(&mut t));
         let sized = SIZES.iter().map(|&(bytes, _, _)| self.tensor(bytes, bytes)).collect::<Result<Vec<_>>>()?;

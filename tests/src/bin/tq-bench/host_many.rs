@@ -19,8 +19,9 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, ensure};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use tensor_queue::testing::serde_floor;
 use tensor_queue::{DType, Error, Tensor, from_parent, monotonic_ns, spawn};
+
+use integration_tests::serde_floor_ns;
 
 use super::{Bench, Row, summary};
 
@@ -113,26 +114,6 @@ fn tensors(count: usize) -> Result<Vec<Tensor>> {
     Ok(tensors)
 }
 
-/// The in-process floor of a message of `tensors` (host or GPU: no byte is touched), `rounds`
-/// (warm-up, measured) times: per measured round, the ns from the message's encoding to its
-/// decoding with the tensors made again (the decoded message is dropped after the clock stops,
-/// as a receiver's is after `recv`).
-pub(super) fn floor(tensors: &[Tensor], (warmup, measured): (usize, usize)) -> Result<Vec<u64>> {
-    let message = tensors.to_vec();
-    let mut times = Vec::with_capacity(measured);
-    for round in 0..warmup + measured {
-        let start = monotonic_ns();
-        let again = serde_floor(&message)?;
-        let took = monotonic_ns() - start;
-        ensure!(again.len() == message.len(), "{} tensors came back of {}", again.len(), message.len());
-        drop(again);
-        if round >= warmup {
-            times.push(took);
-        }
-    }
-    Ok(times)
-}
-
 /// The stages' summaries (p50 and more, in us).
 fn stages(report: &mut Report) -> Value {
     json!({
@@ -152,7 +133,7 @@ impl Bench {
         ));
         let one = stages(&mut run(1)?);
         let many = stages(&mut run(MANY)?);
-        let floor = summary(&mut floor(&tensors(MANY)?, (WARMUP, MESSAGES))?);
+        let floor = summary(&mut serde_floor_ns(&tensors(MANY)?, (WARMUP, MESSAGES))?);
         let p50 = |v: &Value| v["one_way"]["p50_us"].as_f64().unwrap_or(0.0);
         let (one_us, many_us) = (p50(&one), p50(&many));
         let floor_us = floor["p50_us"].as_f64().unwrap_or(0.0);
