@@ -446,7 +446,7 @@ pub(crate) fn set_idle_release(idle: Duration) {
 /// Keeps `held` (a tensor's allocation or lease) until the GPU work recorded in `events` is
 /// done: memory that work on another stream still uses must not be reused (see
 /// `Tensor::record_stream`).
-pub(crate) fn drop_after(events: Vec<Event>, held: Box<dyn Send>) {
+pub(crate) fn drop_after(events: Vec<Arc<Event>>, held: Box<dyn Send>) {
     let trimmer = Trimmer::get();
     lock(&trimmer.deferred).push((events, held));
     trimmer.wake();
@@ -471,7 +471,7 @@ struct Trimmer {
 }
 
 /// Something held until the GPU work recorded in the events is done.
-type Deferred = (Vec<Event>, Box<dyn Send>);
+type Deferred = (Vec<Arc<Event>>, Box<dyn Send>);
 
 impl Trimmer {
     fn get() -> &'static Trimmer {

@@ -52,7 +52,7 @@ enum Prepared {
     /// The sender's memory, mapped: (chunk, offset, length).
     Mapped(Arc<Chunk>, usize, usize),
     /// Copied here on the stream, and the event recorded after the copies.
-    Landed(Allocation, Arc<Stream>, Event),
+    Landed(Allocation, Arc<Stream>, Arc<Event>),
 }
 
 /// A message's tensors once placed (made when `recv` decodes the message): the producer's fences
@@ -255,7 +255,7 @@ impl Connected {
                 (Memory::Landed(allocation), Some(stream)) => {
                     let done = Event::new(stream.context())?;
                     done.record(stream)?;
-                    Prepared::Landed(allocation, stream.clone(), done)
+                    Prepared::Landed(allocation, stream.clone(), Arc::new(done))
                 }
                 (Memory::Landed(_), None) => return Err(Error::internal("a landed copy without a stream")),
             };

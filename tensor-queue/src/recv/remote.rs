@@ -300,24 +300,23 @@ impl Remote {
 
 /// A copy onto `stream`'s GPU of `len` bytes at `offset` of `host` (a message's landed run),
 /// queued on `stream`; `host` is held until the copy is done, and the copy's memory is not
-/// reused before it is.
+/// reused before it is: one event, recorded after the copy, holds both.
 fn onto_gpu(host: &Arc<Storage>, offset: usize, len: usize, stream: &Stream) -> Result<Storage> {
     let allocation = Arena::device(stream.context()).allocate(len.max(1))?;
     let destination = allocation.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
     let memory = host.chunk.host().ok_or_else(|| Error::internal("a host arena on a device"))?;
     let source = memory.registered(stream.context())?;
     stream.copy_async(destination, allocation.offset, &source, host.offset + offset, len)?;
-    let [read, copied] = [Event::new(stream.context())?, Event::new(stream.context())?];
-    read.record(stream)?;
-    host.hold_until(stream, read);
+    let copied = Arc::new(Event::new(stream.context())?);
     copied.record(stream)?;
+    host.hold_until(stream, copied.clone());
     Ok(Storage::landed(allocation, Arc::new(Vec::new()), stream, copied))
 }
 
 impl RecvComm {
     /// The worker: starts the communicator, then issues each message's receives in order.
     fn work(&self, context: &Arc<Context>, unique_id: &UniqueId, alive: impl Fn() -> bool + Send + 'static) {
-        let mut running: Vec<(Event, Arc<WordFate>)> = Vec::new();
+        let mut running: Vec<(Arc<Event>, Arc<WordFate>)> = Vec::new();
         let started = Communicator::start(context, unique_id, 2, 1, JOIN_TIMEOUT).and_then(|mut communicator| {
             communicator.watch(alive);
             communicator.wait_until_ready()?;
@@ -370,7 +369,7 @@ impl RecvComm {
 
     /// Gives up (see the module docs): receives not done are cut short and those queued
     /// refused, then the communicator is aborted.
-    fn fail(&self, communicator: Option<Communicator>, running: Vec<(Event, Arc<WordFate>)>, why: String) {
+    fn fail(&self, communicator: Option<Communicator>, running: Vec<(Arc<Event>, Arc<WordFate>)>, why: String) {
         tracing::warn!(comm = self.id, %why, "an NCCL communicator with a sender on another host gave up");
         // Which receives completed is decided before the abort, which ends the others early.
         for (event, fate) in &running {
@@ -391,7 +390,7 @@ impl RecvComm {
     /// Queues one message's receives as one group on `stream`, makes the connection's stream
     /// wait for them, and marks them issued (the message may be delivered). Their memory is held
     /// until they are done.
-    fn issue(&self, communicator: &Communicator, stream: &Stream, receive: Receive) -> Result<Event> {
+    fn issue(&self, communicator: &Communicator, stream: &Stream, receive: Receive) -> Result<Arc<Event>> {
         let mut memories = Vec::with_capacity(receive.spans.len());
         for (storage, len) in &receive.spans {
             let memory = storage.chunk.device().ok_or_else(|| Error::internal("a device arena in host memory"))?;
@@ -403,13 +402,13 @@ impl RecvComm {
             }
             Ok(())
         })?;
-        for (storage, _) in &receive.spans {
-            let landed = Event::new(stream.context())?;
-            landed.record(stream)?;
-            storage.hold_until(stream, landed);
-        }
-        let done = Event::new(stream.context())?;
+        // One event after the group: the connection's stream waits for it, and it holds every
+        // span's memory until the receives are done.
+        let done = Arc::new(Event::new(stream.context())?);
         done.record(stream)?;
+        for (storage, _) in &receive.spans {
+            storage.hold_until(stream, done.clone());
+        }
         receive.stream.wait_event(&done)?;
         receive.fate.issued();
         self.wake.ring();

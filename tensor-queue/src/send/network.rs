@@ -242,7 +242,10 @@ fn issue(communicator: &Communicator, stream: &Stream, transfer: Transfer) -> Re
     })?;
     let done = Event::new(stream.context())?;
     done.record(stream)?;
-    crate::memory::arena::drop_after(vec![done], Box::new((transfer.spans, transfer.sources, transfer.lease)));
+    crate::memory::arena::drop_after(
+        vec![Arc::new(done)],
+        Box::new((transfer.spans, transfer.sources, transfer.lease)),
+    );
     Ok(())
 }
 

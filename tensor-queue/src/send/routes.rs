@@ -76,7 +76,7 @@ impl Drop for CopySources<'_> {
         for (stream, sources) in self.0.drain(..) {
             let done = Event::new(stream.context()).and_then(|done| done.record(&stream).map(|()| done));
             match done {
-                Ok(done) => crate::memory::arena::drop_after(vec![done], Box::new(sources)),
+                Ok(done) => crate::memory::arena::drop_after(vec![Arc::new(done)], Box::new(sources)),
                 Err(error) => {
                     // The copies may still read the sources: wait for them rather than free the
                     // memory under them, and keep it for good if even that fails.

@@ -318,7 +318,7 @@ impl Tensor {
         }
         let event = Event::new(stream.context())?;
         event.record(stream)?;
-        self.hold_until(stream, event);
+        self.hold_until(stream, Arc::new(event));
         Ok(())
     }
 

@@ -105,13 +105,14 @@ pub(crate) struct Storage {
     origin: Origin,
     /// Events after GPU work on other streams that uses the storage (`Tensor::record_stream`),
     /// at most one per stream (the latest covers the earlier ones): the memory goes back only
-    /// once they are complete.
-    uses: std::sync::Mutex<Vec<(usize, Event)>>,
+    /// once they are complete. Shared: one event recorded after a message's copies holds every
+    /// storage they read or write.
+    uses: std::sync::Mutex<Vec<(usize, Arc<Event>)>>,
 }
 
 impl Drop for Storage {
     fn drop(&mut self) {
-        let uses: Vec<Event> = std::mem::take(self.uses.get_mut().unwrap_or_else(|e| e.into_inner()))
+        let uses: Vec<Arc<Event>> = std::mem::take(self.uses.get_mut().unwrap_or_else(|e| e.into_inner()))
             .into_iter()
             .map(|(_, e)| e)
             .collect();
@@ -152,7 +153,7 @@ impl Storage {
 
     /// Storage received by a copy into this process's arena, queued on `stream` and done when
     /// `copied` (recorded after it) is complete: the memory is not reused before.
-    pub fn landed(allocation: Allocation, fences: Fences, stream: &Stream, copied: Event) -> Storage {
+    pub fn landed(allocation: Allocation, fences: Fences, stream: &Stream, copied: Arc<Event>) -> Storage {
         let storage = Storage::landing(allocation, fences);
         storage.hold_until(stream, copied);
         storage
@@ -168,7 +169,7 @@ impl Storage {
     /// on `stream` after work that uses it, is complete. It replaces an earlier event of that
     /// stream, and events already complete are forgotten, so memory used again and again holds
     /// few.
-    pub fn hold_until(&self, stream: &Stream, event: Event) {
+    pub fn hold_until(&self, stream: &Stream, event: Arc<Event>) {
         let key = stream.raw() as usize;
         let mut uses = crate::sync::lock(&self.uses);
         uses.retain(|(k, e)| *k != key && !e.is_complete().unwrap_or(true));
@@ -972,7 +973,7 @@ impl Tensor {
 
     /// Keeps the storage from going back until `event`, recorded on `stream` after work that
     /// uses the tensor, is complete (see [`Storage::hold_until`]).
-    pub(crate) fn hold_until(&self, stream: &Stream, event: Event) {
+    pub(crate) fn hold_until(&self, stream: &Stream, event: Arc<Event>) {
         self.storage.hold_until(stream, event);
     }
 }
