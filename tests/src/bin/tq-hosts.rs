@@ -516,7 +516,9 @@ fn producer(quick: bool) -> Result<()> {
             Routing::default()
         })
     };
-    let mut answers = Receiver::<Answer>::builder().routing(land(0)?).capacity(2).bind("tcp://127.0.0.1:0")?;
+    // Both receivers have the default capacity, as users' do: one message is in flight at a time
+    // anyway, and credits go back every half capacity (a capacity of 2 wrote one per message).
+    let mut answers = Receiver::<Answer>::builder().routing(land(0)?).bind("tcp://127.0.0.1:0")?;
     let reply = format!("tcp://{}", answers.local_addr().context("bound to TCP")?);
     let mut child = Command::new(std::env::current_exe()?)
         .args(["--role", "consumer", "--reply", &reply])
@@ -724,7 +726,7 @@ fn consumer(args: &[String]) -> Result<()> {
     if gpu {
         Kernels::get(&Context::on_ordinal(1)?)?; // contexts ready before anything arrives
     }
-    let mut items = Receiver::<Item>::builder().routing(routing).capacity(2).bind("tcp://127.0.0.1:0")?;
+    let mut items = Receiver::<Item>::builder().routing(routing).bind("tcp://127.0.0.1:0")?;
     println!("listening tcp://{}", items.local_addr().context("bound to TCP")?);
     std::io::stdout().flush()?;
     let answers = Sender::<Answer>::connect(reply.as_str())?;
