@@ -638,6 +638,11 @@ struct Inbox {
 }
 
 /// Bytes of messages already taken that the socket had no room for yet.
+/// The `ioctl` that asks a TCP socket for its send queue's bytes not yet acknowledged
+/// (`SIOCOUTQ`, the same number as `TIOCOUTQ`: the generic Linux number, which x86-64 and
+/// AArch64 use).
+const SIOCOUTQ: rustix::ioctl::Opcode = 0x5411;
+
 #[derive(Debug, Default)]
 struct Outbox {
     pending: Vec<u8>,
@@ -920,6 +925,31 @@ impl TcpLink {
             Some(left) => left == 0 || inbox.data.len() > inbox.start,
             None => !matches!(inbox.whole(), Ok(None)) || inbox.bulk_header_here(),
         }
+    }
+
+    /// Bytes sent that the peer's machine has not acknowledged yet: those this link still writes
+    /// (its flusher, a bulk run) and the kernel's send queue (`SIOCOUTQ`). They are not safe
+    /// until then: a process that dies with bytes unread in its socket resets the connection,
+    /// and the kernel throws its send queue away (the peer never sees those bytes); bytes the
+    /// peer's kernel acknowledged stay readable there. 0 once the link broke (nothing more will
+    /// be acknowledged).
+    pub fn unacknowledged(&self) -> usize {
+        let outbox = lock(&self.shared.outbox);
+        if outbox.broken.is_some() {
+            return 0;
+        }
+        let queued = outbox.pending.len() + outbox.bulk.as_ref().map_or(0, |_| 1);
+        drop(outbox);
+        // SAFETY: SIOCOUTQ (TIOCOUTQ) on a TCP socket writes one `c_int`, the bytes of its send
+        // queue not yet acknowledged, into the getter's output; the socket is ours and open.
+        let unsent = unsafe {
+            rustix::ioctl::ioctl(
+                &self.shared.stream,
+                rustix::ioctl::Getter::<SIOCOUTQ, rustix::ioctl::IoctlOutput>::new(),
+            )
+        };
+        // A socket the kernel no longer reports on is a broken one: nothing will be acknowledged.
+        queued + unsent.map_or(0, |n| usize::try_from(n).unwrap_or(0))
     }
 
     /// How many bytes were read of a message not yet whole (a message arrives in pieces): what

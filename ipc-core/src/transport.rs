@@ -87,6 +87,13 @@ pub trait Packets: AsFd + Send + Sync + 'static {
         false
     }
 
+    /// Bytes sent that the peer's machine has not acknowledged yet, which a process dying now
+    /// could lose (see [`TcpLink::unacknowledged`]); 0 where the kernel hands a packet to the
+    /// peer's socket as it is sent.
+    fn unacknowledged(&self) -> usize {
+        0
+    }
+
     /// Closes one or both directions.
     fn shutdown(&self, how: rustix::net::Shutdown);
 
@@ -175,6 +182,10 @@ impl Packets for TcpLink {
 
     fn wait_sent(&self, timeout: std::time::Duration) -> bool {
         TcpLink::wait_sent(self, timeout)
+    }
+
+    fn unacknowledged(&self) -> usize {
+        TcpLink::unacknowledged(self)
     }
 
     fn shutdown(&self, how: rustix::net::Shutdown) {

@@ -16,6 +16,8 @@ use sha2::Sha256;
 
 const KEY: &[u8] = b"0123456789abcdef-test-secret";
 const CHILD_ENV: &str = "TQ_TCP_TEST_CHILD_ADDR";
+/// How the child ends (see [`child_peer`]).
+const CHILD_MODE_ENV: &str = "TQ_TCP_TEST_CHILD_MODE";
 /// Only a guard against hangs; nothing here is timed.
 const PATIENCE: Duration = Duration::from_secs(30);
 
@@ -234,7 +236,59 @@ fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
     assert!(matches!(outcome, Err(Error::PeerGone)), "{outcome:?}");
 }
 
-/// The other process of the test above; does nothing unless started by it.
+/// A process that dies with bytes unread in its socket (a sender with credits unread) resets the
+/// connection, and its kernel throws away the send queue: bytes written but not yet acknowledged
+/// never reach the peer. Bytes the peer's machine acknowledged stay readable there. So a child
+/// that kills itself once `unacknowledged` says 0, with the parent's bytes unread, loses nothing
+/// of its 16 MiB message; while the parent is not reading, bytes are unacknowledged.
+#[test]
+fn a_peer_killed_once_its_bytes_are_acknowledged_loses_none_of_them() {
+    let listener = listener();
+    let addr = listener.local_addr().unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["child_peer", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, addr.to_string())
+        .env(CHILD_MODE_ENV, "acknowledged")
+        .env(SECRET_ENV, std::str::from_utf8(KEY).unwrap())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let link = listener.accept(Some(PATIENCE), &secret(KEY)).expect("the child authenticates");
+    let mut buf = Vec::new();
+    link.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert_eq!(buf, format!("hello from {}", child.id()).as_bytes());
+    // Bytes the child never reads, so that its death resets the connection.
+    link.send(b"credit").unwrap();
+    // The child is sending 16 MiB, which waits unacknowledged while this side does not read.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(child.try_wait().unwrap().is_none(), "the child waits while its bytes are unacknowledged");
+    link.recv(&mut buf, Some(PATIENCE)).unwrap();
+    assert!(buf.len() == MAX_MESSAGE && buf.iter().all(|&b| b == 7), "the whole message arrived");
+    assert!(matches!(link.recv(&mut buf, Some(PATIENCE)), Err(Error::PeerGone)));
+    assert!(!child.wait().unwrap().success(), "the child killed itself");
+}
+
+/// What `unacknowledged` counts in one process: nothing on a quiet link; a message the peer has
+/// not read, until it reads.
+#[test]
+fn unacknowledged_counts_what_the_peer_has_not_taken_in() {
+    let (client, server) = pair();
+    assert_eq!(client.unacknowledged(), 0);
+    assert!(client.try_send(&vec![1u8; MAX_MESSAGE]).unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(client.unacknowledged() > 0, "16 MiB do not fit a peer's buffers unread");
+    let mut buf = Vec::new();
+    server.recv(&mut buf, Some(PATIENCE)).unwrap();
+    let deadline = std::time::Instant::now() + PATIENCE;
+    while client.unacknowledged() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(client.unacknowledged(), 0, "read, and so acknowledged");
+}
+
+/// The other process of the tests above; does nothing unless started by them. With
+/// [`CHILD_MODE_ENV`] `acknowledged` it kills itself once its message is acknowledged, never
+/// reading what the parent sent; else it sleeps, to be killed mid-message.
 #[test]
 fn child_peer() {
     let Ok(addr) = std::env::var(CHILD_ENV) else { return };
@@ -242,6 +296,15 @@ fn child_peer() {
     let link = TcpLink::connect(addr.as_str(), &secret, PATIENCE).unwrap();
     link.set_send_timeout(None);
     link.send(format!("hello from {}", std::process::id()).as_bytes()).unwrap();
+    if std::env::var(CHILD_MODE_ENV).as_deref() == Ok("acknowledged") {
+        std::thread::sleep(Duration::from_millis(100)); // the parent's bytes come, unread
+        assert!(link.try_send(&vec![7; MAX_MESSAGE]).unwrap());
+        let deadline = std::time::Instant::now() + PATIENCE;
+        while link.unacknowledged() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        let _ = rustix::process::kill_process(rustix::process::getpid(), rustix::process::Signal::KILL);
+    }
     let _ = link.send(&vec![7; MAX_MESSAGE]);
     std::thread::sleep(PATIENCE);
 }

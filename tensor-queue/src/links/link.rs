@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsFd as _, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ipc_core::ring::{RingError, RingReader, RingWriter, Tally, Wakeup};
 use ipc_core::tcp::Bulk;
@@ -91,6 +91,9 @@ struct Local {
 type Packet = (usize, Vec<OwnedFd>, Option<Error>);
 
 /// Tokens in a local link's poll set (only its readiness as a whole is used).
+/// How often [`Link::wait_written_for`] asks whether the peer's machine acknowledged the bytes.
+const ACK_POLL: Duration = Duration::from_micros(100);
+
 const SOCKET: u64 = 0;
 const DOORBELL: u64 = 1;
 
@@ -476,15 +479,35 @@ impl Link {
         self.connection.try_send(&bytes, &[]).map_err(peer_gone)
     }
 
-    /// Waits up to `timeout` until every queued packet is written, or the peer is gone: whether
-    /// nothing is left queued.
+    /// Waits up to `timeout` until every queued packet is written and, over TCP, acknowledged by
+    /// the peer's machine, or the peer is gone: whether nothing is left to write. A sender that
+    /// dies with bytes unread in its socket (credits, releases) resets the connection, and the
+    /// kernel throws away what it had not yet sent; what the peer acknowledged stays readable
+    /// there. So bytes count as written only once acknowledged.
     pub fn wait_written_for(&self, timeout: Duration) -> bool {
+        let deadline = ipc_core::deadline::deadline(timeout);
         let out = lock(&self.outbox);
         let (out, _) = self
             .drained
             .wait_timeout_while(out, timeout, |out| out.writing && !out.broken)
             .unwrap_or_else(|e| e.into_inner());
-        !out.writing || out.broken
+        if out.broken {
+            return true;
+        }
+        if out.writing {
+            return false;
+        }
+        drop(out);
+        loop {
+            if self.connection.unacknowledged() == 0 || self.gone().is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            // Loopback acknowledges within microseconds, another host within a round trip.
+            std::thread::sleep(ACK_POLL);
+        }
     }
 
     /// Reads the next packet if one is waiting, without sleeping. A packet whose descriptors
