@@ -362,8 +362,11 @@ impl<T> Sender<T> {
     }
 
     /// Waits up to `timeout` until the bytes of every message sent so far are in the socket
-    /// (a large message the receiver has not read yet waits in this process); whether they are,
-    /// or the receiver is gone. Dropping the last clone waits for the same without a bound, so a
+    /// (a large message the receiver has not read yet waits in this process) and, over TCP,
+    /// acknowledged by the receiver's machine; whether they are, or the receiver is gone. After
+    /// it says true, this process may die at once without losing them: a process that dies
+    /// with bytes unread in its socket resets the connection, and the kernel drops what it had
+    /// not yet sent. Dropping the last clone waits for the same without a bound, so a
     /// caller that must stay interruptible waits here first, in slices.
     ///
     /// ```
