@@ -637,12 +637,12 @@ struct Inbox {
     bulk_left: Option<u64>,
 }
 
-/// Bytes of messages already taken that the socket had no room for yet.
 /// The `ioctl` that asks a TCP socket for its send queue's bytes not yet acknowledged
 /// (`SIOCOUTQ`, the same number as `TIOCOUTQ`: the generic Linux number, which x86-64 and
 /// AArch64 use).
 const SIOCOUTQ: rustix::ioctl::Opcode = 0x5411;
 
+/// Bytes of messages already taken that the socket had no room for yet.
 #[derive(Debug, Default)]
 struct Outbox {
     pending: Vec<u8>,

@@ -90,10 +90,10 @@ struct Local {
 /// the kernel dropped.
 type Packet = (usize, Vec<OwnedFd>, Option<Error>);
 
-/// Tokens in a local link's poll set (only its readiness as a whole is used).
 /// How often [`Link::wait_written_for`] asks whether the peer's machine acknowledged the bytes.
 const ACK_POLL: Duration = Duration::from_micros(100);
 
+/// Tokens in a local link's poll set (only its readiness as a whole is used).
 const SOCKET: u64 = 0;
 const DOORBELL: u64 = 1;
 
