@@ -208,13 +208,15 @@ fn an_oversize_length_prefix_is_refused() {
     assert!(matches!(server.recv(&mut buf, Some(PATIENCE)), Err(Error::PeerGone)), "the link was closed");
 }
 
-#[test]
-fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
+/// [`child_peer`] started in another process with [`CHILD_MODE_ENV`] `mode`, and its link, once
+/// its hello (which names its pid) has come.
+fn child_connected(mode: &str) -> (std::process::Child, TcpLink) {
     let listener = listener();
     let addr = listener.local_addr().unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let child = Command::new(std::env::current_exe().unwrap())
         .args(["child_peer", "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_ENV, addr.to_string())
+        .env(CHILD_MODE_ENV, mode)
         .env(SECRET_ENV, std::str::from_utf8(KEY).unwrap())
         .stdout(Stdio::null())
         .spawn()
@@ -223,6 +225,13 @@ fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
     let mut buf = Vec::new();
     link.recv(&mut buf, Some(PATIENCE)).unwrap();
     assert_eq!(buf, format!("hello from {}", child.id()).as_bytes());
+    (child, link)
+}
+
+#[test]
+fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
+    let (mut child, link) = child_connected("");
+    let mut buf = Vec::new();
     // The child is now sending a 16 MiB message that the socket buffers cannot hold unread.
     std::thread::sleep(Duration::from_millis(200));
     child.kill().unwrap();
@@ -243,20 +252,8 @@ fn a_peer_process_killed_mid_message_reads_as_peer_gone() {
 /// of its 16 MiB message; while the parent is not reading, bytes are unacknowledged.
 #[test]
 fn a_peer_killed_once_its_bytes_are_acknowledged_loses_none_of_them() {
-    let listener = listener();
-    let addr = listener.local_addr().unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["child_peer", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, addr.to_string())
-        .env(CHILD_MODE_ENV, "acknowledged")
-        .env(SECRET_ENV, std::str::from_utf8(KEY).unwrap())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let link = listener.accept(Some(PATIENCE), &secret(KEY)).expect("the child authenticates");
+    let (mut child, link) = child_connected("acknowledged");
     let mut buf = Vec::new();
-    link.recv(&mut buf, Some(PATIENCE)).unwrap();
-    assert_eq!(buf, format!("hello from {}", child.id()).as_bytes());
     // Bytes the child never reads, so that its death resets the connection.
     link.send(b"credit").unwrap();
     // The child is sending 16 MiB, which waits unacknowledged while this side does not read.
