@@ -1292,11 +1292,14 @@ fn handshake(
     let hello = [&TAG[..], &[side.role()], &own].concat();
     write_all_by(&stream, &hello, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
 
-    let mut theirs = [0u8; HELLO_LEN];
-    read_exact_by(&stream, &mut theirs, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
     if let Some(progress) = listening {
+        // Heard is stored while the greeting's first byte still waits in the socket: stored
+        // after the read, `heard_from` (heard, or bytes waiting) would say false in between.
+        peek_by(&stream, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
         progress.heard.store(true, Ordering::Release);
     }
+    let mut theirs = [0u8; HELLO_LEN];
+    read_exact_by(&stream, &mut theirs, deadline).map_err(|stop| stopped(stop, HUNG_UP_IN_GREETING))?;
     if &theirs[..TAG.len()] != TAG {
         return Err(refused("its greeting is not tq-auth-v1 (another protocol, or garbage)"));
     }
@@ -1398,6 +1401,18 @@ fn read_by(mut stream: &TcpStream, buf: &mut [u8], deadline: Option<Instant>) ->
         match stream.read(buf) {
             Ok(0) => return Err(Stop::Gone),
             Ok(n) => return Ok(n),
+            Err(e) => retry_or_stop(e)?,
+        }
+    }
+}
+
+/// Waits by `deadline` until a byte can be read, leaving it in the socket.
+fn peek_by(stream: &TcpStream, deadline: Option<Instant>) -> std::result::Result<(), Stop> {
+    loop {
+        stream.set_read_timeout(remaining(deadline)?).map_err(Stop::Os)?;
+        match stream.peek(&mut [0u8; 1]) {
+            Ok(0) => return Err(Stop::Gone),
+            Ok(_) => return Ok(()),
             Err(e) => retry_or_stop(e)?,
         }
     }
