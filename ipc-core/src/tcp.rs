@@ -638,9 +638,8 @@ struct Inbox {
 }
 
 /// The `ioctl` that asks a TCP socket for its send queue's bytes not yet acknowledged
-/// (`SIOCOUTQ`, the same number as `TIOCOUTQ`: the generic Linux number, which x86-64 and
-/// AArch64 use).
-const SIOCOUTQ: rustix::ioctl::Opcode = 0x5411;
+/// (`SIOCOUTQ`, the same number as `TIOCOUTQ`, which differs between architectures).
+const SIOCOUTQ: rustix::ioctl::Opcode = linux_raw_sys::ioctl::TIOCOUTQ as rustix::ioctl::Opcode;
 
 /// Bytes of messages already taken that the socket had no room for yet.
 #[derive(Debug, Default)]
