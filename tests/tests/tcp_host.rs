@@ -628,6 +628,83 @@ fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
     assert_eq!(refused(&reported), 4, "four refused connections, each reported once: {reported:?}");
 }
 
+/// Threads of this process now.
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map_or(0, |tasks| tasks.count())
+}
+
+/// A receiver that does not read yet (a server still setting up) under a storm of refused
+/// connectors keeps accepting, and keeps no thread per connector: the accept thread rang its
+/// doorbell for `recv` with a wait for room, so once a few hundred refusals were unread every
+/// handshake thread stayed blocked, and then the accept thread too (outside tester, Python
+/// round: 1,000 garbage connections left 722 threads behind; 1,400 stopped the listener). Only
+/// then does the receiver read: the honest sender's message, and the refusals, the last 1,024.
+#[test]
+fn refused_connectors_cost_no_thread_and_keep_no_one_out_while_the_receiver_is_not_reading() {
+    const STORM: usize = 2000;
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let addr = addr_of(&endpoint);
+    let before = threads();
+    let storm: Vec<_> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                for _ in 0..STORM / 4 {
+                    let mut stream = TcpStream::connect(addr).expect("the listener accepts");
+                    let _ = stream.write_all(b"hello garbage\n");
+                }
+            })
+        })
+        .collect();
+    for thread in storm {
+        thread.join().unwrap();
+    }
+    let settled = wait_for(Duration::from_secs(20), || threads() < before + 32);
+    assert!(settled.is_some(), "{} threads after {STORM} refused connectors (before: {before})", threads());
+    let honest = endpoint.clone();
+    let sent = within(Duration::from_secs(30), move || {
+        let sender = connect::<Probe>(&honest, KEY)?;
+        sender.send(&raw_probe(7, "after the storm"))
+    });
+    assert!(matches!(sent, Some(Ok(()))), "an honest sender after the storm: {sent:?}");
+    let got = receiver.recv_timeout(Duration::from_secs(30)).expect("the honest message");
+    assert_eq!(got.id, 7);
+    let errors = receiver.take_errors();
+    assert_eq!(errors.len(), 1024, "the last 1,024 refusals are kept");
+    let shed = |e: &Error| matches!(e, Error::Core(ipc_core::Error::HandshakeShed { .. }));
+    let other: Vec<_> = errors.iter().filter(|e| !is_auth_failed(e) && !shed(e)).collect();
+    assert!(other.is_empty(), "refusals of garbage only: {other:?}");
+}
+
+/// A sender process that exits with a large message unread by a live receiver waits at most
+/// `SENDER_DROP_TIMEOUT` in all (shortened here to 2 s by the tests' switch), then gives up the
+/// rest, which the receiver reports. Over TCP the drop waited twice that: once for the message
+/// to leave (its lease) and once more for the link's bytes (outside tester, Python round:
+/// 121 s where 60 are documented).
+#[test]
+fn a_sender_exiting_with_a_message_unread_waits_one_drop_timeout_in_all() {
+    const BOUND: Duration = Duration::from_secs(2);
+    let (mut receiver, endpoint) = bind::<Probe>(8);
+    let bound_ms = BOUND.as_millis().to_string();
+    let mut sender = Peer::program_env(
+        "tcp-peer",
+        &["send", "--to", &endpoint, "--count", "1", "--len", &(256u64 << 20).to_string()],
+        Some(KEY),
+        &[("TENSOR_QUEUE_TEST_DROP_TIMEOUT_MS", &bound_ms)],
+    );
+    sender.expect("sent 1", Duration::from_secs(60));
+    let sent = Instant::now();
+    let status = sender.exit_within(Duration::from_secs(30)).expect("the sender exits");
+    let waited = sent.elapsed();
+    assert!(status.success(), "{status:?}");
+    // Twice the bound was the bug; the margin is for a loaded machine's exit.
+    assert!(waited < BOUND + BOUND * 3 / 4, "the sender's exit took {waited:?} after its send (bound {BOUND:?})");
+    let errors = errors_until(&mut receiver, |errors| !errors.is_empty());
+    assert!(
+        errors.iter().any(|e| matches!(e, Error::ConnectionClosed { .. })),
+        "the unfinished message is reported: {errors:?}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 4. Malformed frames after a correct handshake
 

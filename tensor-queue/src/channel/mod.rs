@@ -149,8 +149,9 @@ pub use sender::{Rejection, Sender};
 /// ```
 pub const DEFAULT_CAPACITY: u32 = 16;
 
-/// How long dropping the last clone of a [`Sender`] waits for the bytes its sends queued to be
-/// written (a program may return from `main` right after its last send). A receiver that is
+/// How long dropping the last clone of a [`Sender`] waits, in all, for its messages still in
+/// flight and the bytes its sends queued to be written (a program may return from `main` right
+/// after its last send). A receiver that is
 /// alive but takes nothing for this long costs the dropping thread no more: what is still
 /// unwritten is given up, logged, and the receiver reports the unfinished message
 /// ([`UNFINISHED_IDLE`]). [`Sender::wait_written`] waits for a bound of the caller's choice.

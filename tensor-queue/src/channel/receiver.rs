@@ -494,7 +494,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     /// closed ([`Error::ConnectionClosed`](crate::Error::ConnectionClosed), with the cause),
     /// peers refused ([`Error::PeerRefused`](crate::Error::PeerRefused)) and messages rejected
     /// ([`Error::Rejected`](crate::Error::Rejected), also returned by `recv`). Other senders were
-    /// not affected by any of them.
+    /// not affected by any of them. The last 1,024 are kept: a receiver that never calls this,
+    /// under a storm of refused connectors, keeps a bounded list (each error is also logged).
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {

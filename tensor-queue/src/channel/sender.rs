@@ -62,14 +62,16 @@ struct Handle {
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        self.inner.finish_remote();
+        // One bound for the whole drop (it was one for each wait: twice as long over TCP).
+        let timeout = crate::switches::sender_drop_timeout();
+        let deadline = std::time::Instant::now() + timeout;
+        self.inner.finish_remote(timeout);
         // What the sends queued is written first (while the receiver lives): a program may
         // return from `main` right after its last send. Bounded: a receiver that never reads
         // must not hold this thread for ever.
-        if !self.inner.link.wait_written_for(super::SENDER_DROP_TIMEOUT) {
+        if !self.inner.link.wait_written_for(deadline.saturating_duration_since(std::time::Instant::now())) {
             tracing::warn!(
-                "a dropped Sender gave up bytes its sends had queued: the receiver took none of them for {:?}",
-                super::SENDER_DROP_TIMEOUT
+                "a dropped Sender gave up bytes its sends had queued: the receiver took none of them for {timeout:?}"
             );
         }
         // Close our direction only: the receiver may still hold tensors, and their releases

@@ -12,6 +12,7 @@
 //! end and they say nothing; one address cannot take more than its share; and an honest sender
 //! shed in a burst of others tries again (`ipc_core::tcp::TcpLink::connect`).
 
+use std::collections::VecDeque;
 use std::io::ErrorKind;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -135,8 +136,8 @@ pub(crate) enum Listening {
 pub(crate) struct Handed {
     /// Checked and greeted connections.
     pub links: Vec<Link>,
-    /// Connections refused, for `take_errors`.
-    pub refused: Vec<Error>,
+    /// Connections refused, for `take_errors` (the last [`MAX_ERRORS_KEPT`]).
+    pub refused: VecDeque<Error>,
     /// Connections being greeted: their senders may send as soon as the `Hello` is out, before
     /// they are handed over, so `recv` must not take the end of the stream for final meanwhile.
     pub greeting: usize,
@@ -336,9 +337,28 @@ impl Reserve {
     }
 }
 
+/// The most errors a receiver keeps for `take_errors` (connections refused or closed, messages
+/// rejected): beyond it the oldest go, so that a receiver whose `take_errors` is never called
+/// keeps a bounded list under a storm of refused connectors (each is also logged).
+pub(crate) const MAX_ERRORS_KEPT: usize = 1024;
+
+/// Adds `error` to `errors`, dropping the oldest beyond [`MAX_ERRORS_KEPT`].
+pub(crate) fn keep_bounded(errors: &mut VecDeque<Error>, error: Error) {
+    if errors.len() >= MAX_ERRORS_KEPT {
+        errors.pop_front();
+    }
+    errors.push_back(error);
+}
+
 /// Greets a checked connection and hands it to `recv` (also when the greeting failed: see
 /// below), or records why it was refused; rings the doorbell either way (`recv` may wait for it,
 /// see [`Handed::greeting`]). Whether the receiver is still there.
+///
+/// The doorbell is rung without waiting: a full one has rings `recv` has yet to read, and each
+/// read takes everything handed over so far, this connection too. (Waiting for room held every
+/// handshake thread, and the accept thread, until the receiver called `recv`: a receiver not
+/// reading yet, under a storm of refused connectors, kept a thread per connector and stopped
+/// accepting anyone; outside tester, Python round, finding 1.)
 fn hand_over(outcome: Result<Link>, options: &Greeting, handed: &Mutex<Handed>, bell: &Connection) -> bool {
     let ring: &[u8] = match outcome {
         Ok(link) => {
@@ -359,11 +379,11 @@ fn hand_over(outcome: Result<Link>, options: &Greeting, handed: &Mutex<Handed>, 
         }
         Err(error) => {
             tracing::warn!(%error, "refused a connection");
-            lock(handed).refused.push(error);
+            keep_bounded(&mut lock(handed).refused, error);
             b"r"
         }
     };
-    bell.send(ring, &[]).is_ok()
+    bell.try_send(ring, &[]).is_ok()
 }
 
 impl Drop for Acceptor {

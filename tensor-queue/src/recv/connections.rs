@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::acceptor::Acceptor;
+use super::acceptor::{Acceptor, keep_bounded};
 use super::connection::{Arrival, Connected, Progress, Ready, UNFINISHED_IDLE};
 use super::devices::Devices;
 use super::peer::Peer;
@@ -46,7 +46,8 @@ pub(crate) struct Connections {
     parked: VecDeque<Ready>,
     devices: Devices,
     capacity: u32,
-    errors: Vec<Error>,
+    /// For `take_errors`, the last [`MAX_ERRORS_KEPT`](super::acceptor::MAX_ERRORS_KEPT).
+    errors: VecDeque<Error>,
     /// How many senders have said hello.
     joined: usize,
     /// After how many senders no more may join (see `expect_senders`).
@@ -77,7 +78,7 @@ impl Connections {
             parked: VecDeque::new(),
             devices,
             capacity,
-            errors: Vec::new(),
+            errors: VecDeque::new(),
             joined: 0,
             expected: None,
             spin: Duration::ZERO,
@@ -153,7 +154,7 @@ impl Connections {
 
     /// Notes an error for `take_errors`.
     pub fn report(&mut self, error: Error) {
-        self.errors.push(error);
+        keep_bounded(&mut self.errors, error);
     }
 
     /// The descriptor that is readable whenever `next` may make progress.
@@ -310,7 +311,7 @@ impl Connections {
             let _ = self.pump(Some(Duration::ZERO));
             self.note_pending();
         }
-        std::mem::take(&mut self.errors)
+        std::mem::take(&mut self.errors).into()
     }
 
     /// Looks for frames without sleeping for up to the spin time (or until `deadline`); whether
@@ -419,7 +420,7 @@ impl Connections {
                 connected.lost(&why).unwrap_or_else(|| Error::internal(format_args!("idle, yet nothing held: {why}")));
             tracing::warn!(pid = connected.pid(), %lost, "closing a connection");
             connected.close(format!("the receiver closed the connection: {lost}"));
-            self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
+            keep_bounded(&mut self.errors, Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
             let gone = self.connected.remove(at);
             self.unwatch(&gone);
         }
@@ -443,7 +444,7 @@ impl Connections {
                     read = true;
                     if let Arrival::Rejected { pid, connection, seq, reason } = &arrival {
                         let (pid, connection, seq, reason) = (*pid, *connection, *seq, reason.clone());
-                        self.errors.push(Error::Rejected { pid, connection, seq, reason });
+                        keep_bounded(&mut self.errors, Error::Rejected { pid, connection, seq, reason });
                     }
                     self.arrivals.push_back(arrival);
                 }
@@ -454,14 +455,20 @@ impl Connections {
                     // Why, as its liveness says (the hang-up, or its process found dead).
                     let gone = connected.peer.link.gone().unwrap_or(Gone::HungUp);
                     if let Some(lost) = connected.lost(&format!("the sender {gone}")) {
-                        self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) });
+                        keep_bounded(
+                            &mut self.errors,
+                            Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(lost) },
+                        );
                     }
                     closed.push(index);
                 }
                 Err(error) => {
                     tracing::warn!(pid = connected.pid(), %error, "closing a connection");
                     connected.close(format!("the receiver closed the connection: {error}"));
-                    self.errors.push(Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(error) });
+                    keep_bounded(
+                        &mut self.errors,
+                        Error::ConnectionClosed { pid: connected.pid(), cause: Box::new(error) },
+                    );
                     closed.push(index);
                 }
             }
@@ -489,7 +496,9 @@ impl Connections {
             let mut handed = lock(&acceptor.handed);
             (std::mem::take(&mut handed.links), std::mem::take(&mut handed.refused))
         };
-        self.errors.extend(refused);
+        for error in refused {
+            keep_bounded(&mut self.errors, error);
+        }
         for link in links {
             self.adopt(link)?;
         }

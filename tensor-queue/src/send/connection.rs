@@ -120,15 +120,23 @@ impl SenderInner {
         Ok(inner)
     }
 
-    /// For a receiver on another host, when the last `Sender` drops: NCCL sends still in flight
-    /// finish first (bounded): the receiver may be setting up the connection they need, which
-    /// must not look like a sender gone. Then the NCCL workers end here, on the user's thread: a
-    /// program that returns from `main` next must not exit under a worker that is still inside
-    /// NCCL.
-    pub(crate) fn finish_remote(&self) {
+    /// For a receiver on another host, when the last `Sender` drops: messages still in flight
+    /// (NCCL sends, host bytes not yet in the socket) finish first, within `timeout`: the
+    /// receiver may be setting up the connection they need, which must not look like a sender
+    /// gone. Then the NCCL workers end here, on the user's thread: a program that returns from
+    /// `main` next must not exit under a worker that is still inside NCCL. A receiver that took
+    /// nothing more for the whole wait has its communicators aborted, not closed (closing waits
+    /// for their sends). The drop's one bound is `timeout`: the wait for the link's bytes that
+    /// follows has only what is left of it.
+    pub(crate) fn finish_remote(&self, timeout: Duration) {
         if let Flavor::Remote(comms) = &self.flavor {
-            self.wait_released(network::NCCL_TIMEOUT);
-            lock(comms).close();
+            // Not under the lock: a receiver's hang-up takes it (`hang_up`) to end the wait.
+            let released = self.wait_released(timeout);
+            let mut comms = lock(comms);
+            if !released {
+                comms.abort();
+            }
+            comms.close();
         }
     }
 
