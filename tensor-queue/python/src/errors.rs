@@ -19,6 +19,11 @@ pub fn to_py(error: Error) -> PyErr {
         Error::RouteRefused(_) => "RouteRefused",
         // A TCP peer that failed the secret's challenge is refused as surely as one of another user.
         Error::PeerRefused(_) | Error::Core(ipc_core::Error::AuthFailed { .. }) => "PeerRefused",
+        // Nobody at the address: a ConnectionRefusedError in Python.
+        Error::NoReceiver { .. } => "NoReceiver",
+        // Connecting took the whole timeout (a TimeoutError in Python, as `recv`'s).
+        Error::Core(ipc_core::Error::HandshakeTimeout { .. }) => "Timeout",
+        Error::Core(ipc_core::Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => "Timeout",
         // Bad arguments (a ValueError in Python).
         Error::Invalid(_)
         | Error::Tensor(_)

@@ -16,7 +16,7 @@ class Disconnected(TensorQueueError, EOFError):
 
 
 class Timeout(TensorQueueError, TimeoutError):
-    """``recv``/``send`` waited the whole timeout."""
+    """``recv``/``send`` waited the whole timeout, or ``Sender.connect`` did."""
 
 
 class Empty(TensorQueueError, queue.Empty):
@@ -51,6 +51,10 @@ class PeerRefused(TensorQueueError, ConnectionRefusedError):
     """The peer was refused at the handshake (wrong secret, another version)."""
 
 
+class NoReceiver(TensorQueueError, ConnectionRefusedError):
+    """Nothing listens at the address ``Sender.connect`` was given (not bound yet, or gone)."""
+
+
 class ProtocolError(TensorQueueError):
     """A peer broke the protocol; its connection was closed."""
 
@@ -77,6 +81,7 @@ __all__ = [
     "Empty",
     "Full",
     "InvalidArgument",
+    "NoReceiver",
     "NotSendable",
     "NotTheConsumer",
     "PeerRefused",

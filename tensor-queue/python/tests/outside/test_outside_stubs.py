@@ -88,6 +88,7 @@ BUILTIN = {
     "NotSendable": TypeError,
     "TooLarge": ValueError,
     "PeerRefused": ConnectionRefusedError,
+    "NoReceiver": ConnectionRefusedError,
     "InvalidArgument": ValueError,
     "UsedAfterFork": RuntimeError,
     "NotTheConsumer": RuntimeError,
