@@ -88,8 +88,8 @@ pub(crate) fn ring_offer_delay() -> Option<std::time::Duration> {
 }
 
 /// With the `test-switches` feature, milliseconds that replace
-/// [`SENDER_DROP_TIMEOUT`](crate::channel::SENDER_DROP_TIMEOUT) (tests only): a test of the bound on a
-/// dropped sender's wait need not wait a minute.
+/// [`SENDER_DROP_TIMEOUT`](crate::channel::SENDER_DROP_TIMEOUT) (tests only): a test of the
+/// bound on a dropped sender's wait need not wait a minute.
 #[cfg_attr(not(feature = "test-switches"), allow(dead_code))]
 pub const DROP_TIMEOUT_MS_ENV: &str = "TENSOR_QUEUE_TEST_DROP_TIMEOUT_MS";
 

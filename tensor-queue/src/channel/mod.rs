@@ -151,10 +151,10 @@ pub const DEFAULT_CAPACITY: u32 = 16;
 
 /// How long dropping the last clone of a [`Sender`] waits, in all, for its messages still in
 /// flight and the bytes its sends queued to be written (a program may return from `main` right
-/// after its last send). A receiver that is
-/// alive but takes nothing for this long costs the dropping thread no more: what is still
-/// unwritten is given up, logged, and the receiver reports the unfinished message
-/// ([`UNFINISHED_IDLE`]). [`Sender::wait_written`] waits for a bound of the caller's choice.
+/// after its last send). A receiver that is alive but takes nothing for this long costs the
+/// dropping thread no more: what is still unwritten is given up, logged, and the receiver
+/// reports the unfinished message ([`UNFINISHED_IDLE`]). [`Sender::wait_written`] waits for a
+/// bound of the caller's choice.
 pub const SENDER_DROP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// The environment variable through which [`spawn`] tells a child the number of the inherited
