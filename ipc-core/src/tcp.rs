@@ -570,15 +570,16 @@ impl HandshakeAbort {
     /// the socket. An honest connector greets as soon as it is connected; one that said nothing
     /// is the one to shed first when handshakes must make room.
     pub fn heard_from(&self) -> bool {
-        if self.progress.heard.load(Ordering::Acquire) {
-            return true;
-        }
         let mut byte = [0u8; 1];
         // A peek that does not wait: bytes waiting (or the end: it hung up, so it goes anyway).
-        matches!(
+        let waiting = matches!(
             rustix::net::recv(&self.stream, &mut byte, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT),
             Ok((1, _))
-        )
+        );
+        // The peek first: the handshake stores `heard` before it reads the greeting, so bytes
+        // gone by the peek were marked before they went. (The mark first left a window: not
+        // marked yet, then marked and read before the peek.)
+        waiting || self.progress.heard.load(Ordering::Acquire)
     }
 
     /// Ends the handshake: it fails with [`Error::HandshakeShed`], and a connector that already
