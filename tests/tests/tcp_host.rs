@@ -628,9 +628,13 @@ fn garbage_before_the_handshake_is_refused_and_the_receiver_goes_on() {
     assert_eq!(refused(&reported), 4, "four refused connections, each reported once: {reported:?}");
 }
 
-/// Threads of this process now.
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |tasks| tasks.count())
+/// This process's threads named `name` now (other tests of this binary run beside).
+fn threads_named(name: &str) -> usize {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    tasks
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.trim_end() == name)
+        .count()
 }
 
 /// A receiver that does not read yet (a server still setting up) under a storm of refused
@@ -644,7 +648,6 @@ fn refused_connectors_cost_no_thread_and_keep_no_one_out_while_the_receiver_is_n
     const STORM: usize = 2000;
     let (mut receiver, endpoint) = bind::<Probe>(8);
     let addr = addr_of(&endpoint);
-    let before = threads();
     let storm: Vec<_> = (0..4)
         .map(|_| {
             std::thread::spawn(move || {
@@ -658,8 +661,9 @@ fn refused_connectors_cost_no_thread_and_keep_no_one_out_while_the_receiver_is_n
     for thread in storm {
         thread.join().unwrap();
     }
-    let settled = wait_for(Duration::from_secs(20), || threads() < before + 32);
-    assert!(settled.is_some(), "{} threads after {STORM} refused connectors (before: {before})", threads());
+    let handshakes = || threads_named("tq-handshake");
+    let settled = wait_for(Duration::from_secs(20), || handshakes() < 32);
+    assert!(settled.is_some(), "{} handshake threads after {STORM} refused connectors", handshakes());
     let honest = endpoint.clone();
     let sent = within(Duration::from_secs(30), move || {
         let sender = connect::<Probe>(&honest, KEY)?;
