@@ -20,7 +20,7 @@ import weakref
 from typing import Any
 
 from . import _native
-from ._errors import Disconnected, Empty, Full, NotTheConsumer, Timeout
+from ._errors import Disconnected, Empty, Full, NoReceiver, NotTheConsumer, Timeout
 
 
 def _alive(pid: int) -> bool:
@@ -132,7 +132,9 @@ class Queue:
         while True:
             try:
                 return _native.Sender.connect(self._address)
-            except OSError as error:  # the consumer has not bound the address yet
+            except NoReceiver:  # the consumer has not bound the address yet
+                pass
+            except OSError as error:  # the same, said by the operating system
                 if error.errno not in (errno.ENOENT, errno.ECONNREFUSED):
                     raise
             except Exception as error:  # noqa: BLE001 - the Rust error for a missing socket
