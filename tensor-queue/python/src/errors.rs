@@ -45,19 +45,30 @@ pub fn to_py(error: Error) -> PyErr {
         Error::NcclMessageLost { .. } | Error::Internal(_) | Error::Core(_) => "TensorQueueError",
         _ => "TensorQueueError",
     };
+    // An OSError subclass carries the system's errno, as Python's own do (`except OSError as e:
+    // if e.errno == errno.ENOENT`).
+    if let Error::NoReceiver { cause, .. } = &error
+        && let Some(errno) = cause.raw_os_error()
+    {
+        return raise_with(class, (errno, error.to_string()));
+    }
     raise(class, error.to_string())
 }
 
 /// An instance of `tensor_queue._errors.<class>` with `message`.
 pub fn raise(class: &str, message: impl Into<String>) -> PyErr {
-    let message = message.into();
+    raise_with(class, message.into())
+}
+
+/// An instance of `tensor_queue._errors.<class>` made with `args`.
+fn raise_with<A: pyo3::PyErrArguments + Send + Sync + 'static>(class: &str, args: A) -> PyErr {
     Python::attach(|py| {
         let found = py
             .import("tensor_queue._errors")
             .and_then(|module| module.getattr(class))
             .and_then(|class| class.cast_into::<PyType>().map_err(PyErr::from));
         match found {
-            Ok(class) => PyErr::from_type(class, message),
+            Ok(class) => PyErr::from_type(class, args),
             Err(missing) => missing,
         }
     })

@@ -7,6 +7,7 @@ never reads: its exit waits at most ``SENDER_DROP_TIMEOUT`` in all (the tests' s
 where the wheel has switches). Connecting to nobody, or to a listener that never answers, raises
 the builtin exceptions that mean so. Every wait is bounded; no bound is a speed assertion."""
 
+import errno
 import os
 import socket
 import subprocess
@@ -149,6 +150,11 @@ def test_connect_to_nobody_is_a_connection_refused_error_and_to_a_mute_listener_
     with pytest.raises(ConnectionRefusedError) as nobody:
         tq.Sender.connect(f"tcp://127.0.0.1:{port}", timeout=5)
     assert isinstance(nobody.value, tq.NoReceiver), repr(nobody.value)
+    assert nobody.value.errno == errno.ECONNREFUSED, repr(nobody.value)  # as the system said
+    missing = os.path.join(tempfile.gettempdir(), f"tq-round8-nobody-{os.getpid()}.sock")
+    with pytest.raises(ConnectionRefusedError) as no_file:
+        tq.Sender.connect(missing, timeout=5)
+    assert no_file.value.errno == errno.ENOENT, repr(no_file.value)
     with socket.socket() as mute:  # accepts into its backlog, never says a word
         mute.bind(("127.0.0.1", 0))
         mute.listen(8)
