@@ -87,21 +87,19 @@ pub(crate) fn ring_offer_delay() -> Option<std::time::Duration> {
     None
 }
 
-/// With the `test-switches` feature, milliseconds that replace
-/// [`SENDER_DROP_TIMEOUT`](crate::channel::SENDER_DROP_TIMEOUT) (tests only): a test of the
-/// bound on a dropped sender's wait need not wait a minute.
+/// With the `test-switches` feature, milliseconds that replace `SENDER_DROP_TIMEOUT` (tests
+/// only): a test of the bound on a dropped sender's wait need not wait a minute.
 #[cfg_attr(not(feature = "test-switches"), allow(dead_code))]
 pub const DROP_TIMEOUT_MS_ENV: &str = "TENSOR_QUEUE_TEST_DROP_TIMEOUT_MS";
 
-/// How long a dropped `Sender` may wait in all (`SENDER_DROP_TIMEOUT`, or the tests' switch).
-pub(crate) fn sender_drop_timeout() -> std::time::Duration {
+/// What replaces `SENDER_DROP_TIMEOUT`, if anything (tests only; see [`DROP_TIMEOUT_MS_ENV`]).
+pub(crate) fn drop_timeout() -> Option<std::time::Duration> {
     #[cfg(feature = "test-switches")]
     {
         static SET: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-        let set = SET.get_or_init(|| std::env::var(DROP_TIMEOUT_MS_ENV).ok().and_then(|ms| ms.parse().ok()));
-        if let Some(ms) = set {
-            return std::time::Duration::from_millis(*ms);
-        }
+        SET.get_or_init(|| std::env::var(DROP_TIMEOUT_MS_ENV).ok().and_then(|ms| ms.parse().ok()))
+            .map(std::time::Duration::from_millis)
     }
-    crate::channel::SENDER_DROP_TIMEOUT
+    #[cfg(not(feature = "test-switches"))]
+    None
 }

@@ -63,7 +63,7 @@ struct Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         // One bound for the whole drop (it was one for each wait: twice as long over TCP).
-        let timeout = crate::switches::sender_drop_timeout();
+        let timeout = crate::switches::drop_timeout().unwrap_or(super::SENDER_DROP_TIMEOUT);
         let deadline = std::time::Instant::now() + timeout;
         self.inner.finish_remote(timeout);
         // What the sends queued is written first (while the receiver lives): a program may
