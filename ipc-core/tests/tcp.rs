@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use ipc_core::Error;
-use ipc_core::tcp::{MAX_MESSAGE, SECRET_ENV, Secret, TcpLink, TcpListener, TurnAway};
+use ipc_core::tcp::{HandshakeAbort, MAX_MESSAGE, SECRET_ENV, Secret, TcpLink, TcpListener, TurnAway};
 use sha2::Sha256;
 
 const KEY: &[u8] = b"0123456789abcdef-test-secret";
@@ -496,22 +496,28 @@ fn a_connector_whose_handshake_is_shed_tries_again_and_gets_in() {
     assert_eq!(carried(&theirs, &ours, b"in"), b"in");
 }
 
+/// A raw connector to `listener` that greeted and read the listener's greeting, then stopped
+/// (the listener waits for its answer, verifying on a thread): the socket, the handshake's abort
+/// handle, and the verifying thread.
+fn greeted(listener: &TcpListener) -> (TcpStream, HandshakeAbort, std::thread::JoinHandle<Result<(), Error>>) {
+    let mut raw = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    raw.set_read_timeout(Some(PATIENCE)).unwrap();
+    let first = listener.accept_unverified(Some(PATIENCE)).unwrap();
+    let abort = first.abort_handle().unwrap();
+    let verifying = std::thread::spawn(move || first.verify(&secret(KEY)).map(|_| ()));
+    raw.write_all(&[&b"tq-auth-v1C"[..], &[0x5a; 32]].concat()).unwrap();
+    let mut hello = [0u8; 43];
+    raw.read_exact(&mut hello).unwrap();
+    (raw, abort, verifying)
+}
+
 /// A handshake shed after the greetings (the connector's answer on its way) is told so in place
 /// of the listener's answer: 32 bytes no HMAC answer is, `tq-auth-v1 shed: try again later`
 /// (what makes `TcpLink::connect` try again with `HandshakeShed`, not `AuthFailed`).
 #[test]
 fn a_handshake_shed_after_the_greetings_is_told_so_in_place_of_the_answer() {
     let listener = listener();
-    let addr = listener.local_addr().unwrap();
-    let mut raw = TcpStream::connect(addr).unwrap();
-    raw.set_read_timeout(Some(PATIENCE)).unwrap();
-    let first = listener.accept_unverified(Some(PATIENCE)).unwrap();
-    let abort = first.abort_handle().unwrap();
-    let verifying = std::thread::spawn(move || first.verify(&secret(KEY)).map(|_| ()));
-    // Greet, read the listener's greeting, and stop there: the listener waits for our answer.
-    raw.write_all(&[&b"tq-auth-v1C"[..], &[0x5a; 32]].concat()).unwrap();
-    let mut hello = [0u8; 43];
-    raw.read_exact(&mut hello).unwrap();
+    let (mut raw, abort, verifying) = greeted(&listener);
     assert!(abort.heard_from(), "our greeting was read");
     assert!(abort.abort(), "shed while it waits for our answer");
     let mut told = [0u8; 32];
@@ -529,16 +535,8 @@ fn a_handshake_shed_after_the_greetings_is_told_so_in_place_of_the_answer() {
 #[test]
 fn heard_from_has_no_window_while_the_greeting_is_read() {
     let listener = listener();
-    let addr = listener.local_addr().unwrap();
     for round in 0..400 {
-        let mut raw = TcpStream::connect(addr).unwrap();
-        raw.set_read_timeout(Some(PATIENCE)).unwrap();
-        let first = listener.accept_unverified(Some(PATIENCE)).unwrap();
-        let abort = first.abort_handle().unwrap();
-        let verifying = std::thread::spawn(move || first.verify(&secret(KEY)).map(|_| ()));
-        raw.write_all(&[&b"tq-auth-v1C"[..], &[0x5a; 32]].concat()).unwrap();
-        let mut hello = [0u8; 43];
-        raw.read_exact(&mut hello).unwrap();
+        let (raw, abort, verifying) = greeted(&listener);
         assert!(abort.heard_from(), "round {round}: our greeting was sent before we read the listener's");
         drop(raw);
         assert!(verifying.join().unwrap().is_err(), "round {round}: no answer was sent");

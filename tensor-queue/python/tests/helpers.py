@@ -1,5 +1,6 @@
-"""What the package's own tests share: fresh socket paths, connecting once a child has bound, and
-Ctrl-C'ing a separate program in the middle of a call."""
+"""What the package's own tests share: fresh socket paths, connecting once a child has bound,
+Ctrl-C'ing a separate program in the middle of a call, and separate programs whose lines are read
+with a bound."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 import uuid
+
+import pytest
 
 import tensor_queue as tq
 
@@ -52,3 +57,29 @@ def interrupt_program(code: str, *args: str, ready: str, before=None) -> tuple[s
         if prog.poll() is None:
             prog.kill()
             prog.communicate()
+
+
+def program(code: str, *args, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`code` run as a separate Python program with `args`, in a folder that is not the package's
+    source, with `env` added to this process's environment; its stdin, stdout and stderr piped."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, **(env or {})),
+        cwd=tempfile.gettempdir(),
+    )
+
+
+def line_of(prog: subprocess.Popen, bound: float) -> str:
+    """The next line `prog` prints, within `bound` seconds (a hang fails the test)."""
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(prog.stdout.readline()), daemon=True)
+    t.start()
+    t.join(bound)
+    if t.is_alive():
+        prog.kill()
+        pytest.fail(f"no line from the program within {bound} s")
+    return out[0].strip()

@@ -13,16 +13,14 @@ bound is a speed assertion."""
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
 
+import helpers
 import tensor_queue as tq
 
 SECRET = "outside-round7-python-secret-0123456789abcdef"
@@ -121,29 +119,11 @@ sys.stdin.read()
 
 
 def program(code, *args, secret=SECRET):
-    env = dict(os.environ)
-    env["TQ_SECRET"] = secret
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tempfile.gettempdir(),  # not the package's source folder
-    )
+    return helpers.program(code, *args, env={"TQ_SECRET": secret})
 
 
 def line_of(prog, bound=120.0):
-    """The next line `prog` prints, within `bound` seconds (a hang fails the test)."""
-    out = []
-    t = threading.Thread(target=lambda: out.append(prog.stdout.readline()), daemon=True)
-    t.start()
-    t.join(bound)
-    if t.is_alive():
-        prog.kill()
-        pytest.fail(f"no line from the program within {bound} s")
-    return out[0].strip()
+    return helpers.line_of(prog, bound)
 
 
 def until(prog, prefix, bound=120.0):

@@ -10,15 +10,13 @@ the builtin exceptions that mean so. Every wait is bounded; no bound is a speed 
 import errno
 import os
 import socket
-import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
 
 import pytest
 
+import helpers
 import tensor_queue as tq
 
 SECRET = "outside-round8-python-secret-0123456789abcdef"
@@ -42,28 +40,7 @@ def handshake_threads():
 
 
 def program(code, *args, env=None):
-    full = dict(os.environ, TQ_SECRET=SECRET, **(env or {}))
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *map(str, args)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full,
-        cwd=tempfile.gettempdir(),  # not the package's source folder
-    )
-
-
-def line_of(prog, bound):
-    """The next line `prog` prints, within `bound` seconds (a hang fails the test)."""
-    out = []
-    t = threading.Thread(target=lambda: out.append(prog.stdout.readline()), daemon=True)
-    t.start()
-    t.join(bound)
-    if t.is_alive():
-        prog.kill()
-        pytest.fail(f"no line from the program within {bound} s")
-    return out[0].strip()
+    return helpers.program(code, *args, env={"TQ_SECRET": SECRET, **(env or {})})
 
 
 HONEST = r"""
@@ -98,7 +75,7 @@ def test_tcp_receiver_not_reading_yet_survives_a_storm_of_refused_connectors(sec
     assert handshake_threads() < 32, f"{handshake_threads()} handshake threads after {storm} refused connectors"
     honest = program(HONEST, r.address)
     try:
-        assert line_of(honest, 60) == "sent", honest.stderr.read()[-2000:]
+        assert helpers.line_of(honest, 60) == "sent", honest.stderr.read()[-2000:]
         assert r.recv(timeout=30) == {"who": "honest", "n": 7}
     finally:
         honest.kill()
@@ -124,7 +101,7 @@ def test_tcp_sender_exit_with_a_message_unread_waits_one_drop_timeout_in_all(sec
     r = tq.Receiver.bind("tcp://127.0.0.1:0")
     child = program(EXIT, r.address, env={"TENSOR_QUEUE_TEST_DROP_TIMEOUT_MS": str(int(bound * 1000))})
     try:
-        assert line_of(child, 60) == "sent", child.stderr.read()[-2000:]
+        assert helpers.line_of(child, 60) == "sent", child.stderr.read()[-2000:]
         sent = time.monotonic()
         child.wait(30)
         waited = time.monotonic() - sent
