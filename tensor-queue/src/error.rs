@@ -592,7 +592,7 @@ pub enum TensorProblem {
         shape: Vec<u64>,
     },
     /// More dimensions than a tensor may have.
-    #[error("{ndim} dimensions; at most {max}")]
+    #[error("has {ndim} dimensions, more than the {max} a tensor may have")]
     TooManyDims {
         /// How many were given.
         ndim: usize,

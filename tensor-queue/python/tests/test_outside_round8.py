@@ -140,3 +140,18 @@ def test_connect_to_nobody_is_a_connection_refused_error_and_to_a_mute_listener_
             tq.Sender.connect(f"tcp://127.0.0.1:{mute.getsockname()[1]}", timeout=1.0)
         assert isinstance(silent.value, tq.Timeout), repr(silent.value)
         assert time.monotonic() - started < 30, "the connect's timeout bounds it"
+
+
+def test_an_array_of_too_many_dimensions_is_refused_with_a_sentence_that_names_it(tmp_path):
+    np = pytest.importorskip("numpy")
+    try:
+        deep = np.zeros((1,) * 40)
+    except ValueError:
+        pytest.skip("this NumPy makes no array of 40 dimensions (NumPy 1 stops at 32)")
+    with tq.Receiver.bind(str(tmp_path / "dims.sock")) as r, tq.Sender.connect(r.address) as s:
+        with pytest.raises(tq.NotSendable) as caught:
+            s.send({"x": deep})
+        # Was "msg["x"] 40 dimensions; at most 32": the location, then a sentence about it.
+        assert 'msg["x"] has 40 dimensions, more than the 32 a tensor may have' in str(caught.value), caught.value
+        s.send("after")
+        assert r.recv(timeout=10) == "after"
