@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 use cuda_sys::CUstream;
 
+use crate::local::Local;
 use crate::value::Framework;
 use crate::{exchange, gpu, shareable, stats};
 
@@ -508,7 +509,7 @@ unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, String> {
 /// through `__dlpack__`. Arrays from frameworks other than NumPy and torch arrive as this type.
 #[pyclass(module = "tensor_queue._native", name = "Array", frozen)]
 pub struct Array {
-    tensor: Tensor,
+    tensor: Local<Tensor>,
     framework: Framework,
 }
 
@@ -543,13 +544,13 @@ impl Array {
                 managed: DLManagedTensorVersioned {
                     version: DLPackVersion { major: 1, minor: 0 },
                     manager_ctx: std::ptr::null_mut(),
-                    deleter: Some(delete_versioned::<Tensor>),
+                    deleter: Some(delete_versioned::<Local<Tensor>>),
                     flags: if writable { DlpackFlags::empty() } else { DlpackFlags::READ_ONLY },
                     dl_tensor: unused_dl_tensor(),
                 },
                 shape,
                 strides,
-                _keep: self.tensor.clone(),
+                _keep: Local::new(Tensor::clone(&self.tensor)),
             });
             export.managed.dl_tensor = self.dl_tensor(&mut export.shape, &mut export.strides)?;
             let managed = Box::into_raw(export).cast::<c_void>();
@@ -561,11 +562,11 @@ impl Array {
                 managed: DLManagedTensor {
                     dl_tensor: unused_dl_tensor(),
                     manager_ctx: std::ptr::null_mut(),
-                    deleter: Some(delete_legacy::<Tensor>),
+                    deleter: Some(delete_legacy::<Local<Tensor>>),
                 },
                 shape,
                 strides,
-                _keep: self.tensor.clone(),
+                _keep: Local::new(Tensor::clone(&self.tensor)),
             });
             export.managed.dl_tensor = self.dl_tensor(&mut export.shape, &mut export.strides)?;
             let managed = Box::into_raw(export).cast::<c_void>();
@@ -744,7 +745,7 @@ pub fn export<'py>(
     ordered: &mut Vec<(usize, usize)>,
 ) -> PyResult<Bound<'py, PyAny>> {
     stats::ARRAYS_RECEIVED.add(1);
-    let array = Bound::new(py, Array { tensor, framework })?;
+    let array = Bound::new(py, Array { tensor: Local::new(tensor), framework })?;
     // Looked up once per process, not once per array.
     static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     static FROM_DLPACK: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -795,13 +796,13 @@ fn export_cuda_torch<'py>(
         managed: DLManagedTensorVersioned {
             version: DLPackVersion { major: 1, minor: 0 },
             manager_ctx: std::ptr::null_mut(),
-            deleter: Some(delete_versioned::<gpu::Lent>),
+            deleter: Some(delete_versioned::<Local<gpu::Lent>>),
             flags: DlpackFlags::empty(),
             dl_tensor: unused_dl_tensor(),
         },
         shape,
         strides,
-        _keep: lent,
+        _keep: Local::new(lent),
     });
     export.managed.dl_tensor = DLTensor {
         data,

@@ -10,6 +10,7 @@ mod dlpack;
 mod errors;
 mod exchange;
 mod gpu;
+mod local;
 mod shareable;
 mod stats;
 mod value;
