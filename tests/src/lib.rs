@@ -316,3 +316,16 @@ mod tests {
         assert!(from_hex("abc").is_err() && from_hex("zz").is_err());
     }
 }
+
+/// What `f` returns, run on a thread of its own; a panic naming `what` if it takes longer than
+/// `bound` (a hang fails the test instead of holding it up).
+pub fn within<R: Send + 'static>(bound: std::time::Duration, what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(bound) {
+        Ok(value) => value,
+        Err(_) => panic!("{what} did not return within {bound:?}"),
+    }
+}

@@ -141,6 +141,14 @@ pub(crate) struct Handed {
     /// Connections being greeted: their senders may send as soon as the `Hello` is out, before
     /// they are handed over, so `recv` must not take the end of the stream for final meanwhile.
     pub greeting: usize,
+    /// Connections greeted so far (or being greeted).
+    pub admitted: usize,
+    /// The most connections greeted in all (`Receiver::expect_senders`): one beyond is turned
+    /// away before its greeting, so its sender never has a credit to send with. (Counting only
+    /// in `recv`, senders connecting at once got in beyond the count, and one of them lost the
+    /// messages its `send` had accepted when its connection was dropped; outside tester, Rust
+    /// round 9, finding 1.)
+    pub limit: Option<usize>,
 }
 
 /// A bound receiver's accept thread (see the module docs).
@@ -362,7 +370,19 @@ pub(crate) fn keep_bounded(errors: &mut VecDeque<Error>, error: Error) {
 fn hand_over(outcome: Result<Link>, options: &Greeting, handed: &Mutex<Handed>, bell: &Connection) -> bool {
     let ring: &[u8] = match outcome {
         Ok(link) => {
-            lock(handed).greeting += 1;
+            {
+                let mut handed = lock(handed);
+                if handed.limit.is_some_and(|limit| handed.admitted >= limit) {
+                    drop(handed);
+                    let why = "the receiver has every sender it expects (expect_senders)";
+                    tracing::info!(pid = link.peer_pid(), "{why}: turned a sender away");
+                    let _ = link.try_send(&ToSender::Close { read_up_to: 0, reason: why.into() });
+                    link.shutdown(rustix::net::Shutdown::Both);
+                    return true;
+                }
+                handed.admitted += 1;
+                handed.greeting += 1;
+            }
             let greeted = options.greet(&link);
             // A greeting that fails found the sender gone, but what it sent before it went (its
             // `Hello`, messages) is ours to read: `recv` counts it as a sender that joined and

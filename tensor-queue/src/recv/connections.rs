@@ -150,6 +150,10 @@ impl Connections {
     /// See [`Receiver::expect_senders`](crate::Receiver::expect_senders).
     pub fn expect_senders(&mut self, count: usize) {
         self.expected = Some(count);
+        if let Some(acceptor) = &self.acceptor {
+            lock(&acceptor.handed).limit = Some(count);
+        }
+        self.note_pending(); // `expect_senders(0)` (or a count already reached) ends the stream
     }
 
     /// Notes an error for `take_errors`.
@@ -176,7 +180,7 @@ impl Connections {
     /// the accept thread holds a connection it greeted (or is greeting): its sender may have
     /// sent, and is connected.
     fn at_end(&self) -> bool {
-        let all_joined = self.joined > 0 && self.expected.is_none_or(|n| self.joined >= n);
+        let all_joined = self.expected.map_or(self.joined > 0, |n| self.joined >= n);
         self.connected.is_empty()
             && self.parked.is_empty()
             && (all_joined || self.acceptor.is_none())
@@ -317,15 +321,19 @@ impl Connections {
     /// Looks for frames without sleeping for up to the spin time (or until `deadline`); whether
     /// anything was read.
     fn spin_until_readable(&mut self, deadline: Option<Instant>) -> Result<bool> {
-        let start = Instant::now();
-        let until = deadline.map_or(start + self.spin, |d| d.min(start + self.spin));
+        // A spin too long to add to the clock (`Duration::MAX`) spins until the deadline, if any.
+        let spun = Instant::now().checked_add(self.spin);
+        let until = match (deadline, spun) {
+            (Some(deadline), Some(spun)) => Some(deadline.min(spun)),
+            (deadline, spun) => deadline.or(spun),
+        };
         loop {
             // A non-blocking read per connection: one system call per frame, where a zero-timeout
             // `poll` and then the read would be two.
             if self.read_connections(0..self.connected.len()) || self.accept_waiting()? {
                 return Ok(true);
             }
-            if Instant::now() >= until {
+            if until.is_some_and(|until| Instant::now() >= until) {
                 return Ok(false);
             }
             std::hint::spin_loop();

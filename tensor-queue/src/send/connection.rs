@@ -288,7 +288,10 @@ impl SenderInner {
             && !matches!(wait, Wait::Never)
         {
             drop(state);
-            self.spin_for_credits();
+            self.spin_for_credits(match wait {
+                Wait::Until(deadline) => Some(deadline),
+                Wait::Forever | Wait::Never => None,
+            });
             state = lock(&self.state);
         }
         loop {
@@ -562,17 +565,25 @@ impl SenderInner {
     /// Reads the receiver's frames on the sending thread while no credit is left, for up to the
     /// spin time: the reader thread may take some of them too, which is fine, since credits add
     /// up and releases are independent of each other (and a receiver's frames are never parts).
-    fn spin_for_credits(&self) {
+    ///
+    /// It spins no later than `deadline` (a `send_timeout`'s): a spin longer than the timeout
+    /// held `send_timeout` for the whole spin (outside tester, Rust round 9, finding 3).
+    fn spin_for_credits(&self, deadline: Option<Instant>) {
         let spin = Duration::from_nanos(self.spin_ns.load(Atomic::Relaxed));
         if spin.is_zero() {
             return;
         }
         // One spinning thread is enough; others wait for it (or the reader thread) to see credits.
         let Ok(mut buf) = self.spin_buf.try_lock() else { return };
-        let until = Instant::now() + spin;
+        // A spin too long to add to the clock (`Duration::MAX`) spins until the deadline, if any.
+        let spun = Instant::now().checked_add(spin);
+        let until = match (deadline, spun) {
+            (Some(deadline), Some(spun)) => Some(deadline.min(spun)),
+            (deadline, spun) => deadline.or(spun),
+        };
         buf.resize(MAX_PACKET, 0);
         let mut assembler = Assembler::default();
-        while Instant::now() < until && lock(&self.state).protocol.credits() == 0 {
+        while until.is_none_or(|until| Instant::now() < until) && lock(&self.state).protocol.credits() == 0 {
             match self.link.try_recv(&mut assembler, &mut buf).map(|(read, _)| read) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
