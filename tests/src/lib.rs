@@ -301,6 +301,19 @@ pub fn stdout_lines(child: &mut Child, tag: Option<String>) -> std::sync::mpsc::
     lines
 }
 
+/// What `f` returns, run on a thread of its own; a panic naming `what` if it takes longer than
+/// `bound` (a hang fails the test instead of holding it up).
+pub fn within<R: Send + 'static>(bound: std::time::Duration, what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(bound) {
+        Ok(value) => value,
+        Err(_) => panic!("{what} did not return within {bound:?}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,18 +327,5 @@ mod tests {
         assert_eq!(percentile(&mut [], 50.0), 0);
         assert_eq!(from_hex(&to_hex(&[0, 1, 0xab, 0xff])).unwrap(), vec![0, 1, 0xab, 0xff]);
         assert!(from_hex("abc").is_err() && from_hex("zz").is_err());
-    }
-}
-
-/// What `f` returns, run on a thread of its own; a panic naming `what` if it takes longer than
-/// `bound` (a hang fails the test instead of holding it up).
-pub fn within<R: Send + 'static>(bound: std::time::Duration, what: &str, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(bound) {
-        Ok(value) => value,
-        Err(_) => panic!("{what} did not return within {bound:?}"),
     }
 }
