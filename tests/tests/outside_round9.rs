@@ -111,3 +111,33 @@ fn a_long_spin_never_outlasts_a_timeout_on_either_side() {
     assert!(matches!(empty, Err(Error::Timeout)), "{empty:?}");
     drop(rx);
 }
+
+/// `recv_async` in a runtime built without IO is no runtime it can use: a typed error, not
+/// tokio's panic; the message stays for a receive that can take it.
+#[test]
+fn recv_async_in_a_runtime_without_io_is_no_runtime_not_a_panic() {
+    let path = socket_path("round9-no-io");
+    let mut rx = Receiver::<u32>::bind(&path).unwrap();
+    let tx = Sender::<u32>::connect(&path).unwrap();
+    tx.send(&7).unwrap();
+    let no_io = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let result = no_io.block_on(rx.recv_async());
+    assert!(matches!(result, Err(Error::NoRuntime)), "{result:?}");
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap(), 7);
+}
+
+/// One runtime per task (or per test) is common: `recv_async` keeps working in a new runtime
+/// after the one it first ran in was dropped.
+#[test]
+fn recv_async_works_in_a_second_runtime_after_the_first_was_dropped() {
+    let path = socket_path("round9-runtimes");
+    let mut rx = Receiver::<u32>::bind(&path).unwrap();
+    let tx = Sender::<u32>::connect(&path).unwrap();
+    for n in 0..3u32 {
+        tx.send(&n).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let got = runtime.block_on(async { tokio::time::timeout(Duration::from_secs(30), rx.recv_async()).await });
+        assert_eq!(got.expect("recv_async timed out").unwrap(), n, "runtime {n}");
+        drop(runtime);
+    }
+}
