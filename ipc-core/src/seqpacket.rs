@@ -88,6 +88,9 @@ fn file_identity(path: &Path) -> Option<(u64, u64)> {
 }
 
 /// Whether a listener accepts connections at `path` (a socket file nobody listens on is stale).
+/// Only a refusal says nobody listens: a listener of another socket type (a stream server's,
+/// which refuses our type with `EPROTOTYPE`) is not ours to take over (a bind replaced a live
+/// server's socket file; outside tester, Python round 9, finding 8).
 fn is_listening(path: &Path) -> Result<bool> {
     // Non-blocking, so a live listener with a full backlog answers at once instead of holding
     // the directory lock until it accepts.
@@ -99,8 +102,8 @@ fn is_listening(path: &Path) -> Result<bool> {
     )
     .map_err(|e| Error::os("socket(AF_UNIX, SOCK_SEQPACKET)", e))?;
     match connect(&probe, &address(path)?) {
-        Ok(()) | Err(Errno::AGAIN | Errno::INPROGRESS | Errno::INTR) => Ok(true),
-        Err(_) => Ok(false),
+        Err(Errno::CONNREFUSED | Errno::NOENT) => Ok(false),
+        Ok(()) | Err(_) => Ok(true),
     }
 }
 

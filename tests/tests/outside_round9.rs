@@ -141,3 +141,23 @@ fn recv_async_works_in_a_second_runtime_after_the_first_was_dropped() {
         drop(runtime);
     }
 }
+
+/// A live server of another socket type at the path (a stream server's) is not a stale socket
+/// file: bind refuses, and the server keeps its file and its clients.
+#[test]
+fn bind_refuses_a_path_where_a_stream_server_listens() {
+    let path = socket_path("round9-stream-server");
+    let server = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let result = Receiver::<u32>::bind(&path);
+    assert!(result.is_err(), "bind took over a live stream server's socket file");
+    let text = result.err().unwrap().to_string();
+    assert!(text.contains("in use"), "{text}");
+    let _client = std::os::unix::net::UnixStream::connect(&path).expect("the server's clients still reach it");
+    assert!(server.accept().is_ok());
+    drop(server);
+    std::fs::remove_file(&path).unwrap();
+    // Nobody listens now: a socket file left behind is stale, and bind replaces it.
+    let stale = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    drop(stale);
+    assert!(Receiver::<u32>::bind(&path).is_ok());
+}
