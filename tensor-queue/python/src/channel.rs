@@ -60,6 +60,11 @@ impl<T> Owned<T> {
         self.inner.as_mut().ok_or_else(|| raise("Closed", format!("this {what} is closed")))
     }
 
+    /// Whether `close` was called (a wait in progress on a clone of the end gives up).
+    fn is_closed(&self) -> bool {
+        self.inner.is_none()
+    }
+
     fn close(&mut self) {
         if let Some(inner) = self.inner.take() {
             if self.pid == std::process::id() {
@@ -278,21 +283,35 @@ fn copies_stream(order: &SendOrder) -> PyResult<Option<&Stream>> {
 }
 
 /// Sends `message` by `send` (one sender, or each of a broadcast's) in slices, checking signals.
+/// `closed` says whether the end was closed meanwhile (by another thread): the send then gives up
+/// with `Closed` at the end of its slice, having sent nothing (it waited on a clone of the end,
+/// which `close` alone did not wake; outside tester, Python round 9, finding 2).
 fn send_in_slices(
     py: Python<'_>,
     message: &Bound<'_, PyAny>,
     timeout: Option<f64>,
     mut order: SendOrder,
     send: impl Fn(&Value, Option<&Stream>, Duration) -> Result<(), Error> + Sync,
+    closed: impl Fn() -> Option<PyErr> + Sync,
     receivers: u64,
 ) -> PyResult<()> {
     let value = encode(message, &mut order)?;
     let stream = copies_stream(&order)?;
     // A slice that times out sent nothing: the receiver's queue stayed full through it.
-    in_slices(py, timeout, |slice| Ok(send(&value, stream, slice)))?;
+    in_slices(py, timeout, |slice| match closed() {
+        Some(error) => Err(error),
+        None => Ok(send(&value, stream, slice)),
+    })?;
     stats::MESSAGES_SENT.add(receivers);
     stats::ARRAYS_SENT.add(count_arrays(&value) * receivers);
     Ok(())
+}
+
+/// `Closed` if `end` was closed.
+fn closed_error<T>(end: &Mutex<Owned<T>>, what: &str) -> Option<PyErr> {
+    lock(end)
+        .is_closed()
+        .then(|| raise("Closed", format!("this {what} was closed while send waited; nothing was sent")))
 }
 
 /// Runs `attempt` without the GIL in slices of at most [`SLICE`] until it answers anything but
@@ -423,6 +442,7 @@ impl Sender {
                 Some(stream) => sender.send_on_timeout(value, stream, slice),
                 None => sender.send_timeout(value, slice),
             },
+            || closed_error(&self.end, "Sender"),
             1,
         )
     }
@@ -531,7 +551,10 @@ impl Broadcast {
 
     /// Sends `message` to every receiver (the same memory for all), waiting (up to `timeout`
     /// seconds: then `Timeout`, and no receiver got it) while any receiver's queue is full;
-    /// `stream` and `copy` as for `Sender.send`.
+    /// `stream` and `copy` as for `Sender.send`. A receiver that is gone is skipped: the others
+    /// get the message, and then the first such error is raised (`Disconnected`), so sending
+    /// the message again would repeat it to them; make a new `Broadcast` without the gone one
+    /// (`outstanding()` and each `Sender.is_connected()` tell which).
     #[pyo3(signature = (message, timeout = None, *, stream = None, copy = "auto"))]
     fn send(
         &self,
@@ -554,8 +577,24 @@ impl Broadcast {
                 Some(stream) => broadcast.send_on_timeout(value, stream, slice),
                 None => broadcast.send_timeout(value, slice),
             },
+            || closed_error(&self.end, "Broadcast"),
             receivers,
         )
+    }
+
+    /// Lets go of the senders this broadcast holds (each `Sender` given to it stays open until
+    /// it is closed too); a `send` waiting in another thread raises `Closed`.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| lock(&self.end).close());
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) {
+        self.close(py);
     }
 
     /// For each receiver, how many of the arrays sent it still holds.

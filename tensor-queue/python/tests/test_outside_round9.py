@@ -65,3 +65,83 @@ def test_a_fork_child_dropping_inherited_arrays_costs_the_parent_nothing():
         finally:
             feeder.kill()
             feeder.wait(10)
+
+
+RECEIVER_THAT_WAITS = r"""
+import sys
+import tensor_queue as tq
+r = tq.Receiver.bind(sys.argv[1], capacity=1)
+print("bound", flush=True)
+sys.stdin.readline()  # reads nothing until the test says so
+got = []
+while True:
+    try:
+        got.append(r.recv(timeout=30))
+    except tq.Disconnected:
+        break
+print("got", got, flush=True)
+"""
+
+
+def test_close_from_another_thread_ends_a_send_waiting_for_room_with_closed():
+    # Was: the waiting send went on (on a clone of the end), and sent its message once the
+    # receiver read, after close() had returned; with a receiver that never reads, for ever.
+    import threading
+
+    path = helpers.address("round9-close")
+    receiver = helpers.program(RECEIVER_THAT_WAITS, path)
+    try:
+        assert helpers.line_of(receiver, 30) == "bound"
+        s = tq.Sender.connect(path, timeout=30)
+        s.send("m0", timeout=30)  # the one credit
+        outcome = []
+
+        def waiting_send():
+            try:
+                s.send("m1")
+                outcome.append("sent")
+            except tq.TensorQueueError as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=waiting_send, daemon=True)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive(), "the send waits for room"
+        s.close()
+        thread.join(30)
+        assert not thread.is_alive(), "close() did not end the waiting send"
+        assert len(outcome) == 1 and isinstance(outcome[0], tq.Closed), outcome
+        receiver.stdin.write("read\n")
+        receiver.stdin.flush()
+        assert helpers.line_of(receiver, 60) == "got ['m0']", "nothing is sent after close()"
+    finally:
+        receiver.kill()
+        receiver.wait(10)
+
+
+ITERATING_RECEIVER = r"""
+import sys
+import tensor_queue as tq
+r = tq.Receiver.bind(sys.argv[1])
+print("bound", flush=True)
+print("ended after", sum(1 for _ in r), flush=True)
+"""
+
+
+def test_a_closed_broadcast_lets_go_of_its_senders():
+    # Was: Broadcast had no close(): with every Sender closed, it kept their connections open
+    # and the receiver's `for` loop waited until the Broadcast was garbage-collected.
+    path = helpers.address("round9-broadcast")
+    receiver = helpers.program(ITERATING_RECEIVER, path)
+    try:
+        assert helpers.line_of(receiver, 30) == "bound"
+        s = tq.Sender.connect(path, timeout=30)
+        with tq.Broadcast([s]) as broadcast:
+            broadcast.send({"x": np.ones(3)}, timeout=30)
+            s.close()
+        with pytest.raises(tq.Closed):
+            broadcast.send("after", timeout=1)
+        assert helpers.line_of(receiver, 30) == "ended after 1"
+    finally:
+        receiver.kill()
+        receiver.wait(10)
