@@ -90,12 +90,13 @@ pub enum TakeError {
     /// The sockets were taken before in this process: their numbers may name other files now.
     #[error("the sockets were already taken (once per process)")]
     AlreadyTaken,
-    /// A listed descriptor is open but not a Unix `SOCK_SEQPACKET` socket.
+    /// A listed descriptor is not open, or not a Unix `SOCK_SEQPACKET` socket.
     #[error("descriptor {fd} is not the socket spawn_with_sockets left")]
     NotASocket {
         /// The descriptor's number.
         fd: RawFd,
     },
+
     /// A listed descriptor is not open, or setting its close-on-exec flag failed.
     #[error(transparent)]
     Core(#[from] Error),
@@ -108,23 +109,10 @@ static TAKEN: AtomicBool = AtomicBool::new(false);
 /// In a child started by [`spawn_with_sockets`]: takes ownership of the sockets listed in
 /// `variable`, once per process, setting close-on-exec on them again.
 pub fn take_inherited_sockets(variable: &str) -> std::result::Result<Vec<OwnedFd>, TakeError> {
-    let value = std::env::var(variable).map_err(|_| TakeError::NotSet)?;
-    if TAKEN.load(Ordering::Acquire) {
+    if std::env::var_os(variable).is_some() && TAKEN.load(Ordering::Acquire) {
         return Err(TakeError::AlreadyTaken);
     }
-    let raws = value
-        .split(',')
-        .map(|number| number.parse::<RawFd>())
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|_| TakeError::NotAList { value: value.clone() })?;
-    for &raw in &raws {
-        crate::fd_passing::check_open(raw)?;
-        // SAFETY: `raw` is open (checked above) and borrowed only for these two queries.
-        let borrowed = unsafe { BorrowedFd::borrow_raw(raw) };
-        if !is_seqpacket_socket(borrowed) {
-            return Err(TakeError::NotASocket { fd: raw });
-        }
-    }
+    let raws = inherited(variable)?;
     if TAKEN.swap(true, Ordering::AcqRel) {
         return Err(TakeError::AlreadyTaken);
     }
@@ -138,6 +126,37 @@ pub fn take_inherited_sockets(variable: &str) -> std::result::Result<Vec<OwnedFd
         fds.push(fd);
     }
     Ok(fds)
+}
+
+/// The descriptors listed in `variable`, each open and a Unix `SOCK_SEQPACKET` socket. A
+/// descriptor that is not open is [`TakeError::NotASocket`] too: a program started by a child
+/// that took its sockets inherits the variable but not the sockets (close-on-exec again), and
+/// the number may be free.
+fn inherited(variable: &str) -> std::result::Result<Vec<RawFd>, TakeError> {
+    let value = std::env::var(variable).map_err(|_| TakeError::NotSet)?;
+    let raws = value
+        .split(',')
+        .map(|number| number.parse::<RawFd>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| TakeError::NotAList { value: value.clone() })?;
+    for &raw in &raws {
+        if crate::fd_passing::check_open(raw).is_err() {
+            return Err(TakeError::NotASocket { fd: raw });
+        }
+        // SAFETY: `raw` is open (checked above) and borrowed only for these two queries.
+        let borrowed = unsafe { BorrowedFd::borrow_raw(raw) };
+        if !is_seqpacket_socket(borrowed) {
+            return Err(TakeError::NotASocket { fd: raw });
+        }
+    }
+    Ok(raws)
+}
+
+/// Whether this process holds the sockets listed in `variable` (taken already or not): not
+/// merely whether the variable is set, which a program started by a child that took its
+/// sockets inherits without them.
+pub fn has_inherited_sockets(variable: &str) -> bool {
+    inherited(variable).is_ok()
 }
 
 /// Whether `fd` is what [`spawn_with_sockets`] leaves: a Unix `SOCK_SEQPACKET` socket.

@@ -161,3 +161,88 @@ fn bind_refuses_a_path_where_a_stream_server_listens() {
     drop(stale);
     assert!(Receiver::<u32>::bind(&path).is_ok());
 }
+
+/// Serialized how many times (a message whose encoding is costly, to a queue that is full).
+static ENCODED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[derive(serde::Deserialize)]
+struct Costly(u32);
+
+impl serde::Serialize for Costly {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        ENCODED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        serializer.serialize_newtype_struct("Costly", &self.0)
+    }
+}
+
+/// A full queue refuses `try_send` before the message is encoded, and `has_room` says so first.
+#[test]
+fn try_send_to_a_full_queue_refuses_before_encoding() {
+    let path = socket_path("round9-try-send");
+    let mut rx = Receiver::<Costly>::bind_with_capacity(&path, 1).unwrap();
+    let tx = Sender::<Costly>::connect(&path).unwrap();
+    tx.wait_ready(Duration::from_secs(30)).unwrap();
+    assert!(tx.has_room());
+    tx.try_send(&Costly(1)).unwrap();
+    assert!(!tx.has_room());
+    let before = ENCODED.load(std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..100 {
+        assert!(matches!(tx.try_send(&Costly(2)), Err(Error::Full)));
+    }
+    assert_eq!(ENCODED.load(std::sync::atomic::Ordering::Relaxed), before, "refused tries encoded the message");
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap().0, 1);
+    within(Duration::from_secs(30), "room after a receive", move || {
+        while !tx.has_room() {
+            thread::sleep(Duration::from_millis(1));
+        }
+        tx.try_send(&Costly(3)).unwrap();
+        tx
+    });
+    assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap().0, 3);
+}
+
+/// A program started by a spawned child after it took its channel finds no channel: neither
+/// `is_spawned_child` (the variable is inherited, the socket is not) nor `from_parent`, which
+/// says why with a typed error rather than the descriptor's raw failure.
+#[test]
+fn a_grandchild_of_spawn_finds_no_channel_once_the_child_took_it() {
+    const NAME: &str = "a_grandchild_of_spawn_finds_no_channel_once_the_child_took_it";
+    const ROLE: &str = "ROUND9_SPAWN_ROLE";
+    // The harness prints "test NAME ... " ahead of what the test prints on the same line.
+    let verdict = |said: &str| {
+        said.find("grandchild:")
+            .map_or("no verdict".to_string(), |at| said[at..].lines().next().unwrap_or("").to_string())
+    };
+    let exe = std::env::current_exe().unwrap();
+    let rerun = |role: &str| {
+        let mut command = std::process::Command::new(&exe);
+        command.args([NAME, "--exact", "--nocapture", "--test-threads=1"]).env(ROLE, role);
+        command
+    };
+    match std::env::var(ROLE).as_deref() {
+        Ok("child") => {
+            let mut from_parent = tensor_queue::from_parent::<String>().unwrap();
+            let output = rerun("grandchild").output().unwrap();
+            let said = String::from_utf8_lossy(&output.stdout);
+            let asked = from_parent.recv_timeout(Duration::from_secs(30)).unwrap();
+            assert_eq!(asked, "report");
+            println!("{}", verdict(&said));
+        }
+        Ok("grandchild") => {
+            let spawned = tensor_queue::is_spawned_child();
+            let taken = tensor_queue::from_parent::<String>();
+            let typed = matches!(taken, Err(Error::NoParentChannel(_)));
+            println!("grandchild: spawned={spawned} typed={typed} {:?}", taken.err());
+        }
+        _ => {
+            let (child, to_child) =
+                tensor_queue::spawn::<String>(rerun("child").stdout(std::process::Stdio::piped())).unwrap();
+            to_child.send_timeout(&"report".to_string(), Duration::from_secs(60)).unwrap();
+            let output =
+                within(Duration::from_secs(120), "the child and grandchild", move || child.wait_with_output().unwrap());
+            let said = String::from_utf8_lossy(&output.stdout);
+            let verdict = verdict(&said);
+            assert!(verdict.starts_with("grandchild: spawned=false typed=true"), "{verdict}\n{said}");
+        }
+    }
+}

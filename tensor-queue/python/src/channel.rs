@@ -432,6 +432,9 @@ impl Sender {
         copy: &str,
     ) -> PyResult<()> {
         let sender = self.inner()?;
+        if timeout == Some(0.0) && !sender.has_room() && sender.is_connected() {
+            return Err(to_py(Error::Timeout)); // as `try_send`: nothing copied to be refused
+        }
         let order = send_order(stream, copy)?;
         send_in_slices(
             py,
@@ -450,6 +453,11 @@ impl Sender {
     /// Sends `message` if the receiver's queue has room now, else raises `Full`.
     fn try_send(&self, py: Python<'_>, message: &Bound<'_, PyAny>) -> PyResult<()> {
         let sender = self.inner()?;
+        // Refused before the arrays are copied into channel memory: a full queue cost a copy of
+        // the whole message per try (outside tester, Python round 9, finding 10).
+        if !sender.has_room() && sender.is_connected() {
+            return Err(to_py(Error::Full));
+        }
         let mut order = SendOrder::default();
         let value = encode(message, &mut order)?;
         // No stream-ordered variant: the copies are waited for.

@@ -21,7 +21,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
-use tensor_queue::{DType, Tensor, TensorDevice};
+use tensor_queue::{DType, Error, Tensor, TensorDevice};
 
 use std::sync::Arc;
 
@@ -40,6 +40,20 @@ pub enum ImportError {
     Python(PyErr),
     /// The object is an array the channel cannot carry (the text says why, after its location).
     Refused(String),
+    /// The array is fine, but this process could not make its copy now (out of memory or of
+    /// descriptors): the channel's own error, not the value's fault.
+    Failed(Error),
+}
+
+impl ImportError {
+    /// A tensor that could not be made of an array: its layout's fault (the array's), or the
+    /// process's resources'.
+    fn not_made(error: Error) -> ImportError {
+        match error {
+            Error::Tensor(problem) => ImportError::Refused(problem.to_string()),
+            other => ImportError::Failed(other),
+        }
+    }
 }
 
 impl From<PyErr> for ImportError {
@@ -212,7 +226,7 @@ fn import_described(
     if described.device.device_type != DLDeviceType::CUDA {
         may_copy(order)?;
         // SAFETY: `described` is valid while `array` lives and Python is not re-entered.
-        return unsafe { copy_in(&described) }.map(|t| (t, true)).map_err(ImportError::Refused);
+        return unsafe { copy_in(&described) }.map(|t| (t, true));
     }
     let ordinal = described.device.device_id;
     let producer = match order.explicit {
@@ -283,12 +297,11 @@ fn import_dlpack(array: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Tens
             // here (this fallback cannot order the producer after it).
             let producer = order.explicit.unwrap_or(state.stream.raw());
             // SAFETY: `described` comes from the live capsule.
-            let tensor = unsafe { copy_device(described, producer, order) }?;
-            state.stream.synchronize().map_err(|e| e.to_string())?;
+            let tensor = unsafe { copy_device(described, producer, order) }.map_err(ImportError::Refused)?;
+            state.stream.synchronize().map_err(|e| ImportError::Refused(e.to_string()))?;
             Ok(tensor)
         }
     })
-    .map_err(ImportError::Refused)
 }
 
 fn refused_export(py: Python<'_>, error: PyErr) -> ImportError {
@@ -303,8 +316,8 @@ fn refused_export(py: Python<'_>, error: PyErr) -> ImportError {
 /// destructor calls the producer's deleter).
 fn read_capsule(
     capsule: &Bound<'_, PyAny>,
-    read: impl FnOnce(&DLTensor) -> Result<Tensor, String>,
-) -> Result<Tensor, String> {
+    read: impl FnOnce(&DLTensor) -> Result<Tensor, ImportError>,
+) -> Result<Tensor, ImportError> {
     let ptr = capsule.as_ptr();
     // SAFETY: `ptr` is a live object; `PyCapsule_IsValid` checks its type and name without
     // raising, and the capsule's pointer is the managed tensor its name promises (the DLPack
@@ -313,17 +326,17 @@ fn read_capsule(
         if ffi::PyCapsule_IsValid(ptr, VERSIONED.as_ptr()) == 1 {
             let managed = ffi::PyCapsule_GetPointer(ptr, VERSIONED.as_ptr()).cast::<DLManagedTensorVersioned>();
             if managed.is_null() || (*managed).version.major != 1 {
-                return Err("is a DLPack array of an unknown major version".into());
+                return Err(ImportError::Refused("is a DLPack array of an unknown major version".into()));
             }
             read(&(*managed).dl_tensor)
         } else if ffi::PyCapsule_IsValid(ptr, LEGACY.as_ptr()) == 1 {
             let managed = ffi::PyCapsule_GetPointer(ptr, LEGACY.as_ptr()).cast::<DLManagedTensor>();
             if managed.is_null() {
-                return Err("gave a DLPack capsule without a tensor".into());
+                return Err(ImportError::Refused("gave a DLPack capsule without a tensor".into()));
             }
             read(&(*managed).dl_tensor)
         } else {
-            Err("has a __dlpack__ that returned no unused DLPack capsule".into())
+            Err(ImportError::Refused("has a __dlpack__ that returned no unused DLPack capsule".into()))
         }
     }
 }
@@ -461,28 +474,36 @@ fn typestr(dtype: DType) -> Option<&'static str> {
 ///
 /// # Safety
 /// `t` describes live host memory, as the DLPack protocol promises for a capsule not yet deleted.
-unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, String> {
+unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, ImportError> {
     if t.device.device_type != DLDeviceType::CPU && t.device.device_type != DLDeviceType::CUDAHOST {
-        return Err(format!("is an array on DLPack device type {}: host arrays only", t.device.device_type.0));
+        return Err(ImportError::Refused(format!(
+            "is an array on DLPack device type {}: host arrays only",
+            t.device.device_type.0
+        )));
     }
     // SAFETY: the caller's promise.
-    let Layout { dtype, dims, strides, contiguous: is_contiguous } = unsafe { layout(t) }?;
+    let Layout { dtype, dims, strides, contiguous: is_contiguous } =
+        unsafe { layout(t) }.map_err(ImportError::Refused)?;
     let ndim = dims.len();
     let numel: u64 = dims.iter().product();
     if numel == 0 {
-        return Tensor::zeros(dtype, &dims).map_err(|e| e.to_string());
+        return Tensor::zeros(dtype, &dims).map_err(ImportError::not_made);
     }
     let size = dtype.size();
     // SAFETY: the data pointer plus the byte offset is the first element (DLPack).
     let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
     // A broadcast view (stride 0) can name far more elements than memory holds: its copy is
     // refused, never left to abort the process in the allocator.
-    let too_large = || format!("needs a copy of {numel} elements of {size} bytes, more than this process can allocate");
+    let too_large = || {
+        ImportError::Refused(format!(
+            "needs a copy of {numel} elements of {size} bytes, more than this process can allocate"
+        ))
+    };
     let nbytes = usize::try_from(numel).ok().and_then(|n| n.checked_mul(size)).ok_or_else(too_large)?;
     if is_contiguous {
         // SAFETY: a contiguous array of `numel` elements starts at `base`.
         let bytes = unsafe { std::slice::from_raw_parts(base, nbytes) };
-        return Tensor::from_bytes(bytes, dtype, &dims).map_err(|e| e.to_string());
+        return Tensor::from_bytes(bytes, dtype, &dims).map_err(ImportError::not_made);
     }
     let strides = strides.unwrap_or_else(|| tensor_queue::contiguous_strides(&dims));
     let mut gathered = Vec::new();
@@ -500,7 +521,7 @@ unsafe fn copy_in(t: &DLTensor) -> Result<Tensor, String> {
             index[d] = 0;
         }
     }
-    Tensor::from_bytes(&gathered, dtype, &dims).map_err(|e| e.to_string())
+    Tensor::from_bytes(&gathered, dtype, &dims).map_err(ImportError::not_made)
 }
 
 /// A received array: channel memory, kept alive while this object or anything made from it lives.

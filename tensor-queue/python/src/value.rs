@@ -212,6 +212,7 @@ fn encode_at<'py>(
         )),
         Err(dlpack::ImportError::Python(error)) => Err(error),
         Err(dlpack::ImportError::Refused(why)) => Err(not_sendable(path, why)),
+        Err(dlpack::ImportError::Failed(error)) => Err(crate::errors::to_py(error)),
     }
 }
 

@@ -145,3 +145,64 @@ def test_a_closed_broadcast_lets_go_of_its_senders():
     finally:
         receiver.kill()
         receiver.wait(10)
+
+
+def test_a_full_queue_refuses_try_send_and_send_with_no_wait_before_copying(tmp_path):
+    # Was: each refused try copied the whole message into channel memory first (166 ms for 256
+    # MiB), however full the queue.
+    big = np.ones(4 << 20, dtype=np.float32)
+    with tq.Receiver.bind(str(tmp_path / "full.sock"), capacity=1) as r, tq.Sender.connect(r.address) as s:
+        s.send("fills the queue", timeout=30)
+        before = tq.stats()["send_copy_bytes"]
+        for _ in range(20):
+            with pytest.raises(tq.Full):
+                s.try_send({"x": big})
+            with pytest.raises(tq.Timeout):
+                s.send({"x": big}, timeout=0)
+        assert tq.stats()["send_copy_bytes"] == before, "refused sends copied the message"
+        assert r.recv(timeout=30) == "fills the queue"
+        s.send({"x": big}, timeout=30)
+        assert (r.recv(timeout=30)["x"] == 1).all()
+
+
+LOW_ON_DESCRIPTORS = r"""
+import os, resource, sys
+import numpy as np
+import tensor_queue as tq
+s = tq.Sender.connect(sys.argv[1], timeout=30)
+s.send("first", timeout=30)  # the connection's own descriptors are open now
+spare = len(os.listdir("/proc/self/fd")) + 4
+resource.setrlimit(resource.RLIMIT_NOFILE, (spare, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+for i in range(12):  # the receiver holds each: every array needs a chunk (a descriptor) of its own
+    try:
+        s.send({"i": i, "x": np.full((65 << 20) // 8, i, dtype=np.int64)}, timeout=30)
+    except tq.TensorQueueError as error:
+        print("raised", type(error).__name__, isinstance(error, TypeError), error, flush=True)
+        break
+else:
+    print("never ran out", flush=True)
+s.send("last", timeout=30)
+s.close()
+print("done", flush=True)
+"""
+
+
+def test_a_sender_out_of_descriptors_raises_the_channels_error_not_not_sendable():
+    # Was: NotSendable (a TypeError) "msg["x"] memfd_create failed: Too many open files": the
+    # array was fine; the process was out of descriptors for a moment.
+    path = helpers.address("round9-nofile")
+    with tq.Receiver.bind(path) as r:
+        sender = helpers.program(LOW_ON_DESCRIPTORS, path)
+        try:
+            held = [r.recv(timeout=60)]
+            while not (isinstance(held[-1], str) and held[-1] == "last"):
+                held.append(r.recv(timeout=60))
+            line = helpers.line_of(sender, 60)
+            assert line.startswith("raised "), line
+            name, is_type_error = line.split()[1:3]
+            assert name != "NotSendable" and is_type_error == "False", line
+            assert "open files" in line or "descriptor" in line, line
+            assert helpers.line_of(sender, 60) == "done"
+        finally:
+            sender.kill()
+            sender.wait(10)

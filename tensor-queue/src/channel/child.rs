@@ -28,6 +28,11 @@ use crate::error::{Error, ParentProblem, Result, SpawnStep};
 /// after CUDA is initialised. The first `send` waits for the child to call `from_parent`; see
 /// [`spawn_timeout`] to bound that wait.
 ///
+/// The channel is the child's alone once it has called `from_parent` (the socket is
+/// close-on-exec again; a program it starts then finds no channel). Until then its end is an
+/// inherited descriptor like any other: a program the child starts before it takes the
+/// channel inherits it, may take it instead, and keeps it open while it lives.
+///
 /// ```no_run
 /// # fn main() -> tensor_queue::Result<()> {
 /// use std::process::Command;

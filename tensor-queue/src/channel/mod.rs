@@ -184,5 +184,5 @@ pub(crate) const ENDPOINT_ENV: &str = "TENSOR_QUEUE_ENDPOINT";
 /// let _ = tensor_queue::channel::ENDPOINT_ENV;
 /// ```
 pub fn is_spawned_child() -> bool {
-    std::env::var_os(ENDPOINT_ENV).is_some()
+    ipc_core::inherit::has_inherited_sockets(ENDPOINT_ENV)
 }

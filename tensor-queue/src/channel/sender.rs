@@ -252,7 +252,8 @@ impl<T: Serialize> Sender<T> {
         self.inner().send_outgoing(&Outgoing::on_stream(message, stream)?, Wait::Until(deadline(timeout)))
     }
 
-    /// [`Sender::send`] if the receiver has room now, else [`Error::Full`] (nothing sent).
+    /// [`Sender::send`] if the receiver has room now, else [`Error::Full`] (nothing sent). With
+    /// no room, `Full` comes before the message is encoded or checked, whatever its size.
     ///
     /// ```
     /// # fn main() -> tensor_queue::Result<()> {
@@ -268,6 +269,11 @@ impl<T: Serialize> Sender<T> {
     /// # Ok(()) }
     /// ```
     pub fn try_send(&self, message: &T) -> Result<()> {
+        // Refused before the message is encoded (and its GPU tensors' devices synchronised): a
+        // producer polling a full queue pays nothing per try.
+        if !self.has_room() && self.is_connected() {
+            return Err(Error::Full);
+        }
         self.inner().send_outgoing(&Outgoing::synchronized(message)?, Wait::Never)
     }
 }
@@ -322,6 +328,29 @@ impl<T> Sender<T> {
     /// ```
     pub fn outstanding_leases(&self) -> usize {
         self.inner().outstanding_leases()
+    }
+
+    /// Whether the receiver has room for a message now (a credit is left): then
+    /// [`try_send`](Sender::try_send) would not say [`Error::Full`]. A hint, for a caller that
+    /// would do costly work to make a message only to have it refused: another thread of this
+    /// process may take the room first. False before the receiver's greeting.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use std::time::Duration;
+    /// use tensor_queue::{Receiver, Sender};
+    /// # let path = std::env::temp_dir().join(format!("doc-{}-has-room.sock", std::process::id()));
+    /// let mut receiver = Receiver::<u32>::bind_with_capacity(&path, 1)?;
+    /// let sender = Sender::<u32>::connect(&path)?;
+    /// sender.wait_ready(Duration::from_secs(10))?;
+    /// assert!(sender.has_room());
+    /// sender.send(&1)?;
+    /// assert!(!sender.has_room(), "the one message in flight fills the queue");
+    /// receiver.recv()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn has_room(&self) -> bool {
+        self.inner().has_credit()
     }
 
     /// Waits up to `timeout` for the receiver's greeting (it has taken the connection and said how

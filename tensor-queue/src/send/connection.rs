@@ -140,6 +140,11 @@ impl SenderInner {
         }
     }
 
+    /// See [`Sender::has_room`](crate::Sender::has_room).
+    pub(crate) fn has_credit(&self) -> bool {
+        lock(&self.state).protocol.credits() > 0
+    }
+
     /// See [`Sender::outstanding_leases`](crate::Sender::outstanding_leases).
     pub(crate) fn outstanding_leases(&self) -> usize {
         lock(&self.state).protocol.outstanding()
