@@ -571,6 +571,15 @@ pub enum TensorProblem {
         /// The device of the destination (`None`: host).
         to: Option<Uuid>,
     },
+    /// A copy into a view whose elements share memory (a dimension of size above 1 with
+    /// stride 0, as [`crate::Tensor::expand`] makes): which write lands would be a race.
+    #[error("copy into a {shape:?} view with strides {strides:?}: its elements share memory (stride 0)")]
+    AliasedDestination {
+        /// The destination's shape.
+        shape: Vec<u64>,
+        /// The destination's strides, in elements.
+        strides: Vec<i64>,
+    },
     /// A copy into a tensor of another dtype or shape.
     #[error("copy of a {src_dtype} {src_shape:?} tensor into a {dst_dtype} {dst_shape:?} one")]
     CopyMismatch {

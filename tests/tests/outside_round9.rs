@@ -246,3 +246,23 @@ fn a_grandchild_of_spawn_finds_no_channel_once_the_child_took_it() {
         }
     }
 }
+
+/// A copy into an expanded view (stride 0) would write one element many times (on a GPU, racing
+/// threads): refused, as torch's `copy_` refuses it, with the destination unchanged. A layout
+/// whose strides do not match its dimensions says so, not that there are too many.
+#[test]
+fn a_copy_into_a_view_whose_elements_share_memory_is_refused() {
+    use tensor_queue::{DType, Tensor, TensorProblem};
+    let target = Tensor::zeros(DType::I32, &[1, 2, 3, 4]).unwrap();
+    let expanded = target.expand(&[5, 2, 3, 4]).unwrap();
+    let source = Tensor::from_slice(&(0..120).collect::<Vec<i32>>(), DType::I32, &[5, 2, 3, 4]).unwrap();
+    let result = source.copy_into(&expanded);
+    assert!(matches!(result, Err(Error::Tensor(TensorProblem::AliasedDestination { .. }))), "{result:?}");
+    assert_eq!(target.to_vec::<i32>().unwrap(), vec![0; 24], "the destination is unchanged");
+    // A plain destination of the same shape takes the copy.
+    let plain = Tensor::zeros(DType::I32, &[5, 2, 3, 4]).unwrap();
+    source.copy_into(&plain).unwrap();
+    assert_eq!(plain.to_vec::<i32>().unwrap(), (0..120).collect::<Vec<i32>>());
+    let mismatched = target.as_layout(DType::I32, &[2, 3], &[1], 0).unwrap_err().to_string();
+    assert!(mismatched.contains("one stride per dimension") && !mismatched.contains("at most"), "{mismatched}");
+}

@@ -49,8 +49,8 @@ impl<T: DeserializeOwned> Receiver<T> {
 }
 
 impl<T: DeserializeOwned> ReceiverBuilder<T> {
-    /// Messages each sender may have sent and not yet received (at least 1; default
-    /// [`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY)).
+    /// Messages each sender may have sent and not yet received (at least 1: 0 is taken as 1;
+    /// default [`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY)).
     pub fn capacity(mut self, capacity: u32) -> Self {
         self.options.capacity = capacity;
         self

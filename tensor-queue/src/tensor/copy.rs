@@ -370,6 +370,14 @@ impl Tensor {
             }
             .into());
         }
+        // As torch's `copy_` refuses: one element written by several (GPU threads racing).
+        if dst.shape().iter().zip(dst.strides()).any(|(&size, &stride)| size > 1 && stride == 0) {
+            return Err(TensorProblem::AliasedDestination {
+                shape: dst.shape().to_vec(),
+                strides: dst.strides().to_vec(),
+            }
+            .into());
+        }
         let stream = match (self.device(), dst.device(), stream) {
             (TensorDevice::Host, TensorDevice::Host, _) => return dst.write_host(&self.host_bytes()?),
             (TensorDevice::Cuda(a), TensorDevice::Cuda(b), Some(stream)) if a == b || self.mapped_for(dst)? => stream,

@@ -40,8 +40,11 @@ pub const MAX_VIEW_BYTES: u64 = 1 << 48;
 /// assert!(check_layout(&[1 << 62], &[0], DType::F32, 0).is_err()); // too many bytes, even at stride 0
 /// ```
 pub fn check_layout(shape: &[u64], strides: &[i64], dtype: DType, byte_offset: u64) -> Result<(), String> {
-    if shape.len() > MAX_DIMS || strides.len() != shape.len() {
-        return Err(format!("{} dimensions and {} strides; at most {MAX_DIMS}", shape.len(), strides.len()));
+    if strides.len() != shape.len() {
+        return Err(format!("{} dimensions and {} strides: one stride per dimension", shape.len(), strides.len()));
+    }
+    if shape.len() > MAX_DIMS {
+        return Err(format!("{} dimensions, more than the {MAX_DIMS} a tensor may have", shape.len()));
     }
     let bytes = shape.iter().try_fold(dtype.size() as u64, |n, &d| n.checked_mul(d));
     if bytes.is_none_or(|b| b > MAX_VIEW_BYTES) {
