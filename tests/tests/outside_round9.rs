@@ -266,3 +266,18 @@ fn a_copy_into_a_view_whose_elements_share_memory_is_refused() {
     let mismatched = target.as_layout(DType::I32, &[2, 3], &[1], 0).unwrap_err().to_string();
     assert!(mismatched.contains("one stride per dimension") && !mismatched.contains("at most"), "{mismatched}");
 }
+
+/// Endpoints no connection can be made to are refused as such, before any system call.
+#[test]
+fn endpoints_with_a_nul_byte_or_an_unclosed_bracket_are_bad_endpoints() {
+    use tensor_queue::EndpointProblem;
+    let nul = Sender::<u32>::connect("/tmp/round9\0nul.sock").err();
+    assert!(matches!(nul, Some(Error::BadEndpoint { problem: EndpointProblem::NulInPath, .. })), "{nul:?}");
+    let bound = Receiver::<u32>::bind("/tmp/round9\0nul.sock").err();
+    assert!(matches!(bound, Some(Error::BadEndpoint { problem: EndpointProblem::NulInPath, .. })), "{bound:?}");
+    let bracket = Sender::<u32>::connect("tcp://[::1:4000").err();
+    assert!(
+        matches!(bracket, Some(Error::BadEndpoint { problem: EndpointProblem::UnclosedBracket, .. })),
+        "{bracket:?}"
+    );
+}

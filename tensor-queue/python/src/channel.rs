@@ -124,10 +124,17 @@ impl Receiver {
             None => tensor_queue::DEFAULT_CAPACITY,
             // Any int the caller gives (a negative one, one beyond 32 bits) is a bad argument,
             // not a bare OverflowError.
-            Some(given) => given.extract::<u32>().map_err(|_| {
-                let shown = given.repr().map(|r| r.to_string()).unwrap_or_default();
-                raise("InvalidArgument", format!("capacity {shown} is not a number of messages from 1 to {}", u32::MAX))
-            })?,
+            Some(given) => match given.extract::<u32>() {
+                Ok(capacity) if capacity >= 1 => capacity,
+                _ => {
+                    let shown = given.repr().map(|r| r.to_string()).unwrap_or_default();
+                    let most = u32::MAX;
+                    return Err(raise(
+                        "InvalidArgument",
+                        format!("capacity {shown} is not a number of messages from 1 to {most}"),
+                    ));
+                }
+            },
         };
         let receiver = py
             .detach(|| tensor_queue::Receiver::<Value>::bind_with_capacity(address.as_str(), capacity))
@@ -187,7 +194,11 @@ impl Receiver {
     }
 
     /// Makes iteration (and `recv`'s `Disconnected`) wait until `count` senders have joined.
-    fn expect_senders(&self, count: usize) -> PyResult<()> {
+    fn expect_senders(&self, count: &Bound<'_, PyAny>) -> PyResult<()> {
+        let count = count.extract::<usize>().map_err(|_| {
+            let shown = count.repr().map(|r| r.to_string()).unwrap_or_default();
+            raise("InvalidArgument", format!("expect_senders({shown}): a number of senders, 0 or more"))
+        })?;
         lock(&self.end).get("Receiver")?.expect_senders(count);
         Ok(())
     }

@@ -62,6 +62,18 @@ impl From<PyErr> for ImportError {
     }
 }
 
+/// Whether `value`'s type derives from `numpy.ndarray` (a subclass defined outside NumPy, whose
+/// module says nothing of it: it arrived as a plain `Array`; outside tester, Python round 9).
+fn derives_from_ndarray(value: &Bound<'_, PyAny>) -> PyResult<bool> {
+    for base in value.get_type().mro().iter() {
+        let Ok(base) = base.cast_into::<pyo3::types::PyType>() else { continue };
+        if base.name()? == "ndarray" && base.module()?.to_str()? == "numpy" {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 fn framework_of(value: &Bound<'_, PyAny>) -> PyResult<Framework> {
     let module = value.get_type().module()?;
     let module = module.to_str()?;
@@ -148,7 +160,9 @@ pub fn import(value: &Bound<'_, PyAny>, order: &mut SendOrder) -> Result<Option<
     }
     let py = value.py();
     let framework = framework_of(value)?;
-    if framework == Framework::Numpy && value.get_type().name()? != "ndarray" {
+    if (framework == Framework::Numpy && value.get_type().name()? != "ndarray")
+        || (framework == Framework::Other && derives_from_ndarray(value)?)
+    {
         // It would arrive as a plain ndarray: a masked array without its mask, a matrix as 2-d.
         return Err(ImportError::Refused(format!(
             "is a {}, a subclass of numpy.ndarray that would arrive as a plain ndarray without what the \

@@ -206,3 +206,31 @@ def test_a_sender_out_of_descriptors_raises_the_channels_error_not_not_sendable(
         finally:
             sender.kill()
             sender.wait(10)
+
+
+class _UserArray(np.ndarray):
+    """A NumPy subclass defined outside NumPy."""
+
+
+def test_a_numpy_subclass_of_the_users_own_is_refused_as_numpys_are(tmp_path):
+    # Was: accepted (its type's module says nothing of NumPy), arriving as tensor_queue.Array.
+    with tq.Receiver.bind(str(tmp_path / "sub.sock")) as r, tq.Sender.connect(r.address) as s:
+        with pytest.raises(tq.NotSendable, match="subclass of numpy.ndarray"):
+            s.send({"x": np.arange(3.0).view(_UserArray)})
+        s.send({"x": np.asarray(np.arange(3.0).view(_UserArray))})
+        got = r.recv(timeout=30)["x"]
+        assert type(got) is np.ndarray and list(got) == [0.0, 1.0, 2.0]
+
+
+def test_counts_out_of_range_are_invalid_arguments(tmp_path):
+    # Was: capacity=0 accepted (the error for -1 said "from 1"), expect_senders(-1) a bare
+    # OverflowError.
+    for bad in (0, -1, 1 << 40):
+        with pytest.raises(tq.InvalidArgument, match="from 1"):
+            tq.Receiver.bind(str(tmp_path / f"cap{bad}.sock"), capacity=bad)
+    with tq.Receiver.bind(str(tmp_path / "expect.sock")) as r:
+        with pytest.raises(tq.InvalidArgument, match="0 or more"):
+            r.expect_senders(-1)
+        r.expect_senders(0)  # no sender will come: the end is definite at once
+        with pytest.raises(tq.Disconnected):
+            r.recv(timeout=10)

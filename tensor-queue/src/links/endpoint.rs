@@ -57,6 +57,10 @@ impl Endpoint {
         let bad = |problem| Err(Error::BadEndpoint { endpoint: self.to_string(), problem });
         match self {
             Endpoint::Unix(path) if path.as_os_str().is_empty() => bad(EndpointProblem::Empty),
+            Endpoint::Unix(path) if path.as_os_str().as_encoded_bytes().contains(&0) => bad(EndpointProblem::NulInPath),
+            Endpoint::Tcp(address) if address.starts_with('[') && !address.contains(']') => {
+                bad(EndpointProblem::UnclosedBracket)
+            }
             Endpoint::Unix(path) => match path.to_str().and_then(scheme) {
                 Some(scheme) => bad(EndpointProblem::Scheme(scheme.to_string())),
                 None => Ok(()),
