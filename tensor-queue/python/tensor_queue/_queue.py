@@ -6,39 +6,92 @@ while that one lives. Any number of processes may ``put``; a ``put`` waits (up t
 ``connect_timeout``, default 60 s) for the consumer to appear. Messages from one producer arrive in
 the order it put them. Pass the queue to children as an argument (it pickles as its address), with
 any start method; in a child made by ``fork`` the queue opens fresh ends of its own.
+
+The consumer holds an exclusive ``flock`` on ``<address>.consumer`` while it lives (the kernel
+drops it when the process dies, however it dies), and removes that file and the socket when it
+exits, as a multiprocessing child too. A consumer that was killed leaves both files behind; the
+next process that calls ``get`` takes over and reuses them. When the consumer died and another
+took over, producers reconnect to the new one: messages put around the old consumer's death (sends
+are written in the background, so until a producer's channel notices it gone) may be lost with it,
+and the one whose send found it gone is sent again to the new one (at least once for that message).
+
+Limitation: a child forked by ``os.fork`` (as multiprocessing's ``fork`` and ``forkserver`` do)
+or by ``subprocess`` does not keep the consumer's lock, but a process forked by other means (C code
+calling ``fork()`` without ``exec``) shares it while it lives: no other process can take the queue
+over before that one exits too.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import tempfile
 import threading
 import time
 import uuid
-import weakref
+from multiprocessing import util as _mp_util
 from typing import Any
 
 from . import _native
 from ._errors import Disconnected, Empty, Full, NoReceiver, NotTheConsumer, Timeout
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+# The descriptors of the consumer locks this process holds. A child made by os.fork closes its
+# copies at once: with them open, the lock would outlive the consumer while the child lives.
+_held_locks: set[int] = set()
 
 
-def _cleanup(paths: list[str]) -> None:
-    for path in paths:
+def _close_inherited_locks() -> None:
+    for fd in _held_locks:
         try:
-            os.unlink(path)
+            os.close(fd)  # closing a copy keeps the parent's lock; flock(LOCK_UN) would drop it
         except OSError:
             pass
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _release(pid: int, address: str, lock: str, fd: int) -> None:
+    """The consumer's cleanup: runs when its Queue is collected or the process exits (atexit, or
+    a multiprocessing child's own exit path), only in the process that claimed the queue."""
+    if os.getpid() != pid:
+        return
+    # The files go while the lock is still held, so that no new consumer's files are removed.
+    _unlink(address)
+    _unlink(lock)
+    _held_locks.discard(fd)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _owner(fd: int) -> str:
+    try:
+        pid = int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError):
+        return "another process"  # the winner has not written its PID yet
+    return f"pid {pid}"
+
+
+def _no_consumer(error: Exception) -> bool:
+    """Whether ``Sender.connect`` failed because no consumer listens at the address (yet), or the
+    one there died during the handshake."""
+    if isinstance(error, (NoReceiver, Timeout, Disconnected)):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ECONNRESET, errno.EPIPE)
+    text = str(error)  # the Rust error for a missing socket
+    return "No such file" in text or "refused" in text.lower()
 
 
 class Queue:
@@ -58,9 +111,12 @@ class Queue:
         self._pid = os.getpid()
         self._sender: _native.Sender | None = None
         self._receiver: _native.Receiver | None = None
-        # Opens this process's ends once, whatever the number of threads that first put or get
-        # at the same time: two senders of one process would not keep a thread's order.
-        self._opening = threading.Lock()
+        self._lock_fd: int | None = None  # the consumer lock, held from the first get on
+        # Open this process's ends once, whatever the number of threads that first put or get at
+        # the same time: two senders of one process would not keep a thread's order. One lock an
+        # end, so that a put waiting for a consumer does not keep this process's get from becoming it.
+        self._opening_sender = threading.Lock()
+        self._opening_receiver = threading.Lock()
 
     @property
     def address(self) -> str:
@@ -73,75 +129,126 @@ class Queue:
 
     def _own_process(self) -> None:
         if self._pid != os.getpid():
-            # A forked child: the parent's ends are not ours; open our own when needed.
+            # A forked child: the parent's ends are not ours; open our own when needed. Its copy of
+            # the consumer lock was closed at the fork (_close_inherited_locks).
             self._pid = os.getpid()
             self._sender = None
             self._receiver = None
-            self._opening = threading.Lock()  # a parent's thread may have held it at the fork
+            self._lock_fd = None
+            # A parent's thread may have held them at the fork.
+            self._opening_sender = threading.Lock()
+            self._opening_receiver = threading.Lock()
 
     def _claim(self) -> _native.Receiver:
+        if self._lock_fd is None:
+            self._lock_fd = self._take_lock()
+            # The previous consumer's socket, if it died without removing it: we hold the lock, so
+            # no consumer lives there.
+            _unlink(self._address)
+        return _native.Receiver.bind(self._address, self._maxsize or None)
+
+    def _take_lock(self) -> int:
         lock = self._address + ".consumer"
         while True:
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600)  # not inherited across exec
             try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            except FileExistsError:
-                try:
-                    with open(lock) as f:
-                        owner = int(f.read().strip() or "0")
-                except (OSError, ValueError):
-                    owner = 0
-                if owner == os.getpid():
-                    break
-                if owner and _alive(owner):
-                    raise NotTheConsumer(
-                        f"pid {owner} consumes this tensor_queue.Queue ({self._address}): a Queue has one "
-                        "consumer process, the first that calls get(); use one Queue per consumer"
-                    ) from None
-                _cleanup([lock, self._address])  # a dead consumer's leftovers
-                continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-            break
-        receiver = _native.Receiver.bind(self._address, self._maxsize or None)
-        weakref.finalize(self, _cleanup, [lock, self._address])
-        return receiver
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _owner(fd)
+                os.close(fd)
+                raise NotTheConsumer(
+                    f"{owner} consumes this tensor_queue.Queue ({self._address}): a Queue has one "
+                    "consumer process, the first that calls get(); use one Queue per consumer"
+                ) from None
+            try:
+                ours = os.path.samestat(os.fstat(fd), os.stat(lock))
+            except FileNotFoundError:
+                ours = False
+            if ours:
+                break
+            # A leaving consumer removed the file between our open and our lock: lock the new one.
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # for the others' error messages only
+        _held_locks.add(fd)
+        # Runs when the Queue is collected and at exit: atexit in a main process, and the exit path
+        # of a multiprocessing child (which leaves with os._exit, past weakref.finalize and atexit).
+        _mp_util.Finalize(self, _release, args=(os.getpid(), self._address, lock, fd), exitpriority=0)
+        return fd
 
     def put(self, obj: Any, block: bool = True, timeout: float | None = None, *, stream: Any = None) -> None:
-        """Sends ``obj`` to the consumer; waits while the queue is full (``Full`` after
-        ``timeout`` seconds, at once when ``block`` is false). CUDA tensors are ordered after the
-        work queued on ``stream`` (default: torch's current stream)."""
+        """Sends ``obj`` to the consumer. CUDA tensors are ordered after the work queued on
+        ``stream`` (default: torch's current stream).
+
+        ``put(obj)`` waits while the queue is full, and waits up to ``connect_timeout`` for a
+        consumer to take the queue (``Disconnected`` if none does). ``put(obj, timeout=t)`` waits at
+        most ``t`` seconds in all, for a consumer and for room, and raises ``Full`` (a
+        ``queue.Full``) when the time runs out; ``put(obj, block=False)`` waits for neither and
+        raises ``Full`` at once. Nothing was sent when ``Full`` is raised.
+
+        If the consumer died and another process took the queue over (its first ``get``), ``put``
+        connects to the new one, waiting as above (up to ``timeout`` if given, else
+        ``connect_timeout``; ``Disconnected`` if none comes): messages put around the old
+        consumer's death (until this process's channel noticed it gone) may be lost with it, and
+        the one whose send found it gone is sent again, once, to the new consumer (at least once:
+        the old one may have received it too)."""
         self._own_process()
-        if self._sender is None:
-            with self._opening:
-                if self._sender is None:
-                    self._sender = self._connect()
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        sender = self._sender if self._sender is not None else self._open_sender(None, block, deadline)
+        try:
+            self._send(sender, obj, block, deadline, stream)
+        except Disconnected:
+            # The consumer is gone: reach the one that takes over, and send this message again once.
+            sender = self._open_sender(sender, block, deadline)
+            self._send(sender, obj, block, deadline, stream)
+
+    def _send(self, sender: _native.Sender, obj: Any, block: bool, deadline: float | None, stream: Any) -> None:
         try:
             if not block:
-                self._sender.try_send(obj)
+                sender.try_send(obj)
             else:
-                self._sender.send(obj, timeout=timeout, stream=stream)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                sender.send(obj, timeout=left, stream=stream)
         except Timeout:
             raise Full("the queue stayed full") from None
 
     def put_nowait(self, obj: Any) -> None:
-        """``put(obj, block=False)``."""
+        """``put(obj, block=False)``: ``Full`` at once if the queue is full or no consumer has
+        taken it yet."""
         self.put(obj, block=False)
 
-    def _connect(self) -> _native.Sender:
-        deadline = time.monotonic() + self._connect_timeout
+    def _open_sender(self, dead: _native.Sender | None, block: bool, deadline: float | None) -> _native.Sender:
+        """This process's sender, connected if it is ``dead`` (``None``: never connected yet)."""
+        with self._opening_sender:
+            if self._sender is not dead and self._sender is not None:
+                return self._sender  # another thread connected meanwhile
+            if dead is not None:
+                dead.close()
+                self._sender = None
+            if not block:
+                deadline = time.monotonic()  # one attempt
+            sender = self._connect(time.monotonic() + self._connect_timeout if deadline is None else deadline)
+            if sender is None:
+                if dead is not None:
+                    raise Disconnected(f"the consumer of {self._address} is gone and no other took the queue in time")
+                if deadline is None:
+                    raise Disconnected(f"no consumer took {self._address} within {self._connect_timeout} s")
+                raise Full(f"no consumer has taken the queue yet ({self._address}); nothing was sent")
+            self._sender = sender
+            return sender
+
+    def _connect(self, deadline: float) -> _native.Sender | None:
+        """A sender connected to the consumer, or ``None`` if none took the address by ``deadline``
+        (one attempt when it has passed)."""
         while True:
             try:
-                return _native.Sender.connect(self._address)
-            except NoReceiver:  # the consumer has not bound the address yet
-                pass
-            except OSError as error:  # the same, said by the operating system
-                if error.errno not in (errno.ENOENT, errno.ECONNREFUSED):
-                    raise
-            except Exception as error:  # noqa: BLE001 - the Rust error for a missing socket
-                if "No such file" not in str(error) and "refused" not in str(error).lower():
+                left = deadline - time.monotonic()
+                return _native.Sender.connect(self._address, timeout=min(10.0, max(0.5, left)))
+            except Exception as error:  # noqa: BLE001 - sorted by _no_consumer
+                if not _no_consumer(error):
                     raise
             if time.monotonic() >= deadline:
-                raise Disconnected(f"no consumer took {self._address} within {self._connect_timeout} s")
+                return None
             time.sleep(0.005)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
@@ -149,7 +256,7 @@ class Queue:
         ``timeout`` seconds (at once when ``block`` is false). Makes this process the consumer."""
         self._own_process()
         if self._receiver is None:
-            with self._opening:
+            with self._opening_receiver:
                 if self._receiver is None:
                     self._receiver = self._claim()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
@@ -172,7 +279,8 @@ class Queue:
         return self.get(block=False)
 
     def close(self) -> None:
-        """Closes this process's ends of the queue."""
+        """Closes this process's ends of the queue. A consumer stays the consumer (a later ``get``
+        binds again) until it exits."""
         if self._sender is not None:
             self._sender.close()
             self._sender = None
