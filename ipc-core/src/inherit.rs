@@ -96,8 +96,7 @@ pub enum TakeError {
         /// The descriptor's number.
         fd: RawFd,
     },
-
-    /// A listed descriptor is not open, or setting its close-on-exec flag failed.
+    /// Setting a socket's close-on-exec flag failed.
     #[error(transparent)]
     Core(#[from] Error),
 }

@@ -321,19 +321,17 @@ impl Connections {
     /// Looks for frames without sleeping for up to the spin time (or until `deadline`); whether
     /// anything was read.
     fn spin_until_readable(&mut self, deadline: Option<Instant>) -> Result<bool> {
-        // A spin too long to add to the clock (`Duration::MAX`) spins until the deadline, if any.
-        let spun = Instant::now().checked_add(self.spin);
-        let until = match (deadline, spun) {
-            (Some(deadline), Some(spun)) => Some(deadline.min(spun)),
-            (deadline, spun) => deadline.or(spun),
-        };
+        // `ipc_core::deadline`: a spin of `Duration::MAX` overflowed the clock here (a panic;
+        // outside tester, Rust round 9, finding 4).
+        let spun = ipc_core::deadline::deadline(self.spin);
+        let until = deadline.map_or(spun, |deadline| deadline.min(spun));
         loop {
             // A non-blocking read per connection: one system call per frame, where a zero-timeout
             // `poll` and then the read would be two.
             if self.read_connections(0..self.connected.len()) || self.accept_waiting()? {
                 return Ok(true);
             }
-            if until.is_some_and(|until| Instant::now() >= until) {
+            if Instant::now() >= until {
                 return Ok(false);
             }
             std::hint::spin_loop();

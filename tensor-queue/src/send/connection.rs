@@ -580,15 +580,11 @@ impl SenderInner {
         }
         // One spinning thread is enough; others wait for it (or the reader thread) to see credits.
         let Ok(mut buf) = self.spin_buf.try_lock() else { return };
-        // A spin too long to add to the clock (`Duration::MAX`) spins until the deadline, if any.
-        let spun = Instant::now().checked_add(spin);
-        let until = match (deadline, spun) {
-            (Some(deadline), Some(spun)) => Some(deadline.min(spun)),
-            (deadline, spun) => deadline.or(spun),
-        };
+        let spun = ipc_core::deadline::deadline(spin);
+        let until = deadline.map_or(spun, |deadline| deadline.min(spun));
         buf.resize(MAX_PACKET, 0);
         let mut assembler = Assembler::default();
-        while until.is_none_or(|until| Instant::now() < until) && lock(&self.state).protocol.credits() == 0 {
+        while Instant::now() < until && lock(&self.state).protocol.credits() == 0 {
             match self.link.try_recv(&mut assembler, &mut buf).map(|(read, _)| read) {
                 Ok(Read::Frame(frame, _)) => {
                     if !self.handle(frame) {
