@@ -469,12 +469,13 @@ pub enum EndpointProblem {
     /// A TCP endpoint whose port (given) is not a number from 0 to 65535.
     #[error("the port `{0}` is not a number from 0 to 65535")]
     BadPort(String),
-    /// A socket path with a NUL byte, which no file name holds.
-    #[error("a socket path cannot hold a NUL byte")]
-    NulInPath,
-    /// A TCP endpoint whose IPv6 address lacks its closing bracket (`tcp://[::1]:PORT`).
+    /// An endpoint with a NUL byte, which no file name or host name holds.
+    #[error("an endpoint cannot hold a NUL byte")]
+    NulByte,
+    /// A TCP endpoint whose IPv6 address is not written `[ADDRESS]:PORT` (a bracket missing,
+    /// text between the bracket and the port, no address).
     #[error("an IPv6 address is written in brackets: tcp://[ADDRESS]:PORT")]
-    UnclosedBracket,
+    Ipv6Brackets,
 }
 
 /// A step of starting a child with a channel at which it failed ([`Error::ChildNotReady`], from

@@ -175,7 +175,8 @@ impl serde::Serialize for Costly {
     }
 }
 
-/// A full queue refuses `try_send` before the message is encoded, and `has_room` says so first.
+/// A full queue refuses `try_send` and a send that may not wait (`send_timeout` of zero, also a
+/// broadcast's) before the message is encoded, and `has_room` says so first.
 #[test]
 fn try_send_to_a_full_queue_refuses_before_encoding() {
     let path = socket_path("round9-try-send");
@@ -188,7 +189,10 @@ fn try_send_to_a_full_queue_refuses_before_encoding() {
     let before = ENCODED.load(std::sync::atomic::Ordering::Relaxed);
     for _ in 0..100 {
         assert!(matches!(tx.try_send(&Costly(2)), Err(Error::Full)));
+        assert!(matches!(tx.send_timeout(&Costly(2), Duration::ZERO), Err(Error::Timeout)));
     }
+    let both = tensor_queue::Broadcast::new(vec![tx.clone()]);
+    assert!(matches!(both.send_timeout(&Costly(2), Duration::ZERO), Err(Error::Timeout)));
     assert_eq!(ENCODED.load(std::sync::atomic::Ordering::Relaxed), before, "refused tries encoded the message");
     assert_eq!(rx.recv_timeout(Duration::from_secs(30)).unwrap().0, 1);
     within(Duration::from_secs(30), "room after a receive", move || {
@@ -269,15 +273,22 @@ fn a_copy_into_a_view_whose_elements_share_memory_is_refused() {
 
 /// Endpoints no connection can be made to are refused as such, before any system call.
 #[test]
-fn endpoints_with_a_nul_byte_or_an_unclosed_bracket_are_bad_endpoints() {
+fn endpoints_with_a_nul_byte_or_malformed_ipv6_brackets_are_bad_endpoints() {
     use tensor_queue::EndpointProblem;
     let nul = Sender::<u32>::connect("/tmp/round9\0nul.sock").err();
-    assert!(matches!(nul, Some(Error::BadEndpoint { problem: EndpointProblem::NulInPath, .. })), "{nul:?}");
+    assert!(matches!(nul, Some(Error::BadEndpoint { problem: EndpointProblem::NulByte, .. })), "{nul:?}");
     let bound = Receiver::<u32>::bind("/tmp/round9\0nul.sock").err();
-    assert!(matches!(bound, Some(Error::BadEndpoint { problem: EndpointProblem::NulInPath, .. })), "{bound:?}");
-    let bracket = Sender::<u32>::connect("tcp://[::1:4000").err();
-    assert!(
-        matches!(bracket, Some(Error::BadEndpoint { problem: EndpointProblem::UnclosedBracket, .. })),
-        "{bracket:?}"
-    );
+    assert!(matches!(bound, Some(Error::BadEndpoint { problem: EndpointProblem::NulByte, .. })), "{bound:?}");
+    for bad in ["tcp://[::1:4000", "tcp://[::1]x:4000", "tcp://[::1]]:4000", "tcp://[]:4000"] {
+        let bracket = Sender::<u32>::connect(bad).err();
+        assert!(
+            matches!(bracket, Some(Error::BadEndpoint { problem: EndpointProblem::Ipv6Brackets, .. })),
+            "{bad}: {bracket:?}"
+        );
+    }
+    let nul = Receiver::<u32>::bind("tcp://[::1\0]:4000").err();
+    assert!(matches!(nul, Some(Error::BadEndpoint { problem: EndpointProblem::NulByte, .. })), "{nul:?}");
+    // A well-formed IPv6 endpoint passes the check (and binds where the machine has IPv6).
+    let v6 = Receiver::<u32>::bind("tcp://[::1]:0");
+    assert!(!matches!(v6, Err(Error::BadEndpoint { .. })), "{:?}", v6.err());
 }

@@ -306,6 +306,9 @@ fn send_in_slices(
     closed: impl Fn() -> Option<PyErr> + Sync,
     receivers: u64,
 ) -> PyResult<()> {
+    if let Some(seconds) = timeout {
+        duration(seconds, "timeout")?; // a bad timeout is refused before any array is copied
+    }
     let value = encode(message, &mut order)?;
     let stream = copies_stream(&order)?;
     // A slice that times out sent nothing: the receiver's queue stayed full through it.
@@ -316,6 +319,13 @@ fn send_in_slices(
     stats::MESSAGES_SENT.add(receivers);
     stats::ARRAYS_SENT.add(count_arrays(&value) * receivers);
     Ok(())
+}
+
+/// Whether a send that may not wait is refused now, before its arrays are copied into channel
+/// memory (a refused try copied the whole message; outside testers, Python round 9): some
+/// receiver has no room, and is still connected (a gone one's error comes from the send).
+fn full_now(senders: &[tensor_queue::Sender<Value>]) -> bool {
+    senders.iter().any(|s| !s.has_room() && s.is_connected())
 }
 
 /// `Closed` if `end` was closed.
@@ -443,7 +453,7 @@ impl Sender {
         copy: &str,
     ) -> PyResult<()> {
         let sender = self.inner()?;
-        if timeout == Some(0.0) && !sender.has_room() && sender.is_connected() {
+        if timeout == Some(0.0) && full_now(std::slice::from_ref(&sender)) {
             return Err(to_py(Error::Timeout)); // as `try_send`: nothing copied to be refused
         }
         let order = send_order(stream, copy)?;
@@ -464,9 +474,7 @@ impl Sender {
     /// Sends `message` if the receiver's queue has room now, else raises `Full`.
     fn try_send(&self, py: Python<'_>, message: &Bound<'_, PyAny>) -> PyResult<()> {
         let sender = self.inner()?;
-        // Refused before the arrays are copied into channel memory: a full queue cost a copy of
-        // the whole message per try (outside tester, Python round 9, finding 10).
-        if !sender.has_room() && sender.is_connected() {
+        if full_now(std::slice::from_ref(&sender)) {
             return Err(to_py(Error::Full));
         }
         let mut order = SendOrder::default();
@@ -584,6 +592,9 @@ impl Broadcast {
         copy: &str,
     ) -> PyResult<()> {
         let broadcast = tensor_queue::Broadcast::new(self.senders()?);
+        if timeout == Some(0.0) && full_now(broadcast.senders()) {
+            return Err(to_py(Error::Timeout)); // all or none: one full receiver refuses it
+        }
         let receivers = broadcast.senders().len() as u64;
         let order = send_order(stream, copy)?;
         // In slices, all or none each (so that Ctrl-C interrupts a wait for a full receiver).

@@ -243,7 +243,9 @@ class Queue:
         while True:
             try:
                 left = deadline - time.monotonic()
-                return _native.Sender.connect(self._address, timeout=min(10.0, max(0.5, left)))
+                # At least 10 ms for the greeting's round trip, so that a put_nowait or a short
+                # timeout keeps its promise against a consumer that is alive but not answering.
+                return _native.Sender.connect(self._address, timeout=min(10.0, max(0.01, left)))
             except Exception as error:  # noqa: BLE001 - sorted by _no_consumer
                 if not _no_consumer(error):
                     raise

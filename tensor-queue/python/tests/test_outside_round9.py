@@ -159,6 +159,11 @@ def test_a_full_queue_refuses_try_send_and_send_with_no_wait_before_copying(tmp_
                 s.try_send({"x": big})
             with pytest.raises(tq.Timeout):
                 s.send({"x": big}, timeout=0)
+        with tq.Broadcast([s]) as broadcast:
+            with pytest.raises(tq.Timeout):
+                broadcast.send({"x": big}, timeout=0)
+        with pytest.raises(tq.InvalidArgument):
+            s.send({"x": big}, timeout=-1)
         assert tq.stats()["send_copy_bytes"] == before, "refused sends copied the message"
         assert r.recv(timeout=30) == "fills the queue"
         s.send({"x": big}, timeout=30)

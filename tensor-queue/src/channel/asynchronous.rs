@@ -13,7 +13,9 @@
 //! on the runtime until the data is there.
 //!
 //! The runtime must have IO enabled (`enable_io` or `enable_all`); without one, these calls return
-//! [`Error::NoRuntime`].
+//! [`Error::NoRuntime`]. (Where IO is disabled tokio has no error, only a panic, which
+//! `recv_async` catches: its message still reaches the panic hook, and a program built with
+//! `panic = "abort"` aborts there, as it would in tokio's own IO types.)
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;

@@ -133,6 +133,9 @@ impl<T: Serialize> Broadcast<T> {
     /// # Ok(()) }
     /// ```
     pub fn send_timeout(&self, message: &T, timeout: Duration) -> Result<()> {
+        if self.senders.iter().any(|s| s.refused_at_once(timeout)) {
+            return Err(Error::Timeout); // all or none: one full receiver refuses it
+        }
         self.send_all(&Outgoing::synchronized(message)?, Wait::Until(deadline(timeout)))
     }
 
@@ -149,6 +152,9 @@ impl<T: Serialize> Broadcast<T> {
     /// # Ok(()) }
     /// ```
     pub fn send_on_timeout(&self, message: &T, stream: &Stream, timeout: Duration) -> Result<()> {
+        if self.senders.iter().any(|s| s.refused_at_once(timeout)) {
+            return Err(Error::Timeout);
+        }
         self.send_all(&Outgoing::on_stream(message, stream)?, Wait::Until(deadline(timeout)))
     }
 

@@ -440,8 +440,10 @@ impl<T: DeserializeOwned> Receiver<T> {
 
     /// Makes this (bound) receiver's end of stream definite when several independent senders
     /// feed it: once `count` senders have connected, no more may join (a sender beyond, even one
-    /// connecting at the same moment, is turned away at connect with
-    /// [`Error::PeerRefused`](crate::Error::PeerRefused), before it could send anything), and
+    /// connecting at the same moment, is turned away before it could send anything: its first
+    /// send, or `wait_ready`, says [`Error::PeerRefused`](crate::Error::PeerRefused), or its
+    /// connect [`Error::NoReceiver`](crate::Error::NoReceiver) once the receiver has stopped
+    /// listening), and
     /// `recv` returns [`Error::Disconnected`](crate::Error::Disconnected) only when all of them
     /// have left and every message they sent is received (not in a moment between two senders).
     /// `expect_senders(0)` ends the stream at once.

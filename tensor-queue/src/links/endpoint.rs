@@ -57,9 +57,10 @@ impl Endpoint {
         let bad = |problem| Err(Error::BadEndpoint { endpoint: self.to_string(), problem });
         match self {
             Endpoint::Unix(path) if path.as_os_str().is_empty() => bad(EndpointProblem::Empty),
-            Endpoint::Unix(path) if path.as_os_str().as_encoded_bytes().contains(&0) => bad(EndpointProblem::NulInPath),
-            Endpoint::Tcp(address) if address.starts_with('[') && !address.contains(']') => {
-                bad(EndpointProblem::UnclosedBracket)
+            Endpoint::Unix(path) if path.as_os_str().as_encoded_bytes().contains(&0) => bad(EndpointProblem::NulByte),
+            Endpoint::Tcp(address) if address.contains('\0') => bad(EndpointProblem::NulByte),
+            Endpoint::Tcp(address) if address.contains(['[', ']']) && !is_bracketed_v6(address) => {
+                bad(EndpointProblem::Ipv6Brackets)
             }
             Endpoint::Unix(path) => match path.to_str().and_then(scheme) {
                 Some(scheme) => bad(EndpointProblem::Scheme(scheme.to_string())),
@@ -76,6 +77,14 @@ impl Endpoint {
             }
         }
     }
+}
+
+/// Whether `address` is `[ADDRESS]:PORT`: one pair of brackets, around something, then the port.
+fn is_bracketed_v6(address: &str) -> bool {
+    address
+        .strip_prefix('[')
+        .and_then(|rest| rest.split_once("]:"))
+        .is_some_and(|(host, port)| !host.is_empty() && !host.contains(['[', ']']) && !port.contains(['[', ']']))
 }
 
 /// The scheme of a URL-like text (`http` in `http://host`), if it starts like one.
