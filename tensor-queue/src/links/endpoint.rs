@@ -79,12 +79,15 @@ impl Endpoint {
     }
 }
 
-/// Whether `address` is `[ADDRESS]:PORT`: one pair of brackets, around something, then the port.
+/// Whether `address` is `[ADDRESS]:PORT` (or `[ADDRESS]`, which the port check refuses next):
+/// one pair of brackets around something, then nothing or the port.
 fn is_bracketed_v6(address: &str) -> bool {
-    address
-        .strip_prefix('[')
-        .and_then(|rest| rest.split_once("]:"))
-        .is_some_and(|(host, port)| !host.is_empty() && !host.contains(['[', ']']) && !port.contains(['[', ']']))
+    let Some((host, after)) = address.strip_prefix('[').and_then(|rest| rest.split_once(']')) else {
+        return false;
+    };
+    !host.is_empty()
+        && !host.contains('[')
+        && (after.is_empty() || after.strip_prefix(':').is_some_and(|port| !port.contains(['[', ']'])))
 }
 
 /// The scheme of a URL-like text (`http` in `http://host`), if it starts like one.
