@@ -4,6 +4,7 @@ with a bound."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -71,6 +72,18 @@ def program(code: str, *args, env: dict[str, str] | None = None) -> subprocess.P
         env=dict(os.environ, **(env or {})),
         cwd=tempfile.gettempdir(),
     )
+
+
+@contextlib.contextmanager
+def running(code: str, *args, env: dict[str, str] | None = None):
+    """`program(code, *args, env=env)` for the block, killed and reaped when it ends (a test that
+    fails leaves no program behind)."""
+    prog = program(code, *args, env=env)
+    try:
+        yield prog
+    finally:
+        prog.kill()
+        prog.wait(10)
 
 
 def line_of(prog: subprocess.Popen, bound: float) -> str:

@@ -40,8 +40,7 @@ def test_a_fork_child_dropping_inherited_arrays_costs_the_parent_nothing():
     # saw a clean end after 2 of 35 further messages.
     path = helpers.address("round9-fork")
     with tq.Receiver.bind(path) as r:
-        feeder = helpers.program(FEEDER, path)
-        try:
+        with helpers.running(FEEDER, path) as feeder:
             held = [r.recv(timeout=30) for _ in range(5)]
             assert helpers.line_of(feeder, 30) == "sent"
             child = mp.get_context("fork").Process(target=_drop_inherited, args=(held,))
@@ -62,9 +61,6 @@ def test_a_fork_child_dropping_inherited_arrays_costs_the_parent_nothing():
             with pytest.raises(tq.Disconnected):
                 r.recv(timeout=30)
             assert r.take_errors() == []
-        finally:
-            feeder.kill()
-            feeder.wait(10)
 
 
 RECEIVER_THAT_WAITS = r"""
@@ -89,8 +85,7 @@ def test_close_from_another_thread_ends_a_send_waiting_for_room_with_closed():
     import threading
 
     path = helpers.address("round9-close")
-    receiver = helpers.program(RECEIVER_THAT_WAITS, path)
-    try:
+    with helpers.running(RECEIVER_THAT_WAITS, path) as receiver:
         assert helpers.line_of(receiver, 30) == "bound"
         s = tq.Sender.connect(path, timeout=30)
         s.send("m0", timeout=30)  # the one credit
@@ -114,9 +109,6 @@ def test_close_from_another_thread_ends_a_send_waiting_for_room_with_closed():
         receiver.stdin.write("read\n")
         receiver.stdin.flush()
         assert helpers.line_of(receiver, 60) == "got ['m0']", "nothing is sent after close()"
-    finally:
-        receiver.kill()
-        receiver.wait(10)
 
 
 ITERATING_RECEIVER = r"""
@@ -132,8 +124,7 @@ def test_a_closed_broadcast_lets_go_of_its_senders():
     # Was: Broadcast had no close(): with every Sender closed, it kept their connections open
     # and the receiver's `for` loop waited until the Broadcast was garbage-collected.
     path = helpers.address("round9-broadcast")
-    receiver = helpers.program(ITERATING_RECEIVER, path)
-    try:
+    with helpers.running(ITERATING_RECEIVER, path) as receiver:
         assert helpers.line_of(receiver, 30) == "bound"
         s = tq.Sender.connect(path, timeout=30)
         with tq.Broadcast([s]) as broadcast:
@@ -142,9 +133,6 @@ def test_a_closed_broadcast_lets_go_of_its_senders():
         with pytest.raises(tq.Closed):
             broadcast.send("after", timeout=1)
         assert helpers.line_of(receiver, 30) == "ended after 1"
-    finally:
-        receiver.kill()
-        receiver.wait(10)
 
 
 def test_a_full_queue_refuses_try_send_and_send_with_no_wait_before_copying(tmp_path):
@@ -197,8 +185,7 @@ def test_a_sender_out_of_descriptors_raises_the_channels_error_not_not_sendable(
     # array was fine; the process was out of descriptors for a moment.
     path = helpers.address("round9-nofile")
     with tq.Receiver.bind(path) as r:
-        sender = helpers.program(LOW_ON_DESCRIPTORS, path)
-        try:
+        with helpers.running(LOW_ON_DESCRIPTORS, path) as sender:
             held = [r.recv(timeout=60)]
             while not (isinstance(held[-1], str) and held[-1] == "last"):
                 held.append(r.recv(timeout=60))
@@ -208,9 +195,6 @@ def test_a_sender_out_of_descriptors_raises_the_channels_error_not_not_sendable(
             assert name != "NotSendable" and is_type_error == "False", line
             assert "open files" in line or "descriptor" in line, line
             assert helpers.line_of(sender, 60) == "done"
-        finally:
-            sender.kill()
-            sender.wait(10)
 
 
 class _UserArray(np.ndarray):
