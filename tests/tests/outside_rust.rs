@@ -650,8 +650,9 @@ fn a_receiver_out_of_descriptors_rejects_alone_and_goes_on() {
     for n in 0..12u8 {
         tx.send_timeout(&Tensor::new(&pattern(len, n), &[len]).unwrap(), Duration::from_secs(60)).unwrap();
     }
-    // The next message goes once the peer let go of what it held (its chunk's announcement
-    // then finds descriptors free; one read ahead while none were would be refused with it).
+    // The next message goes once the peer let go of what it held and raised its limit again,
+    // as the refusal told it to (a chunk announced again then finds a descriptor free; one read
+    // ahead while none were would be refused with it).
     let mut report = Vec::new();
     while !report.last().is_some_and(|l: &String| l.starts_with("held ")) {
         report.push(peer.line());

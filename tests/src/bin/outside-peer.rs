@@ -66,6 +66,7 @@ fn main() -> Result<()> {
             let count: usize = args[3].parse()?;
             let mut receiver = Receiver::<Tensor>::builder().capacity(64).bind(args[1].as_str())?;
             say("bound");
+            let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
             let mut held = Vec::new();
             let mut rejected = 0;
             let mut other = Vec::new();
@@ -89,10 +90,7 @@ fn main() -> Result<()> {
                     let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
                     rustix::process::setrlimit(
                         rustix::process::Resource::Nofile,
-                        rustix::process::Rlimit {
-                            current: Some(open + spare),
-                            maximum: rustix::process::getrlimit(rustix::process::Resource::Nofile).maximum,
-                        },
+                        rustix::process::Rlimit { current: Some(open + spare), maximum: limit.maximum },
                     )?;
                 }
             }
@@ -100,7 +98,12 @@ fn main() -> Result<()> {
                 let _ = (n, t.dtype() == DType::U8);
             }
             let summary = format!("held {} rejected {} other {:?}", held.len(), rejected, other);
-            drop(held); // let go first: the test sends its next message once it reads the summary
+            // Then do what the refusal said: raise the limit again. (Letting go of the held
+            // tensors alone frees no descriptor: a mapped chunk keeps its own until its sender
+            // retires it, so a chunk announced again could still not be mapped.) The test sends
+            // its next message once it reads the summary.
+            drop(held);
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, limit)?;
             say(&summary);
             // After letting go, the channel goes on.
             match receiver.recv_timeout(Duration::from_secs(60)) {
