@@ -41,6 +41,7 @@ mod error;
 mod fences;
 mod links;
 pub mod memory;
+mod nesting;
 mod recv;
 pub mod route;
 mod secret;

@@ -15,6 +15,7 @@ use serde::ser::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::error::{Error, Result};
+use crate::nesting::{self, Failed};
 use crate::tensor::{Storage, Tensor, TransferPath};
 use crate::wire::Descriptors;
 
@@ -247,10 +248,11 @@ pub(crate) fn decode<T: DeserializeOwned>(bytes: &[u8], tensors: impl Into<Incom
     let tensors = tensors.into();
     INCOMING.with(|table| *table.borrow_mut() = Some(tensors));
     REFUSAL.with(|refusal| refusal.borrow_mut().take());
-    let result = match postcard::take_from_bytes(bytes) {
+    let result = match nesting::take_from_bytes(bytes) {
         Ok((message, [])) => Ok(message),
         Ok((_, rest)) => Err(Error::Decode(format!("{} bytes follow the message", rest.len()))),
-        Err(e) => Err(Error::Decode(refusal_text(e, "Deserialize"))),
+        Err(Failed::Postcard(e)) => Err(Error::Decode(refusal_text(e, "Deserialize"))),
+        Err(too_deep) => Err(Error::Decode(too_deep.to_string())),
     };
     INCOMING.with(|table| table.borrow_mut().take());
     result

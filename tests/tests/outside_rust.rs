@@ -685,3 +685,47 @@ fn a_receiver_out_of_descriptors_rejects_alone_and_goes_on() {
     );
     peer.wait_success();
 }
+
+/// The postcard bytes of a chain of `depth` `Tree::Node`s (the peer's recursive type), each the
+/// only child of the one above, around a leaf: written out, as a hostile or careless peer would
+/// (serializing so deep a value would recurse as deep).
+struct Chain(usize);
+
+impl serde::Serialize for Chain {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let mut bytes = [1u8, 1].repeat(self.0); // variant Node, a Vec of one
+        bytes.extend([0, 7]); // Leaf(7)
+        let mut tuple = serializer.serialize_tuple(bytes.len())?; // postcard: the bytes as they are
+        for byte in bytes {
+            tuple.serialize_element(&byte)?;
+        }
+        tuple.end()
+    }
+}
+
+#[test]
+fn a_receiver_of_a_recursive_type_refuses_a_message_nested_too_deep_and_goes_on() {
+    // Decoding recurses once per level; a few hundred KiB nesting 200,000 levels overflowed the
+    // receiving thread's stack, which aborts the whole process.
+    let path = socket_path("outside-deep");
+    let mut peer = Peer::start(&["tree", path.to_str().unwrap(), "3"], &[]);
+    assert_eq!(peer.line(), "bound");
+    let tx = Sender::<Chain>::connect(&path).unwrap();
+    for depth in [5, 200_000, 120] {
+        tx.send_timeout(&Chain(depth), Duration::from_secs(60)).unwrap();
+    }
+    let report = peer.rest();
+    assert_eq!(report.len(), 3, "the peer reports every message: {report:?}");
+    assert_eq!(report[0], "depth 5");
+    assert!(report[1].starts_with("refused ") && report[1].contains("nests deeper than"), "{report:?}");
+    assert_eq!(report[2], "depth 120", "the next message arrives (120 nodes, 241 levels, are allowed)");
+    peer.wait_success();
+    let mut refused = tx.take_rejected();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while refused.is_empty() && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(20));
+        refused = tx.take_rejected();
+    }
+    assert_eq!(refused.len(), 1, "the sender hears of the refusal: {refused:?}");
+}

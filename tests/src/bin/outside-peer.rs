@@ -111,6 +111,18 @@ fn main() -> Result<()> {
                 Err(e) => say(&format!("after-error {e}")),
             }
         }
+        // A receiver of a recursive message type: reports each of `args[2]` messages' depth,
+        // or why it was refused.
+        "tree" => {
+            let mut receiver = Receiver::<Tree>::bind(args[1].as_str())?;
+            say("bound");
+            for _ in 0..args[2].parse::<usize>()? {
+                match receiver.recv_timeout(Duration::from_secs(60)) {
+                    Ok(tree) => say(&format!("depth {}", tree.depth())),
+                    Err(e) => say(&format!("refused {e}")),
+                }
+            }
+        }
         // A receiver that attacks the read-only host memory it was sent with its own system
         // calls (as root here): each attempt's outcome, then whether the tensor is intact.
         "attack-ro" => {
@@ -135,6 +147,23 @@ fn main() -> Result<()> {
         other => bail!("unknown mode {other:?}"),
     }
     Ok(())
+}
+
+/// A recursive message type, as users write them.
+#[derive(serde::Deserialize)]
+enum Tree {
+    Leaf(#[allow(dead_code)] u32),
+    Node(Vec<Tree>),
+}
+
+impl Tree {
+    /// How many nodes down its deepest leaf lies.
+    fn depth(&self) -> usize {
+        match self {
+            Tree::Leaf(_) => 0,
+            Tree::Node(children) => 1 + children.iter().map(Tree::depth).max().unwrap_or(0),
+        }
+    }
 }
 
 /// Tries every way this process has to write the memfd at `path` (a `/proc/self/fd` entry),
