@@ -5,6 +5,9 @@
 //! and refuses a message at [`MAX_NESTING`] levels instead, as a decode error of that message
 //! alone.
 //!
+//! A sender counts the same way ([`to_stdvec`]), so that a message its receiver would refuse is
+//! refused at `send`, where its author learns of it.
+//!
 //! A level is a compound value: a struct, tuple, sequence, map, enum variant, `Some` or newtype
 //! struct (so a node of `enum Tree { Leaf(u32), Node { children: Vec<Tree> } }` costs three).
 //! The wrapper sits between every deserializer and visitor of the message; what it adds per
@@ -14,6 +17,7 @@ use std::cell::Cell;
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, EnumAccess, MapAccess, SeqAccess, VariantAccess, Visitor};
+use serde::ser::{self, Serialize, Serializer};
 
 /// The most levels a received message may nest. Room for what the Python package sends (64
 /// levels of containers, a dict's three deep here), and little stack: a level of a derived
@@ -48,6 +52,17 @@ pub(crate) fn take_from_bytes<'de, T: de::Deserialize<'de>>(bytes: &'de [u8]) ->
     decoded.map_err(|error| if tripped.get() { Failed::TooDeep } else { Failed::Postcard(error) })
 }
 
+/// The postcard bytes of `message`, if it nests at most [`MAX_NESTING`] levels (counted as a
+/// receiver counts them).
+pub(crate) fn to_stdvec<T: Serialize + ?Sized>(message: &T) -> Result<Vec<u8>, Failed> {
+    let tripped = Cell::new(false);
+    let mut serializer = postcard::Serializer { output: postcard::ser_flavors::StdVec::new() };
+    message
+        .serialize(Limited::new(&mut serializer, &tripped))
+        .and_then(|()| postcard::ser_flavors::Flavor::finalize(serializer.output))
+        .map_err(|error| if tripped.get() { Failed::TooDeep } else { Failed::Postcard(error) })
+}
+
 /// A deserializer (or a visitor, seed or access of one) with `left` levels still allowed;
 /// `tripped` is set when a message went deeper, so that the caller can say why it failed
 /// (the error itself is the format's own custom error, which may carry no text).
@@ -68,15 +83,21 @@ impl<'a, X> Limited<'a, X> {
         Limited { inner: other, left: self.left, tripped: self.tripped }
     }
 
+    /// `other`, `levels` further down, or `None` (and `tripped` set) if that is too deep.
+    fn below<Y>(&self, levels: usize, other: Y) -> Option<Limited<'a, Y>> {
+        let left = self.left.checked_sub(levels);
+        self.tripped.set(self.tripped.get() || left.is_none());
+        Some(Limited { inner: other, left: left?, tripped: self.tripped })
+    }
+
     /// `other`, one level further down; an error once no levels are left.
     fn descend<Y, E: de::Error>(&self, other: Y) -> Result<Limited<'a, Y>, E> {
-        match self.left.checked_sub(1) {
-            Some(left) => Ok(Limited { inner: other, left, tripped: self.tripped }),
-            None => {
-                self.tripped.set(true);
-                Err(E::custom(Failed::TooDeep))
-            }
-        }
+        self.below(1, other).ok_or_else(|| E::custom(Failed::TooDeep))
+    }
+
+    /// `other`, `levels` further down; an error if that is too deep.
+    fn nest<Y, E: ser::Error>(&self, levels: usize, other: Y) -> Result<Limited<'a, Y>, E> {
+        self.below(levels, other).ok_or_else(|| E::custom(Failed::TooDeep))
     }
 }
 
@@ -284,6 +305,173 @@ impl<'de, A: VariantAccess<'de>> VariantAccess<'de> for Limited<'_, A> {
     }
 }
 
+/// A value to serialize with the levels left where it sits.
+impl<T: Serialize + ?Sized> Serialize for Limited<'_, &T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.inner.serialize(self.wrap(serializer))
+    }
+}
+
+/// Forwards `serialize_*` methods of values that hold no others.
+macro_rules! forward_serialize {
+    ($($method:ident($ty:ty);)*) => {$(
+        fn $method(self, value: $ty) -> Result<S::Ok, S::Error> {
+            self.inner.$method(value)
+        }
+    )*};
+}
+
+impl<'a, S: Serializer> Serializer for Limited<'a, S> {
+    type Ok = S::Ok;
+    type Error = S::Error;
+    type SerializeSeq = Limited<'a, S::SerializeSeq>;
+    type SerializeTuple = Limited<'a, S::SerializeTuple>;
+    type SerializeTupleStruct = Limited<'a, S::SerializeTupleStruct>;
+    type SerializeTupleVariant = Limited<'a, S::SerializeTupleVariant>;
+    type SerializeMap = Limited<'a, S::SerializeMap>;
+    type SerializeStruct = Limited<'a, S::SerializeStruct>;
+    type SerializeStructVariant = Limited<'a, S::SerializeStructVariant>;
+
+    forward_serialize! {
+        serialize_bool(bool);
+        serialize_i8(i8);
+        serialize_i16(i16);
+        serialize_i32(i32);
+        serialize_i64(i64);
+        serialize_i128(i128);
+        serialize_u8(u8);
+        serialize_u16(u16);
+        serialize_u32(u32);
+        serialize_u64(u64);
+        serialize_u128(u128);
+        serialize_f32(f32);
+        serialize_f64(f64);
+        serialize_char(char);
+        serialize_str(&str);
+        serialize_bytes(&[u8]);
+        serialize_unit_struct(&'static str);
+    }
+
+    fn serialize_none(self) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_none()
+    }
+
+    fn serialize_unit(self) -> Result<S::Ok, S::Error> {
+        self.inner.serialize_unit()
+    }
+
+    // Each compound value below is the level a receiver's visitor counts for it: `Some`, a
+    // newtype struct, an enum variant (and, for a tuple or struct variant, its fields' sequence
+    // as a second), a sequence, tuple, struct or map.
+
+    fn serialize_some<T: Serialize + ?Sized>(self, value: &T) -> Result<S::Ok, S::Error> {
+        let value = self.nest(1, value)?;
+        self.inner.serialize_some(&value)
+    }
+
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(self, name: &'static str, value: &T) -> Result<S::Ok, S::Error> {
+        let value = self.nest(1, value)?;
+        self.inner.serialize_newtype_struct(name, &value)
+    }
+
+    fn serialize_unit_variant(self, name: &'static str, index: u32, variant: &'static str) -> Result<S::Ok, S::Error> {
+        self.nest(1, ())?;
+        self.inner.serialize_unit_variant(name, index, variant)
+    }
+
+    fn serialize_newtype_variant<T: Serialize + ?Sized>(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        value: &T,
+    ) -> Result<S::Ok, S::Error> {
+        let value = self.nest(1, value)?;
+        self.inner.serialize_newtype_variant(name, index, variant, &value)
+    }
+
+    fn serialize_seq(self, len: Option<usize>) -> Result<Self::SerializeSeq, S::Error> {
+        let levels = self.nest(1, ())?;
+        Ok(levels.wrap(self.inner.serialize_seq(len)?))
+    }
+
+    fn serialize_tuple(self, len: usize) -> Result<Self::SerializeTuple, S::Error> {
+        let levels = self.nest(1, ())?;
+        Ok(levels.wrap(self.inner.serialize_tuple(len)?))
+    }
+
+    fn serialize_tuple_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeTupleStruct, S::Error> {
+        let levels = self.nest(1, ())?;
+        Ok(levels.wrap(self.inner.serialize_tuple_struct(name, len)?))
+    }
+
+    fn serialize_tuple_variant(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        len: usize,
+    ) -> Result<Self::SerializeTupleVariant, S::Error> {
+        let levels = self.nest(2, ())?;
+        Ok(levels.wrap(self.inner.serialize_tuple_variant(name, index, variant, len)?))
+    }
+
+    fn serialize_map(self, len: Option<usize>) -> Result<Self::SerializeMap, S::Error> {
+        let levels = self.nest(1, ())?;
+        Ok(levels.wrap(self.inner.serialize_map(len)?))
+    }
+
+    fn serialize_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeStruct, S::Error> {
+        let levels = self.nest(1, ())?;
+        Ok(levels.wrap(self.inner.serialize_struct(name, len)?))
+    }
+
+    fn serialize_struct_variant(
+        self,
+        name: &'static str,
+        index: u32,
+        variant: &'static str,
+        len: usize,
+    ) -> Result<Self::SerializeStructVariant, S::Error> {
+        let levels = self.nest(2, ())?;
+        Ok(levels.wrap(self.inner.serialize_struct_variant(name, index, variant, len)?))
+    }
+
+    fn is_human_readable(&self) -> bool {
+        self.inner.is_human_readable()
+    }
+}
+
+/// Implements a compound serializer's trait for `Limited`: each item it takes is wrapped with
+/// the levels left inside the compound value.
+macro_rules! limited_compound {
+    ($($trait:ident { $($method:ident($($key:ident: $key_ty:ty),*);)* })*) => {$(
+        impl<S: ser::$trait> ser::$trait for Limited<'_, S> {
+            type Ok = S::Ok;
+            type Error = S::Error;
+
+            $(fn $method<T: Serialize + ?Sized>(&mut self, $($key: $key_ty,)* value: &T) -> Result<(), S::Error> {
+                let value = self.wrap(value);
+                self.inner.$method($($key,)* &value)
+            })*
+
+            fn end(self) -> Result<S::Ok, S::Error> {
+                self.inner.end()
+            }
+        }
+    )*};
+}
+
+limited_compound! {
+    SerializeSeq { serialize_element(); }
+    SerializeTuple { serialize_element(); }
+    SerializeTupleStruct { serialize_field(); }
+    SerializeTupleVariant { serialize_field(); }
+    SerializeMap { serialize_key(); serialize_value(); }
+    SerializeStruct { serialize_field(key: &'static str); }
+    SerializeStructVariant { serialize_field(key: &'static str); }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,5 +540,44 @@ mod tests {
         assert!(matches!(decode::<Maps>(&maps), Err(true)), "maps of maps");
         #[derive(Deserialize)]
         struct Maps(#[allow(dead_code)] std::collections::BTreeMap<u8, Maps>);
+    }
+
+    /// Whether `value` encodes, and whether its bytes decode as a `T`.
+    fn both_ways<T: Serialize + serde::de::DeserializeOwned>(value: &T) -> (bool, bool) {
+        let plain = postcard::to_stdvec(value).unwrap();
+        let encoded = to_stdvec(value);
+        if let Ok(bytes) = &encoded {
+            assert_eq!(bytes, &plain, "the bytes postcard writes");
+        }
+        (encoded.is_ok(), decode::<T>(&plain).is_ok())
+    }
+
+    #[test]
+    fn a_sender_refuses_exactly_what_its_receiver_would() {
+        #[derive(Serialize, Deserialize)]
+        struct Wrapped(Option<Box<Wrapped>>);
+        #[derive(Serialize, Deserialize)]
+        enum List {
+            End,
+            Cons(u8, Box<List>),
+        }
+        #[derive(Serialize, Deserialize)]
+        struct Maps(std::collections::BTreeMap<u8, Maps>);
+        let mut seen = [0usize; 4];
+        for depth in 0..MAX_NESTING {
+            let wrapped = (0..depth).fold(Wrapped(None), |inner, _| Wrapped(Some(Box::new(inner))));
+            let list = (0..depth).fold(List::End, |tail, n| List::Cons(n as u8, Box::new(tail)));
+            let maps = (0..depth).fold(Maps(Default::default()), |inner, _| Maps([(1, inner)].into()));
+            for (kind, (encoded, decoded)) in
+                [both_ways(&chain(depth)), both_ways(&wrapped), both_ways(&list), both_ways(&maps)]
+                    .into_iter()
+                    .enumerate()
+            {
+                assert_eq!(encoded, decoded, "type {kind} at depth {depth}");
+                seen[kind] += encoded as usize;
+            }
+        }
+        // Each type reaches the bound within the loop, at its own levels per step.
+        assert_eq!(seen, [(MAX_NESTING - 1) / 3 + 1, MAX_NESTING / 2, (MAX_NESTING - 1) / 2 + 1, MAX_NESTING / 2]);
     }
 }

@@ -78,7 +78,10 @@ pub(crate) fn encode<T: Serialize>(message: &T) -> Result<(Vec<u8>, Vec<Tensor>)
     let _reset = Reset(&OUTGOING);
     REFUSAL.with(|refusal| refusal.borrow_mut().take());
     // The frame's size is checked when it is sent.
-    let bytes = postcard::to_stdvec(message).map_err(|e| Error::Encode(refusal_text(e, "Serialize")))?;
+    let bytes = nesting::to_stdvec(message).map_err(|failed| match failed {
+        Failed::Postcard(e) => Error::Encode(refusal_text(e, "Serialize")),
+        too_deep => Error::Encode(format!("{too_deep} (a receiver refuses those)")),
+    })?;
     let tensors = OUTGOING.with(|table| table.borrow_mut().take()).unwrap_or_default();
     LAST_COUNT.with(|last| last.set(tensors.len().min(MAX_ROOM)));
     Ok((bytes, tensors))

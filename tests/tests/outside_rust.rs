@@ -729,3 +729,28 @@ fn a_receiver_of_a_recursive_type_refuses_a_message_nested_too_deep_and_goes_on(
     }
     assert_eq!(refused.len(), 1, "the sender hears of the refusal: {refused:?}");
 }
+
+#[test]
+fn a_sender_refuses_a_message_nested_deeper_than_a_receiver_takes() {
+    #[derive(Serialize, Deserialize)]
+    enum Tree {
+        Leaf,
+        Node(Vec<Tree>),
+    }
+    let chain = |depth: usize| (0..depth).fold(Tree::Leaf, |tree, _| Tree::Node(vec![tree]));
+    let path = socket_path("outside-deep-send");
+    let mut rx = Receiver::<Tree>::bind(&path).unwrap();
+    let tx = Sender::<Tree>::connect(&path).unwrap();
+    // Two levels a node (its variant, its Vec), one the leaf: 127 nodes are the most.
+    match tx.send(&chain(128)) {
+        Err(Error::Encode(reason)) => assert!(reason.contains("nests deeper than"), "{reason}"),
+        other => panic!("a message its receiver would refuse was sent: {other:?}"),
+    }
+    tx.send(&chain(127)).unwrap();
+    let mut depth = 0;
+    let mut tree = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    while let Tree::Node(mut children) = tree {
+        (tree, depth) = (children.pop().unwrap(), depth + 1);
+    }
+    assert_eq!(depth, 127);
+}

@@ -294,9 +294,8 @@ impl<T: DeserializeOwned> Receiver<T> {
     ///
     /// Two errors concern one message only, and the next call goes on with the next:
     /// [`Error::Rejected`] (the message could not be used here, for example a tensor on a GPU this
-    /// process cannot see, or a payload that is not a `T` or nests deeper than 256 levels of
-    /// structs, sequences, maps, enums and options, which would take the decoding thread's stack;
-    /// its sender is told) and [`Error::ProducerFailed`] (its producer died
+    /// process cannot see, or a payload that is not a `T` or nests deeper than the 256 levels a
+    /// [`Sender::send`](crate::Sender::send) allows; its sender is told) and [`Error::ProducerFailed`] (its producer died
     /// before its GPU work on the message was done, so the data is not what it sent).
     ///
     /// ```

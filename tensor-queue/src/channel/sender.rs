@@ -166,7 +166,10 @@ impl<T: Serialize> Sender<T> {
     /// A message has any number of tensors, but its encoded descriptors and payload (about 100
     /// bytes per tensor plus the serde bytes) must fit [`MAX_MESSAGE_BYTES`](crate::MAX_MESSAGE_BYTES),
     /// else [`Error::TooLarge`]. Tensors received from another process cannot be sent on
-    /// ([`Error::NotSendable`]). Either way nothing is sent, and the channel goes on. A receiver
+    /// ([`Error::NotSendable`]). A message may nest at most 256 levels of structs, sequences,
+    /// maps, enum variants and options, as receivers refuse deeper ones (decoding them would take
+    /// the receiving thread's stack), else [`Error::Encode`]. Either way nothing is sent, and the
+    /// channel goes on. A receiver
     /// that refuses the message after it was sent (for example a GPU it cannot see) reports it
     /// through [`Sender::take_rejected`]. [`Error::Disconnected`] means the receiver is gone or
     /// closed the channel.
