@@ -63,6 +63,15 @@ impl CountedCondvar {
         guard
     }
 
+    /// Wakes one waiter, if there is one: for a change only one waiter can use (one credit),
+    /// where waking all makes each of a thousand waiters take the mutex only to wait again. A
+    /// waiter woken so that leaves something usable behind must pass it on with `notify_one`.
+    pub fn notify_one(&self) {
+        if self.waiting.load(Ordering::SeqCst) != 0 {
+            self.condvar.notify_one();
+        }
+    }
+
     /// Wakes every waiter, if there is one.
     pub fn notify_all(&self) {
         if self.waiting.load(Ordering::SeqCst) != 0 {
