@@ -26,12 +26,8 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(seconds).map_err(|_| {
-        raise(
-            "InvalidArgument",
-            format!("{what} must be a finite number of seconds >= 0, not {seconds} (None: no limit)"),
-        )
-    })
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| raise("InvalidArgument", format!("{what} must be a finite number of seconds >= 0, not {seconds}")))
 }
 
 /// An end that belongs to the process that opened it.

@@ -55,6 +55,12 @@ pub fn to_py(error: Error) -> PyErr {
     raise(class, error.to_string())
 }
 
+/// Whether `error` is one of this package's (`TensorQueueError` or a subclass).
+pub fn is_ours(py: Python<'_>, error: &PyErr) -> bool {
+    let base = py.import("tensor_queue._errors").and_then(|module| module.getattr("TensorQueueError"));
+    base.and_then(|base| Ok(base.cast_into::<PyType>()?)).is_ok_and(|base| error.matches(py, base).unwrap_or(false))
+}
+
 /// An instance of `tensor_queue._errors.<class>` with `message`.
 pub fn raise(class: &str, message: impl Into<String>) -> PyErr {
     raise_with(class, message.into())

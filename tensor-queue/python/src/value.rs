@@ -5,6 +5,7 @@
 //! back as the framework it left); anything else is refused at `send` with a `NotSendable`
 //! (a `TypeError`) that names where it sits. Nothing is pickled and nothing runs on receipt.
 
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde::{Deserialize, Serialize};
@@ -26,7 +27,10 @@ pub enum Value {
     Bool(bool),
     /// An `int` that fits 64 bits.
     Int(i64),
-    /// A larger `int`, in decimal.
+    /// A larger `int`, as Python writes it in hexadecimal (`-0x1f`; decimal from older senders,
+    /// which `int(text, 0)` reads too). Hexadecimal, since Python bounds the digits of a decimal
+    /// conversion (4,300 by default: a larger `int` raised a bare `ValueError` at `send`, or lost
+    /// the message at a receiver with the default bound: outside tester, Python round 10).
     BigInt(String),
     /// `float`.
     Float(f64),
@@ -147,7 +151,7 @@ fn encode_at<'py>(
     if value.is_exact_instance_of::<PyInt>() {
         return Ok(match value.extract::<i64>() {
             Ok(i) => Value::Int(i),
-            Err(_) => Value::BigInt(value.str()?.to_string()),
+            Err(_) => Value::BigInt(value.call_method1("__format__", ("#x",))?.extract()?),
         });
     }
     if value.is_exact_instance_of::<PyFloat>() {
@@ -216,9 +220,18 @@ fn encode_at<'py>(
     }
 }
 
-/// Decodes a received message into Python objects.
+/// Decodes a received message into Python objects. A message that cannot be made into them (a
+/// peer's `int` text that is no number, a dict key that is no key) raises `Rejected`, as a message
+/// refused alone; the next `recv` goes on.
 pub fn decode<'py>(py: Python<'py>, value: Value) -> PyResult<Bound<'py, PyAny>> {
-    decode_at(py, value, &mut Vec::new())
+    decode_at(py, value, &mut Vec::new()).map_err(|error| {
+        if crate::errors::is_ours(py, &error)
+            || !(error.is_instance_of::<PyValueError>(py) || error.is_instance_of::<PyTypeError>(py))
+        {
+            return error;
+        }
+        raise("Rejected", format!("a received message could not be made into Python objects: {error}"))
+    })
 }
 
 /// `ordered`: the stream waits queued so far for this message's CUDA tensors.
@@ -227,7 +240,7 @@ fn decode_at<'py>(py: Python<'py>, value: Value, ordered: &mut Vec<(usize, usize
         Value::None => py.None().into_bound(py),
         Value::Bool(b) => PyBool::new(py, b).to_owned().into_any(),
         Value::Int(i) => i.into_pyobject(py)?.into_any(),
-        Value::BigInt(text) => py.get_type::<PyInt>().call1((text,))?,
+        Value::BigInt(text) => py.get_type::<PyInt>().call1((text, 0))?,
         Value::Float(f) => PyFloat::new(py, f).into_any(),
         Value::Str(s) => PyString::new(py, &s).into_any(),
         Value::Bytes(b) => PyBytes::new(py, &b).into_any(),

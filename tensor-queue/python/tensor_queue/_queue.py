@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
+import numbers
+import operator
 import os
 import tempfile
 import threading
@@ -34,7 +37,7 @@ from multiprocessing import util as _mp_util
 from typing import Any
 
 from . import _native
-from ._errors import Disconnected, Empty, Full, NoReceiver, NotTheConsumer, Timeout
+from ._errors import Disconnected, Empty, Full, InvalidArgument, NoReceiver, NotTheConsumer, Timeout
 
 # The descriptors of the consumer locks this process holds. A child made by os.fork closes its
 # copies at once: with them open, the lock would outlive the consumer while the child lives.
@@ -83,6 +86,34 @@ def _owner(fd: int) -> str:
     return f"pid {pid}"
 
 
+_MAX_CAPACITY = 2**32 - 1
+
+
+def _checked_maxsize(maxsize: Any) -> int:
+    """``maxsize`` as a capacity: an int, at most the channel's largest; 0 or less is the
+    channel's default bound (as ``queue.Queue`` takes 0 or less for no bound of the caller's)."""
+    try:
+        size = operator.index(maxsize)
+    except TypeError:
+        raise InvalidArgument(f"maxsize={maxsize!r}: a whole number of messages") from None
+    if size > _MAX_CAPACITY:
+        raise InvalidArgument(f"maxsize={size}: at most {_MAX_CAPACITY} messages")
+    return max(0, size)
+
+
+def _seconds(value: Any, what: str) -> float | None:
+    """``value`` as a number of seconds (``None`` stays ``None``), checked where it is given, as
+    ``Receiver.recv`` checks its own: a negative, NaN or infinite one raises ``InvalidArgument``."""
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{what}={value!r}: a number of seconds, 0 or more")
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise InvalidArgument(f"{what}={value!r}: a number of seconds, 0 or more (None: no limit)")
+    return seconds
+
+
 def _no_consumer(error: Exception) -> bool:
     """Whether ``Sender.connect`` failed because no consumer listens at the address (yet), or the
     one there died during the handshake."""
@@ -97,8 +128,10 @@ def _no_consumer(error: Exception) -> bool:
 class Queue:
     """A multi-producer, single-consumer queue of messages (value trees with arrays).
 
-    ``maxsize`` bounds the messages waiting for the consumer (0: the channel's default bound);
-    ``put`` waits while it is full.
+    ``maxsize`` bounds the messages waiting for the consumer (0 or less: the channel's default
+    bound); ``put`` waits while it is full. A ``maxsize`` that is not a whole number up to
+    2**32 - 1, or a ``connect_timeout`` that is not a number of seconds, raises
+    ``InvalidArgument`` here, not in the process that first uses the queue.
     """
 
     def __init__(self, maxsize: int = 0, *, address: str | None = None, connect_timeout: float = 60.0) -> None:
@@ -106,8 +139,11 @@ class Queue:
             name = f"tq-{os.getpid()}-{uuid.uuid4().hex[:16]}.sock"
             address = os.path.join(tempfile.gettempdir(), name)
         self._address = address
-        self._maxsize = int(maxsize)
-        self._connect_timeout = float(connect_timeout)
+        self._maxsize = _checked_maxsize(maxsize)
+        connect = _seconds(connect_timeout, "connect_timeout")
+        if connect is None:
+            raise InvalidArgument("connect_timeout=None: a number of seconds, 0 or more")
+        self._connect_timeout = connect
         self._pid = os.getpid()
         self._sender: _native.Sender | None = None
         self._receiver: _native.Receiver | None = None
@@ -193,7 +229,8 @@ class Queue:
         the one whose send found it gone is sent again, once, to the new consumer (at least once:
         the old one may have received it too)."""
         self._own_process()
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        timeout = _seconds(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
         sender = self._sender if self._sender is not None else self._open_sender(None, block, deadline)
         try:
             self._send(sender, obj, block, deadline, stream)
@@ -257,11 +294,12 @@ class Queue:
         """The next message; raises ``Empty`` (a ``queue.Empty``) when none came within
         ``timeout`` seconds (at once when ``block`` is false). Makes this process the consumer."""
         self._own_process()
+        timeout = _seconds(timeout, "timeout")
         if self._receiver is None:
             with self._opening_receiver:
                 if self._receiver is None:
                     self._receiver = self._claim()
-        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
                 if not block:

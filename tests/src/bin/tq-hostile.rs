@@ -41,6 +41,10 @@
 //!   tree (`tensor-queue/python/src/value.rs`) nested `DEPTH` lists deep, written byte by byte
 //!   (no encoder of ours would make it); waits until it is released, says `rejected SEQ REASON`
 //!   for each refusal, then `done`.
+//! - `odd-values PATH`: a sender of four Python value trees written byte by byte: an `int` whose
+//!   text is no number, a dict whose key is a list, an `int` in decimal (as older senders wrote
+//!   them), and the int 5; waits until they are released, says `rejected SEQ REASON` for each
+//!   refusal, then `done`.
 //!
 //! Any error: `error DEBUG` on stdout and exit status 1.
 
@@ -138,6 +142,7 @@ fn run() -> Result<()> {
         "attack-received" => attack_received(&arg(1)?),
         "fd-starved" => fd_starved(&arg(1)?),
         "deep-value" => deep_value(&arg(1)?, number(2)? as usize),
+        "odd-values" => odd_values(&arg(1)?),
         "exchange" => {
             let mut receiver = tensor_queue::Receiver::<Vec<u8>>::bind(arg(1)?)?;
             say("listening");
@@ -175,6 +180,17 @@ fn deep_value(path: &str, depth: usize) -> Result<()> {
     let mut bytes = [7u8, 1].repeat(depth);
     bytes.push(0);
     sender.send(&RawPayload(bytes))?;
+    report_rejections(&sender)
+}
+
+/// Python value trees Python cannot make (an `int` text that is no number: `BigInt` is variant 3
+/// of `Value`; a dict, variant 9, whose one key is an empty list, variant 7), then ones it can
+/// (an `int` in decimal, and `Int`, variant 2, of 5: zigzag 10).
+fn odd_values(path: &str) -> Result<()> {
+    let sender = Sender::<RawPayload>::connect(path)?;
+    for bytes in [&b"\x03\x0312x"[..], &[9, 1, 7, 0, 0], &b"\x03\x15-12345678901234567890"[..], &[2, 10]] {
+        sender.send(&RawPayload(bytes.to_vec()))?;
+    }
     report_rejections(&sender)
 }
 
