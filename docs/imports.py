@@ -77,7 +77,7 @@ for a in sorted(fedges):
     for b in sorted(fedges[a]):
         if a < b and a in fedges.get(b, ()): print(f'  {a} <-> {b}'); pairs += 1
 # layers (docs/ARCHITECTURE.md): a module imports only from lower layers, or from its own folder
-LAYERS = {'sync': 0, 'switches': 0, 'clock': 0, 'route': 0, 'tensor::dtype': 0, 'tensor::layout': 0,
+LAYERS = {'sync': 0, 'switches': 0, 'clock': 0, 'nesting': 0, 'route': 0, 'tensor::dtype': 0, 'tensor::layout': 0,
           'wire': 1, 'error': 2, 'secret': 3, 'memory': 3, 'fences': 4, 'tensor': 5, 'side_table': 6,
           'links': 6, 'send': 7, 'recv': 7, 'channel': 8}
 def layer(x):

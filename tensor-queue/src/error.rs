@@ -68,12 +68,14 @@ pub enum Error {
         /// The message's sequence number on its connection.
         seq: u64,
     },
-    /// A message whose encoded descriptors and payload exceed the limit; nothing was sent.
-    #[error("a {size}-byte message is over the {limit}-byte limit: put bulk data in tensors")]
+    /// A message whose encoded descriptors and payload exceed the limit, or (over TCP) whose
+    /// tensors' bytes do; nothing was sent.
+    #[error("a {size}-byte message is over the {limit}-byte limit: {}", too_large_advice(*limit))]
     TooLarge {
-        /// The encoded size.
+        /// The encoded size, or the bytes of its tensors.
         size: usize,
-        /// The limit ([`crate::MAX_MESSAGE_BYTES`]).
+        /// The limit ([`crate::MAX_MESSAGE_BYTES`] for descriptors and payload; 4 GiB for the
+        /// tensors' bytes of one message over TCP).
         limit: usize,
     },
     /// A tensor that cannot be sent as it is (see the text); nothing was sent.
@@ -309,6 +311,14 @@ pub enum Refusal {
 impl From<TensorProblem> for Error {
     fn from(problem: TensorProblem) -> Error {
         Error::Tensor(problem)
+    }
+}
+
+/// What to do about a message over `limit` (see [`Error::TooLarge`]).
+fn too_large_advice(limit: usize) -> &'static str {
+    match limit {
+        crate::wire::MAX_MESSAGE_BYTES => "put bulk data in tensors",
+        _ => "its tensors' bytes are over what one message carries over TCP: send them in several messages",
     }
 }
 

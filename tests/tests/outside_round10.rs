@@ -5,8 +5,9 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 use std::time::Duration;
 
+use integration_tests::program::pattern;
 use integration_tests::{socket_path, within};
-use tensor_queue::{Receiver, Sender};
+use tensor_queue::{Receiver, Secret, Sender, Tensor};
 
 /// The voluntary context switches of the calling thread so far (`/proc/thread-self/status`).
 fn my_switches() -> u64 {
@@ -59,4 +60,45 @@ fn threads_sharing_a_sender_that_wait_for_room_are_woken_one_per_credit() {
         "the waiting threads were woken {:.1} times per message: more than the one a credit needs",
         switches as f64 / messages as f64
     );
+}
+
+/// Over TCP, views of one storage (clones, slices, a flip) in one message cross once and stay
+/// views of one storage. (Each went on its own: 130 clones of 32 MiB were refused as over 4 GiB,
+/// ten cost 320 MiB at the receiver, and a write through one no longer showed in another.)
+#[test]
+fn tcp_views_of_one_storage_cross_once_and_stay_views_of_one_storage() {
+    let secret = || Secret::from_bytes(*b"round10-tester-secret-0123456789").unwrap();
+    let mut rx = Receiver::<Vec<Tensor>>::builder().secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
+    let tx = Sender::<Vec<Tensor>>::builder().secret(secret()).connect(&endpoint).unwrap();
+    let len = 32 << 20;
+    let whole = Tensor::new(&pattern(len, 10), &[len]).unwrap();
+    let other = Tensor::new(&pattern(4096, 11), &[4096]).unwrap();
+    let mut message = vec![whole.clone(); 130];
+    message.push(whole.slice(0, 1000, 2_000_000, 3).unwrap());
+    message.push(other.clone());
+    message.push(whole.flip(&[0]).unwrap());
+    message.push(whole.narrow(0, len as u64 - 16, 16).unwrap());
+    tx.send_timeout(&message, Duration::from_secs(60)).expect("32 MiB of bytes, in 134 views");
+    let got = within(Duration::from_secs(120), "the message of views", move || {
+        rx.recv_timeout(Duration::from_secs(60)).unwrap()
+    });
+    assert_eq!(got.len(), message.len());
+    for (index, (sent, received)) in message.iter().zip(&got).enumerate() {
+        assert_eq!(received.shape(), sent.shape(), "view {index}");
+    }
+    for index in [0, 130, 131, 132, 133] {
+        assert_eq!(got[index].to_vec::<u8>().unwrap(), message[index].to_vec::<u8>().unwrap(), "view {index}'s bytes");
+    }
+    let address = |t: &Tensor| t.host_address().unwrap().0 as usize;
+    assert!(got[..130].iter().all(|t| address(t) == address(&got[0])), "the clones are one tensor's memory");
+    assert_eq!(address(&got[130]), address(&got[0]) + 1000, "the slice lies in it");
+    assert_eq!(address(&got[132]), address(&got[0]) + len - 1, "the flip's element 0 is the last byte");
+    assert_eq!(address(&got[133]), address(&got[0]) + len - 16);
+    assert_ne!(address(&got[131]), address(&got[0]), "another storage is another piece");
+    // A write through one view shows in the others, as for the sender's views.
+    let before = got[130].get::<u8>(&[0]).unwrap();
+    got[0].set::<u8>(&[1000], before.wrapping_add(1)).unwrap();
+    assert_eq!(got[130].get::<u8>(&[0]).unwrap(), before.wrapping_add(1));
+    assert_eq!(got[7].get::<u8>(&[1000]).unwrap(), before.wrapping_add(1));
 }

@@ -1101,6 +1101,9 @@ fn a_message_of_more_than_4_gib_of_host_tensors_is_refused_typed_and_the_channel
         matches!(result, Err(Error::TooLarge { .. })),
         "a message of 4 GiB + 1 byte of host tensors over TCP: {result:?}"
     );
+    // Its advice fits: the bytes are in tensors already (it said to put them there).
+    let text = result.unwrap_err().to_string();
+    assert!(text.contains("several messages") && !text.contains("put bulk data in tensors"), "{text}");
     // The channel goes on.
     let mut rx = rx;
     tx.send(&vec![Tensor::from_bytes(&bytes(4, 4, 1000), DType::U8, &[1000]).unwrap()]).unwrap();

@@ -310,20 +310,27 @@ pub(crate) fn prepare(
         }
         inlined.sort_unstable_by_key(|&(index, _)| index);
     }
+    let (pieces, piece_of) = by_storage(tensors, touched, &inlined);
     // Refused before a byte is copied: a message over the limit must not cost its size first.
     let mut size = 0usize;
-    for &(index, _) in &inlined {
-        size = size.next_multiple_of(ALIGN) + inline_len(touched[index]);
+    for piece in &pieces {
+        size = size.next_multiple_of(ALIGN) + inline_len(piece.touched);
     }
     if size as u64 > MAX_INLINE_BYTES {
         return Err(Error::TooLarge { size, limit: MAX_INLINE_BYTES as usize });
     }
-    let bulk = match inlined.is_empty() {
+    let bulk = match pieces.is_empty() {
         true => None,
         false => {
-            let mut run = Run { pieces: Vec::with_capacity(2 * inlined.len()), len: 0, copying: Vec::new() };
-            for (index, target) in inlined {
-                run.inline(&tensors[index], touched[index], index, target, stream, &mut descriptors)?;
+            let mut run = Run { pieces: Vec::with_capacity(2 * pieces.len()), len: 0, copying: Vec::new() };
+            let mut laid = Vec::with_capacity(pieces.len()); // each piece's record and start
+            for piece in &pieces {
+                let storage = &tensors[piece.first].storage;
+                laid.push(run.inline(storage, piece.touched, piece.target, stream, &mut descriptors)?);
+            }
+            for (&(index, _), &piece) in inlined.iter().zip(&piece_of) {
+                let (record, start) = laid[piece];
+                describe(&mut descriptors, &tensors[index], index, record, tensors[index].offset() - start);
             }
             Some(Bulk::new(run.finish()?, Box::new(lease.clone()))?)
         }
@@ -375,7 +382,59 @@ pub(crate) fn prepare(
     Ok(RemoteMessage { descriptors, frames, bulk, transfers, created })
 }
 
-/// How many bytes [`Run::inline`] appends for a tensor that touches `touched` of its storage:
+/// Bytes of the run for the views of one storage (the same tensor twice, slices of one): those
+/// of the storage that any of them touches.
+struct InlinePiece {
+    /// The first of the views, in the message's order.
+    first: usize,
+    /// The bytes of their storage they touch, together.
+    touched: (usize, usize),
+    /// The receiver's GPU they land on (`None`: host memory); one for a storage's views.
+    target: Option<Uuid>,
+}
+
+/// The pieces of the run for `inlined` (tensor, landing GPU), in the order of each one's first
+/// view, and the piece of each of `inlined`: views of one storage go once, as one record, as on
+/// the local routes. (They went once per view: ten clones of a 32 MiB tensor cost 320 MiB on the
+/// wire and at the receiver, a 32 MiB message could be refused as over 4 GiB, and the views came
+/// apart: outside tester, Rust round 10.) No allocation per tensor: one sort finds the storages.
+fn by_storage(
+    tensors: &[Tensor],
+    touched: &[(usize, usize)],
+    inlined: &[(usize, Option<Uuid>)],
+) -> (Vec<InlinePiece>, Vec<usize>) {
+    let storage = |index: usize| Arc::as_ptr(&tensors[index].storage) as usize;
+    // By storage, then message order: a run of equal storages is one piece, led by its first.
+    let mut sorted: Vec<(usize, usize)> =
+        inlined.iter().enumerate().map(|(at, &(index, _))| (storage(index), at)).collect();
+    sorted.sort_unstable();
+    let mut leader = vec![0usize; inlined.len()];
+    for run in sorted.chunk_by(|a, b| a.0 == b.0) {
+        for &(_, at) in run {
+            leader[at] = run[0].1;
+        }
+    }
+    let mut pieces: Vec<InlinePiece> = Vec::with_capacity(inlined.len());
+    let mut piece_of: Vec<usize> = Vec::with_capacity(inlined.len());
+    for (at, &(index, target)) in inlined.iter().enumerate() {
+        let piece = match leader[at] {
+            first if first == at => {
+                pieces.push(InlinePiece { first: index, touched: touched[index], target });
+                pieces.len() - 1
+            }
+            first => {
+                let piece = piece_of[first];
+                let together = &mut pieces[piece].touched;
+                *together = (together.0.min(touched[index].0), together.1.max(touched[index].1));
+                piece
+            }
+        };
+        piece_of.push(piece);
+    }
+    (pieces, piece_of)
+}
+
+/// How many bytes [`Run::inline`] appends for views that touch `touched` of their storage:
 /// those, from an aligned start.
 fn inline_len((start, end): (usize, usize)) -> usize {
     (end - start / ALIGN * ALIGN).max(1)
@@ -401,19 +460,18 @@ impl Drop for Run<'_> {
 }
 
 impl<'a> Run<'a> {
-    /// Appends the bytes `tensor`'s view touches (`touched` of its storage, from an aligned
-    /// start; a GPU tensor's are copied to the host first, after the producer's work: see the
-    /// module docs) and describes where they lie in the run, as tensor `index` landing in host
-    /// memory or on the receiver's GPU `target`.
+    /// Appends the bytes `touched` of `storage` (from an aligned start; a GPU storage's are
+    /// copied to the host first, after the producer's work: see the module docs) and records
+    /// where they lie in the run, landing in host memory or on the receiver's GPU `target`: the
+    /// record, and the storage offset its bytes start at (where its views' offsets count from).
     fn inline(
         &mut self,
-        tensor: &Tensor,
+        storage: &Arc<Storage>,
         touched: (usize, usize),
-        index: usize,
         target: Option<Uuid>,
         stream: Option<&'a Stream>,
         descriptors: &mut Descriptors,
-    ) -> Result<()> {
+    ) -> Result<(u32, usize)> {
         let (start, end) = touched;
         let start = start / ALIGN * ALIGN;
         let at = self.len.next_multiple_of(ALIGN);
@@ -422,7 +480,6 @@ impl<'a> Run<'a> {
             return Err(Error::TooLarge { size: at + len, limit: MAX_INLINE_BYTES as usize });
         }
         self.pad(at - self.len);
-        let storage = &tensor.storage;
         let have = (end - start).min(len);
         match (storage.chunk.host(), storage.chunk.device()) {
             // Written straight from the storage, which the run holds until then.
@@ -452,14 +509,11 @@ impl<'a> Run<'a> {
         }
         self.len = at + have;
         self.pad(len - have); // an empty view still takes a byte
-        let view_offset = storage.offset + tensor.offset() - (storage.offset + start);
         let source = match target {
             Some(target) => Source::BytesToGpu { offset: at as u64, target },
             None => Source::Bytes { offset: at as u64 },
         };
-        let record = descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None });
-        describe(descriptors, tensor, index, record, view_offset);
-        Ok(())
+        Ok((descriptors.push_storage(StorageDesc { source, len: len as u64, fence: Fence::None }), start))
     }
 
     /// The run's pieces, once the copies of GPU tensors' bytes are done (a CPU wait: after the
