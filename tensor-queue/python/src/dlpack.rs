@@ -758,7 +758,16 @@ impl Array {
         if copy == Some(true) {
             return Err(PyBufferError::new_err("tensor_queue.Array does not copy itself: take it, then copy"));
         }
-        self.capsule(py, max_version.is_some_and(|(major, _)| major >= 1))
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        // A legacy capsule cannot say "read-only", and its consumer may write: memory mapped
+        // read-only would crash it (NumPy refuses the same for its read-only arrays).
+        if !versioned && !self.tensor.host_address().map_err(crate::errors::to_py)?.1 {
+            return Err(PyBufferError::new_err(
+                "tensor_queue.Array is read-only, which a DLPack capsule before version 1 cannot say: \
+                 ask with max_version=(1, 0), or take it with numpy.asarray (read-only) and copy",
+            ));
+        }
+        self.capsule(py, versioned)
     }
 
     fn __repr__(&self) -> String {

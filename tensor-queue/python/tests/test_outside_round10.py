@@ -95,3 +95,32 @@ def test_a_queue_refuses_a_bad_timeout_as_a_receiver_does(timeout):
             q.put(1, timeout=timeout)
     with pytest.raises(tq.InvalidArgument, match="connect_timeout"):
         tq.Queue(address=helpers.address("round10-timeout"), connect_timeout=timeout)
+
+
+class Foreign:
+    """An array of a framework other than NumPy and torch: only the DLPack protocol."""
+
+    def __init__(self, array):
+        self._array = array
+
+    def __dlpack__(self, **kwargs):
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._array.__dlpack_device__()
+
+
+def test_a_read_only_array_gives_no_legacy_capsule_that_could_be_written():
+    # A DLPack capsule before version 1 cannot say "read-only": an older consumer could write
+    # into memory mapped read-only and crash. NumPy refuses the same for its read-only arrays.
+    np = pytest.importorskip("numpy")
+    path = helpers.address("round10-dlpack")
+    with tq.Receiver.bind(path) as r, tq.Sender.connect(path) as s:
+        s.send(Foreign(np.arange(6, dtype=np.float32)))
+        got = r.recv(timeout=30)
+        assert isinstance(got, tq.Array)
+        with pytest.raises(BufferError, match="read-only"):
+            got.__dlpack__()
+        assert got.__dlpack__(max_version=(1, 0)) is not None
+        view = np.from_dlpack(got)
+        assert not view.flags.writeable and view.tolist() == [0, 1, 2, 3, 4, 5]
