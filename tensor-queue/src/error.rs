@@ -306,6 +306,9 @@ pub enum Refusal {
     /// The peer refused this process, and said why.
     #[error("{0}")]
     ByPeer(String),
+    /// The peer's greeting was no tensor-queue greeting (something else listens there).
+    #[error("the peer is not a tensor-queue receiver: {0}")]
+    NotAReceiver(String),
 }
 
 impl From<TensorProblem> for Error {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use integration_tests::program::pattern;
 use integration_tests::{socket_path, within};
-use tensor_queue::{Receiver, Secret, Sender, Tensor};
+use tensor_queue::{Error, Receiver, Refusal, Secret, Sender, Tensor};
 
 /// The voluntary context switches of the calling thread so far (`/proc/thread-self/status`).
 fn my_switches() -> u64 {
@@ -101,4 +101,28 @@ fn tcp_views_of_one_storage_cross_once_and_stay_views_of_one_storage() {
     got[0].set::<u8>(&[1000], before.wrapping_add(1)).unwrap();
     assert_eq!(got[130].get::<u8>(&[0]).unwrap(), before.wrapping_add(1));
     assert_eq!(got[7].get::<u8>(&[1000]).unwrap(), before.wrapping_add(1));
+}
+
+/// A Unix socket where something else listens and answers with bytes that are no greeting:
+/// connecting says so (`PeerRefused`, as over TCP), not `Disconnected` as if a receiver had gone.
+#[test]
+fn connecting_to_a_unix_socket_that_answers_garbage_is_refused_as_no_receiver() {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketType, accept, bind, listen, send, socket};
+    let path = socket_path("round10-garbage");
+    let listener = socket(AddressFamily::UNIX, SocketType::SEQPACKET, None).unwrap();
+    bind(&listener, &SocketAddrUnix::new(&path).unwrap()).unwrap();
+    listen(&listener, 8).unwrap();
+    let server = thread::spawn(move || {
+        let peer = accept(&listener).unwrap();
+        send(&peer, &[0xff; 64], rustix::net::SendFlags::empty()).unwrap();
+        thread::sleep(Duration::from_secs(2)); // held open: garbage, not a hang-up
+    });
+    let outcome = within(Duration::from_secs(60), "connecting to a non-receiver", move || {
+        Sender::<u32>::builder().timeout(Duration::from_secs(20)).connect(&path).and_then(|tx| tx.send(&1))
+    });
+    match outcome {
+        Err(Error::PeerRefused(Refusal::NotAReceiver(why))) => assert!(!why.is_empty()),
+        other => panic!("garbage for a greeting: {other:?}"),
+    }
+    server.join().unwrap();
 }

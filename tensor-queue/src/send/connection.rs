@@ -540,6 +540,11 @@ impl SenderInner {
                 Ok(Read::Frame(Answer::Hello(hello), _)) => break self.link.check_hello(hello),
                 Ok(Read::Nothing) => continue,
                 Ok(Read::HungUp) => break Err(Error::Disconnected),
+                // Bytes that are no greeting: something else listens there. (Said `Disconnected`,
+                // as if a receiver had gone: outside tester, Python round 10.)
+                Err(error @ (Error::Frame { .. } | Error::Violation(_))) => {
+                    break Err(Error::PeerRefused(Refusal::NotAReceiver(error.to_string())));
+                }
                 Err(error) => break Err(error),
             }
         };
