@@ -70,6 +70,33 @@ impl<T: Serialize> Broadcast<T> {
         &self.senders
     }
 
+    /// Keeps only the senders for which `keep` says true: for example, to stop sending to
+    /// receivers that are gone, whose senders return [`Error::Disconnected`](crate::Error::Disconnected)
+    /// from every send.
+    ///
+    /// ```
+    /// # fn main() -> tensor_queue::Result<()> {
+    /// use tensor_queue::{Broadcast, Error, Receiver, Sender};
+    /// # let dir = std::env::temp_dir();
+    /// # let a = dir.join(format!("doc-{}-retain-a.sock", std::process::id()));
+    /// # let b = dir.join(format!("doc-{}-retain-b.sock", std::process::id()));
+    /// let (mut live, gone) = (Receiver::<u32>::bind(&a)?, Receiver::<u32>::bind(&b)?);
+    /// let mut everyone = Broadcast::<u32>::new(vec![Sender::connect(&a)?, Sender::connect(&b)?]);
+    /// drop(gone);
+    /// # let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    /// # while everyone.senders()[1].is_connected() && std::time::Instant::now() < deadline {
+    /// #     std::thread::sleep(std::time::Duration::from_millis(1));
+    /// # }
+    /// assert!(matches!(everyone.send(&1), Err(Error::Disconnected)));
+    /// everyone.retain(|sender| sender.is_connected());
+    /// everyone.send(&2)?;
+    /// assert_eq!((live.recv()?, live.recv()?), (1, 2));
+    /// # Ok(()) }
+    /// ```
+    pub fn retain(&mut self, keep: impl FnMut(&Sender<T>) -> bool) {
+        self.senders.retain(keep);
+    }
+
     /// Sends to every receiver; see [`Sender::send`]. Every receiver is tried; the first error is
     /// returned.
     ///
