@@ -24,6 +24,8 @@ pub fn to_py(error: Error) -> PyErr {
         // Connecting took the whole timeout (a TimeoutError in Python, as `recv`'s).
         Error::Core(ipc_core::Error::HandshakeTimeout { .. }) => "Timeout",
         Error::Core(ipc_core::Error::Os { source, .. }) if source.kind() == std::io::ErrorKind::TimedOut => "Timeout",
+        // A system call's failure: an OSError in Python (it was a bare TensorQueueError).
+        Error::Core(ipc_core::Error::Os { .. }) => "SystemCallError",
         // Bad arguments (a ValueError in Python).
         Error::Invalid(_)
         | Error::Tensor(_)
@@ -47,12 +49,27 @@ pub fn to_py(error: Error) -> PyErr {
     };
     // An OSError subclass carries the system's errno, as Python's own do (`except OSError as e:
     // if e.errno == errno.ENOENT`).
-    if let Error::NoReceiver { cause, .. } = &error
-        && let Some(errno) = cause.raw_os_error()
-    {
+    let errno = match &error {
+        Error::NoReceiver { cause, .. } => cause.raw_os_error(),
+        Error::Core(ipc_core::Error::Os { source, .. }) => errno_of(source),
+        _ => None,
+    };
+    if let Some(errno) = errno {
         return raise_with(class, (errno, error.to_string()));
     }
     raise(class, error.to_string())
+}
+
+/// The system's error number of `error`: its own, or the one its kind stands for where the
+/// library made it (a path in use is found before `bind` says so).
+fn errno_of(error: &std::io::Error) -> Option<i32> {
+    use std::io::ErrorKind;
+    error.raw_os_error().or(match error.kind() {
+        ErrorKind::AddrInUse => Some(rustix::io::Errno::ADDRINUSE.raw_os_error()),
+        ErrorKind::NotFound => Some(rustix::io::Errno::NOENT.raw_os_error()),
+        ErrorKind::PermissionDenied => Some(rustix::io::Errno::ACCESS.raw_os_error()),
+        _ => None,
+    })
 }
 
 /// Whether `error` is one of this package's (`TensorQueueError` or a subclass).

@@ -55,6 +55,12 @@ class NoReceiver(TensorQueueError, ConnectionRefusedError):
     """Nothing listens at the address ``Sender.connect`` was given (not bound yet, or gone)."""
 
 
+class SystemCallError(TensorQueueError, OSError):
+    """A call to the operating system failed (binding a path that is in use or too long, in a
+    folder that does not exist; out of descriptors or memory); ``errno`` says which error where
+    the system gave one, as Python's own ``OSError`` does."""
+
+
 class ProtocolError(TensorQueueError):
     """A peer broke the protocol; its connection was closed."""
 
@@ -89,6 +95,7 @@ __all__ = [
     "ProtocolError",
     "Rejected",
     "RouteRefused",
+    "SystemCallError",
     "TensorQueueError",
     "Timeout",
     "TooLarge",

@@ -124,3 +124,19 @@ def test_a_read_only_array_gives_no_legacy_capsule_that_could_be_written():
         assert got.__dlpack__(max_version=(1, 0)) is not None
         view = np.from_dlpack(got)
         assert not view.flags.writeable and view.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_binding_fails_as_an_oserror_with_its_errno():
+    # Was a bare TensorQueueError: `except OSError as e: if e.errno == errno.EADDRINUSE` missed it.
+    import errno
+    import tempfile
+
+    path = helpers.address("round10-bind")
+    with tq.Receiver.bind(path):
+        with pytest.raises(tq.SystemCallError) as in_use:
+            tq.Receiver.bind(path)
+    assert isinstance(in_use.value, OSError) and in_use.value.errno == errno.EADDRINUSE, in_use.value
+    missing = os.path.join(tempfile.gettempdir(), "round10-no-such-folder", "a.sock")
+    with pytest.raises(OSError) as no_folder:
+        tq.Receiver.bind(missing)
+    assert no_folder.value.errno == errno.ENOENT and isinstance(no_folder.value, tq.TensorQueueError)
