@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use integration_tests::program::pattern;
 use integration_tests::{socket_path, within};
-use tensor_queue::{Error, Receiver, Refusal, Secret, Sender, Tensor};
+use tensor_queue::{DType, Error, Receiver, Refusal, Secret, Sender, Tensor};
 
 /// The voluntary context switches of the calling thread so far (`/proc/thread-self/status`).
 fn my_switches() -> u64 {
@@ -101,6 +101,27 @@ fn tcp_views_of_one_storage_cross_once_and_stay_views_of_one_storage() {
     got[0].set::<u8>(&[1000], before.wrapping_add(1)).unwrap();
     assert_eq!(got[130].get::<u8>(&[0]).unwrap(), before.wrapping_add(1));
     assert_eq!(got[7].get::<u8>(&[1000]).unwrap(), before.wrapping_add(1));
+}
+
+/// Over TCP, views of one storage that do not overlap cross as the bytes each touches, not as
+/// everything from the first to the last (two 1 KiB ends of a storage over 4 GiB were refused as
+/// over 4 GiB, and of 1 GiB cost 1 GiB on the wire and at the receiver).
+#[test]
+fn tcp_views_far_apart_in_one_storage_cross_as_their_own_bytes() {
+    let secret = || Secret::from_bytes(*b"round10-tester-secret-0123456789").unwrap();
+    let mut rx = Receiver::<Vec<Tensor>>::builder().secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
+    let tx = Sender::<Vec<Tensor>>::builder().secret(secret()).connect(&endpoint).unwrap();
+    let len = (4u64 << 30) + 4096;
+    let big = Tensor::zeros(DType::U8, &[len]).unwrap(); // zeros: no page is touched here
+    let ends = vec![big.narrow(0, 0, 1024).unwrap(), big.narrow(0, len - 1024, 1024).unwrap()];
+    tx.send_timeout(&ends, Duration::from_secs(60)).expect("2 KiB of views of one storage");
+    let got =
+        within(Duration::from_secs(120), "the two ends", move || rx.recv_timeout(Duration::from_secs(60)).unwrap());
+    assert_eq!(got.len(), 2);
+    for end in &got {
+        assert_eq!(end.to_vec::<u8>().unwrap(), vec![0u8; 1024]);
+    }
 }
 
 /// A Unix socket where something else listens and answers with bytes that are no greeting:

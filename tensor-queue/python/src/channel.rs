@@ -25,9 +25,18 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// `seconds` as a duration: any finite number >= 0, one too large for a `Duration` (1e20) meaning
+/// as long as one can be (it was refused as "not finite", after `Queue.put` had waited with it).
 fn duration(seconds: f64, what: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(seconds)
-        .map_err(|_| raise("InvalidArgument", format!("{what} must be a finite number of seconds >= 0, not {seconds}")))
+    if !(seconds.is_finite() && seconds >= 0.0) {
+        return Err(raise("InvalidArgument", format!("{what} must be a finite number of seconds >= 0, not {seconds}")));
+    }
+    Ok(Duration::try_from_secs_f64(seconds).unwrap_or(Duration::MAX))
+}
+
+/// When `seconds` from now is (see [`duration`]; the furthest a clock can say, for a huge one).
+fn deadline_in(seconds: f64, what: &str) -> PyResult<Instant> {
+    Ok(ipc_core::deadline::deadline(duration(seconds, what)?))
 }
 
 /// An end that belongs to the process that opened it.
@@ -340,7 +349,7 @@ fn in_slices<T: Send>(
     attempt: impl Fn(Duration) -> PyResult<Result<T, Error>> + Sync,
 ) -> PyResult<T> {
     let deadline = match timeout {
-        Some(t) => Some(Instant::now() + duration(t, "timeout")?),
+        Some(t) => Some(deadline_in(t, "timeout")?),
         None => None,
     };
     loop {
@@ -493,7 +502,7 @@ impl Sender {
     /// Waits up to `timeout` seconds until the receiver holds none of this sender's arrays.
     fn wait_released(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         let sender = self.inner()?;
-        let deadline = Instant::now() + duration(timeout, "timeout")?;
+        let deadline = deadline_in(timeout, "timeout")?;
         loop {
             let slice = deadline.saturating_duration_since(Instant::now()).min(SLICE);
             if py.detach(|| sender.wait_released(slice)) {
@@ -631,7 +640,7 @@ impl Broadcast {
     /// Waits up to `timeout` seconds until no receiver holds any array sent here.
     fn wait_released(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
         let senders = self.senders()?;
-        let deadline = Instant::now() + duration(timeout, "timeout")?;
+        let deadline = deadline_in(timeout, "timeout")?;
         loop {
             let slice = deadline.saturating_duration_since(Instant::now()).min(SLICE);
             if py.detach(|| senders.iter().all(|s| s.wait_released(slice))) {

@@ -140,3 +140,21 @@ def test_binding_fails_as_an_oserror_with_its_errno():
     with pytest.raises(OSError) as no_folder:
         tq.Receiver.bind(missing)
     assert no_folder.value.errno == errno.ENOENT and isinstance(no_folder.value, tq.TensorQueueError)
+
+
+def test_a_huge_finite_timeout_means_as_long_as_it_takes():
+    # Was: 1e20 (too large for the Rust side) waited for a consumer, then raised InvalidArgument
+    # "not finite" and lost the message; get(timeout=1e20) raised it after taking the queue.
+    path = helpers.address("round10-huge-timeout")
+    q = tq.Queue(address=path)
+    with q:
+        code = f"import tensor_queue as tq\ntq.Queue(address={path!r}).put('hello', timeout=1e20)\nprint('put', flush=True)"
+        with helpers.running(code) as producer:
+            assert q.get(timeout=1e20) == "hello"
+            assert helpers.line_of(producer, 30) == "put"
+    with tq.Receiver.bind(helpers.address("round10-huge-recv")) as r:
+        with pytest.raises(tq.Timeout):
+            r.recv(timeout=0.0)
+        r.set_spin(1e-6)
+        with pytest.raises(tq.InvalidArgument, match="finite"):
+            r.recv(timeout=math.inf)

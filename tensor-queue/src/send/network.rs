@@ -382,8 +382,8 @@ pub(crate) fn prepare(
     Ok(RemoteMessage { descriptors, frames, bulk, transfers, created })
 }
 
-/// Bytes of the run for the views of one storage (the same tensor twice, slices of one): those
-/// of the storage that any of them touches.
+/// Bytes of the run for views of one storage that share bytes (the same tensor twice, slices
+/// that overlap): those of the storage that any of them touches.
 struct InlinePiece {
     /// The first of the views, in the message's order.
     first: usize,
@@ -394,25 +394,38 @@ struct InlinePiece {
 }
 
 /// The pieces of the run for `inlined` (tensor, landing GPU), in the order of each one's first
-/// view, and the piece of each of `inlined`: views of one storage go once, as one record, as on
-/// the local routes. (They went once per view: ten clones of a 32 MiB tensor cost 320 MiB on the
-/// wire and at the receiver, a 32 MiB message could be refused as over 4 GiB, and the views came
-/// apart: outside tester, Rust round 10.) No allocation per tensor: one sort finds the storages.
+/// view, and the piece of each of `inlined`: views of one storage whose bytes overlap go once,
+/// as one record, and stay views of one storage at the receiver, as on the local routes. (They
+/// went once per view: ten clones of a 32 MiB tensor cost 320 MiB on the wire and at the
+/// receiver, a 32 MiB message could be refused as over 4 GiB, and the views came apart: outside
+/// tester, Rust round 10.) Views that do not overlap go apart: one piece from the first byte of
+/// one to the last of the other would carry the bytes between (two 1 KiB ends of a 1 GiB
+/// storage cost 1 GiB: the second outside check). No allocation per tensor: one sort finds them.
 fn by_storage(
     tensors: &[Tensor],
     touched: &[(usize, usize)],
     inlined: &[(usize, Option<Uuid>)],
 ) -> (Vec<InlinePiece>, Vec<usize>) {
-    let storage = |index: usize| Arc::as_ptr(&tensors[index].storage) as usize;
-    // By storage, then message order: a run of equal storages is one piece, led by its first.
-    let mut sorted: Vec<(usize, usize)> =
-        inlined.iter().enumerate().map(|(at, &(index, _))| (storage(index), at)).collect();
+    let bytes = |at: usize| touched[inlined[at].0];
+    let storage = |at: usize| Arc::as_ptr(&tensors[inlined[at].0].storage) as usize;
+    // By storage and first byte: a run of one storage's views each starting (aligned, as
+    // `Run::inline` lays it out) before the run's bytes so far end is one piece, led by the
+    // first of them in the message.
+    let mut sorted: Vec<(usize, usize, usize)> = (0..inlined.len()).map(|at| (storage(at), bytes(at).0, at)).collect();
     sorted.sort_unstable();
     let mut leader = vec![0usize; inlined.len()];
-    for run in sorted.chunk_by(|a, b| a.0 == b.0) {
-        for &(_, at) in run {
-            leader[at] = run[0].1;
+    let mut begin = 0;
+    while begin < sorted.len() {
+        let (mut next, mut end) = (begin + 1, bytes(sorted[begin].2).1);
+        while next < sorted.len() && sorted[next].0 == sorted[begin].0 && sorted[next].1 / ALIGN * ALIGN <= end {
+            end = end.max(bytes(sorted[next].2).1);
+            next += 1;
         }
+        let first = sorted[begin..next].iter().map(|&(_, _, at)| at).min().unwrap_or(sorted[begin].2);
+        for &(_, _, at) in &sorted[begin..next] {
+            leader[at] = first;
+        }
+        begin = next;
     }
     let mut pieces: Vec<InlinePiece> = Vec::with_capacity(inlined.len());
     let mut piece_of: Vec<usize> = Vec::with_capacity(inlined.len());
