@@ -110,7 +110,7 @@ def _seconds(value: Any, what: str) -> float | None:
         raise InvalidArgument(f"{what}={value!r}: a number of seconds, 0 or more")
     seconds = float(value)
     if not (math.isfinite(seconds) and seconds >= 0):
-        raise InvalidArgument(f"{what}={value!r}: a number of seconds, 0 or more (None: no limit)")
+        raise InvalidArgument(f"{what}={value!r}: a finite number of seconds, 0 or more")
     return seconds
 
 
