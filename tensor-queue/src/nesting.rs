@@ -322,6 +322,17 @@ macro_rules! forward_serialize {
     )*};
 }
 
+/// Forwards `serialize_*` methods that open a compound value `levels` deep, its serializer
+/// wrapped with the levels left inside it.
+macro_rules! open_compound {
+    ($($method:ident($($arg:ident: $ty:ty),*) -> $compound:ident, $levels:literal;)*) => {$(
+        fn $method(self, $($arg: $ty),*) -> Result<Self::$compound, S::Error> {
+            let levels = self.nest($levels, ())?;
+            Ok(levels.wrap(self.inner.$method($($arg),*)?))
+        }
+    )*};
+}
+
 impl<'a, S: Serializer> Serializer for Limited<'a, S> {
     type Ok = S::Ok;
     type Error = S::Error;
@@ -391,51 +402,15 @@ impl<'a, S: Serializer> Serializer for Limited<'a, S> {
         self.inner.serialize_newtype_variant(name, index, variant, &value)
     }
 
-    fn serialize_seq(self, len: Option<usize>) -> Result<Self::SerializeSeq, S::Error> {
-        let levels = self.nest(1, ())?;
-        Ok(levels.wrap(self.inner.serialize_seq(len)?))
-    }
-
-    fn serialize_tuple(self, len: usize) -> Result<Self::SerializeTuple, S::Error> {
-        let levels = self.nest(1, ())?;
-        Ok(levels.wrap(self.inner.serialize_tuple(len)?))
-    }
-
-    fn serialize_tuple_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeTupleStruct, S::Error> {
-        let levels = self.nest(1, ())?;
-        Ok(levels.wrap(self.inner.serialize_tuple_struct(name, len)?))
-    }
-
-    fn serialize_tuple_variant(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        len: usize,
-    ) -> Result<Self::SerializeTupleVariant, S::Error> {
-        let levels = self.nest(2, ())?;
-        Ok(levels.wrap(self.inner.serialize_tuple_variant(name, index, variant, len)?))
-    }
-
-    fn serialize_map(self, len: Option<usize>) -> Result<Self::SerializeMap, S::Error> {
-        let levels = self.nest(1, ())?;
-        Ok(levels.wrap(self.inner.serialize_map(len)?))
-    }
-
-    fn serialize_struct(self, name: &'static str, len: usize) -> Result<Self::SerializeStruct, S::Error> {
-        let levels = self.nest(1, ())?;
-        Ok(levels.wrap(self.inner.serialize_struct(name, len)?))
-    }
-
-    fn serialize_struct_variant(
-        self,
-        name: &'static str,
-        index: u32,
-        variant: &'static str,
-        len: usize,
-    ) -> Result<Self::SerializeStructVariant, S::Error> {
-        let levels = self.nest(2, ())?;
-        Ok(levels.wrap(self.inner.serialize_struct_variant(name, index, variant, len)?))
+    // A tuple or struct variant is two levels: its variant, and its fields' sequence.
+    open_compound! {
+        serialize_seq(len: Option<usize>) -> SerializeSeq, 1;
+        serialize_tuple(len: usize) -> SerializeTuple, 1;
+        serialize_tuple_struct(name: &'static str, len: usize) -> SerializeTupleStruct, 1;
+        serialize_tuple_variant(name: &'static str, index: u32, variant: &'static str, len: usize) -> SerializeTupleVariant, 2;
+        serialize_map(len: Option<usize>) -> SerializeMap, 1;
+        serialize_struct(name: &'static str, len: usize) -> SerializeStruct, 1;
+        serialize_struct_variant(name: &'static str, index: u32, variant: &'static str, len: usize) -> SerializeStructVariant, 2;
     }
 
     fn is_human_readable(&self) -> bool {

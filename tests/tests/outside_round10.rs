@@ -62,15 +62,21 @@ fn threads_sharing_a_sender_that_wait_for_room_are_woken_one_per_credit() {
     );
 }
 
+/// A TCP receiver of tensor lists on a free loopback port, and a sender connected to it.
+fn tcp_pair() -> (Receiver<Vec<Tensor>>, Sender<Vec<Tensor>>) {
+    let secret = || Secret::from_bytes(*b"round10-tester-secret-0123456789").unwrap();
+    let rx = Receiver::<Vec<Tensor>>::builder().secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
+    let tx = Sender::<Vec<Tensor>>::builder().secret(secret()).connect(&endpoint).unwrap();
+    (rx, tx)
+}
+
 /// Over TCP, views of one storage (clones, slices, a flip) in one message cross once and stay
 /// views of one storage. (Each went on its own: 130 clones of 32 MiB were refused as over 4 GiB,
 /// ten cost 320 MiB at the receiver, and a write through one no longer showed in another.)
 #[test]
 fn tcp_views_of_one_storage_cross_once_and_stay_views_of_one_storage() {
-    let secret = || Secret::from_bytes(*b"round10-tester-secret-0123456789").unwrap();
-    let mut rx = Receiver::<Vec<Tensor>>::builder().secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
-    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
-    let tx = Sender::<Vec<Tensor>>::builder().secret(secret()).connect(&endpoint).unwrap();
+    let (mut rx, tx) = tcp_pair();
     let len = 32 << 20;
     let whole = Tensor::new(&pattern(len, 10), &[len]).unwrap();
     let other = Tensor::new(&pattern(4096, 11), &[4096]).unwrap();
@@ -108,10 +114,7 @@ fn tcp_views_of_one_storage_cross_once_and_stay_views_of_one_storage() {
 /// over 4 GiB, and of 1 GiB cost 1 GiB on the wire and at the receiver).
 #[test]
 fn tcp_views_far_apart_in_one_storage_cross_as_their_own_bytes() {
-    let secret = || Secret::from_bytes(*b"round10-tester-secret-0123456789").unwrap();
-    let mut rx = Receiver::<Vec<Tensor>>::builder().secret(secret()).bind("tcp://127.0.0.1:0").unwrap();
-    let endpoint = format!("tcp://127.0.0.1:{}", rx.local_addr().unwrap().port());
-    let tx = Sender::<Vec<Tensor>>::builder().secret(secret()).connect(&endpoint).unwrap();
+    let (mut rx, tx) = tcp_pair();
     let len = (4u64 << 30) + 4096;
     let big = Tensor::zeros(DType::U8, &[len]).unwrap(); // zeros: no page is touched here
     let ends = vec![big.narrow(0, 0, 1024).unwrap(), big.narrow(0, len - 1024, 1024).unwrap()];
